@@ -1,0 +1,91 @@
+"""GRPO advantages and the decoupled PPO loss (AReaL, arXiv 2505.24298). Pure torch.
+
+Three log-probabilities per generated token:
+- `behav_logprobs`: log π_behav, returned by the inference engine that sampled the token (possibly
+  several policy versions inside one trajectory);
+- `prox_logprobs`: log π_prox, recomputed with the trainer's weights at the start of the step;
+- `logprobs`: log π_θ, the policy being optimised.
+
+    loss = Σ_t mask_t · w_t · max(-A_t u_t, -A_t clip(u_t, 1-ε, 1+ε)) / Σ_t mask_t
+    u_t = π_θ / π_prox,   w_t = π_prox / π_behav  (0 where w_t > cap)
+
+Tokens whose behaviour weight exceeds the cap are dropped, not clipped, and still count in the
+denominator: this is AReaL's exact form (v0.3 `actor_loss_fn`, HEAD rejection sampling "mask").
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def grpo_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
+    """Per-group z-score of sequence rewards.
+
+    Args:
+        rewards: `[num_seqs]`, laid out group-contiguous (`group_size` samples of one prompt, then
+            the next prompt's).
+        group_size: samples per prompt; `num_seqs % group_size == 0`.
+    Returns:
+        `[num_seqs]` float32: `(r - mean_group) / (std_group + eps)`, population std. A group whose
+        rewards are all equal gets exactly 0 (it carries no learning signal).
+    """
+    if rewards.numel() % group_size != 0:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    r = rewards.detach().float().view(-1, group_size)
+    centred = r - r.mean(dim=1, keepdim=True)
+    adv = centred / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
+    # Equal rewards: centred is 0 up to rounding; make it exact.
+    adv = torch.where(r.eq(r[:, :1]).all(dim=1, keepdim=True), torch.zeros_like(adv), adv)
+    return adv.view(-1)
+
+
+def decoupled_ppo_loss(
+    logprobs: Tensor,
+    prox_logprobs: Tensor,
+    behav_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    eps_clip: float = 0.2,
+    behav_imp_weight_cap: float | None = 5.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Decoupled PPO-clip loss, token mean over `loss_mask`.
+
+    All inputs are flat `[total_tokens]`; only `logprobs` carries a gradient. With
+    `prox_logprobs == behav_logprobs` this is standard PPO-clip; on the first minibatch of a step
+    `logprobs == prox_logprobs`, so u == 1 exactly and the loss is `-mean(A * w)`.
+
+    Returns:
+        loss: scalar, `Σ mask·w·pg / count_nonzero(mask)` (dropped tokens stay in the denominator).
+        stats: detached scalars over the masked tokens: `clip_frac` (tokens where the clipped
+            branch is taken), `ratio_mean` (u), `imp_weight_mean` (w over kept tokens),
+            `dropped_frac` (w > cap), `approx_kl` (mean of log π_behav - log π_θ, the k1
+            estimator of KL(π_behav ‖ π_θ)).
+    """
+    mask = loss_mask.bool()
+    n_tokens = mask.count_nonzero().clamp(min=1)
+    prox = prox_logprobs.detach()
+    behav = behav_logprobs.detach()
+    adv = advantages.detach()
+
+    # Padding positions are neutralised before exp(): an inf there would turn into NaN gradients.
+    ratio = torch.exp(torch.where(mask, logprobs - prox, 0.0))
+    clipped_ratio = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip)
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * clipped_ratio
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+
+    imp_weight = torch.exp(torch.where(mask, prox - behav, 0.0))
+    keep = mask if behav_imp_weight_cap is None else mask & (imp_weight <= behav_imp_weight_cap)
+    weight = torch.where(keep, imp_weight, 0.0)
+    loss = (pg * weight).sum() / n_tokens
+
+    with torch.no_grad():
+        stats = {
+            "clip_frac": ((pg_clipped > pg_unclipped) & mask).sum() / n_tokens,
+            "ratio_mean": torch.where(mask, ratio, 0.0).sum() / n_tokens,
+            "imp_weight_mean": weight.sum() / keep.count_nonzero().clamp(min=1),
+            "dropped_frac": (mask & ~keep).sum() / n_tokens,
+            "approx_kl": torch.where(mask, behav - logprobs.detach(), 0.0).sum() / n_tokens,
+        }
+    return loss, stats

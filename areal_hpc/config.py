@@ -1,0 +1,185 @@
+"""Run configuration: a tree of dataclasses, loaded from YAML with `key=value` overrides.
+
+Every field has a simple type so the whole tree serialises (into the rollout HDF5 attributes and
+checkpoint manifests) and back. Unknown keys and wrong types are errors that name the key; they
+are raised by `load()` before any rank starts work.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message names the key and what is wrong."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = MISSING                 # HF directory: config.json, *.safetensors, tokenizer.json
+    dtype: str = "float32"              # params / vLLM dtype: float32 | bfloat16 | float16
+
+
+@dataclass
+class DataConfig:
+    train_path: str = MISSING           # jsonl, {"question", "answer"} per line
+    eval_path: Optional[str] = None     # held-out jsonl; evaluated at step 0 and at the end
+    question_key: str = "question"
+    answer_key: str = "answer"
+    prompt_template: str = "{question}"  # how a question becomes the prompt text
+    eval_limit: int = 200               # held-out problems evaluated (0 = all)
+    eval_samples: int = 4               # samples per held-out problem (accuracy = mean over them)
+    seed: int = 0
+
+
+@dataclass
+class TopologyConfig:
+    n_trainers: int = 1                 # trainer ranks = tp * pp * dp
+    n_generators: int = 1               # generator ranks, one vLLM engine each
+    tp: int = 1
+    pp: int = 1
+    # torch.distributed backends: "gloo" on CPU, "nccl" on GPUs.
+    trainer_backend: str = "gloo"
+    weight_backend: str = "gloo"
+    device: str = "cpu"                 # "cpu" | "cuda"
+
+
+@dataclass
+class RolloutConfig:
+    group_size: int = 4                 # n samples per prompt (GRPO group)
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_staleness: int = 1              # η: trajectories at most η versions behind the policy
+    max_concurrent_prompts: int = 16    # prompts (groups) in flight over all generators
+    max_model_len: int = 512
+    kv_cache_gib: int = 1               # VLLM_CPU_KVCACHE_SPACE on CPU
+    gpu_memory_utilization: float = 0.8
+    enforce_eager: bool = True
+
+
+@dataclass
+class TrainConfig:
+    total_steps: int = 20
+    batch_prompts: int = 8              # B: prompts (groups) per training step
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    eps_clip: float = 0.2
+    behav_imp_weight_cap: Optional[float] = 5.0
+    max_tokens_per_mb: int = 4096
+    seed: int = 1
+
+
+@dataclass
+class WeightSyncConfig:
+    bucket_mb: int = 256                # broadcast bucket size
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    output_dir: str = "runs"            # the run lives in <output_dir>/<name>
+    log_every: int = 1
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+def _explain(exc: OmegaConfBaseException) -> str:
+    key = getattr(exc, "full_key", None)
+    msg = str(exc).splitlines()[0]
+    return f"config key '{key}': {msg}" if key else msg
+
+
+def load(yaml_path: str | os.PathLike | None, overrides: list[str] = ()) -> RunConfig:
+    """Schema ← YAML ← `key=value` overrides; validated; returns a RunConfig object."""
+    schema = OmegaConf.structured(RunConfig)
+    try:
+        layers = [schema]
+        if yaml_path is not None:
+            path = Path(yaml_path)
+            if not path.is_file():
+                raise ConfigError(f"config file not found: {path}")
+            layers.append(OmegaConf.load(path))
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"override must be key=value, got: {bad[0]!r}")
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(*layers)
+        missing = sorted(OmegaConf.missing_keys(merged))
+        if missing:
+            raise ConfigError(f"config key '{missing[0]}' is required but not set")
+        cfg: RunConfig = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_explain(exc)) from None
+    validate(cfg)
+    return cfg
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"config key '{key}': {msg}")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Semantic checks that types alone cannot express."""
+    t, r, tr = cfg.topology, cfg.rollout, cfg.train
+    _check(t.n_generators >= 1, "topology.n_generators", "need at least one generator rank")
+    _check(t.n_trainers >= 1, "topology.n_trainers", "need at least one trainer rank")
+    _check(t.tp >= 1 and t.pp >= 1, "topology.tp", "tp and pp must be >= 1")
+    _check(t.n_trainers % (t.tp * t.pp) == 0, "topology.n_trainers",
+           f"{t.n_trainers} trainer ranks are not a multiple of tp*pp = {t.tp * t.pp}")
+    _check(t.device in ("cpu", "cuda"), "topology.device", f"must be cpu or cuda, got {t.device!r}")
+    for key in ("trainer_backend", "weight_backend"):
+        _check(getattr(t, key) in ("gloo", "nccl"), f"topology.{key}",
+               f"must be gloo or nccl, got {getattr(t, key)!r}")
+    _check(cfg.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype",
+           f"must be float32, bfloat16 or float16, got {cfg.model.dtype!r}")
+    _check(r.group_size >= 1, "rollout.group_size", "must be >= 1")
+    _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+    _check(r.temperature > 0, "rollout.temperature", "must be > 0 (behaviour log-probs need sampling)")
+    _check(r.max_staleness >= 0, "rollout.max_staleness", "η must be >= 0")
+    _check(r.max_concurrent_prompts >= 1, "rollout.max_concurrent_prompts", "must be >= 1")
+    _check(tr.total_steps >= 1, "train.total_steps", "must be >= 1")
+    _check(tr.batch_prompts >= 1, "train.batch_prompts", "must be >= 1")
+    _check(tr.max_tokens_per_mb >= 1, "train.max_tokens_per_mb", "must be >= 1")
+    _check(cfg.weights.bucket_mb >= 1, "weights.bucket_mb", "must be >= 1")
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def check_paths(cfg: RunConfig) -> None:
+    """Inputs that must exist before any rank starts work (clear message, not a deep traceback)."""
+    model = Path(cfg.model.path)
+    if not (model / "config.json").is_file():
+        hint = " (build the tiny one with: python tools/make_tiny_model.py --out models/tiny)"
+        raise ConfigError(f"config key 'model.path': no HF model at {model} (config.json missing){hint}")
+    log = cfg.run_dir / "rollouts.h5"
+    if log.exists():
+        raise ConfigError(f"config key 'name': run {cfg.name!r} already has {log}; "
+                          f"choose another name=... or remove {cfg.run_dir}")
+    for key, value in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
+        if value is not None and not Path(value).is_file():
+            raise ConfigError(f"config key '{key}': file not found: {value}")

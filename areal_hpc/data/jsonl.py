@@ -1,0 +1,52 @@
+"""Prompt datasets from jsonl files: one JSON object per line, blank lines skipped.
+
+Each row becomes ``{"question": str, "answer": str}``. GSM8K answers carry the worked solution
+before ``#### <final answer>``; only the final answer is kept. Other answers (MATH-style LaTeX such
+as ``\\frac{1}{2}``) are kept as they are, for math_verify to parse.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+GSM8K_ANSWER_MARK = "####"
+
+
+def _final_answer(answer: str) -> str:
+    if GSM8K_ANSWER_MARK in answer:
+        return answer.rsplit(GSM8K_ANSWER_MARK, 1)[1].strip()
+    return answer
+
+
+def load_jsonl(path: str | os.PathLike, question_key: str = "question",
+               answer_key: str = "answer") -> list[dict]:
+    """Rows of ``path`` as ``[{"question": str, "answer": str}, ...]``, in file order.
+
+    Raises FileNotFoundError if ``path`` does not exist, and ValueError naming the file and the
+    1-based line number for a row that is not a JSON object, lacks a key, or holds a non-string.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"dataset file not found: {path!r}")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: bad JSON: {e.msg}") from e
+            if not isinstance(obj, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            for key in (question_key, answer_key):
+                if key not in obj:
+                    raise ValueError(f"{where}: missing key {key!r} (keys: {sorted(obj)})")
+                if not isinstance(obj[key], str):
+                    raise ValueError(
+                        f"{where}: {key!r} must be a string, got {type(obj[key]).__name__}")
+            rows.append({"question": obj[question_key],
+                         "answer": _final_answer(obj[answer_key])})
+    return rows

@@ -1,0 +1,84 @@
+"""The tiny task: sums of k small integers, answered with written partial sums.
+
+A problem with terms (12, 7, 30) reads
+
+    question  "12+7+30="
+    solution  "12+7=19,19+30=49,\\boxed{49}"
+    answer    "49"
+
+One step ``a+b=c,`` per term after the first, then the final answer in ``\\boxed{}``, so the
+reward is checked by the same math_verify path as real math datasets. The text is kept short
+because the tiny model reads it one character at a time.
+
+The number of terms k is long-tailed: P(k) ∝ (k - 1) ** -tail_exponent on [min_terms, max_terms].
+With the defaults (2..10, exponent 2) about 65% of the problems have k = 2 and fewer than 1% have
+k = 10, whose solution is about 8x longer; those are the stragglers that asynchronous rollout
+hides.
+
+Pure Python and deterministic for a given seed (``random.Random``), no torch.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Collection
+
+# Every character a question or solution can contain. The tiny model's tokenizer is built from it.
+ALPHABET = "0123456789+=,\\boxed{}"
+
+
+def term_count_weights(min_terms: int = 2, max_terms: int = 10,
+                       tail_exponent: float = 2.0) -> dict[int, float]:
+    """P(k) for k in [min_terms, max_terms], proportional to (k - 1) ** -tail_exponent."""
+    if not 2 <= min_terms <= max_terms:
+        raise ValueError(f"need 2 <= min_terms <= max_terms, got {min_terms}, {max_terms}")
+    raw = {k: (k - 1) ** -tail_exponent for k in range(min_terms, max_terms + 1)}
+    total = sum(raw.values())
+    return {k: w / total for k, w in raw.items()}
+
+
+def format_question(terms: list[int]) -> str:
+    """``[12, 7, 30]`` → ``"12+7+30="``."""
+    return "+".join(str(t) for t in terms) + "="
+
+
+def format_solution(terms: list[int]) -> str:
+    """``[12, 7, 30]`` → ``"12+7=19,19+30=49,\\boxed{49}"``."""
+    steps = []
+    partial = terms[0]
+    for term in terms[1:]:
+        steps.append(f"{partial}+{term}={partial + term},")
+        partial += term
+    return "".join(steps) + f"\\boxed{{{partial}}}"
+
+
+def make_problems(n: int, seed: int, *, min_terms: int = 2, max_terms: int = 10,
+                  max_value: int = 99, tail_exponent: float = 2.0,
+                  exclude: Collection[str] = ()) -> list[dict]:
+    """``n`` problems ``{"question", "answer", "solution"}``, the same ones for the same arguments.
+
+    Terms are uniform on [0, max_value]. Questions in ``exclude`` are skipped (and replaced), e.g.
+    to keep a held-out set out of the training data; ``exclude`` must leave enough distinct
+    questions, or this loops for a long time.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if max_value < 0:
+        raise ValueError(f"max_value must be >= 0, got {max_value}")
+    weights = term_count_weights(min_terms, max_terms, tail_exponent)
+    ks, ps = list(weights), list(weights.values())
+    rng = random.Random(seed)
+    excluded = set(exclude)
+    problems = []
+    while len(problems) < n:
+        k = rng.choices(ks, weights=ps)[0]
+        terms = [rng.randint(0, max_value) for _ in range(k)]
+        question = format_question(terms)
+        if question in excluded:
+            continue
+        problems.append({
+            "question": question,
+            "answer": str(sum(terms)),
+            "solution": format_solution(terms),
+        })
+    return problems

@@ -1,0 +1,62 @@
+"""Per-rank entry point: `python -m mpi4py -m areal_hpc.main CONFIG.yaml [key=value ...]`.
+
+Every rank loads and validates the config (and checks the input paths) before MPI work starts, so
+a bad config ends all ranks with one clear message. MPI is imported inside `main()` only: vLLM's
+spawned engine processes re-import this module and must not join the MPI job.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def _parse(argv):
+    ap = argparse.ArgumentParser(prog="areal_hpc.main", description=__doc__.splitlines()[0])
+    ap.add_argument("config", help="recipe YAML (e.g. configs/tiny_cpu.yaml)")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.total_steps=5")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    from .config import ConfigError, check_paths, load, to_yaml
+    rank_env = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "0"
+    try:
+        cfg = load(args.config, args.overrides)
+        check_paths(cfg)
+    except (ConfigError, FileNotFoundError) as exc:
+        if rank_env == "0":
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    from mpi4py import MPI
+
+    from .topology import TRAINER, Topology
+    world = MPI.COMM_WORLD
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank {world.Get_rank()}] %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    try:
+        topo = Topology.build(cfg.topology, world)
+    except ConfigError as exc:
+        if world.Get_rank() == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if topo.is_controller:
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        (cfg.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        print(f"run {cfg.name}: {cfg.topology.n_trainers} trainer + {cfg.topology.n_generators} "
+              f"generator rank(s), output in {cfg.run_dir}", flush=True)
+    if topo.role == TRAINER:
+        from .train.trainer import run_trainer
+        run_trainer(cfg, topo)
+    else:
+        from .rollout.generator import run_generator
+        run_generator(cfg, topo)
+    world.Barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

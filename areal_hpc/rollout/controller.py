@@ -1,0 +1,155 @@
+"""The controller, hosted on trainer rank 0: dataset cursor, staleness budget, rollout log, batches.
+
+It hands prompts to the least-loaded generator while the η budget allows, receives scored groups
+(never blocking a generator), appends every accepted trajectory to the rollout HDF5 log and keeps
+them in a FIFO buffer until a training step takes them.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+
+import numpy as np
+
+from ..config import RunConfig, to_yaml
+from ..storage.rollout_log import RolloutWriter
+from ..topology import Topology
+from ..transport.mpi import Channel, Tag
+from .staleness import StalenessBudget, staleness_of
+
+log = logging.getLogger(__name__)
+
+
+class PromptCursor:
+    """Endless, reproducibly shuffled pass over the training prompts (one epoch after another)."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self.consumed = 0               # prompts handed out so far (the resume position)
+
+    def next(self) -> int:
+        epoch, pos = divmod(self.consumed, self.n)
+        order = list(range(self.n))
+        random.Random(self.seed + epoch).shuffle(order)
+        self.consumed += 1
+        return order[pos]
+
+
+class Controller:
+    def __init__(self, cfg: RunConfig, topo: Topology, train_rows: list[dict], tokenizer):
+        self.cfg, self.topo = cfg, topo
+        self.chan = Channel(topo.world)
+        self.rows = train_rows
+        self.tokenizer = tokenizer
+        self.cursor = PromptCursor(len(train_rows), cfg.data.seed)
+        self.budget = StalenessBudget(cfg.rollout.max_staleness, cfg.train.batch_prompts,
+                                      cfg.rollout.max_concurrent_prompts)
+        self.in_flight = {g: 0 for g in topo.generator_ranks}
+        self.buffer: deque[tuple[list[dict], list[int]]] = deque()   # (group, log rows)
+        self.writer = RolloutWriter(cfg.run_dir / "rollouts.h5", to_yaml(cfg))
+        self.generated_tokens = 0
+        self.gen_stats: dict[int, dict] = {}
+        self._eval_results: list[dict] = []
+
+    # -- prompts out, groups in ----------------------------------------------------------------
+    def encode(self, prompt_id: int, row: dict, n: int) -> dict:
+        text = self.cfg.data.prompt_template.format(question=row["question"])
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return {"prompt_id": prompt_id, "prompt_tokens": ids, "answer": row["answer"], "n": n}
+
+    def submit(self) -> int:
+        """Hand out as many prompts as the staleness budget allows; returns how many."""
+        cap = self.budget.capacity()
+        if cap <= 0:
+            return 0
+        batches: dict[int, list[dict]] = {}
+        for _ in range(cap):
+            g = min(self.in_flight, key=self.in_flight.get)
+            idx = self.cursor.next()
+            pid = self.cursor.consumed - 1          # unique per submission, also across epochs
+            batches.setdefault(g, []).append(self.encode(pid, self.rows[idx], self.cfg.rollout.group_size))
+            self.in_flight[g] += 1
+        for g, prompts in batches.items():
+            self.chan.send(prompts, g, Tag.PROMPTS)
+        self.budget.on_submitted(cap)
+        return cap
+
+    def receive(self) -> int:
+        """Take every group that has arrived; returns how many."""
+        got = 0
+        for src, tag, msg in self.chan.poll():
+            if tag == Tag.TRAJECTORIES:
+                self.in_flight[src] -= 1
+                self.budget.on_accepted()
+                rows = self.writer.append(msg)
+                self.buffer.append((msg, rows))
+                self.generated_tokens += sum(len(t["output_tokens"]) for t in msg)
+                got += 1
+            elif tag == Tag.EVAL_RESULT:
+                self._eval_results.append(msg)
+            elif tag == Tag.STATS:
+                self.gen_stats[src] = msg
+        return got
+
+    def next_batch(self, on_wait=None) -> tuple[list[dict], dict]:
+        """Block until B groups are ready; returns the flattened trajectories (group-contiguous)
+        and batch stats. `on_wait(n_ready)` is called while waiting (progress display)."""
+        B = self.cfg.train.batch_prompts
+        t0 = time.monotonic()
+        while len(self.buffer) < B:
+            self.submit()
+            if not self.receive():
+                if on_wait:
+                    on_wait(len(self.buffer))
+                self.chan.idle(timeout=0.05)
+        groups = [self.buffer.popleft() for _ in range(B)]
+        self.submit()          # keep generators fed while this step trains
+        trajs = [t for g, _ in groups for t in g]
+        version = self.budget.version
+        stale = [staleness_of(version, t["versions"]) for t in trajs]
+        rewards = np.array([t["reward"] for t in trajs], dtype=np.float64)
+        stats = {"wait_s": time.monotonic() - t0, "reward": float(rewards.mean()),
+                 "accuracy": float((rewards > 0.5).mean()),
+                 "staleness_max": max(stale), "staleness_mean": float(np.mean(stale)),
+                 "response_len": float(np.mean([len(t["output_tokens"]) for t in trajs])),
+                 "rows": [r for _, rows in groups for r in rows]}
+        return trajs, stats
+
+    def on_trained(self, rows: list[int], step: int, new_version: int) -> None:
+        self.writer.mark_consumed(rows, step)
+        self.budget.on_version(new_version)
+
+    def send_weights_notice(self, version: int, meta) -> None:
+        for g in self.topo.generator_ranks:
+            self.chan.send({"version": version, "meta": meta}, g, Tag.WEIGHTS)
+
+    # -- held-out evaluation --------------------------------------------------------------------
+    def request_eval(self, rows: list[dict], samples: int) -> None:
+        """Split the held-out prompts over the generators; results are collected by `eval_result`."""
+        gens = self.topo.generator_ranks
+        prompts = [self.encode(i, r, samples) for i, r in enumerate(rows)]
+        for k, g in enumerate(gens):
+            self.chan.send({"prompts": prompts[k::len(gens)]}, g, Tag.EVAL)
+
+    def eval_result(self) -> dict:
+        """Block until every generator answered the last eval request; accuracy over all samples."""
+        while len(self._eval_results) < len(self.topo.generator_ranks):
+            if not self.receive():
+                self.chan.idle(timeout=0.05)
+        parts, self._eval_results = self._eval_results, []
+        rewards = np.array([r for p in parts for res in p["results"] for r in res["rewards"]])
+        return {"version": parts[0]["version"], "accuracy": float((rewards > 0.5).mean()),
+                "samples": int(rewards.size), "seconds": max(p["seconds"] for p in parts)}
+
+    # -- the end ----------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Tell generators to finish, drain what they still send, close the log."""
+        for g in self.topo.generator_ranks:
+            self.chan.send(None, g, Tag.STOP)
+        while len(self.gen_stats) < len(self.topo.generator_ranks):
+            if not self.receive():
+                self.chan.idle(timeout=0.05)
+        self.chan.flush(timeout=60)
+        self.writer.close()

@@ -1,0 +1,152 @@
+"""The generator rank's loop: generate groups without ever waiting for training.
+
+    loop:
+        handle controller messages:
+            PROMPTS → submit n samples per prompt to vLLM
+            WEIGHTS → interrupt in-flight requests, receive the new weights over the weight
+                      group, drop the KV cache, resume (later tokens carry the new version)
+            EVAL    → run the held-out prompts to completion at the current version
+            STOP    → finish
+        step vLLM; score every finished group; send it to the controller
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..config import RunConfig
+from ..reward.math import math_reward
+from ..topology import CONTROLLER_RANK, Topology
+from ..transport.mpi import Channel, Tag
+from .vllm_engine import VLLMEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Group:
+    prompt: dict                        # {"prompt_id", "prompt_tokens", "answer", "n"}
+    samples: dict = field(default_factory=dict)   # sample_idx → finished sample
+
+    @property
+    def done(self) -> bool:
+        return len(self.samples) == self.prompt["n"]
+
+
+def _request_id(kind: str, prompt_id: int, sample_idx: int) -> str:
+    return f"{kind}:{prompt_id}:{sample_idx}"
+
+
+def _parse_request_id(rid: str) -> tuple[str, int, int]:
+    kind, pid, idx = rid.split(":")
+    return kind, int(pid), int(idx)
+
+
+class Generator:
+    def __init__(self, cfg: RunConfig, topo: Topology):
+        from transformers import AutoTokenizer
+        self.cfg, self.topo = cfg, topo
+        self.chan = Channel(topo.world)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        r = cfg.rollout
+        self.engine = VLLMEngine(
+            cfg.model.path, dtype=cfg.model.dtype, max_model_len=r.max_model_len,
+            seed=cfg.train.seed + topo.rank, enforce_eager=r.enforce_eager,
+            kv_cache_gib=r.kv_cache_gib, gpu_memory_utilization=r.gpu_memory_utilization)
+        self.engine.init_weight_group(topo.controller_addr, topo.weight_port,
+                                      topo.weight_group_rank, topo.weight_group_size,
+                                      topo.cfg.weight_backend)
+        self.groups: dict[tuple[str, int], _Group] = {}
+        self.tokens_generated = 0
+        self.pause_s = 0.0
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> None:
+        running = True
+        while running:
+            for _, tag, msg in self.chan.poll(source=CONTROLLER_RANK):
+                if tag == Tag.PROMPTS:
+                    for p in msg:
+                        self._submit("train", p)
+                elif tag == Tag.WEIGHTS:
+                    self.pause_s += self.engine.update_weights(msg["version"], msg["meta"])
+                elif tag == Tag.EVAL:
+                    self._evaluate(msg)
+                elif tag == Tag.STOP:
+                    running = False
+                    break
+            if not running:
+                break
+            if self.engine.has_unfinished():
+                self._step()
+            else:
+                self.chan.idle(source=CONTROLLER_RANK, timeout=0.05)
+        self.chan.send({"rank": self.topo.rank, "tokens": self.tokens_generated,
+                        "pause_s": self.pause_s, "version": self.engine.version},
+                       CONTROLLER_RANK, Tag.STATS)
+        self.chan.flush(timeout=60)
+        self.engine.shutdown()
+
+    def _submit(self, kind: str, prompt: dict) -> None:
+        r = self.cfg.rollout
+        self.groups[(kind, prompt["prompt_id"])] = _Group(prompt)
+        for i in range(prompt["n"]):
+            self.engine.submit(_request_id(kind, prompt["prompt_id"], i), prompt["prompt_tokens"],
+                               max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                               top_p=r.top_p)
+
+    def _step(self) -> list[_Group]:
+        """One engine step; sends finished training groups, returns finished eval groups."""
+        finished_eval = []
+        for s in self.engine.step():
+            kind, pid, idx = _parse_request_id(s.request_id)
+            group = self.groups[(kind, pid)]
+            group.samples[idx] = s
+            self.tokens_generated += len(s.output_tokens)
+            if group.done:
+                del self.groups[(kind, pid)]
+                if kind == "train":
+                    self.chan.send(self._score(group), CONTROLLER_RANK, Tag.TRAJECTORIES)
+                else:
+                    finished_eval.append(group)
+        return finished_eval
+
+    def _score(self, group: _Group) -> list[dict]:
+        p = group.prompt
+        trajs = []
+        for idx in range(p["n"]):
+            s = group.samples[idx]
+            text = self.tokenizer.decode(s.output_tokens, skip_special_tokens=True)
+            trajs.append({
+                "prompt_id": p["prompt_id"], "sample_idx": idx,
+                "prompt_tokens": np.asarray(p["prompt_tokens"], dtype=np.int32),
+                "output_tokens": s.output_tokens, "behav_logprobs": s.behav_logprobs,
+                "versions": s.versions, "reward": math_reward(text, p["answer"]),
+                "finish_reason": s.finish_reason, "generator_rank": self.topo.rank,
+                "t_submit": s.t_submit, "t_first_token": s.t_first_token, "t_end": s.t_end,
+            })
+        return trajs
+
+    def _evaluate(self, msg: dict) -> None:
+        """Held-out accuracy at the current version: run the eval prompts to completion here,
+        without taking weight updates, so every eval token comes from one policy version."""
+        t0 = time.monotonic()
+        pending = set()
+        for p in msg["prompts"]:
+            self._submit("eval", p)
+            pending.add(p["prompt_id"])
+        results = []
+        while pending:
+            for group in self._step():
+                pending.discard(group.prompt["prompt_id"])
+                rewards = [t["reward"] for t in self._score(group)]
+                results.append({"prompt_id": group.prompt["prompt_id"], "rewards": rewards})
+        self.chan.send({"version": self.engine.version, "results": results,
+                        "seconds": time.monotonic() - t0}, CONTROLLER_RANK, Tag.EVAL_RESULT)
+
+
+def run_generator(cfg: RunConfig, topo: Topology) -> None:
+    Generator(cfg, topo).run()

@@ -1,0 +1,370 @@
+"""A generator rank's vLLM engine: streaming samples with per-token versions, interruptible.
+
+`VLLMEngine` wraps vLLM v1's synchronous `LLMEngine` in its default multiprocess mode: the
+EngineCore (scheduler + model workers) runs in child processes and keeps generating while the
+generator rank's loop does other work between `step()` calls (MPI, rewards, bookkeeping).
+
+Weight updates follow AReaL's interruptible generation (paper §4, notes/areal-reference.md §4):
+abort every in-flight request, keeping the tokens, behaviour logprobs and versions seen so far;
+load the new weights; reset the prefix cache (mandatory: cached KV blocks of the old weights
+would otherwise be reused silently); then resubmit each interrupted request as
+prompt + partial output with the remaining token budget. Its KV cache is recomputed with the
+new weights, and its later tokens carry the new version. A finished sample therefore holds
+`versions = [v0, ..., v0, v1, ..., v1]`, one entry per output token.
+
+One sample per vLLM request: a group of n samples is n requests (n=1 keeps the bookkeeping of
+an interrupted request trivial and lets the samples of a group finish independently).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from areal_hpc.transport.weights import Bucket
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION_CLS = "areal_hpc.rollout.vllm_ext.WeightSyncExtension"
+
+# Environment a process launched by an MPI process manager (MPICH hydra, Intel MPI, Open MPI,
+# Slurm's PMI-2/PMIx plugins) uses to join the MPI job. vLLM's children must not see it: an
+# `import mpi4py.MPI` in a child (e.g. via the re-imported `__main__` under spawn) would try to
+# join the job as a duplicate of the parent's rank.
+MPI_ENV_PREFIXES = ("PMI_", "PMIX_", "MPI", "HYDRA", "HYDI_", "OMPI_", "I_MPI_")
+
+
+@dataclass(slots=True)
+class FinishedSample:
+    """One finished sample. Token arrays are aligned: one logprob and one version per token."""
+
+    request_id: str
+    prompt_tokens: np.ndarray  # int32 [prompt_len]
+    output_tokens: np.ndarray  # int32 [n]
+    behav_logprobs: np.ndarray  # float32 [n], log π_behav(token | context), after temperature
+    versions: np.ndarray  # int32 [n], policy version that produced each token
+    finish_reason: str  # "stop" (EOS/stop token), "length" (max_new_tokens), "abort" (vLLM's)
+    t_submit: float  # time.time() seconds
+    t_first_token: float  # time.time() seconds; == t_end if no token was produced
+    t_end: float  # time.time() seconds
+    num_interrupts: int = 0  # weight updates this sample lived through
+
+
+@dataclass(frozen=True, slots=True)
+class WeightUpdateTiming:
+    paused_s: float  # from the abort to the resubmission: no token was generated meanwhile
+    load_s: float  # the collective_rpc that received and loaded the weights
+    num_interrupted: int  # requests aborted and resubmitted
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    prompt_tokens: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    ignore_eos: bool
+    t_submit: float
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    t_first_token: float | None = None
+    attempt: int = 0  # resubmissions so far; part of the vLLM request id
+
+    @property
+    def vllm_id(self) -> str:
+        return f"{self.request_id}@{self.attempt}"
+
+
+@contextlib.contextmanager
+def _child_process_environment() -> Iterator[None]:
+    """Start vLLM's children with spawn and without the MPI job's environment.
+
+    spawn rather than fork: forking an MPI process is unsafe (registered memory, progress
+    threads, the PMI socket fd), and spawn starts children with only the fds they need.
+    Children read `os.environ` when they start, and they all start while the engine is
+    constructed, so the variables are stripped for that window only and then put back.
+    """
+    saved = {k: v for k, v in os.environ.items() if k.startswith(MPI_ENV_PREFIXES)}
+    method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+    if method not in (None, "spawn"):
+        logger.warning("VLLM_WORKER_MULTIPROC_METHOD=%s overridden with spawn", method)
+    for k in saved:
+        del os.environ[k]
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+        # vLLM's CPU platform sets spawn itself; leave spawn in place in that case too.
+        if method is not None:
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = method
+
+
+def _descendants(pid: int) -> list:
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+class VLLMEngine:
+    """Synchronous vLLM v1 engine for one generator rank. Not thread-safe.
+
+    Typical loop: `submit(...)` prompts as capacity allows; `step()` and hand the finished
+    samples on; on a weight-update message, `update_weights(version, buckets)` while the trainer
+    broadcasts. `version` is the policy version of the loaded weights (0 for the initial ones).
+
+    Behaviour logprobs are vLLM's "processed_logprobs": log_softmax(logits / temperature) after
+    top-k/top-p masking, i.e. exactly the distribution sampled from. With top_p = 1 and
+    top_k = -1 they equal what the trainer computes as log_softmax(logits / T).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "bfloat16",
+        max_model_len: int = 4096,
+        seed: int = 0,
+        version: int = 0,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_memory_bytes: int | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        enforce_eager: bool = True,
+        logprobs_mode: str = "processed_logprobs",
+        worker_extension_cls: str = WORKER_EXTENSION_CLS,
+    ):
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        args = EngineArgs(
+            model=model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=enforce_eager,
+            logprobs_mode=logprobs_mode,
+            worker_extension_cls=worker_extension_cls,
+            disable_log_stats=True,
+        )
+        self.version = version
+        self._requests: dict[str, _Request] = {}  # by vLLM request id (request_id@attempt)
+        self._pending: list[FinishedSample] = []  # finished outside step(), returned by step()
+        self._children_before = {p.pid for p in _descendants(os.getpid())}
+        t0 = time.perf_counter()
+        with _child_process_environment():
+            self._engine = LLMEngine.from_engine_args(args, enable_multiprocessing=True)
+        self.start_s = time.perf_counter() - t0
+        # Remember what vLLM started, so that shutdown() can check that it is all gone.
+        self._children = [
+            p for p in _descendants(os.getpid()) if p.pid not in self._children_before
+        ]
+        self._closed = False
+        logger.info(
+            "vLLM engine up in %.1f s (%s, %d child processes)",
+            self.start_s, model, len(self._children),
+        )
+
+    # ---------------------------------------------------------------- generation
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_tokens: Sequence[int],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        *,
+        top_k: int = -1,
+        ignore_eos: bool = False,
+    ) -> None:
+        """Queue one sample. `request_id` must be unique among this engine's unfinished ones."""
+        if any(r.request_id == request_id for r in self._requests.values()):
+            raise ValueError(f"request {request_id!r} is already running")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        req = _Request(
+            request_id=request_id,
+            prompt_tokens=[int(t) for t in prompt_tokens],
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            ignore_eos=ignore_eos,
+            t_submit=time.time(),
+        )
+        self._add(req)
+
+    def _add(self, req: _Request) -> None:
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            n=1,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            max_tokens=req.max_new_tokens - len(req.tokens),
+            ignore_eos=req.ignore_eos,
+            logprobs=0,  # the sampled token's logprob only
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        prompt = TokensPrompt(prompt_token_ids=req.prompt_tokens + req.tokens)
+        self._engine.add_request(req.vllm_id, prompt, params)
+        self._requests[req.vllm_id] = req
+
+    def step(self) -> list[FinishedSample]:
+        """Collect the engine's next outputs; return the samples that finished.
+
+        Blocks until the engine has produced something if any request is unfinished;
+        returns [] at once otherwise (calling vLLM's step() with nothing running would block).
+        """
+        finished, self._pending = self._pending, []
+        if not self._requests:
+            return finished
+        outputs = self._engine.step()
+        now = time.time()
+        for out in outputs:
+            req = self._requests.get(out.request_id)
+            if req is None:  # a late output of an aborted attempt
+                continue
+            completion = out.outputs[0]
+            new_tokens = list(completion.token_ids)
+            if new_tokens:
+                if req.t_first_token is None:
+                    req.t_first_token = now
+                logprobs = completion.logprobs
+                if logprobs is None or len(logprobs) != len(new_tokens):
+                    raise RuntimeError(f"{req.vllm_id}: expected one logprob per token")
+                req.tokens += new_tokens
+                req.logprobs += [lp[tok].logprob for tok, lp in zip(new_tokens, logprobs)]
+                req.versions += [self.version] * len(new_tokens)
+            if out.finished:
+                del self._requests[req.vllm_id]
+                finished.append(self._finish(req, str(completion.finish_reason), now))
+        return finished
+
+    @staticmethod
+    def _finish(req: _Request, finish_reason: str, now: float) -> FinishedSample:
+        return FinishedSample(
+            request_id=req.request_id,
+            prompt_tokens=np.asarray(req.prompt_tokens, dtype=np.int32),
+            output_tokens=np.asarray(req.tokens, dtype=np.int32),
+            behav_logprobs=np.asarray(req.logprobs, dtype=np.float32),
+            versions=np.asarray(req.versions, dtype=np.int32),
+            finish_reason=finish_reason,
+            t_submit=req.t_submit,
+            t_first_token=req.t_first_token if req.t_first_token is not None else now,
+            t_end=now,
+            num_interrupts=req.attempt,
+        )
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or bool(self._pending)
+
+    def num_running(self) -> int:
+        """Submitted and not yet finished (waiting or generating inside vLLM)."""
+        return len(self._requests)
+
+    # ---------------------------------------------------------------- weights
+
+    def init_weight_group(
+        self, master_address: str, master_port: int, rank: int, world_size: int, backend: str
+    ) -> list[int]:
+        """Join the weight group (see `WeightSyncExtension.init_weight_group`); blocks until
+        the trainer calls `init_sender_group` with the same address. Returns the workers' ranks."""
+        return self._engine.collective_rpc(
+            "init_weight_group", args=(master_address, master_port, rank, world_size, backend)
+        )
+
+    def update_weights(self, version: int, meta: Sequence[Bucket]) -> WeightUpdateTiming:
+        """Interrupt, receive the trainer's broadcast (`broadcast_weights` with the same
+        buckets), and resume; tokens generated from here on carry `version`."""
+        return self._update(version, "recv_weights", [list(b) for b in meta])
+
+    def update_weights_from_file(self, version: int, path: str) -> WeightUpdateTiming:
+        """As `update_weights`, from a safetensors file or a directory of shards."""
+        return self._update(version, "load_weights_from_file", str(path))
+
+    def _update(self, version: int, method: str, arg) -> WeightUpdateTiming:
+        t0 = time.perf_counter()
+        interrupted = list(self._requests.values())
+        if interrupted:
+            self._engine.abort_request([r.vllm_id for r in interrupted])
+            self._requests.clear()
+        t1 = time.perf_counter()
+        self._engine.collective_rpc(method, args=(arg,))
+        load_s = time.perf_counter() - t1
+        # Without this the next prefill silently reuses KV blocks computed with the old weights.
+        if not self._engine.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset the prefix cache after a weight update")
+        self.version = version
+        now = time.time()
+        for req in interrupted:
+            req.attempt += 1
+            if len(req.tokens) >= req.max_new_tokens:  # its final output was still in flight
+                self._pending.append(self._finish(req, "length", now))
+            else:
+                self._add(req)
+        return WeightUpdateTiming(time.perf_counter() - t0, load_s, len(interrupted))
+
+    # ---------------------------------------------------------------- lifetime
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the engine and make sure every process it started is gone. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        import psutil
+
+        try:
+            self._engine.engine_core.shutdown()
+        finally:
+            alive = [p for p in self._children if p.is_running()]
+            alive += [  # grandchildren started after construction (none expected)
+                p for p in _descendants(os.getpid())
+                if p.pid not in self._children_before and p not in alive
+                and "resource_tracker" not in " ".join(_cmdline(p))
+            ]
+            _, alive = psutil.wait_procs(alive, timeout=timeout_s)
+            for p in alive:
+                logger.warning("killing leftover vLLM process %d %s", p.pid, _cmdline(p))
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+            psutil.wait_procs(alive, timeout=5)
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _cmdline(p) -> list[str]:
+    import psutil
+
+    try:
+        return p.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []

@@ -1,0 +1,98 @@
+"""Who is who: roles, ranks and communicators, built once from the config and the MPI world.
+
+World ranks [0, n_trainers) are trainer ranks (Slurm het group 0); ranks
+[n_trainers, n_trainers + n_generators) are generator ranks (het group 1). Trainer rank 0 (world
+rank 0) also hosts the controller. The Topology is passed down explicitly; nothing here runs at
+import time.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from .config import ConfigError, TopologyConfig
+
+TRAINER, GENERATOR = "trainer", "generator"
+CONTROLLER_RANK = 0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def host_address() -> str:
+    """An address other nodes can reach this host on (AREAL_HOST_ADDR overrides)."""
+    if os.environ.get("AREAL_HOST_ADDR"):
+        return os.environ["AREAL_HOST_ADDR"]
+    name = socket.gethostname()
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return "127.0.0.1"
+
+
+def check_world(cfg: TopologyConfig, world_size: int) -> None:
+    need = cfg.n_trainers + cfg.n_generators
+    if world_size != need:
+        raise ConfigError(
+            f"MPI world has {world_size} rank(s) but the config asks for {need} "
+            f"({cfg.n_trainers} trainer + {cfg.n_generators} generator); "
+            f"launch with mpiexec -n {need} (or set topology.n_trainers / topology.n_generators)")
+
+
+@dataclass
+class Topology:
+    cfg: TopologyConfig
+    world: Any                  # MPI.Intracomm over all ranks
+    role_comm: Any              # MPI.Intracomm over the ranks of this role
+    rank: int                   # world rank
+    role: str
+    role_rank: int
+    controller_addr: str        # host of trainer rank 0 (torch.distributed rendezvous)
+    trainer_port: int           # rendezvous of the trainer-only default process group
+    weight_port: int            # rendezvous of the weight group {trainer 0} ∪ generator engines
+
+    @classmethod
+    def build(cls, cfg: TopologyConfig, world) -> "Topology":
+        check_world(cfg, world.Get_size())
+        rank = world.Get_rank()
+        role = TRAINER if rank < cfg.n_trainers else GENERATOR
+        role_comm = world.Split(0 if role == TRAINER else 1, rank)
+        rendezvous = (host_address(), free_port(), free_port()) if rank == CONTROLLER_RANK else None
+        addr, tport, wport = world.bcast(rendezvous, root=CONTROLLER_RANK)
+        return cls(cfg=cfg, world=world, role_comm=role_comm, rank=rank, role=role,
+                   role_rank=role_comm.Get_rank(), controller_addr=addr, trainer_port=tport,
+                   weight_port=wport)
+
+    @property
+    def is_controller(self) -> bool:
+        return self.rank == CONTROLLER_RANK
+
+    @property
+    def generator_ranks(self) -> list[int]:
+        n = self.cfg.n_trainers
+        return list(range(n, n + self.cfg.n_generators))
+
+    @property
+    def weight_group_size(self) -> int:
+        """Trainer rank 0 plus one vLLM worker per generator (vLLM TP > 1 would add more)."""
+        return 1 + self.cfg.n_generators
+
+    @property
+    def weight_group_rank(self) -> int:
+        """Rank of this generator's engine in the weight group (trainer rank 0 is rank 0)."""
+        assert self.role == GENERATOR
+        return 1 + self.role_rank
+
+    def init_trainer_process_group(self) -> None:
+        """torch.distributed default group over the trainer ranks only (Megatron builds on it)."""
+        import torch.distributed as dist
+        assert self.role == TRAINER
+        dist.init_process_group(
+            backend=self.cfg.trainer_backend,
+            init_method=f"tcp://{self.controller_addr}:{self.trainer_port}",
+            rank=self.role_rank, world_size=self.cfg.n_trainers)

@@ -1,0 +1,108 @@
+"""Exact, hand-computed values for the GRPO advantages and the decoupled PPO loss."""
+
+import math
+
+import pytest
+import torch
+
+from areal_hpc.algo.ppo import decoupled_ppo_loss, grpo_advantages
+
+
+def t(*xs):
+    return torch.tensor(xs, dtype=torch.float32)
+
+
+def test_grpo_advantages_group_zscore():
+    # group 1: [1, 0] -> mean 0.5, std 0.5 -> [+1, -1]; group 2: [3, 1] -> same shape.
+    adv = grpo_advantages(t(1.0, 0.0, 3.0, 1.0), group_size=2, eps=0.0)
+    assert torch.equal(adv, t(1.0, -1.0, 1.0, -1.0))
+
+
+def test_grpo_advantages_population_std_and_eps():
+    # [0, 0, 0, 1]: mean 0.25, population std sqrt(3)/4.
+    adv = grpo_advantages(t(0.0, 0.0, 0.0, 1.0), group_size=4, eps=1e-6)
+    std = math.sqrt(3) / 4
+    expected = t(-0.25, -0.25, -0.25, 0.75) / (std + 1e-6)
+    torch.testing.assert_close(adv, expected, rtol=0, atol=1e-7)
+
+
+def test_grpo_advantages_equal_rewards_give_exact_zero():
+    adv = grpo_advantages(t(0.1, 0.1, 0.1, 5.0, 5.0, 5.0, 1.0, 0.0, 1.0), group_size=3)
+    assert torch.equal(adv[:6], torch.zeros(6))
+    assert adv[6] > 0 > adv[7]
+
+
+def test_grpo_advantages_rejects_ragged_groups():
+    with pytest.raises(ValueError):
+        grpo_advantages(t(1.0, 0.0, 1.0), group_size=2)
+
+
+def test_ratio_one_gives_minus_mean_weighted_advantage():
+    # First minibatch: logp == prox exactly. w = exp(prox - behav) = [1, e^0.5, e^-1].
+    prox = t(-1.0, -2.0, -0.5)
+    behav = t(-1.0, -2.5, 0.5)
+    adv = t(2.0, -1.0, 3.0)
+    mask = torch.tensor([True, True, True])
+    logp = prox.clone().requires_grad_(True)
+    loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, eps_clip=0.2, behav_imp_weight_cap=None)
+    w = torch.exp(prox - behav)
+    assert torch.equal(loss.detach(), -(adv * w).sum() / 3)
+    assert stats["ratio_mean"].item() == 1.0
+    assert stats["clip_frac"].item() == 0.0
+    assert stats["dropped_frac"].item() == 0.0
+    torch.testing.assert_close(stats["imp_weight_mean"], w.mean())
+    torch.testing.assert_close(stats["approx_kl"], (behav - prox).mean())
+    # d loss / d logp_t = -A_t w_t u_t / N with u = 1.
+    loss.backward()
+    torch.testing.assert_close(logp.grad, -adv * w / 3)
+
+
+def test_standard_ppo_clip_when_prox_equals_behav():
+    # u = [1.5, 0.5, 1.1, 0.7], eps 0.2.
+    prox = torch.zeros(4)
+    logp = torch.log(t(1.5, 0.5, 1.1, 0.7))
+    adv = t(1.0, 1.0, -1.0, -1.0)
+    mask = torch.ones(4, dtype=torch.bool)
+    loss, stats = decoupled_ppo_loss(logp, prox, prox, adv, mask, eps_clip=0.2)
+    # A>0, u=1.5: max(-1.5, -1.2) = -1.2 (clipped)   A>0, u=0.5: max(-0.5, -0.8) = -0.5
+    # A<0, u=1.1: max(1.1, 1.1) = 1.1                 A<0, u=0.7: max(0.7, 0.8) = 0.8 (clipped)
+    torch.testing.assert_close(loss, t(-1.2 - 0.5 + 1.1 + 0.8).sum() / 4)
+    assert stats["clip_frac"].item() == 0.5
+    torch.testing.assert_close(stats["ratio_mean"], t(1.5 + 0.5 + 1.1 + 0.7).sum() / 4)
+
+
+def test_clipped_tokens_have_no_gradient():
+    prox = torch.zeros(2)
+    logp = torch.log(t(1.5, 0.9)).requires_grad_(True)
+    loss, _ = decoupled_ppo_loss(logp, prox, prox, t(1.0, 1.0), torch.ones(2, dtype=torch.bool))
+    loss.backward()
+    assert logp.grad[0].item() == 0.0
+    torch.testing.assert_close(logp.grad[1], torch.tensor(-0.9 / 2))
+
+
+def test_cap_drops_tokens_but_keeps_them_in_the_denominator():
+    prox = t(0.0, 0.0, 0.0, 0.0)
+    behav = t(0.0, -math.log(5.0), -2.0, 0.0)  # w = [1, 5, e^2 ~ 7.39, 1]
+    adv = t(1.0, 1.0, 1.0, 1.0)
+    mask = torch.tensor([True, True, True, False])
+    loss, stats = decoupled_ppo_loss(prox, prox, behav, adv, mask, behav_imp_weight_cap=5.0)
+    # w == cap is kept (inclusive), e^2 is dropped; padding is excluded; denominator 3.
+    w5 = math.exp(math.log(5.0))
+    torch.testing.assert_close(loss, torch.tensor(-(1.0 + w5) / 3))
+    torch.testing.assert_close(stats["dropped_frac"], torch.tensor(1 / 3))
+    torch.testing.assert_close(stats["imp_weight_mean"], torch.tensor((1.0 + w5) / 2))
+    # Without a cap the third token counts with its weight.
+    loss_nocap, _ = decoupled_ppo_loss(prox, prox, behav, adv, mask, behav_imp_weight_cap=None)
+    torch.testing.assert_close(loss_nocap, torch.tensor(-(1.0 + w5 + math.exp(2.0)) / 3))
+
+
+def test_padding_is_ignored_even_when_non_finite():
+    prox = t(-1.0, 0.0)
+    logp = t(-1.0, 50.0).requires_grad_(True)  # padding position would give exp(50)*...
+    behav = t(-1.0, -1e4)
+    mask = torch.tensor([True, False])
+    loss, stats = decoupled_ppo_loss(logp, prox, behav, t(2.0, 1e9), mask, behav_imp_weight_cap=None)
+    assert loss.item() == -2.0
+    loss.backward()
+    assert torch.isfinite(logp.grad).all() and logp.grad[1].item() == 0.0
+    assert stats["ratio_mean"].item() == 1.0

@@ -1,0 +1,69 @@
+import textwrap
+
+import pytest
+
+from areal_hpc.config import ConfigError, RunConfig, check_paths, load, to_yaml
+
+
+def _yaml(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+BASE = """
+model: {path: m}
+data: {train_path: t.jsonl}
+"""
+
+
+def test_load_yaml_and_overrides(tmp_path):
+    cfg = load(_yaml(tmp_path, BASE), ["train.total_steps=7", "rollout.max_staleness=3"])
+    assert isinstance(cfg, RunConfig)
+    assert cfg.train.total_steps == 7 and cfg.rollout.max_staleness == 3
+    assert cfg.model.path == "m" and cfg.rollout.group_size == 4
+
+
+def test_unknown_key_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.totl_steps"):
+        load(_yaml(tmp_path, BASE), ["train.totl_steps=7"])
+    with pytest.raises(ConfigError, match=r"rollout\.bogus"):
+        load(_yaml(tmp_path, BASE + "rollout: {bogus: 1}\n"))
+
+
+def test_wrong_type_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.total_steps"):
+        load(_yaml(tmp_path, BASE), ["train.total_steps=many"])
+    with pytest.raises(ConfigError, match=r"rollout\.temperature"):
+        load(_yaml(tmp_path, BASE + "rollout: {temperature: hot}\n"))
+
+
+def test_missing_required_and_semantic_checks(tmp_path):
+    with pytest.raises(ConfigError, match=r"model\.path"):
+        load(_yaml(tmp_path, "data: {train_path: t.jsonl}\n"))
+    with pytest.raises(ConfigError, match=r"topology\.n_trainers.*multiple of tp\*pp = 2"):
+        load(_yaml(tmp_path, BASE), ["topology.n_trainers=3", "topology.tp=2"])
+    with pytest.raises(ConfigError, match=r"topology\.weight_backend"):
+        load(_yaml(tmp_path, BASE), ["topology.weight_backend=mpi"])
+    with pytest.raises(ConfigError, match="key=value"):
+        load(_yaml(tmp_path, BASE), ["train.total_steps"])
+    with pytest.raises(ConfigError, match="config file not found"):
+        load(tmp_path / "nope.yaml")
+
+
+def test_roundtrip_yaml(tmp_path):
+    cfg = load(_yaml(tmp_path, BASE), ["name=x"])
+    again = load(_yaml(tmp_path, to_yaml(cfg)))
+    assert again == cfg
+
+
+def test_check_paths_missing_model(tmp_path):
+    cfg = load(_yaml(tmp_path, BASE), [f"model.path={tmp_path}/no_model"])
+    with pytest.raises(ConfigError, match=r"model\.path.*no HF model"):
+        check_paths(cfg)
+
+
+def test_shipped_recipes_load():
+    for name in ("tiny_cpu", "qwen2_5_1_5b_math", "qwen2_5_7b_math", "qwen2_5_32b_math"):
+        cfg = load(f"configs/{name}.yaml")
+        assert cfg.train.total_steps >= 1
