@@ -109,13 +109,15 @@ def _child_process_environment() -> Iterator[None]:
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = method
 
 
-def _descendants(pid: int) -> list:
+def _descendants() -> list:
+    """This process's descendants, minus multiprocessing's resource tracker: Python starts that
+    one once per process, on first use, and it must outlive any one engine."""
     import psutil
 
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
+    return [
+        p for p in psutil.Process().children(recursive=True)
+        if "resource_tracker" not in " ".join(_cmdline(p))
+    ]
 
 
 class VLLMEngine:
@@ -170,15 +172,13 @@ class VLLMEngine:
         self.version = version
         self._requests: dict[str, _Request] = {}  # by vLLM request id (request_id@attempt)
         self._pending: list[FinishedSample] = []  # finished outside step(), returned by step()
-        self._children_before = {p.pid for p in _descendants(os.getpid())}
+        children_before = {p.pid for p in _descendants()}
         t0 = time.perf_counter()
         with _child_process_environment():
             self._engine = LLMEngine.from_engine_args(args, enable_multiprocessing=True)
         self.start_s = time.perf_counter() - t0
         # Remember what vLLM started, so that shutdown() can check that it is all gone.
-        self._children = [
-            p for p in _descendants(os.getpid()) if p.pid not in self._children_before
-        ]
+        self._children = [p for p in _descendants() if p.pid not in children_before]
         self._closed = False
         logger.info(
             "vLLM engine up in %.1f s (%s, %d child processes)",
@@ -338,16 +338,16 @@ class VLLMEngine:
         self._closed = True
         import psutil
 
+        # vLLM's processes and theirs, listed before shutdown: once the EngineCore has exited
+        # its children are re-parented and no longer show up as our descendants.
+        procs = {p for p in self._children if p.is_running()}
+        for p in list(procs):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                procs.update(p.children(recursive=True))
         try:
             self._engine.engine_core.shutdown()
         finally:
-            alive = [p for p in self._children if p.is_running()]
-            alive += [  # grandchildren started after construction (none expected)
-                p for p in _descendants(os.getpid())
-                if p.pid not in self._children_before and p not in alive
-                and "resource_tracker" not in " ".join(_cmdline(p))
-            ]
-            _, alive = psutil.wait_procs(alive, timeout=timeout_s)
+            _, alive = psutil.wait_procs(list(procs), timeout=timeout_s)
             for p in alive:
                 logger.warning("killing leftover vLLM process %d %s", p.pid, _cmdline(p))
                 with contextlib.suppress(psutil.NoSuchProcess):

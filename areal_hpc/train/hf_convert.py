@@ -1,7 +1,8 @@
 """Qwen2 (Hugging Face) <-> Megatron-core GPTModel (local spec): config and weight layouts.
 
 Full, unsharded tensors on both sides; TP sharding and gathering live in `megatron_model.py`.
-Layer indices are global (`decoder.layers.{i}` with i in [0, num_layers)).
+Layer indices are global (`decoder.layers.{i}` with i in [0, num_layers)). `conversion_rules`
+is the one table both directions use; a rank can apply it tensor by tensor to what it owns.
 
 Layout differences:
 - attention: HF has separate q/k/v projections (with bias). Megatron fuses them into `linear_qkv`
@@ -17,22 +18,12 @@ Layout differences:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-_ATTN_Q = "model.layers.{i}.self_attn.q_proj"
-_ATTN_K = "model.layers.{i}.self_attn.k_proj"
-_ATTN_V = "model.layers.{i}.self_attn.v_proj"
-
-# Per-layer tensors that map one to one (HF suffix, Megatron suffix).
-_LAYER_RENAMES = [
-    ("input_layernorm.weight", "input_layernorm.weight"),
-    ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight"),
-    ("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
-    ("mlp.down_proj.weight", "mlp.linear_fc2.weight"),
-]
 
 
 def _cfg(hf_config: Any, key: str, default: Any = None) -> Any:
@@ -121,58 +112,82 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nh: int, ng: in
 def _split_qkv(qkv: torch.Tensor, nh: int, ng: int, hn: int):
     """Inverse of `_fuse_qkv`."""
     tail = qkv.shape[1:]
-    grouped = qkv.reshape(ng, (nh // ng + 2) * hn, *tail)
-    q, k, v = torch.split(grouped, [nh // ng * hn, hn, hn], dim=1)
-    return (
-        q.reshape(nh * hn, *tail).clone(),
-        k.reshape(ng * hn, *tail).clone(),
-        v.reshape(ng * hn, *tail).clone(),
-    )
+    q, k, v = torch.split(qkv.reshape(ng, (nh // ng + 2) * hn, *tail), [nh // ng * hn, hn, hn], dim=1)
+    # Clones: views sharing one storage cannot be saved by safetensors.
+    return q.reshape(nh * hn, *tail).clone(), k.reshape(ng * hn, *tail).clone(), v.reshape(ng * hn, *tail).clone()
 
 
-def hf_to_megatron(hf_state_dict: dict[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
-    """HF Qwen2 names/layouts -> full Megatron GPTModel state dict (global layer indices)."""
-    nh, ng, hn, _ = _dims(hf_config)
-    sd = hf_state_dict
-    out = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"]}
-    for i in range(_cfg(hf_config, "num_hidden_layers")):
-        hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for hf_name, mc_name in _LAYER_RENAMES:
-            out[mc + mc_name] = sd[hf + hf_name]
-        for kind in ("weight", "bias"):
-            q, k, v = (sd[f"{n.format(i=i)}.{kind}"] for n in (_ATTN_Q, _ATTN_K, _ATTN_V))
-            out[mc + f"self_attention.linear_qkv.{kind}"] = _fuse_qkv(q, k, v, nh, ng, hn)
-        out[mc + "mlp.linear_fc1.weight"] = torch.cat(
-            [sd[hf + "mlp.gate_proj.weight"], sd[hf + "mlp.up_proj.weight"]], dim=0
-        )
-    out["decoder.final_layernorm.weight"] = sd["model.norm.weight"]
-    if not tied_embeddings(hf_config):
-        out["output_layer.weight"] = sd["lm_head.weight"]
-    return out
+def _fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.cat([gate, up], dim=0)
 
 
-def megatron_to_hf(mcore_full_state_dict: dict[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
-    """Full Megatron GPTModel state dict (global layer indices) -> HF Qwen2 names/layouts.
+def _split_gate_up(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    gate, up = torch.chunk(fc1, 2, dim=0)
+    return gate.clone(), up.clone()
 
-    Megatron's `_extra_state` entries are ignored. With tied embeddings `lm_head.weight` is left
-    out (HF and vLLM tie it on load).
+
+@dataclass(frozen=True)
+class Rule:
+    """How one Megatron tensor is made from HF tensors, and back."""
+
+    hf_names: tuple[str, ...]
+    to_megatron: Callable[..., torch.Tensor]  # (*hf tensors) -> megatron tensor
+    to_hf: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]  # megatron tensor -> hf tensors
+
+
+def _rename(hf_name: str) -> Rule:
+    return Rule((hf_name,), lambda t: t, lambda t: (t,))
+
+
+def conversion_rules(hf_config: Any) -> dict[str, Rule]:
+    """Megatron global parameter name -> `Rule`, for every parameter of the full model.
+
+    Driving conversions from this table lets a pipeline stage or a TP rank convert only the
+    tensors it owns, one at a time, without materialising the whole model.
     """
     nh, ng, hn, _ = _dims(hf_config)
-    sd = mcore_full_state_dict
-    out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"]}
+    fuse = lambda q, k, v: _fuse_qkv(q, k, v, nh, ng, hn)  # noqa: E731
+    split = lambda qkv: _split_qkv(qkv, nh, ng, hn)  # noqa: E731
+
+    rules = {"embedding.word_embeddings.weight": _rename("model.embed_tokens.weight")}
     for i in range(_cfg(hf_config, "num_hidden_layers")):
         hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for hf_name, mc_name in _LAYER_RENAMES:
-            out[hf + hf_name] = sd[mc + mc_name]
+        rules[mc + "input_layernorm.weight"] = _rename(hf + "input_layernorm.weight")
+        rules[mc + "pre_mlp_layernorm.weight"] = _rename(hf + "post_attention_layernorm.weight")
+        rules[mc + "self_attention.linear_proj.weight"] = _rename(hf + "self_attn.o_proj.weight")
         for kind in ("weight", "bias"):
-            q, k, v = _split_qkv(sd[mc + f"self_attention.linear_qkv.{kind}"], nh, ng, hn)
-            out[f"{_ATTN_Q.format(i=i)}.{kind}"] = q
-            out[f"{_ATTN_K.format(i=i)}.{kind}"] = k
-            out[f"{_ATTN_V.format(i=i)}.{kind}"] = v
-        gate, up = torch.chunk(sd[mc + "mlp.linear_fc1.weight"], 2, dim=0)
-        out[hf + "mlp.gate_proj.weight"] = gate.clone()
-        out[hf + "mlp.up_proj.weight"] = up.clone()
-    out["model.norm.weight"] = sd["decoder.final_layernorm.weight"]
+            names = tuple(f"{hf}self_attn.{p}_proj.{kind}" for p in "qkv")
+            rules[mc + f"self_attention.linear_qkv.{kind}"] = Rule(names, fuse, split)
+        rules[mc + "mlp.linear_fc1.weight"] = Rule(
+            (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), _fuse_gate_up, _split_gate_up
+        )
+        rules[mc + "mlp.linear_fc2.weight"] = _rename(hf + "mlp.down_proj.weight")
+    rules["decoder.final_layernorm.weight"] = _rename("model.norm.weight")
     if not tied_embeddings(hf_config):
-        out["lm_head.weight"] = sd["output_layer.weight"]
+        rules["output_layer.weight"] = _rename("lm_head.weight")
+    return rules
+
+
+def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
+    """HF Qwen2 names/layouts -> full Megatron GPTModel state dict (global layer indices).
+
+    With tied embeddings a `lm_head.weight` in the input is ignored.
+    """
+    return {
+        mc: rule.to_megatron(*(hf_state_dict[n] for n in rule.hf_names))
+        for mc, rule in conversion_rules(hf_config).items()
+    }
+
+
+def megatron_to_hf(mcore_full_state_dict: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
+    """Full Megatron GPTModel state dict (global layer indices) -> HF Qwen2 names/layouts.
+
+    Megatron's `_extra_state` entries are ignored. Split tensors are copies, so no two outputs
+    share storage (safetensors refuses that). With tied embeddings `lm_head.weight` is left out,
+    as in HF's own checkpoint files; transformers and vLLM tie it on load.
+    """
+    out = {}
+    for mc, rule in conversion_rules(hf_config).items():
+        for name, tensor in zip(rule.hf_names, rule.to_hf(mcore_full_state_dict[mc]), strict=True):
+            out[name] = tensor
     return out

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Install (first use) and run the test suite: fast unit tests first, then the tests that start real
+# vLLM engines, Megatron, mpiexec. Extra arguments go to pytest (e.g. tools/test.sh -k staleness).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+tools/install.sh
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$root/.cache/vllm}
+if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest "$@"; fi
+exec .venv/bin/python -m pytest -q \
+  tests/config tests/data tests/reward tests/algo tests/storage tests/transport \
+  tests/rollout tests/train tests/e2e
