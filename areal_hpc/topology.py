@@ -55,6 +55,7 @@ class Topology:
     controller_addr: str        # host of trainer rank 0 (torch.distributed rendezvous)
     trainer_port: int           # rendezvous of the trainer-only default process group
     weight_port: int            # rendezvous of the weight group {trainer 0} ∪ generator engines
+    local_rank: int             # rank among this role's ranks on this node (picks the GPU)
 
     @classmethod
     def build(cls, cfg: TopologyConfig, world) -> "Topology":
@@ -64,9 +65,13 @@ class Topology:
         role_comm = world.Split(0 if role == TRAINER else 1, rank)
         rendezvous = (host_address(), free_port(), free_port()) if rank == CONTROLLER_RANK else None
         addr, tport, wport = world.bcast(rendezvous, root=CONTROLLER_RANK)
+        from mpi4py import MPI
+        node_comm = role_comm.Split_type(MPI.COMM_TYPE_SHARED)
+        local_rank = node_comm.Get_rank()
+        node_comm.Free()
         return cls(cfg=cfg, world=world, role_comm=role_comm, rank=rank, role=role,
                    role_rank=role_comm.Get_rank(), controller_addr=addr, trainer_port=tport,
-                   weight_port=wport)
+                   weight_port=wport, local_rank=local_rank)
 
     @property
     def is_controller(self) -> bool:
@@ -92,6 +97,9 @@ class Topology:
         """torch.distributed default group over the trainer ranks only (Megatron builds on it)."""
         import torch.distributed as dist
         assert self.role == TRAINER
+        if self.cfg.device == "cuda":
+            import torch
+            torch.cuda.set_device(self.local_rank)
         dist.init_process_group(
             backend=self.cfg.trainer_backend,
             init_method=f"tcp://{self.controller_addr}:{self.trainer_port}",

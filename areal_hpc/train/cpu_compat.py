@@ -91,22 +91,25 @@ class CudaToCpuMode(TorchFunctionMode):
     """Redirect Megatron's explicit CUDA tensor creation to CPU while active.
 
     Used as `with CudaToCpuMode(): optimizer.step()` and around `forward_backward_func(...)`.
-    With a GPU present it passes every call through unchanged.
+    With a GPU present, entering it does nothing (no mode is pushed, no per-op overhead).
     """
 
-    def __init__(self):
-        super().__init__()
-        self._active = needed()
+    def __enter__(self):
+        self._pushed = needed()
+        return super().__enter__() if self._pushed else self
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        if self._pushed:
+            return super().__exit__(exc_type, exc_val, exc_tb)
+        return None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if not self._active:
-            return func(*args, **kwargs)
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.cuda:
             return args[0]
-        if func is torch.Tensor.to and args and len(args) > 1 and _is_cuda_device(args[1]):
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
         result = func(*args, **kwargs)
         # `grad.type() == "torch.cuda.FloatTensor"` asserts in clip_grads and the optimizers.

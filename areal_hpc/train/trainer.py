@@ -66,9 +66,12 @@ class Trainer:
         return res
 
     def _publish_weights(self) -> float:
-        """Tell every generator a new version is coming, then broadcast it in buckets."""
+        """Gather the HF-named weights (collective over the trainer ranks); trainer rank 0 tells
+        every generator a new version is coming, then broadcasts it in buckets."""
         t0 = time.monotonic()
         state = self.actor.hf_state_dict()
+        if self.controller is None:
+            return 0.0
         meta = _weight_meta(state, self.cfg.weights.bucket_mb)
         self.controller.send_weights_notice(self.version, meta)
         wsync.broadcast_weights(self.weight_group, state, meta)
@@ -94,9 +97,10 @@ class Trainer:
             trajs, stats = self._batch(progress)
             train_stats = self.actor.train_step(trajs)
             self.version = step + 1
+            weight_sync_s = self._publish_weights()
             if self.controller is not None:
                 self.controller.on_trained(stats.pop("rows"), step, self.version)
-                stats["weight_sync_s"] = self._publish_weights()
+                stats["weight_sync_s"] = weight_sync_s
                 now = time.monotonic()
                 gen_tokens = self.controller.generated_tokens
                 stats["gen_tok_per_s"] = (gen_tokens - gen_tokens_before) / (now - t_prev)
@@ -107,9 +111,9 @@ class Trainer:
                 progress.step(record)
         progress.close()
         evals.append(self._evaluate("final"))
+        self.actor.save_hf(cfg.run_dir / "policy")
         if self.controller is not None:
             self.controller.stop()
-            self.actor.save_hf(cfg.run_dir / "policy")
             evals = [e for e in evals if e]
             with open(cfg.run_dir / "eval.json", "w") as f:
                 json.dump(evals, f, indent=1)

@@ -1,0 +1,235 @@
+"""Build a Megatron-core GPTModel for a HF Qwen2 checkpoint, load it, and export it back.
+
+Sharding conventions (megatron-core tags every TP-sharded parameter with
+`tensor_model_parallel=True` and `partition_dim`):
+- column-parallel (`linear_qkv`, `linear_fc1`, vocab-parallel embedding and output layer): dim 0;
+  a contiguous dim-0 split of the fused QKV is a split by query groups (needs ng % tp == 0).
+- swiglu `linear_fc1` is special: each rank holds `[gate_r; up_r]`, not a slice of `[gate; up]`.
+- row-parallel (`linear_proj`, `linear_fc2`): dim 1. Norms are replicated.
+- pipeline stages hold `decoder.layers.{local}`; `layer.layer_number` (1-based) is the global index.
+
+Names handed to and from `hf_convert` are always global and unsharded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator, Mapping
+from glob import glob
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer import TransformerConfig
+from safetensors import safe_open
+
+from areal_hpc.train import cpu_compat
+from areal_hpc.train.hf_convert import (
+    conversion_rules,
+    gpt_model_kwargs,
+    megatron_config_kwargs,
+    tied_embeddings,
+)
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_FC1 = "mlp.linear_fc1.weight"
+_EMBEDDING = "embedding.word_embeddings.weight"
+_OUTPUT = "output_layer.weight"
+
+
+def init_megatron_parallel(tp: int, pp: int, seed: int, backend: str | None = None) -> None:
+    """Create Megatron's model-parallel groups and RNG states over the default process group.
+
+    The caller has already run `torch.distributed.init_process_group` over the trainer ranks only
+    (and on GPU, `torch.cuda.set_device(local_rank)`). World size = tp * pp * dp.
+    `backend`, when given, is checked against the default group's ("nccl" on GPU, "gloo" on CPU).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("init torch.distributed (trainer ranks) before Megatron")
+    if backend is not None and dist.get_backend() != backend:
+        raise RuntimeError(f"default process group uses {dist.get_backend()}, expected {backend}")
+    cpu_compat.apply()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    )
+    torch.manual_seed(seed)  # CPU initialisation (use_cpu_initialization) draws from here
+    model_parallel_cuda_manual_seed(seed)
+
+
+def read_hf_config(model_dir: str) -> dict:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)
+
+
+def build_gpt_model(
+    hf_config,
+    params_dtype: torch.dtype = torch.float32,
+    tp: int = 1,
+    pp: int = 1,
+    device: torch.device | str | None = None,
+    **config_overrides,
+) -> GPTModel:
+    """This rank's part of a GPTModel (local spec, RMSNorm, swiglu, GQA, RoPE) for `hf_config`.
+
+    Args:
+        params_dtype: parameter dtype; `torch.bfloat16` turns on Megatron's bf16 mode.
+        tp, pp: must match `init_megatron_parallel`.
+        device: where the parameters live; default the current CUDA device, else CPU.
+        config_overrides: extra `TransformerConfig` fields (e.g. `calculate_per_token_loss`).
+    """
+    if parallel_state.get_tensor_model_parallel_world_size() != tp:
+        raise ValueError(f"tp={tp} but Megatron was initialised with a different TP size")
+    if parallel_state.get_pipeline_model_parallel_world_size() != pp:
+        raise ValueError(f"pp={pp} but Megatron was initialised with a different PP size")
+    model_kwargs = gpt_model_kwargs(hf_config)
+    if model_kwargs["vocab_size"] % tp:
+        raise ValueError(f"vocab size {model_kwargs['vocab_size']} is not divisible by tp={tp}")
+    on_gpu = torch.cuda.is_available()
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    config = TransformerConfig(
+        **megatron_config_kwargs(hf_config),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        # Without a GPU, Megatron's default GPU-side init runs under the CUDA RNG tracker.
+        use_cpu_initialization=not on_gpu,
+        # Random init stays on even when weights are loaded next: with perform_initialization=False
+        # megatron-core 0.16 also skips tagging weights `tensor_model_parallel`/`partition_dim`.
+        perform_initialization=True,
+        # Packed micro-batches differ in length; PP must then exchange shapes first.
+        variable_seq_lengths=pp > 1,
+        **config_overrides,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+        **model_kwargs,
+    )
+    return model.to(device)
+
+
+def _unwrap(model: torch.nn.Module) -> GPTModel:
+    """The GPTModel inside Megatron's DDP (or other `.module` wrappers)."""
+    while not isinstance(model, GPTModel) and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _global_name(model: GPTModel, local_name: str) -> str:
+    m = _LAYER.match(local_name)
+    if m is None:
+        return local_name
+    layer = model.decoder.layers[int(m.group(1))]
+    return f"decoder.layers.{layer.layer_number - 1}." + local_name[m.end():]
+
+
+def _named_parameters(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+    """(local name, global name, parameter) for this rank's part of the model."""
+    gpt = _unwrap(model)
+    for name, param in gpt.named_parameters():
+        yield name, _global_name(gpt, name), param
+
+
+class HFCheckpoint(Mapping):
+    """Lazy read-only view of a HF safetensors checkpoint: tensors are read on access."""
+
+    def __init__(self, model_dir: str):
+        files = sorted(glob(os.path.join(model_dir, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+        self._handles = [safe_open(f, framework="pt", device="cpu") for f in files]
+        self._where = {k: h for h in self._handles for k in h.keys()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self):
+        return len(self._where)
+
+
+def _tp_shard(full: torch.Tensor, param: torch.nn.Parameter, global_name: str) -> torch.Tensor:
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    if global_name.endswith(_FC1):
+        gate, up = torch.chunk(full, 2, dim=0)
+        return torch.cat([torch.chunk(gate, tp, dim=0)[rank], torch.chunk(up, tp, dim=0)[rank]])
+    return torch.chunk(full, tp, dim=param.partition_dim)[rank]
+
+
+def _tp_gather(local: torch.Tensor, param: torch.nn.Parameter, global_name: str) -> torch.Tensor:
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+        return local
+    shards = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    if global_name.endswith(_FC1):
+        gates, ups = zip(*(torch.chunk(s, 2, dim=0) for s in shards))
+        return torch.cat([*gates, *ups], dim=0)
+    return torch.cat(shards, dim=param.partition_dim)
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, hf_weights: Mapping[str, torch.Tensor], hf_config) -> None:
+    """Copy HF-named full weights into this rank's (TP-sharded, PP-staged) parameters.
+
+    `hf_weights` may be lazy (`HFCheckpoint`): each rank reads only the tensors it owns.
+    """
+    rules = conversion_rules(hf_config)
+    for _, global_name, param in _named_parameters(model):
+        # A tied output layer on a later pipeline stage is a copy of the input embedding.
+        source = _EMBEDDING if global_name == _OUTPUT and tied_embeddings(hf_config) else global_name
+        rule = rules[source]
+        full = rule.to_megatron(*(hf_weights[n] for n in rule.hf_names))
+        shard = _tp_shard(full, param, global_name)
+        if shard.shape != param.shape:
+            raise ValueError(f"{global_name}: checkpoint {tuple(shard.shape)} vs model {tuple(param.shape)}")
+        param.copy_(shard)
+
+
+def load_hf_checkpoint(model: torch.nn.Module, model_dir: str, hf_config=None) -> None:
+    """`load_hf_weights` from a HF directory (config.json + *.safetensors)."""
+    load_hf_weights(model, HFCheckpoint(model_dir), hf_config or read_hf_config(model_dir))
+
+
+@torch.no_grad()
+def full_megatron_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This pipeline stage's parameters, TP-gathered, under global Megatron names.
+
+    Collective over the TP group: every TP rank must call it. Tensors stay on the model's device
+    and dtype.
+    """
+    return {
+        global_name: _tp_gather(param.detach(), param, global_name)
+        for _, global_name, param in _named_parameters(model)
+    }
+
+
+@torch.no_grad()
+def hf_state_dict(model: torch.nn.Module, hf_config) -> dict[str, torch.Tensor]:
+    """This pipeline stage's weights as full HF-named tensors (the whole model when pp == 1).
+
+    Collective over the TP group. With PP each stage returns its own layers (and embedding /
+    final norm / lm_head where it holds them); merging stages is the caller's business (the
+    weight broadcast can send per stage).
+    """
+    mcore = full_megatron_state_dict(model)
+    out = {}
+    for mc_name, rule in conversion_rules(hf_config).items():
+        if mc_name in mcore:
+            out.update(zip(rule.hf_names, rule.to_hf(mcore[mc_name]), strict=True))
+    return out
