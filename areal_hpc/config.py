@@ -58,7 +58,8 @@ class RolloutConfig:
     max_staleness: int = 1              # η: trajectories at most η versions behind the policy
     max_concurrent_prompts: int = 16    # prompts (groups) in flight over all generators
     max_model_len: int = 512
-    kv_cache_gib: int = 1               # VLLM_CPU_KVCACHE_SPACE on CPU
+    kv_cache_gib: Optional[int] = None  # fixed KV cache size (CPU: VLLM_CPU_KVCACHE_SPACE);
+                                        # None = vLLM's default / gpu_memory_utilization
     gpu_memory_utilization: float = 0.8
     enforce_eager: bool = True
 

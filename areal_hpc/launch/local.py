@@ -21,7 +21,8 @@ def rank_env(cfg) -> dict[str, str]:
     inside the project, the KV-cache size from the config."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.rollout.kv_cache_gib))
+    if cfg.rollout.kv_cache_gib is not None:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.rollout.kv_cache_gib))
     env.setdefault("VLLM_CACHE_ROOT", str(Path(".cache/vllm").resolve()))
     env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")

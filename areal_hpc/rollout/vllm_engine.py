@@ -56,13 +56,6 @@ class FinishedSample:
     num_interrupts: int = 0  # weight updates this sample lived through
 
 
-@dataclass(frozen=True, slots=True)
-class WeightUpdateTiming:
-    paused_s: float  # from the abort to the resubmission: no token was generated meanwhile
-    load_s: float  # the collective_rpc that received and loaded the weights
-    num_interrupted: int  # requests aborted and resubmitted
-
-
 @dataclass(slots=True)
 class _Request:
     request_id: str
@@ -142,7 +135,7 @@ class VLLMEngine:
         version: int = 0,
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.9,
-        kv_cache_memory_bytes: int | None = None,
+        kv_cache_gib: float | None = None,
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
@@ -160,7 +153,7 @@ class VLLMEngine:
             seed=seed,
             tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30),
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
@@ -216,7 +209,8 @@ class VLLMEngine:
         self._add(req)
 
     def _add(self, req: _Request) -> None:
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import SamplingParams
+        from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
@@ -230,7 +224,9 @@ class VLLMEngine:
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )
-        prompt = TokensPrompt(prompt_token_ids=req.prompt_tokens + req.tokens)
+        # An already rendered engine input: a TokensPrompt would go through the renderer again
+        # (and vLLM 0.32 warns that raw prompts are deprecated).
+        prompt = tokens_input(req.prompt_tokens + req.tokens)
         self._engine.add_request(req.vllm_id, prompt, params)
         self._requests[req.vllm_id] = req
 
@@ -298,16 +294,17 @@ class VLLMEngine:
             "init_weight_group", args=(master_address, master_port, rank, world_size, backend)
         )
 
-    def update_weights(self, version: int, meta: Sequence[Bucket]) -> WeightUpdateTiming:
+    def update_weights(self, version: int, meta: Sequence[Bucket]) -> float:
         """Interrupt, receive the trainer's broadcast (`broadcast_weights` with the same
-        buckets), and resume; tokens generated from here on carry `version`."""
+        buckets), and resume; tokens generated from here on carry `version`.
+        Returns the seconds generation was paused (abort → resubmission)."""
         return self._update(version, "recv_weights", [list(b) for b in meta])
 
-    def update_weights_from_file(self, version: int, path: str) -> WeightUpdateTiming:
+    def update_weights_from_file(self, version: int, path: str) -> float:
         """As `update_weights`, from a safetensors file or a directory of shards."""
         return self._update(version, "load_weights_from_file", str(path))
 
-    def _update(self, version: int, method: str, arg) -> WeightUpdateTiming:
+    def _update(self, version: int, method: str, arg) -> float:
         t0 = time.perf_counter()
         interrupted = list(self._requests.values())
         if interrupted:
@@ -327,7 +324,12 @@ class VLLMEngine:
                 self._pending.append(self._finish(req, "length", now))
             else:
                 self._add(req)
-        return WeightUpdateTiming(time.perf_counter() - t0, load_s, len(interrupted))
+        paused_s = time.perf_counter() - t0
+        logger.info(
+            "weights v%d loaded in %.3f s; paused %.3f s; %d requests resumed",
+            version, load_s, paused_s, len(interrupted),
+        )
+        return paused_s
 
     # ---------------------------------------------------------------- lifetime
 

@@ -21,7 +21,13 @@ from pathlib import Path
 
 import torch
 
-from areal_hpc.transport.weights import Bucket, bucket_dtype, bucket_numel, dtype_from_str, spec_numel
+from areal_hpc.transport.weights import (
+    Bucket,
+    bucket_dtype,
+    bucket_numel,
+    dtype_from_str,
+    spec_numel,
+)
 
 
 class WeightSyncExtension:

@@ -15,7 +15,6 @@ the launch/latency cost of hundreds of small tensors (norms, biases) out of the 
 from __future__ import annotations
 
 import math
-import socket
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -99,13 +98,6 @@ def plan_buckets(
         if current:
             buckets.append(current)
     return buckets
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (the usual bind-to-0 race applies)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def init_sender_group(

@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -11,30 +10,10 @@ import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from areal_hpc.algo.ppo import decoupled_ppo_loss, grpo_advantages
+from areal_hpc.topology import free_port
 
 TEMPERATURE = 0.7
 GROUP_SIZE = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def megatron_ws1():
-    """Megatron's parallel state is process-global: initialise it once (tp = pp = 1)."""
-    from megatron.core import parallel_state
-
-    from areal_hpc.train.megatron_model import init_megatron_parallel
-
-    torch.set_num_threads(1)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    assert dist.get_world_size() == 1, "these tests expect a single-process default group"
-    if not parallel_state.model_parallel_is_initialized():
-        init_megatron_parallel(tp=1, pp=1, seed=0, backend="gloo")
 
 
 @pytest.fixture(scope="session")
@@ -223,7 +202,7 @@ def test_tensor_parallel_2_matches_tp1(megatron_ws1, model_dir, tmp_path):
     seqs = _batch(actor, 6, [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0])
     with open(tmp_path / "in.pkl", "wb") as f:
         pickle.dump((seqs, kw), f)
-    port = str(_free_port())
+    port = str(free_port())
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}
     procs = [

@@ -1,0 +1,93 @@
+"""Binary math reward: is the last ``\\boxed{...}`` of a completion equal to the reference answer?
+
+Equality is math_verify's (``parse`` + ``verify``: ``\\frac{1}{2}`` == ``0.5``, ``049`` == ``49``),
+behind a fast path for plain numbers, which covers the tiny task and GSM8K without sympy.
+
+Timeouts: math_verify bounds its sympy work with ``signal.alarm``, which only works in the main
+thread of a process. In the main thread we keep that bound (``SYMPY_TIMEOUT_S`` per call); in any
+other thread we turn it off, because otherwise math_verify raises. Off the main thread a
+pathological answer (``\\boxed{9^{9^{9^{9}}}}``) can then run for a very long time, so callers
+there must bound the wall-clock time themselves (reward/pool.py runs rewards in processes it can
+kill).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from decimal import Decimal, InvalidOperation
+
+from math_verify import parse, verify
+from math_verify.errors import TimeoutException
+
+SYMPY_TIMEOUT_S = 3  # whole seconds: signal.alarm's resolution
+MAX_ANSWER_CHARS = 1000  # a longer boxed answer is not a real answer; don't hand it to sympy
+
+_BOXED = "\\boxed{"
+# 42, -7, 1,000, 3.25, .5 (GSM8K writes thousands separators); not 1e3, not 1,00.
+_PLAIN_NUMBER = re.compile(r"[+-]?(\d{1,3}(,\d{3})+|\d+)(\.\d+)?|[+-]?\.\d+")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` with balanced braces, or None if there is none."""
+    start = text.rfind(_BOXED)
+    while start != -1:
+        depth = 1
+        i = start + len(_BOXED)
+        while i < len(text):
+            if text[i] == "{":
+                depth += 1
+            elif text[i] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start + len(_BOXED):i]
+            i += 1
+        # Unclosed (e.g. a truncated completion): an earlier, complete box still counts.
+        start = text.rfind(_BOXED, 0, start)
+    return None
+
+
+def _plain_number(s: str) -> Decimal | None:
+    if not _PLAIN_NUMBER.fullmatch(s):
+        return None
+    try:
+        return Decimal(s.replace(",", ""))
+    except InvalidOperation:
+        return None
+
+
+def _math_verify_equal(pred: str, answer: str) -> bool:
+    timeout = SYMPY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    gold = parse(f"{_BOXED}{answer}}}", parsing_timeout=timeout)
+    target = parse(f"{_BOXED}{pred}}}", parsing_timeout=timeout)
+    if not gold or not target:
+        return False
+    return verify(gold, target, timeout_seconds=timeout)
+
+
+def math_reward(completion_text: str, answer: str) -> float:
+    """1.0 if the last ``\\boxed{}`` in ``completion_text`` equals ``answer``, else 0.0.
+
+    ``answer`` is the bare reference (``"42"``, ``"\\frac{1}{2}"``), as data/jsonl.py loads it.
+    Never raises: no box, an empty box, unparsable text or a non-string input all give 0.0.
+    """
+    try:
+        if not isinstance(completion_text, str) or not isinstance(answer, str):
+            return 0.0
+        pred = last_boxed(completion_text)
+        if pred is None:
+            return 0.0
+        pred, answer = pred.strip(), answer.strip()
+        if not pred or not answer or len(pred) > MAX_ANSWER_CHARS:
+            return 0.0
+        if pred == answer:
+            return 1.0
+        pred_num, answer_num = _plain_number(pred), _plain_number(answer)
+        if pred_num is not None and answer_num is not None:
+            if pred_num == answer_num:
+                return 1.0
+            if all(x == x.to_integral_value() for x in (pred_num, answer_num)):
+                return 0.0  # two different integers; decimals go on to math_verify's rounding
+        return 1.0 if _math_verify_equal(pred, answer) else 0.0
+    except (Exception, TimeoutException):
+        return 0.0

@@ -1,0 +1,262 @@
+"""VLLMEngine on the real vLLM (CPU): logprobs, per-token versions, interrupt + weight update.
+
+One engine for the whole module (starting one takes 20-60 s on 2 cores). The tests run in
+file order and share it: the last one shuts it down and checks that no process is left.
+A tiny random Qwen2 is written to a temp dir; nothing is downloaded.
+"""
+
+import multiprocessing as mp
+import os
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from areal_hpc.rollout import vllm_engine
+from areal_hpc.topology import free_port
+
+DTYPE = "float32"  # fp32 so that behaviour logprobs can be compared with HF to ~1e-5
+ATOL = 1e-4
+LONG_PROMPT = [3 + (7 * i) % 120 for i in range(140)]  # > one 128-token KV block on CPU
+FAKE_MPI_ENV = {"PMI_RANK": "0", "PMI_FD": "9", "HYDI_CONTROL_FD": "7", "MPI_LOCALRANKID": "0"}
+
+
+def make_tiny_model(path):
+    """Random Qwen2 (head_dim 32: vLLM's CPU attention has no kernel for 16) + char tokenizer."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2} | {chr(0x21 + i): 3 + i for i in range(125)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    ).save_pretrained(path)
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=128, vocab_size=128, max_position_embeddings=512,
+        tie_word_embeddings=False, initializer_range=0.2,  # peaked, so that a weight change shows
+        eos_token_id=1, bos_token_id=1, pad_token_id=0,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(path)
+
+
+def hf_model(model_dir, weights_path=None):
+    from safetensors.torch import load_file
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    if weights_path is not None:
+        model.load_state_dict(load_file(weights_path), strict=True)
+    return model
+
+
+@torch.no_grad()
+def hf_logprobs(model, sample, temperature):
+    """log_softmax(logits / T) of every output token given its full context, [n]."""
+    ids = np.concatenate([sample.prompt_tokens, sample.output_tokens]).astype(np.int64)
+    logits = model(torch.from_numpy(ids)[None]).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    p = len(sample.prompt_tokens)
+    targets = torch.from_numpy(ids[p:])
+    return logp[p - 1 : -1].gather(1, targets[:, None])[:, 0].numpy()
+
+
+def run_to_completion(engine):
+    out = []
+    while engine.has_unfinished():
+        out += engine.step()
+    return {s.request_id: s for s in out}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    make_tiny_model(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp_env:
+        mp_env.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        mp_env.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm_cache")))
+        # Only so the test can run a closure on the worker (to look at its environment).
+        mp_env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        for k, v in FAKE_MPI_ENV.items():  # as if launched by mpiexec (hydra)
+            mp_env.setenv(k, v)
+        eng = vllm_engine.VLLMEngine(
+            model_dir, dtype=DTYPE, max_model_len=512, seed=0, max_num_seqs=16
+        )
+        print(f"\nengine start: {eng.start_s:.1f} s, {len(eng._children)} child processes")
+        yield eng
+        eng.shutdown()
+
+
+# ------------------------------------------------------------ no engine needed
+
+
+def test_child_environment_without_mpi(monkeypatch):
+    monkeypatch.setenv("PMI_RANK", "3")
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "3")
+    monkeypatch.setenv("MPICH_INTERFACE_HOSTNAME", "n1")
+    monkeypatch.setenv("PMIX_RANK", "3")
+    monkeypatch.setenv("HYDRA_LAUNCHER", "slurm")
+    monkeypatch.setenv("KEEP_ME", "1")
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    with vllm_engine._child_process_environment():
+        assert not [k for k in os.environ if k.startswith(vllm_engine.MPI_ENV_PREFIXES)]
+        assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+        assert os.environ["KEEP_ME"] == "1"
+    assert os.environ["PMI_RANK"] == "3" and os.environ["OMPI_COMM_WORLD_RANK"] == "3"
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+
+
+# ------------------------------------------------------------ with the engine
+
+
+def _worker_env(worker):
+    return dict(os.environ)
+
+
+def test_children_do_not_see_the_mpi_job(engine):
+    for k, v in FAKE_MPI_ENV.items():
+        assert os.environ[k] == v  # restored in the generator rank's own process
+    (env,) = engine._engine.collective_rpc(_worker_env)
+    assert not [k for k in env if k.startswith(vllm_engine.MPI_ENV_PREFIXES)]
+
+
+def test_tokens_logprobs_versions_match_hf(engine, model_dir):
+    temperature = 0.8
+    prompts = {"a": [3, 4, 5, 6, 7], "b": list(range(10, 40)), "long": LONG_PROMPT}
+    for rid, prompt in prompts.items():
+        engine.submit(rid, prompt, 20, temperature=temperature, ignore_eos=True)
+    assert engine.num_running() == 3
+    done = run_to_completion(engine)
+    assert sorted(done) == sorted(prompts) and engine.num_running() == 0
+
+    model = hf_model(model_dir)
+    for rid, s in done.items():
+        assert s.prompt_tokens.tolist() == prompts[rid]
+        assert s.output_tokens.dtype == np.int32 and len(s.output_tokens) == 20
+        assert s.behav_logprobs.dtype == np.float32 and s.behav_logprobs.shape == (20,)
+        assert s.versions.dtype == np.int32 and s.versions.tolist() == [0] * 20
+        assert s.finish_reason == "length" and s.num_interrupts == 0
+        assert s.t_submit <= s.t_first_token <= s.t_end
+        diff = np.abs(hf_logprobs(model, s, temperature) - s.behav_logprobs).max()
+        print(f"{rid}: max |vLLM - HF| logprob = {diff:.2e}")
+        assert diff < ATOL
+
+
+def _trainer(model_dir, port, sent_path, meta_queue):
+    """Plays trainer rank 0: perturbs the weights and broadcasts them over the weight group."""
+    from safetensors.torch import load_file, save_file
+
+    from areal_hpc.transport.weights import (
+        broadcast_weights, dtype_to_str, init_sender_group, plan_buckets,
+    )
+
+    g = torch.Generator().manual_seed(1234)
+    new = {}
+    for name, t in load_file(os.path.join(model_dir, "model.safetensors")).items():
+        t = t + 0.2 * torch.randn(t.shape, generator=g)
+        # Norm weights travel in bf16 (vLLM casts them into its fp32 params): two dtypes.
+        new[name] = t.to(torch.bfloat16) if "norm" in name else t
+    # What vLLM ends up holding, in fp32, for the test's HF reference.
+    save_file({k: v.float().contiguous() for k, v in new.items()}, sent_path)
+    buckets = plan_buckets([(k, v.shape, dtype_to_str(v.dtype)) for k, v in new.items()], 32 << 10)
+    meta_queue.put(buckets)
+    group = init_sender_group("127.0.0.1", port, 2, "gloo", timeout_s=300)
+    stats = broadcast_weights(group, new, buckets)
+    meta_queue.put(stats)
+
+
+def test_weight_update_mid_generation(engine, model_dir, tmp_path):
+    sent_path = str(tmp_path / "sent.safetensors")
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    meta_queue = ctx.Queue()
+    trainer = ctx.Process(target=_trainer, args=(model_dir, port, sent_path, meta_queue))
+    trainer.start()
+    try:
+        assert engine.init_weight_group("127.0.0.1", port, 1, 2, "gloo") == [1]
+        buckets = meta_queue.get(timeout=120)
+        assert len({b[0][2] for b in buckets}) == 2 and len(buckets) > 2
+
+        temperature, max_new = 1.0, 40
+        prompts = {"u0": [5, 6, 7, 8], "u1": list(range(20, 50)), "u2": LONG_PROMPT}
+        for rid, prompt in prompts.items():
+            engine.submit(rid, prompt, max_new, temperature=temperature, ignore_eos=True)
+        early = []  # prefill + a few decode steps, then interrupt
+        while min(len(r.tokens) for r in engine._requests.values()) < 3:
+            early += engine.step()
+        assert not early and engine.num_running() == 3
+
+        paused_s = engine.update_weights(1, buckets)
+        assert engine.num_running() == 3  # all three resubmitted
+        stats = meta_queue.get(timeout=120)
+        done = run_to_completion(engine)
+    finally:
+        trainer.join(timeout=60)
+    assert trainer.exitcode == 0
+    print(
+        f"\nupdate: generation paused {paused_s * 1e3:.0f} ms; trainer broadcast "
+        f"{stats.num_buckets} buckets, {stats.num_bytes} B in {stats.seconds * 1e3:.0f} ms"
+    )
+    assert engine.version == 1
+
+    old, new = hf_model(model_dir), hf_model(model_dir, sent_path)
+    for rid, s in done.items():
+        v = s.versions.tolist()
+        k = v.count(0)
+        assert len(v) == max_new and v == [0] * k + [1] * (max_new - k), v
+        assert 1 <= k < max_new and s.num_interrupts == 1
+        assert s.prompt_tokens.tolist() == prompts[rid]
+        lp_old, lp_new = hf_logprobs(old, s, temperature), hf_logprobs(new, s, temperature)
+        d_old = np.abs(lp_old[:k] - s.behav_logprobs[:k]).max()
+        d_new = np.abs(lp_new[k:] - s.behav_logprobs[k:]).max()
+        changed = np.abs(lp_old[k:] - s.behav_logprobs[k:]).max()
+        print(f"{rid}: {k} v0 tokens |d|={d_old:.1e}; {max_new - k} v1 tokens |d|={d_new:.1e} "
+              f"(vs old weights {changed:.2f})")
+        assert d_old < ATOL and d_new < ATOL
+        assert changed > 0.05  # the update did change the policy
+
+
+def test_update_from_file_and_prefix_cache_reset(engine, model_dir, tmp_path):
+    """Weights from a directory of safetensors shards. LONG_PROMPT's first KV block is in the
+    prefix cache from earlier tests, computed with other weights; it must not be reused."""
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(99)
+    weights = {
+        k: (v + 0.2 * torch.randn(v.shape, generator=g)).contiguous()
+        for k, v in load_file(os.path.join(model_dir, "model.safetensors")).items()
+    }
+    names = sorted(weights)  # two shards in a directory, as an HF export writes them
+    for i, part in enumerate((names[::2], names[1::2])):
+        save_file({k: weights[k] for k in part}, str(tmp_path / f"model-{i}.safetensors"))
+    save_file(weights, str(tmp_path / "reference.st"))  # not *.safetensors: not loaded
+    engine.submit("pending", [3, 4, 5], 8, ignore_eos=True)  # waiting or running: interrupted
+    engine.update_weights_from_file(2, str(tmp_path))
+    assert engine.num_running() == 1
+    engine.submit("f", LONG_PROMPT, 8, temperature=1.0, ignore_eos=True)
+    done = run_to_completion(engine)
+    assert done["pending"].versions.tolist() == [2] * 8
+    s = done["f"]
+    assert s.versions.tolist() == [2] * 8
+    reference = hf_model(model_dir, str(tmp_path / "reference.st"))
+    diff = np.abs(hf_logprobs(reference, s, 1.0) - s.behav_logprobs).max()
+    assert diff < ATOL
+
+
+def test_shutdown_leaves_no_process(engine):
+    children = list(engine._children)
+    assert children, "vLLM runs in child processes"
+    engine.shutdown()
+    engine.shutdown()  # idempotent
+    assert not [p for p in children if p.is_running()]
+    left = [p for p in psutil.Process().children(recursive=True)
+            if "resource_tracker" not in " ".join(p.cmdline())]
+    assert not left, [(p.pid, p.cmdline()) for p in left]

@@ -1,0 +1,199 @@
+"""Bucket layout (pure) and one gloo round trip of the bucketed weight broadcast."""
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from areal_hpc.topology import free_port
+from areal_hpc.transport.weights import (
+    bucket_dtype,
+    bucket_numel,
+    dtype_from_str,
+    dtype_to_str,
+    plan_buckets,
+)
+
+
+def names(buckets):
+    return [[name for name, _, _ in b] for b in buckets]
+
+
+def test_empty():
+    assert plan_buckets([], 100) == []
+
+
+def test_greedy_fill_in_input_order():
+    specs = [(n, (4,), "float32") for n in "abcde"]  # 16 bytes each
+    assert names(plan_buckets(specs, 32)) == [["a", "b"], ["c", "d"], ["e"]]
+    assert names(plan_buckets(specs, 47)) == [["a", "b"], ["c", "d"], ["e"]]
+    assert names(plan_buckets(specs, 48)) == [["a", "b", "c"], ["d", "e"]]
+    assert names(plan_buckets(specs, 10**9)) == [["a", "b", "c", "d", "e"]]
+
+
+def test_oversized_tensor_gets_its_own_bucket():
+    specs = [("s1", (1,), "float32"), ("big", (4, 4), "float32"), ("s2", (1,), "float32")]
+    assert names(plan_buckets(specs, 10)) == [["s1"], ["big"], ["s2"]]
+
+
+def test_one_dtype_per_bucket_dtypes_in_first_appearance_order():
+    specs = [
+        ("a", (2, 2), "float32"),  # 16 B
+        ("b", (4,), "bfloat16"),  # 8 B
+        ("c", (3,), "float32"),  # 12 B
+        ("d", (8,), "bfloat16"),  # 16 B
+    ]
+    assert names(plan_buckets(specs, 16)) == [["a"], ["c"], ["b"], ["d"]]
+    assert names(plan_buckets(specs, 24)) == [["a"], ["c"], ["b", "d"]]
+    assert names(plan_buckets(specs, 28)) == [["a", "c"], ["b", "d"]]
+
+
+def test_normalised_specs():
+    buckets = plan_buckets([("w", [2, 3], "torch.bfloat16"), ("s", [], "bfloat16")], 100)
+    assert buckets == [[("w", (2, 3), "bfloat16"), ("s", (), "bfloat16")]]
+    assert bucket_numel(buckets[0]) == 7  # a 0-d tensor is one element
+    assert bucket_dtype(buckets[0]) == "bfloat16"
+
+
+def test_invalid_input():
+    with pytest.raises(ValueError, match="duplicate"):
+        plan_buckets([("a", (1,), "float32"), ("a", (1,), "float32")], 8)
+    with pytest.raises(ValueError, match="dtype"):
+        plan_buckets([("a", (1,), "float42")], 8)
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        plan_buckets([("a", (1,), "float32")], 0)
+    with pytest.raises(ValueError, match="one dtype"):
+        bucket_dtype([("a", (1,), "float32"), ("b", (1,), "bfloat16")])
+
+
+def test_realistic_model_partition():
+    """Every tensor exactly once, caps respected, deterministic."""
+    specs = []
+    for i in range(3):
+        p = f"model.layers.{i}."
+        specs += [
+            (p + "input_layernorm.weight", (64,), "float32"),
+            (p + "self_attn.q_proj.weight", (64, 64), "bfloat16"),
+            (p + "self_attn.q_proj.bias", (64,), "bfloat16"),
+            (p + "mlp.down_proj.weight", (64, 128), "bfloat16"),
+        ]
+    specs.append(("lm_head.weight", (1000, 64), "bfloat16"))  # 128000 B > cap
+    cap = 20_000
+    buckets = plan_buckets(specs, cap)
+    assert buckets == plan_buckets(list(specs), cap)
+    flat = [s for b in buckets for s in b]
+    assert sorted(flat) == sorted(specs)
+    for b in buckets:
+        nbytes = bucket_numel(b) * dtype_from_str(bucket_dtype(b)).itemsize
+        assert nbytes <= cap or len(b) == 1
+    # within a dtype the input order is kept (layer order bounds the receiver's memory)
+    bf16 = [n for n, _, d in flat if d == "bfloat16"]
+    assert bf16 == [n for n, _, d in specs if d == "bfloat16"]
+
+
+def test_dtype_strings():
+    assert dtype_to_str(torch.bfloat16) == "bfloat16"
+    assert dtype_from_str("torch.float16") is torch.float16
+    with pytest.raises(ValueError):
+        dtype_from_str("Tensor")
+
+
+# ------------------------------------------------------------ gloo round trip
+
+
+class _FakeWorker:
+    """Stands in for vLLM's worker: what the extension uses of it (rank, device, reload_weights)."""
+
+    rank = 0
+    device = torch.device("cpu")
+
+    def reload_weights(self, weights_iterator):
+        self.received = {name: t.clone() for name, t in weights_iterator}
+
+
+def _receiver(port, buckets, out_queue):
+    from areal_hpc.rollout.vllm_ext import WeightSyncExtension
+
+    class Worker(_FakeWorker, WeightSyncExtension):
+        pass
+
+    w = Worker()
+    assert w.init_weight_group("127.0.0.1", port, 1, 2, "gloo") == 1
+    n = w.recv_weights(buckets)
+    out_queue.put((n, w.received))
+
+
+def _state_dict():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "embed.weight": torch.randn(10, 4, generator=g),
+        "norm.weight": torch.randn(4, generator=g).to(torch.bfloat16),
+        "proj.weight": torch.randn(4, 6, generator=g).t(),  # non-contiguous on purpose
+        "proj.bias": torch.randn(6, generator=g).to(torch.bfloat16),
+        "scale": torch.tensor(3.0),
+    }
+
+
+def test_broadcast_round_trip_gloo():
+    from areal_hpc.transport.weights import broadcast_weights, init_sender_group
+
+    sd = _state_dict()
+    buckets = plan_buckets([(k, v.shape, dtype_to_str(v.dtype)) for k, v in sd.items()], 64)
+    assert len(buckets) > 2
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_receiver, args=(port, buckets, out))
+    proc.start()
+    try:
+        group = init_sender_group("127.0.0.1", port, 2, "gloo", timeout_s=120)
+        stats = broadcast_weights(group, sd, buckets)
+        n, received = out.get(timeout=120)
+    finally:
+        proc.join(timeout=60)
+    assert proc.exitcode == 0
+    assert n == len(sd) and stats.num_buckets == len(buckets)
+    assert stats.num_bytes == sum(v.numel() * v.element_size() for v in sd.values())
+    for k, v in sd.items():
+        assert received[k].dtype == v.dtype and received[k].shape == v.shape
+        assert torch.equal(received[k], v), k
+
+
+class _FailingWorker(_FakeWorker):
+    def reload_weights(self, weights_iterator):
+        next(iter(weights_iterator))
+        raise KeyError("no such parameter")
+
+
+def _failing_receiver(port, buckets, out_queue):
+    from areal_hpc.rollout.vllm_ext import WeightSyncExtension
+
+    class Worker(_FailingWorker, WeightSyncExtension):
+        pass
+
+    w = Worker()
+    w.init_weight_group("127.0.0.1", port, 1, 2, "gloo")
+    try:
+        w.recv_weights(buckets)
+    except KeyError as e:
+        out_queue.put(repr(e))
+
+
+def test_receiver_error_does_not_hang_the_sender():
+    """A receiver that fails mid-update still takes every bucket off the wire."""
+    from areal_hpc.transport.weights import broadcast_weights, init_sender_group
+
+    sd = _state_dict()
+    buckets = plan_buckets([(k, v.shape, dtype_to_str(v.dtype)) for k, v in sd.items()], 64)
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_failing_receiver, args=(port, buckets, out))
+    proc.start()
+    try:
+        group = init_sender_group("127.0.0.1", port, 2, "gloo", timeout_s=60)
+        stats = broadcast_weights(group, sd, buckets)  # would block here without the drain
+        assert "no such parameter" in out.get(timeout=60)
+    finally:
+        proc.join(timeout=60)
+    assert proc.exitcode == 0 and stats.num_buckets == len(buckets)
