@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     world = MPI.COMM_WORLD
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank {world.Get_rank()}] %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    logging.getLogger("megatron").setLevel(logging.WARNING)   # its INFO setup dumps are long
     try:
         topo = Topology.build(cfg.topology, world)
     except ConfigError as exc:

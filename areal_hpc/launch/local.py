@@ -25,6 +25,10 @@ def rank_env(cfg) -> dict[str, str]:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.rollout.kv_cache_gib))
     env.setdefault("VLLM_CACHE_ROOT", str(Path(".cache/vllm").resolve()))
     env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # Megatron warns at import that TransformerEngine/Apex are absent: expected on CPU.
+    env.setdefault("PYTHONWARNINGS", "ignore:Transformer Engine and Apex are not installed:UserWarning,"
+                                     "ignore:Apex is not installed:UserWarning")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env

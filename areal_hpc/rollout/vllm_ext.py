@@ -16,6 +16,7 @@ This module must stay importable in a fresh spawned process: no MPI, no project 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -28,6 +29,18 @@ from areal_hpc.transport.weights import (
     dtype_from_str,
     spec_numel,
 )
+
+
+
+class _DropRotaryReloadWarning(logging.Filter):
+    """vLLM warns on every reload that RotaryEmbedding loaded nothing: its cos/sin cache is
+    computed, never in a checkpoint, so the warning is noise at every weight update."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "RotaryEmbedding: Failed to load weights" not in record.getMessage()
+
+
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_DropRotaryReloadWarning())
 
 
 class WeightSyncExtension:
