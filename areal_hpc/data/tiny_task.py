@@ -1,19 +1,20 @@
 """The tiny task: sums of k small integers, answered with written partial sums.
 
-A problem with terms (12, 7, 30) reads
+A problem with terms (3, 5, 9) reads
 
-    question  "12+7+30="
-    solution  "12+7=19,19+30=49,\\boxed{49}"
-    answer    "49"
+    question  "3+5+9="
+    solution  "3+5=8,8+9=17,\\boxed{17}"
+    answer    "17"
 
 One step ``a+b=c,`` per term after the first, then the final answer in ``\\boxed{}``, so the
 reward is checked by the same math_verify path as real math datasets. The text is kept short
 because the tiny model reads it one character at a time.
 
 The number of terms k is long-tailed: P(k) ∝ (k - 1) ** -tail_exponent on [min_terms, max_terms].
-With the defaults (2..10, exponent 2) about 65% of the problems have k = 2 and fewer than 1% have
-k = 10, whose solution is about 8x longer; those are the stragglers that asynchronous rollout
-hides.
+With the defaults (2..10, exponent 1) 35% of the problems have k = 2 (20 characters, question
+and solution) and 4% have k = 10 (about 99 characters); those are the stragglers that
+asynchronous rollout hides. (With exponent 2, k = 2 is 65% and already solved after pre-training,
+which leaves RL little to do.)
 
 Pure Python and deterministic for a given seed (``random.Random``), no torch.
 """
@@ -21,14 +22,13 @@ Pure Python and deterministic for a given seed (``random.Random``), no torch.
 from __future__ import annotations
 
 import random
-from collections.abc import Collection
 
 # Every character a question or solution can contain. The tiny model's tokenizer is built from it.
 ALPHABET = "0123456789+=,\\boxed{}"
 
 
 def term_count_weights(min_terms: int = 2, max_terms: int = 10,
-                       tail_exponent: float = 2.0) -> dict[int, float]:
+                       tail_exponent: float = 1.0) -> dict[int, float]:
     """P(k) for k in [min_terms, max_terms], proportional to (k - 1) ** -tail_exponent."""
     if not 2 <= min_terms <= max_terms:
         raise ValueError(f"need 2 <= min_terms <= max_terms, got {min_terms}, {max_terms}")
@@ -53,13 +53,12 @@ def format_solution(terms: list[int]) -> str:
 
 
 def make_problems(n: int, seed: int, *, min_terms: int = 2, max_terms: int = 10,
-                  max_value: int = 99, tail_exponent: float = 2.0,
-                  exclude: Collection[str] = ()) -> list[dict]:
+                  max_value: int = 9, tail_exponent: float = 1.0) -> list[dict]:
     """``n`` problems ``{"question", "answer", "solution"}``, the same ones for the same arguments.
 
-    Terms are uniform on [0, max_value]. Questions in ``exclude`` are skipped (and replaced), e.g.
-    to keep a held-out set out of the training data; ``exclude`` must leave enough distinct
-    questions, or this loops for a long time.
+    Terms are uniform on [0, max_value]. Single digits by default: a small model learns the
+    bookkeeping (which term is next, when to stop) and the adding within a few hundred steps on a
+    CPU; with two-digit terms it stays near 0% for thousands of steps.
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
@@ -68,16 +67,12 @@ def make_problems(n: int, seed: int, *, min_terms: int = 2, max_terms: int = 10,
     weights = term_count_weights(min_terms, max_terms, tail_exponent)
     ks, ps = list(weights), list(weights.values())
     rng = random.Random(seed)
-    excluded = set(exclude)
     problems = []
-    while len(problems) < n:
+    for _ in range(n):
         k = rng.choices(ks, weights=ps)[0]
         terms = [rng.randint(0, max_value) for _ in range(k)]
-        question = format_question(terms)
-        if question in excluded:
-            continue
         problems.append({
-            "question": question,
+            "question": format_question(terms),
             "answer": str(sum(terms)),
             "solution": format_solution(terms),
         })

@@ -4,8 +4,9 @@ Equality is math_verify's (``parse`` + ``verify``: ``\\frac{1}{2}`` == ``0.5``, 
 behind a fast path for plain numbers, which covers the tiny task and GSM8K without sympy.
 
 Timeouts: math_verify bounds its sympy work with ``signal.alarm``, which only works in the main
-thread of a process. In the main thread we keep that bound (``SYMPY_TIMEOUT_S`` per call); in any
-other thread we turn it off, because otherwise math_verify raises. Off the main thread a
+thread of a process. In the main thread we keep that bound (``SYMPY_TIMEOUT_S`` per call; it
+replaces the SIGALRM handler meanwhile and cancels any alarm the caller had set); in any other
+thread we turn it off, because otherwise math_verify raises. Off the main thread a
 pathological answer (``\\boxed{9^{9^{9^{9}}}}``) can then run for a very long time, so callers
 there must bound the wall-clock time themselves (reward/pool.py runs rewards in processes it can
 kill).
