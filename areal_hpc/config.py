@@ -181,6 +181,15 @@ def check_paths(cfg: RunConfig) -> None:
     if log.exists():
         raise ConfigError(f"config key 'name': run {cfg.name!r} already has {log}; "
                           f"choose another name=... or remove {cfg.run_dir}")
+    from .data.jsonl import load_jsonl
     for key, value in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
-        if value is not None and not Path(value).is_file():
+        if value is None:
+            continue
+        if not Path(value).is_file():
             raise ConfigError(f"config key '{key}': file not found: {value}")
+        try:    # every row parsed now, so a bad line stops the job before any rank starts
+            rows = load_jsonl(value, cfg.data.question_key, cfg.data.answer_key)
+        except ValueError as exc:
+            raise ConfigError(f"config key '{key}': {exc}") from None
+        if not rows:
+            raise ConfigError(f"config key '{key}': {value} holds no rows")

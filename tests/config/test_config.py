@@ -67,3 +67,18 @@ def test_shipped_recipes_load():
     for name in ("tiny_cpu", "qwen2_5_1_5b_math", "qwen2_5_7b_math", "qwen2_5_32b_math"):
         cfg = load(f"configs/{name}.yaml")
         assert cfg.train.total_steps >= 1
+
+
+def test_check_paths_names_the_bad_jsonl_line(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "1+1=", "answer": "2"}\n\n{"question": "2+2="}\n')
+    cfg = load(_yaml(tmp_path, BASE), [f"model.path={model}", f"data.train_path={data}",
+                                       f"output_dir={tmp_path}/runs"])
+    with pytest.raises(ConfigError, match=r"data\.train_path.*train\.jsonl:3.*answer"):
+        check_paths(cfg)
+    data.write_text("")
+    with pytest.raises(ConfigError, match="holds no rows"):
+        check_paths(cfg)
