@@ -1,20 +1,24 @@
 """The controller, hosted on trainer rank 0: dataset cursor, staleness budget, rollout log, batches.
 
 It hands prompts to the least-loaded generator while the η budget allows, receives scored groups
-(never blocking a generator), appends every accepted trajectory to the rollout HDF5 log and keeps
-them in a FIFO buffer until a training step takes them.
+(never blocking a generator), appends every trajectory to the rollout HDF5 log and keeps the
+groups until a training step takes them, oldest policy version first.
+
+The submission budget alone cannot bound staleness when generation lengths are long-tailed: a slow
+group can finish after η further versions. Such a group is dropped at batch time (marked
+`DROPPED_STALE` in the log, and its slot returned to the budget), so no trained token is more than
+η versions behind the policy that trains on it.
 """
 from __future__ import annotations
 
 import logging
 import random
 import time
-from collections import deque
 
 import numpy as np
 
 from ..config import RunConfig, to_yaml
-from ..storage.rollout_log import RolloutWriter
+from ..storage.rollout_log import DROPPED_STALE, RolloutWriter
 from ..topology import Topology
 from ..transport.mpi import Channel, Tag
 from .staleness import StalenessBudget, staleness_of
@@ -47,7 +51,8 @@ class Controller:
         self.budget = StalenessBudget(cfg.rollout.max_staleness, cfg.train.batch_prompts,
                                       cfg.rollout.max_concurrent_prompts)
         self.in_flight = {g: 0 for g in topo.generator_ranks}
-        self.buffer: deque[tuple[list[dict], list[int]]] = deque()   # (group, log rows)
+        self.buffer: list[tuple[int, list[dict], list[int]]] = []   # (oldest version, group, log rows)
+        self.dropped_stale = 0          # groups dropped for exceeding η, over the run
         self.writer = RolloutWriter(cfg.run_dir / "rollouts.h5", to_yaml(cfg))
         self.generated_tokens = 0
         self.gen_stats: dict[int, dict] = {}
@@ -84,7 +89,7 @@ class Controller:
                 self.in_flight[src] -= 1
                 self.budget.on_accepted()
                 rows = self.writer.append(msg)
-                self.buffer.append((msg, rows))
+                self.buffer.append((min(int(t["versions"].min()) for t in msg), msg, rows))
                 self.generated_tokens += sum(len(t["output_tokens"]) for t in msg)
                 got += 1
             elif tag == Tag.EVAL_RESULT:
@@ -93,28 +98,45 @@ class Controller:
                 self.gen_stats[src] = msg
         return got
 
+    def _drop_stale(self) -> int:
+        """Drop buffered groups whose oldest token is more than η versions behind the policy."""
+        limit = self.budget.version - self.budget.max_staleness
+        stale = [g for g in self.buffer if g[0] < limit]
+        if stale:
+            self.buffer = [g for g in self.buffer if g[0] >= limit]
+            self.writer.mark_consumed([r for _, _, rows in stale for r in rows], DROPPED_STALE)
+            for _ in stale:
+                self.budget.on_dropped()
+            self.dropped_stale += len(stale)
+        return len(stale)
+
     def next_batch(self, on_wait=None) -> tuple[list[dict], dict]:
         """Block until B groups are ready; returns the flattened trajectories (group-contiguous)
         and batch stats. `on_wait(n_ready)` is called while waiting (progress display)."""
         B = self.cfg.train.batch_prompts
         t0 = time.monotonic()
+        dropped = self._drop_stale()
         while len(self.buffer) < B:
             self.submit()
-            if not self.receive():
+            if self.receive():
+                dropped += self._drop_stale()
+            else:
                 if on_wait:
                     on_wait(len(self.buffer))
                 self.chan.idle(timeout=0.05)
-        groups = [self.buffer.popleft() for _ in range(B)]
+        self.buffer.sort(key=lambda g: g[0])          # oldest first: stable, so FIFO among equals
+        groups, self.buffer = self.buffer[:B], self.buffer[B:]
         self.submit()          # keep generators fed while this step trains
-        trajs = [t for g, _ in groups for t in g]
+        trajs = [t for _, g, _ in groups for t in g]
         version = self.budget.version
         stale = [staleness_of(version, t["versions"]) for t in trajs]
         rewards = np.array([t["reward"] for t in trajs], dtype=np.float64)
         stats = {"wait_s": time.monotonic() - t0, "reward": float(rewards.mean()),
                  "accuracy": float((rewards > 0.5).mean()),
                  "staleness_max": max(stale), "staleness_mean": float(np.mean(stale)),
+                 "dropped_stale": dropped,
                  "response_len": float(np.mean([len(t["output_tokens"]) for t in trajs])),
-                 "rows": [r for _, rows in groups for r in rows]}
+                 "rows": [r for _, _, rows in groups for r in rows]}
         return trajs, stats
 
     def on_trained(self, rows: list[int], step: int, new_version: int) -> None:

@@ -39,6 +39,10 @@ class StalenessBudget:
     def on_rejected(self) -> None:
         self.running -= 1
 
+    def on_dropped(self) -> None:
+        """An accepted group was discarded unused (too stale): it no longer counts."""
+        self.accepted -= 1
+
     def on_version(self, version: int) -> None:
         self.version = version
 

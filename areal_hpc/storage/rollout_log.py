@@ -4,7 +4,8 @@ Layout (flat token arrays + end offsets; vlen data is not SWMR-safe):
 
   /traj/<field>            one row per trajectory: prompt_id i8, sample_idx i4, reward f4,
                            finish_reason u1 (FINISH_REASONS), generator_rank i4, t_submit f8,
-                           t_first_token f8, t_end f8, consumed_step i4 (-1 = not yet trained on),
+                           t_first_token f8, t_end f8, consumed_step i4 (the training step
+                           that used it; -1 = not yet, DROPPED_STALE = dropped as too stale),
                            prompt_end i8, output_end i8 (end offsets into the token arrays)
   /tokens/prompt           int32 [sum of prompt lengths]
   /tokens/output           int32 [sum of output lengths]
@@ -25,6 +26,7 @@ import h5py
 import numpy as np
 
 SCHEMA_VERSION = 1
+NOT_CONSUMED, DROPPED_STALE = -1, -2
 FINISH_REASONS = ("stop", "length", "abort")
 _ROW_FIELDS = {
     "prompt_id": "i8", "sample_idx": "i4", "reward": "f4", "finish_reason": "u1",
@@ -91,7 +93,7 @@ class RolloutWriter:
             "t_submit": [x["t_submit"] for x in trajs],
             "t_first_token": [x["t_first_token"] for x in trajs],
             "t_end": [x["t_end"] for x in trajs],
-            "consumed_step": [-1] * len(trajs),
+            "consumed_step": [NOT_CONSUMED] * len(trajs),
             "prompt_end": self._prompt_end + np.cumsum(plen),
         }
         for name, dt in _ROW_FIELDS.items():
@@ -105,7 +107,8 @@ class RolloutWriter:
         return list(range(first, self.n_rows))
 
     def mark_consumed(self, rows: Sequence[int], step: int) -> None:
-        """Record which training step consumed these rows (in-place write, SWMR-safe)."""
+        """Record which training step consumed these rows, or DROPPED_STALE (in-place write,
+        SWMR-safe)."""
         if len(rows) == 0:
             return
         idx = np.sort(np.asarray(rows, dtype=np.int64))

@@ -40,6 +40,16 @@ def test_simulated_staleness_never_exceeds_eta():
         assert worst == eta
 
 
+def test_dropped_group_frees_its_slot():
+    b = StalenessBudget(max_staleness=0, batch_prompts=2, max_concurrent=10)
+    b.on_submitted(2)
+    b.on_accepted()
+    b.on_accepted()
+    assert b.capacity() == 0
+    b.on_dropped()
+    assert (b.accepted, b.capacity()) == (1, 1)
+
+
 def test_recovery_and_staleness_of():
     b = StalenessBudget(max_staleness=2, batch_prompts=8, max_concurrent=64)
     b.on_recovered(5)
