@@ -3,6 +3,7 @@ trajectories over MPI, weights over a gloo group, rollouts in HDF5."""
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -33,18 +34,23 @@ def _job_args(model, out_dir, name, *extra):
             f"data.eval_path={model}/heldout.jsonl", f"output_dir={out_dir}", f"name={name}", *extra]
 
 
-def _leftovers(marker: str):
+def _leftovers(since: float):
+    """Processes of a job started after `since`: MPI ranks, vLLM engine cores and workers (vLLM
+    renames its processes, so match on names as well as command lines)."""
+    markers = ("areal_hpc.main", "EngineCore", "VLLM", "hydra_pmi_proxy", "mpiexec")
     found = []
-    for p in psutil.process_iter(["pid", "cmdline", "environ"]):
+    for p in psutil.process_iter(["pid", "name", "cmdline", "create_time"]):
         try:
-            if any(marker in part for part in (p.info["cmdline"] or [])):
-                found.append(p.info["pid"])
-        except (psutil.Error, TypeError):
+            text = " ".join([p.info["name"] or ""] + (p.info["cmdline"] or []))
+            if p.info["create_time"] >= since and any(m in text for m in markers):
+                found.append((p.info["pid"], text[:120]))
+        except psutil.Error:
             pass
     return found
 
 
 def test_short_async_run(tiny_model, tmp_path):
+    started = time.time()
     r = _run(_job_args(tiny_model, tmp_path, "e2e", "train.total_steps=3", "train.batch_prompts=2",
                        "rollout.group_size=2", "rollout.max_new_tokens=24", "rollout.max_staleness=1",
                        "data.eval_limit=6", "data.eval_samples=1"), timeout=900)
@@ -69,7 +75,7 @@ def test_short_async_run(tiny_model, tmp_path):
     for row, c in zip(trained, consumed[consumed >= 0]):
         assert c - row["versions"].min() <= 1               # η = 1 held for every trained sample
     assert (run / "policy" / "config.json").exists() and (run / "eval.json").exists()
-    assert not _leftovers(str(run)), "processes of the job are still running"
+    assert not _leftovers(started), "processes of the job are still running"
 
 
 def test_world_too_small_is_a_clear_error(tiny_model, tmp_path):
