@@ -22,11 +22,6 @@ from .actor import Actor
 log = logging.getLogger(__name__)
 
 
-def _weight_meta(state: dict, bucket_mb: int):
-    named = [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state.items()]
-    return wsync.plan_buckets(named, bucket_mb << 20)
-
-
 class Trainer:
     def __init__(self, cfg: RunConfig, topo: Topology):
         self.cfg, self.topo = cfg, topo
@@ -39,6 +34,7 @@ class Trainer:
             behav_imp_weight_cap=tr.behav_imp_weight_cap, max_tokens_per_mb=tr.max_tokens_per_mb,
             group_size=cfg.rollout.group_size, device=t.device, seed=tr.seed)
         self.version = 0
+        self.weight_meta = None         # bucket plan of the HF weights: fixed for the run
         self.controller = None
         if topo.is_controller:
             from transformers import AutoTokenizer
@@ -72,9 +68,11 @@ class Trainer:
         state = self.actor.hf_state_dict()
         if self.controller is None:
             return 0.0
-        meta = _weight_meta(state, self.cfg.weights.bucket_mb)
-        self.controller.send_weights_notice(self.version, meta)
-        wsync.broadcast_weights(self.weight_group, state, meta)
+        if self.weight_meta is None:
+            named = [(k, tuple(v.shape), wsync.dtype_to_str(v.dtype)) for k, v in state.items()]
+            self.weight_meta = wsync.plan_buckets(named, self.cfg.weights.bucket_mb << 20)
+        self.controller.send_weights_notice(self.version, self.weight_meta)
+        wsync.broadcast_weights(self.weight_group, state, self.weight_meta)
         return time.monotonic() - t0
 
     def _batch(self, progress) -> tuple[list[dict], dict]:
@@ -83,7 +81,30 @@ class Trainer:
             trajs, stats = self.controller.next_batch(on_wait=progress.waiting)
         else:
             trajs, stats = None, None
-        return self.topo.role_comm.bcast((trajs, stats), root=0)
+        trajs, stats = self.topo.role_comm.bcast((trajs, stats), root=0)
+        return self._data_parallel_share(trajs), stats
+
+    def _data_parallel_share(self, trajs: list[dict]) -> list[dict]:
+        """This data-parallel rank's whole groups (GRPO normalises within a group)."""
+        from megatron.core import parallel_state
+        dp = parallel_state.get_data_parallel_world_size()
+        if dp == 1:
+            return trajs
+        n = self.cfg.rollout.group_size
+        groups = [trajs[i:i + n] for i in range(0, len(trajs), n)]
+        return [t for g in groups[parallel_state.get_data_parallel_rank()::dp] for t in g]
+
+    def _record(self, step: int, stats: dict, train_stats: dict, weight_sync_s: float) -> dict:
+        """One line of metrics.jsonl (rank 0): batch, update and generation statistics."""
+        now = time.monotonic()
+        gen_tokens = self.controller.generated_tokens
+        record = {"step": step, "version": self.version, **stats, **train_stats,
+                  "weight_sync_s": weight_sync_s,
+                  "gen_tok_per_s": (gen_tokens - self._gen_tokens) / (now - self._t_record)}
+        self._gen_tokens, self._t_record = gen_tokens, now
+        with open(self.cfg.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        return record
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> None:
@@ -91,24 +112,15 @@ class Trainer:
         cfg = self.cfg
         evals = [self._evaluate("initial")]
         progress = Progress(cfg.train.total_steps, enabled=self.controller is not None)
-        metrics_path = cfg.run_dir / "metrics.jsonl"
-        gen_tokens_before, t_prev = 0, time.monotonic()
+        self._gen_tokens, self._t_record = 0, time.monotonic()
         for step in range(cfg.train.total_steps):
-            trajs, stats = self._batch(progress)
-            train_stats = self.actor.train_step(trajs)
+            trajs, stats = self._batch(progress)            # B groups, none older than η
+            train_stats = self.actor.train_step(trajs)      # decoupled PPO, π_prox recomputed
             self.version = step + 1
-            weight_sync_s = self._publish_weights()
+            weight_sync_s = self._publish_weights()         # generators go on with the new version
             if self.controller is not None:
                 self.controller.on_trained(stats.pop("rows"), step, self.version)
-                stats["weight_sync_s"] = weight_sync_s
-                now = time.monotonic()
-                gen_tokens = self.controller.generated_tokens
-                stats["gen_tok_per_s"] = (gen_tokens - gen_tokens_before) / (now - t_prev)
-                gen_tokens_before, t_prev = gen_tokens, now
-                record = {"step": step, "version": self.version, **stats, **train_stats}
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-                progress.step(record)
+                progress.step(self._record(step, stats, train_stats, weight_sync_s))
         progress.close()
         evals.append(self._evaluate("final"))
         self.actor.save_hf(cfg.run_dir / "policy")
