@@ -35,9 +35,9 @@ def main(argv=None) -> int:
 
     from .topology import TRAINER, Topology
     world = MPI.COMM_WORLD
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank {world.Get_rank()}] %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-    logging.getLogger("megatron").setLevel(logging.WARNING)   # its INFO setup dumps are long
+    logging.basicConfig(level=logging.WARNING, datefmt="%H:%M:%S",
+                        format=f"%(asctime)s [rank {world.Get_rank()}] %(name)s: %(message)s")
+    logging.getLogger("areal_hpc").setLevel(logging.INFO)
     try:
         topo = Topology.build(cfg.topology, world)
     except ConfigError as exc:

@@ -10,11 +10,14 @@ class Progress:
     def __init__(self, total_steps: int, enabled: bool = True):
         self.enabled = enabled
         self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True,
-                        file=sys.stderr, disable=not enabled)
+                        file=sys.stderr, disable=not enabled, mininterval=1.0)
+        self._ready = -1
 
     def waiting(self, ready: int) -> None:
-        self.bar.set_postfix_str(f"collecting batch: {ready} groups ready", refresh=False)
-        self.bar.refresh()
+        """Called while the trainer waits for groups; redraws only when the count changes."""
+        if ready != self._ready:
+            self._ready = ready
+            self.bar.set_postfix_str(f"waiting for rollouts: {ready} groups ready")
 
     def step(self, r: dict) -> None:
         if not self.enabled:

@@ -28,7 +28,8 @@ def rank_env(cfg) -> dict[str, str]:
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # Megatron warns at import that TransformerEngine/Apex are absent: expected on CPU.
     env.setdefault("PYTHONWARNINGS", "ignore:Transformer Engine and Apex are not installed:UserWarning,"
-                                     "ignore:Apex is not installed:UserWarning")
+                                     "ignore:Apex is not installed:UserWarning,"
+                                     "ignore:full scope is deprecated:UserWarning")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
