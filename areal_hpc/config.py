@@ -51,6 +51,10 @@ class TopologyConfig:
 
 @dataclass
 class RolloutConfig:
+    # "async": generators run ahead of the trainer by up to η versions (AReaL).
+    # "sync": the baseline the paper compares against: generate a batch with the current weights,
+    # wait for its longest sample, train, update; the same code with η forced to 0.
+    mode: str = "async"
     group_size: int = 4                 # n samples per prompt (GRPO group)
     max_new_tokens: int = 128
     temperature: float = 1.0
@@ -152,6 +156,7 @@ def validate(cfg: RunConfig) -> None:
                f"must be gloo or nccl, got {getattr(t, key)!r}")
     _check(cfg.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype",
            f"must be float32, bfloat16 or float16, got {cfg.model.dtype!r}")
+    _check(r.mode in ("async", "sync"), "rollout.mode", f"must be async or sync, got {r.mode!r}")
     _check(r.group_size >= 1, "rollout.group_size", "must be >= 1")
     _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
     _check(r.temperature > 0, "rollout.temperature", "must be > 0 (behaviour log-probs need sampling)")

@@ -1,12 +1,12 @@
-"""The controller, hosted on trainer rank 0: dataset cursor, staleness budget, rollout log, batches.
+"""The controller, hosted on trainer rank 0: dataset cursor, staleness control, rollout log, batches.
 
-It hands prompts to the least-loaded generator while the η budget allows, receives scored groups
+It hands prompts to the least-loaded generator while the η bound allows, receives scored groups
 (never blocking a generator), appends every trajectory to the rollout HDF5 log and keeps the
 groups until a training step takes them, oldest policy version first.
 
-The submission budget alone cannot bound staleness when generation lengths are long-tailed: a slow
+The submission bound alone cannot bound staleness when generation lengths are long-tailed: a slow
 group can finish after η further versions. Such a group is dropped at batch time (marked
-`DROPPED_STALE` in the log, and its slot returned to the budget), so no trained token is more than
+`DROPPED_STALE` in the log, and its slot freed), so no trained token is more than
 η versions behind the policy that trains on it.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..config import RunConfig, to_yaml
 from ..storage.rollout_log import DROPPED_STALE, RolloutWriter
 from ..topology import Topology
 from ..transport.mpi import Channel, Tag
-from .staleness import StalenessBudget, staleness_of
+from .staleness import StalenessManager, staleness_of
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,12 @@ class Controller:
         self.rows = train_rows
         self.tokenizer = tokenizer
         self.cursor = PromptCursor(len(train_rows), cfg.data.seed)
-        self.budget = StalenessBudget(cfg.rollout.max_staleness, cfg.train.batch_prompts,
-                                      cfg.rollout.max_concurrent_prompts)
+        r = cfg.rollout
+        self.max_staleness = 0 if r.mode == "sync" else r.max_staleness
+        self.staleness = StalenessManager(max_concurrent_rollouts=r.max_concurrent_prompts,
+                                          consumer_batch_size=cfg.train.batch_prompts,
+                                          max_staleness=self.max_staleness)
+        self.version = 0                # policy version the generators have (training steps done)
         self.in_flight = {g: 0 for g in topo.generator_ranks}
         self.buffer: list[tuple[int, list[dict], list[int]]] = []   # (oldest version, group, log rows)
         self.dropped_stale = 0          # groups dropped for exceeding η, over the run
@@ -65,8 +69,8 @@ class Controller:
         return {"prompt_id": prompt_id, "prompt_tokens": ids, "answer": row["answer"], "n": n}
 
     def submit(self) -> int:
-        """Hand out as many prompts as the staleness budget allows; returns how many."""
-        cap = self.budget.capacity()
+        """Hand out as many prompts as the staleness bound allows; returns how many."""
+        cap = self.staleness.get_capacity(self.version)
         if cap <= 0:
             return 0
         batches: dict[int, list[dict]] = {}
@@ -76,9 +80,9 @@ class Controller:
             pid = self.cursor.consumed - 1          # unique per submission, also across epochs
             batches.setdefault(g, []).append(self.encode(pid, self.rows[idx], self.cfg.rollout.group_size))
             self.in_flight[g] += 1
+            self.staleness.on_rollout_submitted()
         for g, prompts in batches.items():
             self.chan.send(prompts, g, Tag.PROMPTS)
-        self.budget.on_submitted(cap)
         return cap
 
     def receive(self) -> int:
@@ -87,7 +91,7 @@ class Controller:
         for src, tag, msg in self.chan.poll():
             if tag == Tag.TRAJECTORIES:
                 self.in_flight[src] -= 1
-                self.budget.on_accepted()
+                self.staleness.on_rollout_accepted()
                 rows = self.writer.append(msg)
                 self.buffer.append((min(int(t["versions"].min()) for t in msg), msg, rows))
                 self.generated_tokens += sum(len(t["output_tokens"]) for t in msg)
@@ -100,13 +104,13 @@ class Controller:
 
     def _drop_stale(self) -> int:
         """Drop buffered groups whose oldest token is more than η versions behind the policy."""
-        limit = self.budget.version - self.budget.max_staleness
+        limit = self.version - self.max_staleness
         stale = [g for g in self.buffer if g[0] < limit]
         if stale:
             self.buffer = [g for g in self.buffer if g[0] >= limit]
             self.writer.mark_consumed([r for _, _, rows in stale for r in rows], DROPPED_STALE)
             for _ in stale:
-                self.budget.on_dropped()
+                self.staleness.on_rollout_dropped()
             self.dropped_stale += len(stale)
         return len(stale)
 
@@ -128,8 +132,7 @@ class Controller:
         groups, self.buffer = self.buffer[:B], self.buffer[B:]
         self.submit()          # keep generators fed while this step trains
         trajs = [t for _, g, _ in groups for t in g]
-        version = self.budget.version
-        stale = [staleness_of(version, t["versions"]) for t in trajs]
+        stale = [staleness_of(self.version, t["versions"]) for t in trajs]
         rewards = np.array([t["reward"] for t in trajs], dtype=np.float64)
         stats = {"wait_s": time.monotonic() - t0, "reward": float(rewards.mean()),
                  "accuracy": float((rewards > 0.5).mean()),
@@ -141,7 +144,7 @@ class Controller:
 
     def on_trained(self, rows: list[int], step: int, new_version: int) -> None:
         self.writer.mark_consumed(rows, step)
-        self.budget.on_version(new_version)
+        self.version = new_version
 
     def send_weights_notice(self, version: int, meta) -> None:
         for g in self.topo.generator_ranks:

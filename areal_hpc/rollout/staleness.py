@@ -1,56 +1,68 @@
-"""Staleness control (AReaL's η bound), pure logic. Units: prompts (one prompt = one group).
+"""Staleness control (AReaL's η bound), pure logic, thread-safe.
 
-A prompt may be submitted only while
+Unit: one rollout = one prompt = one group of n samples; `consumer_batch_size` is the number of
+groups a training step consumes (B). A prompt may be submitted only while
 
-    capacity = min(max_concurrent - running,
-                   (max_staleness + version + 1) * batch_prompts - (accepted + running)) > 0
+    capacity = min(max_concurrent_rollouts - running,
+                   (max_staleness + version + 1) * consumer_batch_size - (accepted + running)) > 0
 
-so that every accepted group is consumed by a training step at most η versions after the policy
-version it was started under. Rejected (or failed) groups free their slot and do not count.
+so, consumed in order, every accepted group is trained at most η versions after the version it
+was submitted under; η = 0 is on-policy (synchronous semantics). Rejected groups free their slot
+and do not count; after a restart at version v, `accepted = v * consumer_batch_size`, so the
+capacity is what a fresh run has at version v.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
 
 
-@dataclass
-class StalenessBudget:
-    max_staleness: int          # η
-    batch_prompts: int          # B: groups consumed per training step
-    max_concurrent: int         # groups in flight at most
-    version: int = 0            # current policy version (training steps done)
-    running: int = 0            # submitted, not yet returned
-    accepted: int = 0           # returned and kept for training
+class StalenessManager:
+    def __init__(self, max_concurrent_rollouts: int, consumer_batch_size: int, max_staleness: int):
+        if max_concurrent_rollouts < 1 or consumer_batch_size < 1 or max_staleness < 0:
+            raise ValueError("need max_concurrent_rollouts >= 1, consumer_batch_size >= 1, "
+                             f"max_staleness >= 0; got {max_concurrent_rollouts}, "
+                             f"{consumer_batch_size}, {max_staleness}")
+        self.max_concurrent_rollouts = max_concurrent_rollouts
+        self.consumer_batch_size = consumer_batch_size
+        self.max_staleness = max_staleness
+        self.running = 0        # submitted, not yet returned
+        self.accepted = 0       # returned and kept for training (consumed ones included)
+        self.rejected = 0       # returned and discarded (for the record; frees its slot)
+        self._lock = threading.Lock()
 
-    def capacity(self) -> int:
-        """How many more prompts may be submitted now (may be <= 0)."""
-        concurrency = self.max_concurrent - self.running
-        staleness = (self.max_staleness + self.version + 1) * self.batch_prompts \
-            - (self.accepted + self.running)
-        return min(concurrency, staleness)
+    def get_capacity(self, current_version: int) -> int:
+        """How many more rollouts may be submitted now (may be negative)."""
+        with self._lock:
+            concurrency = self.max_concurrent_rollouts - self.running
+            staleness = (self.max_staleness + current_version + 1) * self.consumer_batch_size \
+                - (self.accepted + self.running)
+            return min(concurrency, staleness)
 
-    def on_submitted(self, n: int = 1) -> None:
-        self.running += n
+    def on_rollout_submitted(self) -> None:
+        with self._lock:
+            self.running += 1
 
-    def on_accepted(self) -> None:
-        self.running -= 1
-        self.accepted += 1
+    def on_rollout_accepted(self) -> None:
+        with self._lock:
+            self.running -= 1
+            self.accepted += 1
 
-    def on_rejected(self) -> None:
-        self.running -= 1
+    def on_rollout_rejected(self) -> None:
+        with self._lock:
+            self.running -= 1
+            self.rejected += 1
 
-    def on_dropped(self) -> None:
-        """An accepted group was discarded unused (too stale): it no longer counts."""
-        self.accepted -= 1
+    def on_rollout_dropped(self) -> None:
+        """An accepted rollout was discarded before training (too stale): its slot is freed."""
+        with self._lock:
+            self.accepted -= 1
+            self.rejected += 1
 
-    def on_version(self, version: int) -> None:
-        self.version = version
-
-    def on_recovered(self, version: int) -> None:
+    def on_version_recovered(self, version: int) -> None:
         """After a restart at `version`: everything consumed so far counts as accepted."""
-        self.version = version
-        self.accepted = version * self.batch_prompts
-        self.running = 0
+        with self._lock:
+            self.accepted = version * self.consumer_batch_size
+            self.running = 0
 
 
 def staleness_of(consume_version: int, token_versions) -> int:

@@ -49,31 +49,44 @@ def _leftovers(since: float):
     return found
 
 
-def test_short_async_run(tiny_model, tmp_path):
+@pytest.mark.parametrize("mode,eta,generators", [("async", 1, 1), ("async", 4, 2), ("sync", 0, 1)])
+def test_short_run(tiny_model, tmp_path, mode, eta, generators):
+    """A few steps; from rollouts.h5: every step took B groups, no trained token is older than η,
+    weight updates reached the generators mid-run, groups never span generators."""
     started = time.time()
-    r = _run(_job_args(tiny_model, tmp_path, "e2e", "train.total_steps=3", "train.batch_prompts=2",
-                       "rollout.group_size=2", "rollout.max_new_tokens=24", "rollout.max_staleness=1",
+    steps, B, n = 3, 2, 2
+    r = _run(_job_args(tiny_model, tmp_path, "e2e", f"train.total_steps={steps}",
+                       f"train.batch_prompts={B}", f"rollout.group_size={n}",
+                       "rollout.max_new_tokens=24", f"rollout.mode={mode}",
+                       f"rollout.max_staleness={eta}", f"topology.n_generators={generators}",
                        "data.eval_limit=6", "data.eval_samples=1"), timeout=900)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
     assert "held-out accuracy" in r.stdout
     run = tmp_path / "e2e"
     with RolloutReader(run / "rollouts.h5") as log:
-        n = len(log)
-        assert n >= 3 * 2 * 2                               # steps × prompts × group
-        assert "total_steps: 3" in log.config_yaml
-        rows = [log[i] for i in range(n)]
+        rows = [log[i] for i in range(len(log))]
         consumed = log.column("consumed_step")
-    assert sorted({c for c in consumed.tolist() if c >= 0}) == [0, 1, 2]
-    assert (consumed >= 0).sum() == 3 * 2 * 2               # each step took exactly B groups
+        assert f"total_steps: {steps}" in log.config_yaml
+    assert sorted({c for c in consumed.tolist() if c >= 0}) == list(range(steps))
+    assert (consumed >= 0).sum() == steps * B * n           # each step took exactly B groups
     for row in rows:
         assert len(row["output_tokens"]) == len(row["behav_logprobs"]) == len(row["versions"]) >= 1
         assert np.all(row["behav_logprobs"] <= 0)
         assert np.all(np.diff(row["versions"]) >= 0)       # versions never go back within a sample
     versions = sorted({int(v) for row in rows for v in row["versions"]})
-    assert versions[-1] >= 2, versions                      # >= 2 weight updates reached the generator
-    trained = [row for row, c in zip(rows, consumed) if c >= 0]
-    for row, c in zip(trained, consumed[consumed >= 0]):
-        assert c - row["versions"].min() <= 1               # η = 1 held for every trained sample
+    assert versions[-1] >= 2, versions                      # >= 2 weight updates reached generators
+    for row, c in zip(rows, consumed):
+        if c >= 0:
+            assert c - row["versions"].min() <= eta         # η held for every trained token
+            if mode == "sync":                              # on-policy: one version, the current
+                assert set(row["versions"].tolist()) == {c}
+    by_prompt = {}
+    for row in rows:
+        by_prompt.setdefault(row["prompt_id"], set()).add(row["generator_rank"])
+    assert all(len(ranks) == 1 for ranks in by_prompt.values())
+    assert {rk for ranks in by_prompt.values() for rk in ranks} <= set(range(1, 1 + generators))
+    if generators > 1:
+        assert len({rk for ranks in by_prompt.values() for rk in ranks}) == generators
     assert (run / "policy" / "config.json").exists() and (run / "eval.json").exists()
     assert not _leftovers(started), "processes of the job are still running"
 

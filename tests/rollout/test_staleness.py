@@ -1,58 +1,94 @@
-from areal_hpc.rollout.staleness import StalenessBudget, staleness_of
+import threading
+
+import pytest
+
+from areal_hpc.rollout.staleness import StalenessManager, staleness_of
 
 
-def test_capacity_formula_by_hand():
-    b = StalenessBudget(max_staleness=1, batch_prompts=4, max_concurrent=100)
-    assert b.capacity() == (1 + 0 + 1) * 4          # 8 groups may start at version 0
-    b.on_submitted(8)
-    assert b.capacity() == 0
-    for _ in range(8):
-        b.on_accepted()
-    assert (b.accepted, b.running, b.capacity()) == (8, 0, 0)
-    b.on_version(1)                                   # one step consumed 4
-    assert b.capacity() == 4
+def test_initial_capacity_is_eta_plus_one_batches_capped_by_concurrency():
+    assert StalenessManager(100, 4, 1).get_capacity(0) == (1 + 0 + 1) * 4
+    assert StalenessManager(5, 4, 1).get_capacity(0) == 5
+    assert StalenessManager(100, 4, 0).get_capacity(0) == 4          # η = 0: one batch at a time
 
 
-def test_concurrency_cap_and_rejection():
-    b = StalenessBudget(max_staleness=10, batch_prompts=4, max_concurrent=3)
-    assert b.capacity() == 3
-    b.on_submitted(3)
-    b.on_rejected()
-    assert b.capacity() == 1 and b.accepted == 0
+def test_running_accepted_rejected_and_version_growth():
+    m = StalenessManager(max_concurrent_rollouts=6, consumer_batch_size=4, max_staleness=1)
+    for _ in range(6):
+        m.on_rollout_submitted()
+    assert m.get_capacity(0) == min(6 - 6, 8 - 6) == 0
+    for _ in range(5):
+        m.on_rollout_accepted()
+    m.on_rollout_rejected()                          # frees its slot, does not count
+    assert (m.running, m.accepted, m.rejected) == (0, 5, 1)
+    assert m.get_capacity(0) == min(6, 8 - 5) == 3
+    assert m.get_capacity(1) == min(6, 12 - 5) == 6
+    assert m.get_capacity(2) == 6
+    for _ in range(9):
+        m.on_rollout_submitted()
+    assert m.get_capacity(0) == min(6 - 9, 8 - 14) == -6           # may be negative
 
 
-def test_simulated_staleness_never_exceeds_eta():
-    """FIFO consumption: every group is trained at most η versions after its submission."""
-    for eta in (0, 1, 2, 4):
-        B = 3
-        b = StalenessBudget(max_staleness=eta, batch_prompts=B, max_concurrent=50)
-        queue, ready, worst = [], [], 0
-        for _ in range(40):
-            for _ in range(max(b.capacity(), 0)):
-                b.on_submitted()
-                queue.append(b.version)
-            while queue:                      # generation finishes in submission order
-                ready.append(queue.pop(0))
-                b.on_accepted()
-            batch, ready = ready[:B], ready[B:]
-            worst = max([worst] + [b.version - v for v in batch])
-            b.on_version(b.version + 1)
-        assert worst == eta
+def test_dropped_rollout_frees_its_slot():
+    m = StalenessManager(10, 2, 0)
+    m.on_rollout_submitted()
+    m.on_rollout_submitted()
+    m.on_rollout_accepted()
+    m.on_rollout_accepted()
+    assert m.get_capacity(0) == 0
+    m.on_rollout_dropped()
+    assert (m.accepted, m.rejected, m.get_capacity(0)) == (1, 1, 1)
 
 
-def test_dropped_group_frees_its_slot():
-    b = StalenessBudget(max_staleness=0, batch_prompts=2, max_concurrent=10)
-    b.on_submitted(2)
-    b.on_accepted()
-    b.on_accepted()
-    assert b.capacity() == 0
-    b.on_dropped()
-    assert (b.accepted, b.capacity()) == (1, 1)
+def test_recovery_gives_the_capacity_of_a_fresh_version():
+    m = StalenessManager(64, 8, 2)
+    m.on_rollout_submitted()
+    m.on_version_recovered(5)
+    assert (m.accepted, m.running, m.get_capacity(5)) == (40, 0, (2 + 5 + 1) * 8 - 40)
 
 
-def test_recovery_and_staleness_of():
-    b = StalenessBudget(max_staleness=2, batch_prompts=8, max_concurrent=64)
-    b.on_recovered(5)
-    assert (b.accepted, b.running, b.capacity()) == (40, 0, 24)
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        StalenessManager(0, 4, 1)
+    with pytest.raises(ValueError):
+        StalenessManager(4, 4, -1)
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2, 4])
+def test_simulated_staleness_never_exceeds_eta(eta):
+    """In-order completion: every group is trained at most η versions after its submission."""
+    B, version = 3, 0
+    m = StalenessManager(max_concurrent_rollouts=50, consumer_batch_size=B, max_staleness=eta)
+    queue, ready, worst = [], [], 0
+    for _ in range(40):
+        for _ in range(max(m.get_capacity(version), 0)):
+            m.on_rollout_submitted()
+            queue.append(version)
+        while queue:
+            ready.append(queue.pop(0))
+            m.on_rollout_accepted()
+        batch, ready = ready[:B], ready[B:]
+        worst = max([worst] + [version - v for v in batch])
+        version += 1
+    assert worst == eta
+
+
+def test_thread_safety():
+    m = StalenessManager(10**6, 10, 1)
+
+    def work():
+        for _ in range(2000):
+            m.on_rollout_submitted()
+            m.on_rollout_accepted()
+            m.get_capacity(0)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (m.running, m.accepted) == (0, 16000)
+
+
+def test_staleness_of():
     assert staleness_of(7, [5, 5, 6, 7]) == 2
     assert staleness_of(7, []) == 0
