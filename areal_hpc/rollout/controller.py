@@ -11,6 +11,7 @@ group can finish after η further versions. Such a group is dropped at batch tim
 """
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -178,3 +179,11 @@ class Controller:
                 self.chan.idle(timeout=0.05)
         self.chan.flush(timeout=60)
         self.writer.close()
+        for rank, st in sorted(self.gen_stats.items()):
+            sec = st["seconds"]
+            busy = sec["busy"] / max(sec["busy"] + sec["pause"] + sec["idle"], 1e-9)
+            log.info("generator rank %d: %d tokens, busy %.1f%% of its time (generating %.1fs, "
+                     "weight-update pauses %.1fs, idle %.1fs, eval %.1fs)", rank, st["tokens"],
+                     100 * busy, sec["busy"], sec["pause"], sec["idle"], sec["eval"])
+        with open(self.cfg.run_dir / "generators.json", "w") as f:
+            json.dump([self.gen_stats[r] for r in sorted(self.gen_stats)], f, indent=1)

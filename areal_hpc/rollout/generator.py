@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,7 +62,10 @@ class Generator:
                                       topo.cfg.weight_backend)
         self.groups: dict[tuple[str, int], _Group] = {}
         self.tokens_generated = 0
-        self.pause_s = 0.0
+        # Where the time went, from the first training prompt on: generating (busy), paused for
+        # weight updates, evaluating, or idle with nothing to generate (η bound reached).
+        self.seconds = {"busy": 0.0, "pause": 0.0, "eval": 0.0, "idle": 0.0}
+        self._started = False
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
@@ -69,26 +73,37 @@ class Generator:
         while running:
             for _, tag, msg in self.chan.poll(source=CONTROLLER_RANK):
                 if tag == Tag.PROMPTS:
+                    self._started = True
                     for p in msg:
                         self._submit("train", p)
                 elif tag == Tag.WEIGHTS:
-                    self.pause_s += self.engine.update_weights(msg["version"], msg["meta"])
+                    self.seconds["pause"] += self.engine.update_weights(msg["version"], msg["meta"])
                 elif tag == Tag.EVAL:
-                    self._evaluate(msg)
+                    with self._timed("eval"):
+                        self._evaluate(msg)
                 elif tag == Tag.STOP:
                     running = False
                     break
             if not running:
                 break
             if self.engine.has_unfinished():
-                self._step()
+                with self._timed("busy"):
+                    self._step()
             else:
-                self.chan.idle(source=CONTROLLER_RANK, timeout=0.05)
+                with self._timed("idle"):
+                    self.chan.idle(source=CONTROLLER_RANK, timeout=0.05)
         self.chan.send({"rank": self.topo.rank, "tokens": self.tokens_generated,
-                        "pause_s": self.pause_s, "version": self.engine.version},
+                        "seconds": self.seconds, "version": self.engine.version},
                        CONTROLLER_RANK, Tag.STATS)
         self.chan.flush(timeout=60)
         self.engine.shutdown()
+
+    @contextmanager
+    def _timed(self, what: str):
+        t0 = time.monotonic()
+        yield
+        if self._started:
+            self.seconds[what] += time.monotonic() - t0
 
     def _submit(self, kind: str, prompt: dict) -> None:
         r = self.cfg.rollout

@@ -1,0 +1,91 @@
+"""Code datasets from jsonl files (LiveCodeBench / APPS style): one JSON object per line.
+
+Each row becomes ``{"prompt": str, "tests": [{"input": str, "output": str}, ...]}``, the form
+reward/code.py's ``run_tests`` takes. The tests field may hold
+
+- a list of ``{"input": str, "output": str}`` objects (LiveCodeBench's public/private tests), or
+- ``{"inputs": [str, ...], "outputs": [str, ...]}``, APPS's ``input_output``,
+
+either directly or as a JSON string (both datasets ship them as strings). APPS rows with
+``"fn_name"`` are call-based (the test calls a function, not stdin/stdout); they are rejected, as
+are rows without tests, rather than silently scoring every completion 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def _tests_from_pairs(inputs, outputs, where: str, key: str) -> list[dict]:
+    if not isinstance(inputs, list) or not isinstance(outputs, list):
+        raise ValueError(f"{where}: {key!r}: 'inputs' and 'outputs' must be lists")
+    if len(inputs) != len(outputs):
+        raise ValueError(f"{where}: {key!r}: {len(inputs)} inputs but {len(outputs)} outputs")
+    return [{"input": i, "output": o} for i, o in zip(inputs, outputs)]
+
+
+def _parse_tests(value, where: str, key: str) -> list[dict]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: {key!r} is a string but not JSON: {e.msg}") from e
+    if isinstance(value, dict):
+        if "fn_name" in value:
+            raise ValueError(f"{where}: {key!r}: call-based tests (fn_name) are not supported, "
+                             "only stdin/stdout")
+        if "inputs" not in value or "outputs" not in value:
+            raise ValueError(f"{where}: {key!r}: expected keys 'inputs' and 'outputs' "
+                             f"(keys: {sorted(value)})")
+        tests = _tests_from_pairs(value["inputs"], value["outputs"], where, key)
+    elif isinstance(value, list):
+        tests = value
+    else:
+        raise ValueError(f"{where}: {key!r} must be a list of tests or an APPS input_output "
+                         f"object, got {type(value).__name__}")
+    if not tests:
+        raise ValueError(f"{where}: {key!r}: no tests")
+    for n, test in enumerate(tests):
+        if not isinstance(test, dict):
+            raise ValueError(f"{where}: {key!r}[{n}]: expected an object, "
+                             f"got {type(test).__name__}")
+        for field in ("input", "output"):
+            if not isinstance(test.get(field), str):
+                got = type(test[field]).__name__ if field in test else "nothing"
+                raise ValueError(f"{where}: {key!r}[{n}][{field!r}] must be a string, got {got}")
+    return [{"input": t["input"], "output": t["output"]} for t in tests]
+
+
+def load_code_jsonl(path: str | os.PathLike, prompt_key: str = "prompt",
+                    tests_key: str = "tests") -> list[dict]:
+    """Rows of ``path`` as ``[{"prompt": str, "tests": [{"input", "output"}, ...]}, ...]``.
+
+    Raises FileNotFoundError if ``path`` does not exist, and ValueError naming the file and the
+    1-based line number for a row that is not a JSON object, lacks a key, has a non-string
+    prompt, or has no or malformed tests (see the module docstring for the accepted forms).
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"dataset file not found: {path!r}")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: bad JSON: {e.msg}") from e
+            if not isinstance(obj, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            for key in (prompt_key, tests_key):
+                if key not in obj:
+                    raise ValueError(f"{where}: missing key {key!r} (keys: {sorted(obj)})")
+            if not isinstance(obj[prompt_key], str):
+                raise ValueError(f"{where}: {prompt_key!r} must be a string, "
+                                 f"got {type(obj[prompt_key]).__name__}")
+            rows.append({"prompt": obj[prompt_key],
+                         "tests": _parse_tests(obj[tests_key], where, tests_key)})
+    return rows

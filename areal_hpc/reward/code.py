@@ -1,0 +1,206 @@
+"""Code reward: run a completion's Python program against stdin/stdout tests.
+
+Each test runs the program in its own subprocess (``python -I``) in a fresh scratch directory that
+is removed afterwards, with no inherited environment (``PATH`` and ``LANG`` only), stdin read from
+a file, stdout and stderr written to files, and these limits:
+
+- wall clock: ``timeout_s`` per test; on expiry the test's whole process group is killed
+  (the program runs in a new session, so its own children go with it);
+- CPU time: ``RLIMIT_CPU`` a little above ``timeout_s``, a backstop should the parent die;
+- memory: ``RLIMIT_AS = memory_mb`` (a memory bomb gets ``MemoryError``, not the OOM killer);
+- output: ``RLIMIT_FSIZE = MAX_OUTPUT_BYTES`` per file (an endless ``print`` loop gets SIGXFSZ
+  instead of filling the disk or the parent's memory); no core files;
+- parent death (Linux): ``PR_SET_PDEATHSIG`` kills the program if the process running the test
+  dies (e.g. reward/pool.py kills a stuck worker).
+
+This bounds accidents, not attacks: the program can still read the file system and use the
+network. Run untrusted code in a container or a remote sandbox.
+
+The limits are set in ``preexec_fn``, which CPython documents as unsafe in a process with threads
+(a lock held by another thread at fork time stays held in the child). The function below only
+calls already-imported C functions, and reward/pool.py calls ``run_tests`` from single-threaded
+worker processes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+MAX_OUTPUT_BYTES = 32 << 20  # per written file, stdout included
+MAX_ERROR_CHARS = 200
+CPU_LIMIT_SLACK_S = 1  # RLIMIT_CPU = ceil(timeout_s) + this; the wall clock normally fires first
+CHILD_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+
+_PR_SET_PDEATHSIG = 1
+_FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+_PYTHON_TAGS = {"python", "python3", "py"}
+_SIGNAL_REASONS = {
+    signal.SIGKILL: "killed (SIGKILL)",
+    signal.SIGXCPU: "CPU time limit exceeded",
+    signal.SIGXFSZ: "output limit exceeded",
+    signal.SIGSEGV: "segmentation fault",
+}
+
+
+def extract_code(completion_text: str) -> str:
+    """The program in a completion: the last fenced block tagged ``python``/``py``/``python3``;
+    failing that the last untagged fenced block; failing that the whole text.
+
+    An unclosed fence (a truncated completion) is not a block.
+    """
+    python_blocks, bare_blocks = [], []
+    for m in _FENCE.finditer(completion_text):
+        tag = m.group(1).lower()
+        if tag in _PYTHON_TAGS:
+            python_blocks.append(m.group(2))
+        elif not tag:
+            bare_blocks.append(m.group(2))
+    blocks = python_blocks or bare_blocks
+    return blocks[-1] if blocks else completion_text
+
+
+def _normalise_output(text: str) -> str:
+    """Trailing whitespace of every line and trailing blank lines don't count."""
+    lines = [line.rstrip() for line in text.splitlines()]
+    while lines and not lines[-1]:
+        lines.pop()
+    return "\n".join(lines)
+
+
+def _libc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _libc()  # loaded here: preexec_fn must not load libraries after fork
+
+
+def _limit_child(timeout_s: float, memory_mb: int, parent_pid: int):
+    cpu_s = math.ceil(timeout_s) + CPU_LIMIT_SLACK_S
+    memory_bytes = memory_mb << 20
+
+    def preexec() -> None:
+        if _LIBC is not None:
+            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != parent_pid:  # the parent died before prctl took effect
+                os._exit(1)
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (MAX_OUTPUT_BYTES, MAX_OUTPUT_BYTES))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+    return preexec
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone already
+
+
+def _tail(path: str) -> str:
+    """Last non-empty line of a (possibly huge) file, shortened to MAX_ERROR_CHARS."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - 4096))
+        lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines()]
+    lines = [ln for ln in lines if ln]
+    return lines[-1][:MAX_ERROR_CHARS] if lines else ""
+
+
+def _run_one(program: str, stdin_text: str, expected: str, timeout_s: float,
+             memory_mb: int, scratch_root: str | None) -> str | None:
+    """None if the program passes this test, else a short reason."""
+    scratch = tempfile.mkdtemp(prefix="areal_code_", dir=scratch_root)
+    try:
+        source = os.path.join(scratch, "solution.py")
+        paths = {name: os.path.join(scratch, name) for name in ("stdin", "stdout", "stderr")}
+        with open(source, "w", encoding="utf-8") as f:
+            f.write(program)
+        with open(paths["stdin"], "w", encoding="utf-8") as f:
+            f.write(stdin_text)
+        with open(paths["stdin"], "rb") as fin, open(paths["stdout"], "wb") as fout, \
+                open(paths["stderr"], "wb") as ferr:
+            proc = subprocess.Popen(
+                [sys.executable, "-I", source], stdin=fin, stdout=fout, stderr=ferr,
+                cwd=scratch, env=dict(CHILD_ENV), close_fds=True, start_new_session=True,
+                preexec_fn=_limit_child(timeout_s, memory_mb, os.getpid()))
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        # Always: the program may have left children behind in its group.
+        _kill_group(proc.pid)
+        returncode = proc.wait()
+        if timed_out:
+            return f"timeout after {timeout_s:g} s"
+        if returncode < 0:
+            reason = _SIGNAL_REASONS.get(-returncode, f"killed by signal {-returncode}")
+            return reason
+        if returncode != 0:
+            last = _tail(paths["stderr"])
+            return last if last else f"exit code {returncode}"
+        with open(paths["stdout"], "rb") as f:
+            got = f.read().decode("utf-8", "replace")
+        if _normalise_output(got) != _normalise_output(expected):
+            return "wrong answer"
+        return None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def run_tests(code: str, tests: list[dict], timeout_s: float = 5.0, memory_mb: int = 512,
+              stop_on_first_failure: bool = False, scratch_root: str | None = None) -> dict:
+    """Run a program against stdin/stdout tests ``[{"input": str, "output": str}, ...]``.
+
+    ``code`` is a completion or bare source; ``extract_code`` picks the program out of it.
+    Limits per test: ``timeout_s`` seconds of wall clock, ``memory_mb`` MiB of address space.
+    Outputs match if they agree after stripping trailing whitespace per line (and trailing blank
+    lines). With ``stop_on_first_failure`` the tests after a failure are not run (error
+    ``"skipped"``): the reward is 0 either way, and a program that loops forever would otherwise
+    cost ``timeout_s`` per test. Scratch directories are made in ``scratch_root`` (default: the
+    system's temporary directory); a caller that may be killed mid-test passes a directory it
+    cleans up itself.
+
+    Returns ``{"passed": [bool per test], "errors": [None or a short reason per test],
+    "reward": 1.0 if every test passed (and there is at least one) else 0.0}``. Never raises.
+    """
+    try:
+        tests = list(tests)
+    except TypeError:
+        return {"passed": [], "errors": [], "reward": 0.0}
+    passed, errors = [], []
+    program = extract_code(code) if isinstance(code, str) else None
+    for test in tests:
+        if errors and stop_on_first_failure and not passed[-1]:
+            error = "skipped"
+        elif program is None:
+            error = f"code must be a string, got {type(code).__name__}"
+        elif (not isinstance(test, dict) or not isinstance(test.get("input"), str)
+              or not isinstance(test.get("output"), str)):
+            error = "malformed test: expected {'input': str, 'output': str}"
+        else:
+            try:
+                error = _run_one(program, test["input"], test["output"], timeout_s, memory_mb,
+                                 scratch_root)
+            except Exception as e:  # e.g. no disk space, too many processes
+                error = f"sandbox error: {type(e).__name__}: {e}"[:MAX_ERROR_CHARS]
+        passed.append(error is None)
+        errors.append(error)
+    reward = 1.0 if passed and all(passed) else 0.0
+    return {"passed": passed, "errors": errors, "reward": reward}

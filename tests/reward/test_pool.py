@@ -1,0 +1,152 @@
+import os
+import signal
+import tempfile
+import threading
+import time
+
+import psutil
+import pytest
+
+from areal_hpc.reward.pool import RewardPool, RewardResult
+
+HANGS = "\\boxed{9^{9^{9^{9}}}}"  # sympy evaluates the tower: minutes, not interruptible
+ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
+ADD_TESTS = [{"input": "1 2", "output": "3"}, {"input": "5 7", "output": "12"}]
+
+
+def gone(proc: psutil.Process) -> bool:
+    # An orphan killed here stays a zombie: this container's init does not reap.
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_until(predicate, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RewardPool(max_workers=2) as p:
+        yield p
+
+
+def test_math_and_code_through_the_pool(pool):
+    calls = {
+        "half": ("math", "so \\boxed{0.5}", "1/2", 1.0),
+        "frac": ("math", "\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        "four": ("math", "\\boxed{4}", "4", 1.0),
+        "wrong": ("math", "\\boxed{5}", "4", 0.0),
+        "no box": ("math", "4", "4", 0.0),
+        "code ok": ("code", f"```python\n{ADD}```", ADD_TESTS, 1.0),
+        "code wrong": ("code", "input()\nprint(3)", ADD_TESTS, 0.0),
+        "code error": ("code", "1/0", ADD_TESTS, 0.0),
+    }
+    errors_before = pool.stats()["errors"]
+    for key, (kind, completion, reference, _) in calls.items():
+        pool.submit(key, kind, completion, reference)
+    results = pool.drain(timeout=60)
+    assert sorted(results) == sorted(RewardResult(key, reward, None)
+                                     for key, (_, _, _, reward) in calls.items())
+    assert pool.unfinished == 0
+    assert pool.stats()["errors"] == errors_before
+
+
+def test_done_never_blocks_and_waits_only_when_asked(pool):
+    assert pool.done() == []
+    start = time.monotonic()
+    assert pool.done(timeout=0.2) == []
+    assert 0.15 < time.monotonic() - start < 2.0
+    pool.submit(7, "math", "\\boxed{7}", "7")
+    assert pool.done(timeout=30) == [RewardResult(7, 1.0, None)]
+
+
+def test_a_reference_that_does_not_pickle_is_an_error_not_a_crash(pool):
+    errors_before = pool.stats()["errors"]
+    pool.submit("lock", "code", "print(1)", [threading.Lock()])
+    pool.submit("after", "math", "\\boxed{1}", "1")
+    assert sorted(pool.drain(timeout=60)) == [
+        RewardResult("after", 1.0, None),
+        RewardResult("lock", 0.0, "TypeError: cannot pickle '_thread.lock' object")]
+    assert pool.stats()["errors"] == errors_before + 1
+
+
+def test_unknown_kind_is_refused(pool):
+    with pytest.raises(ValueError, match="unknown reward kind 'chess'"):
+        pool.submit(1, "chess", "e4", "e5")
+
+
+def test_a_stuck_math_call_times_out_and_the_pool_keeps_serving():
+    with RewardPool(max_workers=2, math_timeout_s=1.0) as pool:
+        pool.submit("warm", "math", "\\boxed{1}", "1")
+        assert pool.drain(timeout=60) == [RewardResult("warm", 1.0, None)]
+        workers = [psutil.Process(pid) for pid in pool.worker_pids()]
+        # A slow, innocent code call runs beside the stuck one when the workers are killed:
+        # it runs again on fresh workers and still gets its reward.
+        start = time.monotonic()
+        pool.submit("innocent", "code", "import time\ntime.sleep(1.5)\nprint(3)",
+                    [{"input": "", "output": "3"}])
+        pool.submit("stuck", "math", HANGS, "4")
+        # math_verify's own alarm (3 s) would answer 0.0 without an error; the pool's 1 s first.
+        assert pool.done(timeout=30) == [RewardResult("stuck", 0.0, "timeout after 1 s")]
+        assert time.monotonic() - start < 2.5
+        assert all(gone(w) for w in workers)
+        assert pool.drain(timeout=60) == [RewardResult("innocent", 1.0, None)]
+        assert time.monotonic() - start > 2.5  # started over after the kill at 1 s
+        pool.submit("next", "math", "\\boxed{3}", "3")
+        assert pool.drain(timeout=60) == [RewardResult("next", 1.0, None)]
+        assert pool.stats() == {"calls": 4, "errors": 1, "timeouts": 1, "restarts": 1}
+        assert not set(pool.worker_pids()) & {w.pid for w in workers}
+
+
+def test_a_dead_worker_costs_its_call_and_the_pool_keeps_serving(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the pool's scratch goes
+    with RewardPool(max_workers=1, code_test_timeout_s=30.0) as pool:
+        pool.submit("sleeper", "code", "import time\ntime.sleep(60)", [{"input": "", "output": ""}])
+        wait_until(lambda: pool.worker_pids())
+        worker = psutil.Process(pool.worker_pids()[0])
+        wait_until(lambda: worker.children())  # the test program is running
+        program = worker.children()[0]
+        os.kill(worker.pid, signal.SIGKILL)  # as the OOM killer would
+        assert pool.drain(timeout=30) == [
+            RewardResult("sleeper", 0.0, "reward worker process died")]
+        wait_until(lambda: gone(program), 5.0)  # PR_SET_PDEATHSIG
+        pool.submit("next", "math", "\\boxed{\\frac{1}{2}}", "0.5")
+        assert pool.drain(timeout=60) == [RewardResult("next", 1.0, None)]
+        assert pool.stats() == {"calls": 2, "errors": 1, "timeouts": 0, "restarts": 1}
+        [scratch_root] = tmp_path.iterdir()
+        assert list(scratch_root.iterdir()) == []  # the dead worker's test directory is gone
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_close_leaves_no_processes_and_fails_unfinished_calls(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    def descendants():
+        # multiprocessing's resource tracker lives as long as this process, by design.
+        return {p for p in psutil.Process().children(recursive=True)
+                if "resource_tracker" not in " ".join(p.cmdline())}
+
+    before = descendants()
+    pool = RewardPool(max_workers=2, code_test_timeout_s=30.0)
+    pool.submit("quick", "math", "\\boxed{2}", "2")
+    assert pool.drain(timeout=60) == [RewardResult("quick", 1.0, None)]
+    for key in ("sleeper 1", "sleeper 2"):
+        pool.submit(key, "code", "import time\ntime.sleep(60)", [{"input": "", "output": ""}])
+    wait_until(lambda: all(psutil.Process(pid).children() for pid in pool.worker_pids()))
+    ours = descendants() - before
+    assert len(ours) == 4  # two workers and their sleeping test programs
+    start = time.monotonic()
+    pool.close()
+    assert time.monotonic() - start < 5.0
+    assert sorted(pool.done()) == [RewardResult("sleeper 1", 0.0, "reward pool closed"),
+                                   RewardResult("sleeper 2", 0.0, "reward pool closed")]
+    wait_until(lambda: all(gone(p) for p in ours), 5.0)
+    assert descendants() - before == set()
+    assert list(tmp_path.iterdir()) == []  # scratch directories of the killed tests included
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.submit("late", "math", "\\boxed{1}", "1")
+    pool.close()  # idempotent

@@ -1,0 +1,101 @@
+"""Generator throughput: our engine wrapper vs bare `vllm.LLM.generate`, same prompts, same run.
+
+    python tools/bench_generation.py [--model models/tiny] [--prompts 256] [--n 4] [--reps 3]
+    python tools/bench_generation.py --busy [key=value ...]    # busy fraction in an async job
+
+Both engines are up at once and measured in alternation (bare, ours, bare, ours, ...), so the
+ratio is not skewed by the machine's load drifting between two separate runs. Our side is the
+generator's own path: one request per sample, a per-token version and behaviour log-prob
+bookkeeping, `step()` driven from Python. Prints tokens/s per repetition and the median ratio.
+
+`--busy` instead runs the tiny async job (configs/tiny_cpu.yaml plus overrides) and reports each
+generator's busy fraction: time generating / (generating + weight-update pauses + idle), from the
+first training prompt to the stop; held-out evaluation time is excluded.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+
+def busy_fraction(overrides: list[str]) -> None:
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "areal_hpc.launch.local", "configs/tiny_cpu.yaml",
+               "name=bench-busy", f"output_dir={out}", *overrides]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        gens = json.loads((Path(out) / "bench-busy" / "generators.json").read_text())
+    for g in gens:
+        sec = g["seconds"]
+        busy = sec["busy"] / (sec["busy"] + sec["pause"] + sec["idle"])
+        print(f"generator rank {g['rank']}: busy {100 * busy:.1f}% (generating {sec['busy']:.1f}s, "
+              f"pauses {sec['pause']:.1f}s, idle {sec['idle']:.1f}s), {g['tokens']} tokens")
+
+
+def main() -> None:
+    if "--busy" in sys.argv:
+        return busy_fraction([a for a in sys.argv[1:] if a != "--busy"])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="models/tiny")
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--n", type=int, default=4, help="samples per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from areal_hpc.data.jsonl import load_jsonl
+    from areal_hpc.rollout.vllm_engine import VLLMEngine
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    rows = load_jsonl(f"{args.model}/train.jsonl")[: args.prompts]
+    prompts = [tok(r["question"], add_special_tokens=False)["input_ids"] for r in rows]
+    common = dict(dtype=args.dtype, max_model_len=256, seed=0, enforce_eager=True)
+
+    bare = LLM(model=args.model, logprobs_mode="processed_logprobs", **common)
+    ours = VLLMEngine(args.model, **common)
+    sp = SamplingParams(n=1, temperature=1.0, max_tokens=args.max_new_tokens, logprobs=0)
+
+    def run_bare() -> tuple[int, float]:
+        reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts for _ in range(args.n)]
+        t0 = time.perf_counter()
+        outs = bare.generate(reqs, sp, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t0
+
+    def run_ours() -> tuple[int, float]:
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts):
+            for j in range(args.n):
+                ours.submit(f"b:{i}:{j}", p, max_new_tokens=args.max_new_tokens, temperature=1.0)
+        tokens = 0
+        while ours.has_unfinished():
+            tokens += sum(len(s.output_tokens) for s in ours.step())
+        return tokens, time.perf_counter() - t0
+
+    run_bare(), run_ours()                              # warm-up
+    rows_out = []
+    for rep in range(args.reps):
+        (tb, sb), (to, so) = run_bare(), run_ours()
+        rows_out.append({"rep": rep, "bare_tok_s": tb / sb, "ours_tok_s": to / so,
+                         "ratio": (to / so) / (tb / sb), "bare_tokens": tb, "ours_tokens": to})
+        print(f"rep {rep}: bare vLLM {tb / sb:8.1f} tok/s ({tb} tokens) | ours {to / so:8.1f} tok/s "
+              f"({to} tokens) | ratio {rows_out[-1]['ratio']:.3f}", flush=True)
+    ratio = statistics.median(r["ratio"] for r in rows_out)
+    print(f"median ratio ours/bare: {ratio:.3f}")
+    print(json.dumps({"args": vars(args), "reps": rows_out, "median_ratio": ratio}))
+    ours.shutdown()
+
+
+if __name__ == "__main__":
+    main()
