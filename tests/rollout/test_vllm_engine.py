@@ -68,6 +68,8 @@ def run_to_completion(engine):
     out = []
     while engine.has_unfinished():
         out += engine.step()
+    ids = [s.request_id for s in out]
+    assert len(ids) == len(set(ids)), f"a request finished twice: {ids}"
     return {s.request_id: s for s in out}
 
 
@@ -206,6 +208,7 @@ def test_weight_update_mid_generation(engine, model_dir, tmp_path):
         f"{stats.num_buckets} buckets, {stats.num_bytes} B in {stats.seconds * 1e3:.0f} ms"
     )
     assert engine.version == 1
+    assert set(done) == set(prompts)  # nothing lost, nothing duplicated (run_to_completion)
 
     old, new = hf_model(model_dir), hf_model(model_dir, sent_path)
     for rid, s in done.items():
