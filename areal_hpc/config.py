@@ -69,6 +69,12 @@ class RolloutConfig:
 
 
 @dataclass
+class RewardConfig:
+    workers: int = 1                    # reward processes beside each generator
+    math_timeout_s: float = 10.0        # per call; a timeout or crash scores 0 and is counted
+
+
+@dataclass
 class TrainConfig:
     total_steps: int = 20
     batch_prompts: int = 8              # B: prompts (groups) per training step
@@ -98,6 +104,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
@@ -162,6 +169,8 @@ def validate(cfg: RunConfig) -> None:
     _check(r.temperature > 0, "rollout.temperature", "must be > 0 (behaviour log-probs need sampling)")
     _check(r.max_staleness >= 0, "rollout.max_staleness", "η must be >= 0")
     _check(r.max_concurrent_prompts >= 1, "rollout.max_concurrent_prompts", "must be >= 1")
+    _check(cfg.reward.workers >= 1, "reward.workers", "must be >= 1")
+    _check(cfg.reward.math_timeout_s > 0, "reward.math_timeout_s", "must be > 0")
     _check(tr.total_steps >= 1, "train.total_steps", "must be >= 1")
     _check(tr.batch_prompts >= 1, "train.batch_prompts", "must be >= 1")
     _check(tr.max_tokens_per_mb >= 1, "train.max_tokens_per_mb", "must be >= 1")

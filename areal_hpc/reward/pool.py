@@ -15,8 +15,9 @@ thread that touches it; ``submit`` and the futures' done-callbacks only put item
 its locks, cannot deadlock against us). Finished results go to a list behind a lock, which
 ``done`` empties.
 
-Timeouts. A call stuck in C code (sympy raising ``9^{9^{9^{9}}}`` to a power) cannot be
-interrupted, only its process killed, and ``ProcessPoolExecutor`` can't stop one task. So:
+Timeouts. A Python thread cannot be stopped from outside, and a signal reaches Python code only
+between bytecodes, so a call stuck inside one long C call (a huge integer power in sympy) can only
+be stopped by killing its process; ``ProcessPoolExecutor`` can't stop one task. So:
 
 - at most ``max_workers`` calls are handed to the executor at a time (the rest wait in our own
   queue): every handed-over call has a worker to itself, and its deadline, counted from the
@@ -101,7 +102,7 @@ _WAKE = object()
 
 # ---- worker side (module-level functions: spawn pickles them by name) ----
 
-def _init_worker(memory_mb: int) -> None:
+def _init_worker(memory_mb: int, all_ready) -> None:
     if memory_mb > 0:
         _, hard = resource.getrlimit(resource.RLIMIT_AS)
         limit = memory_mb << 20
@@ -110,6 +111,8 @@ def _init_worker(memory_mb: int) -> None:
         # Soft limit only: run_tests' children set their own (lower or higher) limit.
         resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
     math_reward("\\boxed{\\frac{1}{2}}", "0.5")  # math_verify builds its parsers on first use
+    # No worker takes a task before all are ready (see RewardPool._start_executor).
+    all_ready.wait(WORKER_START_TIMEOUT_S)
 
 
 def _worker_pid() -> int:
@@ -353,12 +356,16 @@ class RewardPool:
     def _start_executor(self) -> bool:
         """Start workers and wait until each has imported the reward code. On failure every
         waiting call yields 0.0 with the reason (the next submit tries again)."""
+        ctx = multiprocessing.get_context("spawn")
         executor = ProcessPoolExecutor(
-            self.max_workers, mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_worker, initargs=(self.worker_memory_mb,))
+            self.max_workers, mp_context=ctx, initializer=_init_worker,
+            initargs=(self.worker_memory_mb, ctx.Barrier(self.max_workers)))
         error = None
         try:
             # 3.11 spawns one worker per submit while none is idle: this starts all of them.
+            # Their initializers meet at the barrier, so once any probe has run, every worker
+            # is ready; without it one fast worker could run all probes while another is still
+            # importing, and the first calls' deadlines would include that import.
             probes = [executor.submit(_worker_pid) for _ in range(self.max_workers)]
             finished, _ = wait(probes, timeout=WORKER_START_TIMEOUT_S)
             failed = [p.exception() for p in finished if p.exception() is not None]
@@ -389,9 +396,12 @@ class RewardPool:
         if self._executor is not None:
             self._kill(self._executor)
             self._executor = None
-            with os.scandir(self._scratch_root) as entries:  # no worker left to use them
-                for entry in entries:
-                    shutil.rmtree(entry.path, ignore_errors=True)
+            # No worker is left to use the scratch directories: start the root afresh.
+            shutil.rmtree(self._scratch_root, ignore_errors=True)
+            try:
+                os.mkdir(self._scratch_root, 0o700)
+            except OSError as e:  # code calls will then fail with "sandbox error"
+                log.error("cannot recreate %s: %s", self._scratch_root, e)
         with self._lock:
             self._pids = []
 

@@ -183,7 +183,9 @@ class Controller:
             sec = st["seconds"]
             busy = sec["busy"] / max(sec["busy"] + sec["pause"] + sec["idle"], 1e-9)
             log.info("generator rank %d: %d tokens, busy %.1f%% of its time (generating %.1fs, "
-                     "weight-update pauses %.1fs, idle %.1fs, eval %.1fs)", rank, st["tokens"],
-                     100 * busy, sec["busy"], sec["pause"], sec["idle"], sec["eval"])
+                     "weight-update pauses %.1fs, idle %.1fs, eval %.1fs); reward calls %d, "
+                     "errors %d, timeouts %d", rank, st["tokens"], 100 * busy, sec["busy"],
+                     sec["pause"], sec["idle"], sec["eval"], st["reward"]["calls"],
+                     st["reward"]["errors"], st["reward"]["timeouts"])
         with open(self.cfg.run_dir / "generators.json", "w") as f:
             json.dump([self.gen_stats[r] for r in sorted(self.gen_stats)], f, indent=1)

@@ -7,7 +7,8 @@
                       group, drop the KV cache, resume (later tokens carry the new version)
             EVAL    → run the held-out prompts to completion at the current version
             STOP    → finish
-        step vLLM; score every finished group; send it to the controller
+        step vLLM; hand every finished sample to the reward pool (processes beside the
+        engine, so scoring overlaps generation); send each group once all its samples are scored
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..config import RunConfig
-from ..reward.math import math_reward
+from ..reward.pool import RewardPool
 from ..topology import CONTROLLER_RANK, Topology
 from ..transport.mpi import Channel, Tag
 from .vllm_engine import VLLMEngine
@@ -31,10 +32,15 @@ log = logging.getLogger(__name__)
 class _Group:
     prompt: dict                        # {"prompt_id", "prompt_tokens", "answer", "n"}
     samples: dict = field(default_factory=dict)   # sample_idx → finished sample
+    rewards: dict = field(default_factory=dict)   # sample_idx → reward
 
     @property
-    def done(self) -> bool:
+    def generated(self) -> bool:
         return len(self.samples) == self.prompt["n"]
+
+    @property
+    def scored(self) -> bool:
+        return len(self.rewards) == self.prompt["n"]
 
 
 def _request_id(kind: str, prompt_id: int, sample_idx: int) -> str:
@@ -61,6 +67,7 @@ class Generator:
                                       topo.weight_group_rank, topo.weight_group_size,
                                       topo.cfg.weight_backend)
         self.groups: dict[tuple[str, int], _Group] = {}
+        self.rewards = RewardPool(cfg.reward.workers, math_timeout_s=cfg.reward.math_timeout_s)
         self.tokens_generated = 0
         # Where the time went, from the first training prompt on: generating (busy), paused for
         # weight updates, evaluating, or idle with nothing to generate (η bound reached).
@@ -86,16 +93,20 @@ class Generator:
                     break
             if not running:
                 break
+            for _, group in self._collect_rewards():     # eval groups never reach this loop
+                self._send(group)
             if self.engine.has_unfinished():
                 with self._timed("busy"):
                     self._step()
             else:
                 with self._timed("idle"):
-                    self.chan.idle(source=CONTROLLER_RANK, timeout=0.05)
+                    self.chan.idle(source=CONTROLLER_RANK,
+                                   timeout=0.005 if self.rewards.unfinished else 0.05)
         self.chan.send({"rank": self.topo.rank, "tokens": self.tokens_generated,
-                        "seconds": self.seconds, "version": self.engine.version},
-                       CONTROLLER_RANK, Tag.STATS)
+                        "seconds": self.seconds, "version": self.engine.version,
+                        "reward": self.rewards.stats()}, CONTROLLER_RANK, Tag.STATS)
         self.chan.flush(timeout=60)
+        self.rewards.close()
         self.engine.shutdown()
 
     @contextmanager
@@ -113,37 +124,41 @@ class Generator:
                                max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                                top_p=r.top_p)
 
-    def _step(self) -> list[_Group]:
-        """One engine step; sends finished training groups, returns finished eval groups."""
-        finished_eval = []
-        for s in self.engine.step():
-            kind, pid, idx = _parse_request_id(s.request_id)
+    def _step(self) -> None:
+        """One engine step; every finished sample goes to the reward pool at once."""
+        for smp in self.engine.step():
+            kind, pid, idx = _parse_request_id(smp.request_id)
             group = self.groups[(kind, pid)]
-            group.samples[idx] = s
-            self.tokens_generated += len(s.output_tokens)
-            if group.done:
-                del self.groups[(kind, pid)]
-                if kind == "train":
-                    self.chan.send(self._score(group), CONTROLLER_RANK, Tag.TRAJECTORIES)
-                else:
-                    finished_eval.append(group)
-        return finished_eval
+            group.samples[idx] = smp
+            self.tokens_generated += len(smp.output_tokens)
+            text = self.tokenizer.decode(smp.output_tokens, skip_special_tokens=True)
+            self.rewards.submit((kind, pid, idx), "math", text, group.prompt["answer"])
 
-    def _score(self, group: _Group) -> list[dict]:
+    def _collect_rewards(self, timeout: float = 0.0) -> list[tuple[str, _Group]]:
+        """Scores that arrived; returns the groups now fully generated and scored."""
+        complete = []
+        for res in self.rewards.done(timeout):
+            kind, pid, idx = res.key
+            group = self.groups[(kind, pid)]
+            group.rewards[idx] = res.reward
+            if res.error:
+                log.warning("reward for prompt %d sample %d: %s (scored 0)", pid, idx, res.error)
+            if group.generated and group.scored:
+                complete.append((kind, self.groups.pop((kind, pid))))
+        return complete
+
+    def _send(self, group: _Group) -> None:
+        """A scored training group to the controller, as DESIGN's trajectory dicts."""
         p = group.prompt
-        trajs = []
-        for idx in range(p["n"]):
-            s = group.samples[idx]
-            text = self.tokenizer.decode(s.output_tokens, skip_special_tokens=True)
-            trajs.append({
-                "prompt_id": p["prompt_id"], "sample_idx": idx,
-                "prompt_tokens": np.asarray(p["prompt_tokens"], dtype=np.int32),
-                "output_tokens": s.output_tokens, "behav_logprobs": s.behav_logprobs,
-                "versions": s.versions, "reward": math_reward(text, p["answer"]),
-                "finish_reason": s.finish_reason, "generator_rank": self.topo.rank,
-                "t_submit": s.t_submit, "t_first_token": s.t_first_token, "t_end": s.t_end,
-            })
-        return trajs
+        trajs = [{
+            "prompt_id": p["prompt_id"], "sample_idx": idx,
+            "prompt_tokens": np.asarray(p["prompt_tokens"], dtype=np.int32),
+            "output_tokens": s.output_tokens, "behav_logprobs": s.behav_logprobs,
+            "versions": s.versions, "reward": group.rewards[idx],
+            "finish_reason": s.finish_reason, "generator_rank": self.topo.rank,
+            "t_submit": s.t_submit, "t_first_token": s.t_first_token, "t_end": s.t_end,
+        } for idx, s in sorted(group.samples.items())]
+        self.chan.send(trajs, CONTROLLER_RANK, Tag.TRAJECTORIES)
 
     def _evaluate(self, msg: dict) -> None:
         """Held-out accuracy at the current version: run the eval prompts to completion here,
@@ -155,10 +170,15 @@ class Generator:
             pending.add(p["prompt_id"])
         results = []
         while pending:
-            for group in self._step():
+            if self.engine.has_unfinished():
+                self._step()
+            for kind, group in self._collect_rewards(0.0 if self.engine.has_unfinished() else 0.05):
+                if kind == "train":
+                    self._send(group)
+                    continue
                 pending.discard(group.prompt["prompt_id"])
-                rewards = [t["reward"] for t in self._score(group)]
-                results.append({"prompt_id": group.prompt["prompt_id"], "rewards": rewards})
+                results.append({"prompt_id": group.prompt["prompt_id"],
+                                "rewards": [group.rewards[i] for i in range(group.prompt["n"])]})
         self.chan.send({"version": self.engine.version, "results": results,
                         "seconds": time.monotonic() - t0}, CONTROLLER_RANK, Tag.EVAL_RESULT)
 

@@ -9,7 +9,8 @@ import pytest
 
 from areal_hpc.reward.pool import RewardPool, RewardResult
 
-HANGS = "\\boxed{9^{9^{9^{9}}}}"  # sympy evaluates the tower: minutes, not interruptible
+# sympy evaluates the tower until math_verify's alarm (3 s, main thread only) stops it
+HANGS = "\\boxed{9^{9^{9^{9}}}}"
 ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
 ADD_TESTS = [{"input": "1 2", "output": "3"}, {"input": "5 7", "output": "12"}]
 
