@@ -4,10 +4,8 @@ It hands prompts to the least-loaded generator while the η bound allows, receiv
 (never blocking a generator), appends every trajectory to the rollout HDF5 log and keeps the
 groups until a training step takes them, oldest policy version first.
 
-The submission bound alone cannot bound staleness when generation lengths are long-tailed: a slow
-group can finish after η further versions. Such a group is dropped at batch time (marked
-`DROPPED_STALE` in the log, and its slot freed), so no trained token is more than
-η versions behind the policy that trains on it.
+Groups that finished more than η versions late are dropped at batch time (marked `DROPPED_STALE`
+in the log, their slots freed); see `staleness.ReadyBuffer`.
 """
 from __future__ import annotations
 
@@ -22,7 +20,7 @@ from ..config import RunConfig, to_yaml
 from ..storage.rollout_log import DROPPED_STALE, RolloutWriter
 from ..topology import Topology
 from ..transport.mpi import Channel, Tag
-from .staleness import StalenessManager, staleness_of
+from .staleness import ReadyBuffer, StalenessManager, staleness_of
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +54,7 @@ class Controller:
                                           max_staleness=self.max_staleness)
         self.version = 0                # policy version the generators have (training steps done)
         self.in_flight = {g: 0 for g in topo.generator_ranks}
-        self.buffer: list[tuple[int, list[dict], list[int]]] = []   # (oldest version, group, log rows)
+        self.buffer = ReadyBuffer()
         self.dropped_stale = 0          # groups dropped for exceeding η, over the run
         self.writer = RolloutWriter(cfg.run_dir / "rollouts.h5", to_yaml(cfg))
         self.generated_tokens = 0
@@ -94,7 +92,7 @@ class Controller:
                 self.in_flight[src] -= 1
                 self.staleness.on_rollout_accepted()
                 rows = self.writer.append(msg)
-                self.buffer.append((min(int(t["versions"].min()) for t in msg), msg, rows))
+                self.buffer.add(msg, rows)
                 self.generated_tokens += sum(len(t["output_tokens"]) for t in msg)
                 got += 1
             elif tag == Tag.EVAL_RESULT:
@@ -105,11 +103,9 @@ class Controller:
 
     def _drop_stale(self) -> int:
         """Drop buffered groups whose oldest token is more than η versions behind the policy."""
-        limit = self.version - self.max_staleness
-        stale = [g for g in self.buffer if g[0] < limit]
+        stale = self.buffer.drop_older_than(self.version - self.max_staleness)
         if stale:
-            self.buffer = [g for g in self.buffer if g[0] >= limit]
-            self.writer.mark_consumed([r for _, _, rows in stale for r in rows], DROPPED_STALE)
+            self.writer.mark_consumed([r for g in stale for r in g.rows], DROPPED_STALE)
             for _ in stale:
                 self.staleness.on_rollout_dropped()
             self.dropped_stale += len(stale)
@@ -129,10 +125,9 @@ class Controller:
                 if on_wait:
                     on_wait(len(self.buffer))
                 self.chan.idle(timeout=0.05)
-        self.buffer.sort(key=lambda g: g[0])          # oldest first: stable, so FIFO among equals
-        groups, self.buffer = self.buffer[:B], self.buffer[B:]
+        groups = self.buffer.take(B)                  # oldest first
         self.submit()          # keep generators fed while this step trains
-        trajs = [t for _, g, _ in groups for t in g]
+        trajs = [t for g in groups for t in g.trajectories]
         stale = [staleness_of(self.version, t["versions"]) for t in trajs]
         rewards = np.array([t["reward"] for t in trajs], dtype=np.float64)
         stats = {"wait_s": time.monotonic() - t0, "reward": float(rewards.mean()),
@@ -140,7 +135,7 @@ class Controller:
                  "staleness_max": max(stale), "staleness_mean": float(np.mean(stale)),
                  "dropped_stale": dropped,
                  "response_len": float(np.mean([len(t["output_tokens"]) for t in trajs])),
-                 "rows": [r for _, _, rows in groups for r in rows]}
+                 "rows": [r for g in groups for r in g.rows]}
         return trajs, stats
 
     def on_trained(self, rows: list[int], step: int, new_version: int) -> None:

@@ -14,6 +14,7 @@ capacity is what a fresh run has at version v.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 
 class StalenessManager:
@@ -63,6 +64,44 @@ class StalenessManager:
         with self._lock:
             self.accepted = version * self.consumer_batch_size
             self.running = 0
+
+
+@dataclass
+class ReadyGroup:
+    oldest_version: int         # policy version of the group's oldest token
+    trajectories: list          # the group's samples (DESIGN trajectory dicts)
+    rows: list                  # their rows in the rollout log
+
+
+class ReadyBuffer:
+    """Scored groups waiting for a training step, taken oldest policy version first.
+
+    Submission control alone cannot bound staleness when generation lengths are long-tailed: a
+    slow group can finish after η further versions. `drop_older_than` removes such groups before
+    a batch is taken, so no trained token is more than η versions behind the training policy.
+    """
+
+    def __init__(self):
+        self._groups: list[ReadyGroup] = []
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def add(self, trajectories: list, rows: list) -> None:
+        oldest = min(int(min(t["versions"])) for t in trajectories)
+        self._groups.append(ReadyGroup(oldest, trajectories, rows))
+
+    def drop_older_than(self, version: int) -> list[ReadyGroup]:
+        """Remove and return the groups whose oldest token predates `version`."""
+        stale = [g for g in self._groups if g.oldest_version < version]
+        self._groups = [g for g in self._groups if g.oldest_version >= version]
+        return stale
+
+    def take(self, n: int) -> list[ReadyGroup]:
+        """The n groups with the oldest tokens (arrival order among equals)."""
+        self._groups.sort(key=lambda g: g.oldest_version)
+        taken, self._groups = self._groups[:n], self._groups[n:]
+        return taken
 
 
 def staleness_of(consume_version: int, token_versions) -> int:

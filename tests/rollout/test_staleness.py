@@ -92,3 +92,20 @@ def test_thread_safety():
 def test_staleness_of():
     assert staleness_of(7, [5, 5, 6, 7]) == 2
     assert staleness_of(7, []) == 0
+
+
+def _group(*versions):
+    return [{"versions": list(v)} for v in versions]
+
+
+def test_ready_buffer_drops_late_groups_and_serves_oldest_first():
+    from areal_hpc.rollout.staleness import ReadyBuffer
+    buf = ReadyBuffer()
+    buf.add(_group([3, 3], [3, 4]), rows=[0, 1])     # oldest token: version 3
+    buf.add(_group([1, 2], [2, 2]), rows=[2, 3])     # 1: a straggler, started long ago
+    buf.add(_group([2, 3], [3]), rows=[4, 5])        # 2
+    buf.add(_group([2], [2, 2]), rows=[6, 7])        # 2, arrived later
+    stale = buf.drop_older_than(2)                   # version 3, η = 1
+    assert [g.rows for g in stale] == [[2, 3]] and len(buf) == 3
+    assert [g.rows for g in buf.take(2)] == [[4, 5], [6, 7]]   # oldest first, FIFO among equals
+    assert [g.oldest_version for g in buf.take(5)] == [3] and len(buf) == 0
