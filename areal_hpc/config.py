@@ -29,6 +29,7 @@ class ModelConfig:
 class DataConfig:
     train_path: str = MISSING           # jsonl, {"question", "answer"} per line
     eval_path: Optional[str] = None     # held-out jsonl; evaluated at step 0 and at the end
+    kind: str = "math"                  # math: {"question","answer"}; code: prompt + stdin/stdout tests
     question_key: str = "question"
     answer_key: str = "answer"
     prompt_template: str = "{question}"  # how a question becomes the prompt text
@@ -169,6 +170,7 @@ def validate(cfg: RunConfig) -> None:
     _check(r.temperature > 0, "rollout.temperature", "must be > 0 (behaviour log-probs need sampling)")
     _check(r.max_staleness >= 0, "rollout.max_staleness", "η must be >= 0")
     _check(r.max_concurrent_prompts >= 1, "rollout.max_concurrent_prompts", "must be >= 1")
+    _check(cfg.data.kind in ("math", "code"), "data.kind", f"must be math or code, got {cfg.data.kind!r}")
     _check(cfg.reward.workers >= 1, "reward.workers", "must be >= 1")
     _check(cfg.reward.math_timeout_s > 0, "reward.math_timeout_s", "must be > 0")
     _check(tr.total_steps >= 1, "train.total_steps", "must be >= 1")
@@ -195,14 +197,14 @@ def check_paths(cfg: RunConfig) -> None:
     if log.exists():
         raise ConfigError(f"config key 'name': run {cfg.name!r} already has {log}; "
                           f"choose another name=... or remove {cfg.run_dir}")
-    from .data.jsonl import load_jsonl
+    from .data.prompts import load_prompts
     for key, value in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
         if value is None:
             continue
         if not Path(value).is_file():
             raise ConfigError(f"config key '{key}': file not found: {value}")
         try:    # every row parsed now, so a bad line stops the job before any rank starts
-            rows = load_jsonl(value, cfg.data.question_key, cfg.data.answer_key)
+            rows = load_prompts(value, cfg.data.kind, cfg.data.question_key, cfg.data.answer_key)
         except ValueError as exc:
             raise ConfigError(f"config key '{key}': {exc}") from None
         if not rows:

@@ -65,7 +65,8 @@ class Controller:
     def encode(self, prompt_id: int, row: dict, n: int) -> dict:
         text = self.cfg.data.prompt_template.format(question=row["question"])
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return {"prompt_id": prompt_id, "prompt_tokens": ids, "answer": row["answer"], "n": n}
+        return {"prompt_id": prompt_id, "prompt_tokens": ids, "n": n,
+                "reward_kind": row["reward_kind"], "reference": row["reference"]}
 
     def submit(self) -> int:
         """Hand out as many prompts as the staleness bound allows; returns how many."""

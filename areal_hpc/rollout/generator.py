@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Group:
-    prompt: dict                        # {"prompt_id", "prompt_tokens", "answer", "n"}
+    prompt: dict        # {"prompt_id", "prompt_tokens", "n", "reward_kind", "reference"}
     samples: dict = field(default_factory=dict)   # sample_idx → finished sample
     rewards: dict = field(default_factory=dict)   # sample_idx → reward
 
@@ -132,7 +132,8 @@ class Generator:
             group.samples[idx] = smp
             self.tokens_generated += len(smp.output_tokens)
             text = self.tokenizer.decode(smp.output_tokens, skip_special_tokens=True)
-            self.rewards.submit((kind, pid, idx), "math", text, group.prompt["answer"])
+            self.rewards.submit((kind, pid, idx), group.prompt["reward_kind"], text,
+                                group.prompt["reference"])
 
     def _collect_rewards(self, timeout: float = 0.0) -> list[tuple[str, _Group]]:
         """Scores that arrived; returns the groups now fully generated and scored."""

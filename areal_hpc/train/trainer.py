@@ -14,7 +14,7 @@ import logging
 import time
 
 from ..config import RunConfig
-from ..data.jsonl import load_jsonl
+from ..data.prompts import load_prompts
 from ..topology import Topology
 from ..transport import weights as wsync
 from .actor import Actor
@@ -41,8 +41,9 @@ class Trainer:
 
             from ..rollout.controller import Controller
             d = cfg.data
-            train_rows = load_jsonl(d.train_path, d.question_key, d.answer_key)
-            self.eval_rows = load_jsonl(d.eval_path, d.question_key, d.answer_key) if d.eval_path else []
+            keys = (d.kind, d.question_key, d.answer_key)
+            train_rows = load_prompts(d.train_path, *keys)
+            self.eval_rows = load_prompts(d.eval_path, *keys) if d.eval_path else []
             if d.eval_limit:
                 self.eval_rows = self.eval_rows[: d.eval_limit]
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)

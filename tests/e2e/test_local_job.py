@@ -91,6 +91,24 @@ def test_short_run(tiny_model, tmp_path, mode, eta, generators):
     assert not _leftovers(started), "processes of the job are still running"
 
 
+def test_code_dataset_is_scored_in_the_sandbox(tiny_model, tmp_path):
+    """A code-kind dataset: every sample is run against its tests by the reward pool. The tiny
+    model writes sums, not programs, so every reward is 0; the path is what is checked."""
+    import json
+    data = tmp_path / "code.jsonl"
+    with open(data, "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": f"{i}+1=", "tests": [{"input": "", "output": str(i + 1)}]}) + "\n")
+    r = _run(_job_args(tiny_model, tmp_path, "code", "data.kind=code", f"data.train_path={data}",
+                       "data.eval_path=null", "data.question_key=prompt", "data.answer_key=tests",
+                       "train.total_steps=2", "train.batch_prompts=2", "rollout.group_size=2",
+                       "rollout.max_new_tokens=16"), timeout=600)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
+    assert "errors 0, timeouts 0" in r.stderr
+    with RolloutReader(tmp_path / "code" / "rollouts.h5") as log:
+        assert len(log) >= 8 and set(log.column("reward").tolist()) == {0.0}
+
+
 def test_world_too_small_is_a_clear_error(tiny_model, tmp_path):
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     cmd = [mpiexec, "-n", "1", sys.executable, "-m", "mpi4py", "-m", "areal_hpc.main",
