@@ -86,6 +86,8 @@ class TrainConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     eps_clip: float = 0.2
+    eps_clip_high: Optional[float] = None   # DAPO clip-higher; None = eps_clip
+    dual_clip: Optional[float] = None       # dual-clip PPO bound c > 1 for A < 0; None = off
     behav_imp_weight_cap: Optional[float] = 5.0
     max_tokens_per_mb: int = 4096
     seed: int = 1
@@ -175,6 +177,7 @@ def validate(cfg: RunConfig) -> None:
     _check(cfg.reward.math_timeout_s > 0, "reward.math_timeout_s", "must be > 0")
     _check(tr.total_steps >= 1, "train.total_steps", "must be >= 1")
     _check(tr.batch_prompts >= 1, "train.batch_prompts", "must be >= 1")
+    _check(tr.dual_clip is None or tr.dual_clip > 1, "train.dual_clip", "must be > 1 (or null)")
     _check(tr.max_tokens_per_mb >= 1, "train.max_tokens_per_mb", "must be >= 1")
     _check(cfg.weights.bucket_mb >= 1, "weights.bucket_mb", "must be >= 1")
 

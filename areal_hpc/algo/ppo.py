@@ -48,12 +48,17 @@ def decoupled_ppo_loss(
     loss_mask: Tensor,
     eps_clip: float = 0.2,
     behav_imp_weight_cap: float | None = 5.0,
+    eps_clip_high: float | None = None,
+    dual_clip: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Decoupled PPO-clip loss, token mean over `loss_mask`.
 
     All inputs are flat `[total_tokens]`; only `logprobs` carries a gradient. With
     `prox_logprobs == behav_logprobs` this is standard PPO-clip; on the first minibatch of a step
     `logprobs == prox_logprobs`, so u == 1 exactly and the loss is `-mean(A * w)`.
+
+    `eps_clip_high` (DAPO clip-higher) makes the clip range [1 - eps_clip, 1 + eps_clip_high];
+    `dual_clip` c > 1 bounds the loss of a negative-advantage token by -c·A (dual-clip PPO).
 
     Returns:
         loss: scalar, `Σ mask·w·pg / count_nonzero(mask)` (dropped tokens stay in the denominator).
@@ -70,10 +75,15 @@ def decoupled_ppo_loss(
 
     # Padding positions are neutralised before exp(): an inf there would turn into NaN gradients.
     ratio = torch.exp(torch.where(mask, logprobs - prox, 0.0))
-    clipped_ratio = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip)
+    high = eps_clip if eps_clip_high is None else eps_clip_high
+    clipped_ratio = ratio.clamp(1.0 - eps_clip, 1.0 + high)
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * clipped_ratio
     pg = torch.maximum(pg_unclipped, pg_clipped)
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        pg = torch.where(adv < 0, torch.minimum(pg, -dual_clip * adv), pg)
 
     imp_weight = torch.exp(torch.where(mask, prox - behav, 0.0))
     keep = mask if behav_imp_weight_cap is None else mask & (imp_weight <= behav_imp_weight_cap)

@@ -93,6 +93,8 @@ class Actor:
         temperature: float = 1.0,
         eps_clip: float = 0.2,
         behav_imp_weight_cap: float | None = 5.0,
+        eps_clip_high: float | None = None,
+        dual_clip: float | None = None,
         max_tokens_per_mb: int = 8192,
         group_size: int = 1,
         device: str | torch.device = "cpu",
@@ -106,6 +108,7 @@ class Actor:
         self.temperature = temperature
         self.eps_clip = eps_clip
         self.behav_imp_weight_cap = behav_imp_weight_cap
+        self.eps_clip_high, self.dual_clip = eps_clip_high, dual_clip
         self.max_tokens_per_mb = max_tokens_per_mb
         self.group_size = group_size
         self.device = torch.device(device)
@@ -256,6 +259,8 @@ class Actor:
             mask,
             eps_clip=self.eps_clip,
             behav_imp_weight_cap=self.behav_imp_weight_cap,
+            eps_clip_high=self.eps_clip_high,
+            dual_clip=self.dual_clip,
         )
         n = mb.n_tokens
         # decoupled_ppo_loss averages over this micro-batch; Megatron wants the sum and divides

@@ -31,6 +31,7 @@ class Trainer:
             model_dir=cfg.model.path, tp=t.tp, pp=t.pp, lr=tr.lr, weight_decay=tr.weight_decay,
             betas=(tr.adam_beta1, tr.adam_beta2), eps=tr.adam_eps, clip_grad=tr.clip_grad,
             temperature=cfg.rollout.temperature, eps_clip=tr.eps_clip,
+            eps_clip_high=tr.eps_clip_high, dual_clip=tr.dual_clip,
             behav_imp_weight_cap=tr.behav_imp_weight_cap, max_tokens_per_mb=tr.max_tokens_per_mb,
             group_size=cfg.rollout.group_size, device=t.device, seed=tr.seed)
         self.version = 0

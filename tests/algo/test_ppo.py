@@ -106,3 +106,38 @@ def test_padding_is_ignored_even_when_non_finite():
     loss.backward()
     assert torch.isfinite(logp.grad).all() and logp.grad[1].item() == 0.0
     assert stats["ratio_mean"].item() == 1.0
+
+
+def test_eps_clip_high_widens_only_the_upper_side():
+    # u = [1.5, 0.5], A = +1, eps 0.2, eps_high 0.4: upper bound 1.4, lower 0.8.
+    prox = torch.zeros(2)
+    logp = torch.log(t(1.5, 0.5))
+    adv = t(1.0, -1.0)
+    mask = torch.ones(2, dtype=torch.bool)
+    loss, stats = decoupled_ppo_loss(logp, prox, prox, adv, mask, eps_clip=0.2, eps_clip_high=0.4)
+    # A>0, u=1.5: max(-1.5, -1.4) = -1.4      A<0, u=0.5: max(0.5, 0.8) = 0.8
+    torch.testing.assert_close(loss, t(-1.4 + 0.8).sum() / 2)
+    assert stats["clip_frac"].item() == 1.0
+
+
+def test_dual_clip_bounds_negative_advantage_tokens():
+    # A = -2, u = 5: PPO-clip gives max(10, 2.4) = 10; dual clip c = 3 bounds it at -c·A = 6.
+    # A = +1 tokens are untouched by the dual clip.
+    prox = torch.zeros(2)
+    logp = torch.log(t(5.0, 5.0))
+    adv = t(-2.0, 1.0)
+    mask = torch.ones(2, dtype=torch.bool)
+    loss, _ = decoupled_ppo_loss(logp, prox, prox, adv, mask, eps_clip=0.2, dual_clip=3.0)
+    torch.testing.assert_close(loss, t(6.0 - 1.2).sum() / 2)
+    with pytest.raises(ValueError, match="dual_clip"):
+        decoupled_ppo_loss(logp, prox, prox, adv, mask, dual_clip=1.0)
+
+
+def test_all_masked_input_gives_zero_loss_and_finite_grad():
+    logp = torch.tensor([-1.0, float("-inf")], requires_grad=True)
+    zeros = torch.zeros(2)
+    mask = torch.zeros(2, dtype=torch.bool)
+    loss, stats = decoupled_ppo_loss(logp, zeros, zeros, t(1.0, -1.0), mask)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.isfinite(logp.grad).all()
+    assert stats["clip_frac"].item() == 0.0
