@@ -76,3 +76,40 @@ def _best_fit(order: list[int], lengths: list[int], budget: int, n_bins: int):
         bins[b].append(i)
         loads[b] += lengths[i]
     return bins
+
+
+def ffd_allocate(lengths: list[int], capacity: int, min_groups: int = 1) -> list[list[int]]:
+    """First-fit-decreasing: indices into groups of at most `capacity` tokens, >= `min_groups`.
+
+    Longest first, each into the first group it fits; then, while there are fewer than
+    `min_groups` groups, the smallest sequence of the most populous group moves to a new one (one
+    sequence never exceeds the capacity, so the budget holds). Every index appears exactly once;
+    groups are returned as sorted index lists, ordered by their smallest index.
+
+    Raises ValueError for a sequence longer than `capacity` (named by index and length) and when
+    there are fewer sequences than `min_groups`.
+    """
+    if capacity <= 0:
+        raise ValueError(f"capacity must be positive, got {capacity}")
+    for i, n in enumerate(lengths):
+        if n > capacity:
+            raise ValueError(f"sequence {i} has {n} tokens, more than the capacity of {capacity}")
+    if len(lengths) < min_groups:
+        raise ValueError(f"{len(lengths)} sequences cannot fill min_groups={min_groups} groups")
+    groups: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for g, load in enumerate(loads):
+            if load + lengths[i] <= capacity:
+                groups[g].append(i)
+                loads[g] += lengths[i]
+                break
+        else:
+            groups.append([i])
+            loads.append(lengths[i])
+    while len(groups) < min_groups:
+        donor = max(groups, key=len)
+        smallest = min(donor, key=lambda i: (lengths[i], i))
+        donor.remove(smallest)
+        groups.append([smallest])
+    return sorted((sorted(g) for g in groups), key=lambda g: g[0])

@@ -57,3 +57,37 @@ def test_edge_cases():
     assert pack_sequences([], 10) == []
     with pytest.raises(ValueError):
         pack_sequences([1], 0)
+
+
+def test_ffd_allocate_by_hand():
+    from areal_hpc.algo.packing import ffd_allocate
+    # decreasing: 7(i1) → g0; 5(i3) → g1; 4(i0) → g1 (9); 3(i2) → g0 (10); 1(i4) → g1 (10)
+    assert ffd_allocate([4, 7, 3, 5, 1], capacity=10) == [[0, 3, 4], [1, 2]]
+    # min_groups=4: from {1,2} {0,3,4}, move 4 (smallest of the most populous), then 2 (of {1,2},
+    # the first of the two-element groups)
+    assert ffd_allocate([4, 7, 3, 5, 1], capacity=10, min_groups=4) == [[0, 3], [1], [2], [4]]
+    assert ffd_allocate([], capacity=5) == []
+
+
+def test_ffd_allocate_errors_name_the_problem():
+    from areal_hpc.algo.packing import ffd_allocate
+    with pytest.raises(ValueError, match="sequence 2 has 11 tokens, more than the capacity of 10"):
+        ffd_allocate([1, 2, 11], capacity=10)
+    with pytest.raises(ValueError, match="2 sequences cannot fill min_groups=3"):
+        ffd_allocate([1, 2], capacity=10, min_groups=3)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_ffd_allocate_properties_on_long_tailed_lengths(seed):
+    import random
+
+    from areal_hpc.algo.packing import ffd_allocate
+    rng = random.Random(seed)
+    n = rng.randint(1, 200)
+    lengths = [min(int(rng.paretovariate(1.2) * 20), 1024) for _ in range(n)]
+    min_groups = rng.randint(1, n)
+    groups = ffd_allocate(lengths, capacity=1024, min_groups=min_groups)
+    flat = sorted(i for g in groups for i in g)
+    assert flat == list(range(n))                               # every index exactly once
+    assert all(sum(lengths[i] for i in g) <= 1024 for g in groups)
+    assert len(groups) >= min_groups and all(groups)
