@@ -66,7 +66,7 @@ def test_ffd_allocate_by_hand():
     # min_groups=4: from {1,2} {0,3,4}, move 4 (smallest of the most populous), then 2 (of {1,2},
     # the first of the two-element groups)
     assert ffd_allocate([4, 7, 3, 5, 1], capacity=10, min_groups=4) == [[0, 3], [1], [2], [4]]
-    assert ffd_allocate([], capacity=5) == []
+    assert ffd_allocate([], capacity=5, min_groups=0) == []
 
 
 def test_ffd_allocate_errors_name_the_problem():
