@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 
+from .jsonl import iter_objects
+
 
 def _tests_from_pairs(inputs, outputs, where: str, key: str) -> list[dict]:
     if not isinstance(inputs, list) or not isinstance(outputs, list):
@@ -65,27 +67,11 @@ def load_code_jsonl(path: str | os.PathLike, prompt_key: str = "prompt",
     1-based line number for a row that is not a JSON object, lacks a key, has a non-string
     prompt, or has no or malformed tests (see the module docstring for the accepted forms).
     """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"dataset file not found: {path!r}")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: bad JSON: {e.msg}") from e
-            if not isinstance(obj, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            for key in (prompt_key, tests_key):
-                if key not in obj:
-                    raise ValueError(f"{where}: missing key {key!r} (keys: {sorted(obj)})")
-            if not isinstance(obj[prompt_key], str):
-                raise ValueError(f"{where}: {prompt_key!r} must be a string, "
-                                 f"got {type(obj[prompt_key]).__name__}")
-            rows.append({"prompt": obj[prompt_key],
-                         "tests": _parse_tests(obj[tests_key], where, tests_key)})
+    for where, obj in iter_objects(path, (prompt_key, tests_key)):
+        if not isinstance(obj[prompt_key], str):
+            raise ValueError(f"{where}: {prompt_key!r} must be a string, "
+                             f"got {type(obj[prompt_key]).__name__}")
+        rows.append({"prompt": obj[prompt_key],
+                     "tests": _parse_tests(obj[tests_key], where, tests_key)})
     return rows

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 
 GSM8K_ANSWER_MARK = "####"
 
@@ -19,17 +20,15 @@ def _final_answer(answer: str) -> str:
     return answer
 
 
-def load_jsonl(path: str | os.PathLike, question_key: str = "question",
-               answer_key: str = "answer") -> list[dict]:
-    """Rows of ``path`` as ``[{"question": str, "answer": str}, ...]``, in file order.
+def iter_objects(path: str | os.PathLike, required_keys: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
+    """``(where, obj)`` for every non-blank line of ``path``; ``where`` is ``"path:lineno"``.
 
     Raises FileNotFoundError if ``path`` does not exist, and ValueError naming the file and the
-    1-based line number for a row that is not a JSON object, lacks a key, or holds a non-string.
+    1-based line number for a line that is not a JSON object or lacks one of ``required_keys``.
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"dataset file not found: {path!r}")
-    rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -41,12 +40,23 @@ def load_jsonl(path: str | os.PathLike, question_key: str = "question",
                 raise ValueError(f"{where}: bad JSON: {e.msg}") from e
             if not isinstance(obj, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            for key in (question_key, answer_key):
+            for key in required_keys:
                 if key not in obj:
                     raise ValueError(f"{where}: missing key {key!r} (keys: {sorted(obj)})")
-                if not isinstance(obj[key], str):
-                    raise ValueError(
-                        f"{where}: {key!r} must be a string, got {type(obj[key]).__name__}")
-            rows.append({"question": obj[question_key],
-                         "answer": _final_answer(obj[answer_key])})
+            yield where, obj
+
+
+def load_jsonl(path: str | os.PathLike, question_key: str = "question",
+               answer_key: str = "answer") -> list[dict]:
+    """Rows of ``path`` as ``[{"question": str, "answer": str}, ...]``, in file order.
+
+    Raises FileNotFoundError if ``path`` does not exist, and ValueError naming the file and the
+    1-based line number for a row that is not a JSON object, lacks a key, or holds a non-string.
+    """
+    rows = []
+    for where, obj in iter_objects(path, (question_key, answer_key)):
+        for key in (question_key, answer_key):
+            if not isinstance(obj[key], str):
+                raise ValueError(f"{where}: {key!r} must be a string, got {type(obj[key]).__name__}")
+        rows.append({"question": obj[question_key], "answer": _final_answer(obj[answer_key])})
     return rows

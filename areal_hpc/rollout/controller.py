@@ -31,13 +31,16 @@ class PromptCursor:
     def __init__(self, n: int, seed: int):
         self.n, self.seed = n, seed
         self.consumed = 0               # prompts handed out so far (the resume position)
+        self._epoch, self._order = -1, []
 
     def next(self) -> int:
         epoch, pos = divmod(self.consumed, self.n)
-        order = list(range(self.n))
-        random.Random(self.seed + epoch).shuffle(order)
+        if epoch != self._epoch:        # one shuffle per epoch, derived from (seed, epoch)
+            self._order = list(range(self.n))
+            random.Random(self.seed + epoch).shuffle(self._order)
+            self._epoch = epoch
         self.consumed += 1
-        return order[pos]
+        return self._order[pos]
 
 
 class Controller:

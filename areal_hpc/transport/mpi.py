@@ -4,8 +4,8 @@ Control (prompts, weight-update notices, eval requests, stop) flows controller â
 trajectories and eval results flow generator â†’ controller. Messages are pickled dicts with numpy
 arrays, sent out-of-band (pickle 5, `mpi4py.util.pkl5`) so large token arrays are not copied into
 the pickle stream. Sends are non-blocking; the sender keeps the requests until they complete.
-Receives are polled (`poll`) or waited for (`wait`), never a blocking collective, so neither side
-stalls the other.
+Receives are polled (`poll`; `idle` sleeps until a message is waiting), never a blocking
+collective, so neither side stalls the other.
 """
 from __future__ import annotations
 
@@ -72,14 +72,3 @@ class Channel:
                 return False
             time.sleep(0.002)
         return True
-
-    def wait(self, source: int | None = None, tag: Tag | None = None,
-             timeout: float | None = None) -> tuple[int, Tag, Any] | None:
-        """Block (politely, polling) for one message; None on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            for item in self.poll(source, tag):
-                return item
-            if deadline is not None and time.monotonic() > deadline:
-                return None
-            time.sleep(0.002)
