@@ -6,12 +6,18 @@ groups until a training step takes them, oldest policy version first.
 
 Groups that finished more than η versions late are dropped at batch time (marked `DROPPED_STALE`
 in the log, their slots freed); see `staleness.ReadyBuffer`.
+
+From the first batch on, a service thread does the receiving, logging and prompt dispatch, so the
+generators are refilled while the trainer computes (the training step never stalls them, and HDF5
+writes stay off the training critical path). Every MPI call and every state change happens under
+one lock; the trainer's thread only waits on the condition for its batch or eval result.
 """
 from __future__ import annotations
 
 import json
 import logging
 import random
+import threading
 import time
 
 import numpy as np
@@ -63,6 +69,60 @@ class Controller:
         self.generated_tokens = 0
         self.gen_stats: dict[int, dict] = {}
         self._eval_results: list[dict] = []
+        self._cond = threading.Condition(threading.RLock())
+        self._service: threading.Thread | None = None
+        self._service_stop = threading.Event()
+        self._service_error: BaseException | None = None
+
+    # -- the service thread ---------------------------------------------------------------------
+    def _start_service(self) -> None:
+        if self._service is None:
+            from mpi4py import MPI
+            if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+                raise RuntimeError("the controller needs MPI initialised with at least "
+                                   "MPI_THREAD_SERIALIZED (mpi4py's default is MULTIPLE; check "
+                                   "mpi4py.rc.thread_level)")
+            self._service = threading.Thread(target=self._serve, name="controller", daemon=True)
+            self._service.start()
+
+    def _serve(self) -> None:
+        """Receive groups and refill the generators until stopped; wakes waiters on arrivals."""
+        try:
+            while not self._service_stop.is_set():
+                with self._cond:
+                    got = self.receive()
+                    self.submit()
+                    if got:
+                        self._cond.notify_all()
+                if not got:
+                    time.sleep(0.002)
+        except BaseException as exc:       # surfaced in the trainer's thread by _wait
+            self._service_error = exc
+            with self._cond:
+                self._cond.notify_all()
+
+    def _stop_service(self) -> None:
+        if self._service is not None:
+            self._service_stop.set()
+            self._service.join()
+            self._service = None
+            self._check_service()
+
+    def _check_service(self) -> None:
+        if self._service_error is not None:
+            raise RuntimeError("controller service thread failed") from self._service_error
+
+    def _wait(self, ready, on_wait=None) -> None:
+        """Block (holding the lock on return) until `ready()`; without the service thread,
+        receive in this thread."""
+        while not ready():
+            self._check_service()
+            if self._service is not None:
+                self._cond.wait(timeout=0.1)
+            elif not self.receive():
+                self.chan.idle(timeout=0.05)
+            if on_wait:
+                on_wait(len(self.buffer))
 
     # -- prompts out, groups in ----------------------------------------------------------------
     def encode(self, prompt_id: int, row: dict, n: int) -> dict:
@@ -120,17 +180,17 @@ class Controller:
         and batch stats. `on_wait(n_ready)` is called while waiting (progress display)."""
         B = self.cfg.train.batch_prompts
         t0 = time.monotonic()
-        dropped = self._drop_stale()
-        while len(self.buffer) < B:
-            self.submit()
-            if self.receive():
+        self._start_service()
+        with self._cond:
+            dropped = self._drop_stale()
+
+            def ready() -> bool:
+                nonlocal dropped
                 dropped += self._drop_stale()
-            else:
-                if on_wait:
-                    on_wait(len(self.buffer))
-                self.chan.idle(timeout=0.05)
-        groups = self.buffer.take(B)                  # oldest first
-        self.submit()          # keep generators fed while this step trains
+                return len(self.buffer) >= B
+
+            self._wait(ready, on_wait)
+            groups = self.buffer.take(B)                  # oldest first
         trajs = [t for g in groups for t in g.trajectories]
         stale = [staleness_of(self.version, t["versions"]) for t in trajs]
         rewards = np.array([t["reward"] for t in trajs], dtype=np.float64)
@@ -143,27 +203,29 @@ class Controller:
         return trajs, stats
 
     def on_trained(self, rows: list[int], step: int, new_version: int) -> None:
-        self.writer.mark_consumed(rows, step)
-        self.version = new_version
+        with self._cond:
+            self.writer.mark_consumed(rows, step)
+            self.version = new_version
 
     def send_weights_notice(self, version: int, meta) -> None:
-        for g in self.topo.generator_ranks:
-            self.chan.send({"version": version, "meta": meta}, g, Tag.WEIGHTS)
+        with self._cond:
+            for g in self.topo.generator_ranks:
+                self.chan.send({"version": version, "meta": meta}, g, Tag.WEIGHTS)
 
     # -- held-out evaluation --------------------------------------------------------------------
     def request_eval(self, rows: list[dict], samples: int) -> None:
         """Split the held-out prompts over the generators; results are collected by `eval_result`."""
         gens = self.topo.generator_ranks
         prompts = [self.encode(i, r, samples) for i, r in enumerate(rows)]
-        for k, g in enumerate(gens):
-            self.chan.send({"prompts": prompts[k::len(gens)]}, g, Tag.EVAL)
+        with self._cond:
+            for k, g in enumerate(gens):
+                self.chan.send({"prompts": prompts[k::len(gens)]}, g, Tag.EVAL)
 
     def eval_result(self) -> dict:
         """Block until every generator answered the last eval request; accuracy over all samples."""
-        while len(self._eval_results) < len(self.topo.generator_ranks):
-            if not self.receive():
-                self.chan.idle(timeout=0.05)
-        parts, self._eval_results = self._eval_results, []
+        with self._cond:
+            self._wait(lambda: len(self._eval_results) >= len(self.topo.generator_ranks))
+            parts, self._eval_results = self._eval_results, []
         rewards = np.array([r for p in parts for res in p["results"] for r in res["rewards"]])
         return {"version": parts[0]["version"], "accuracy": float((rewards > 0.5).mean()),
                 "samples": int(rewards.size), "seconds": max(p["seconds"] for p in parts)}
@@ -171,6 +233,7 @@ class Controller:
     # -- the end ----------------------------------------------------------------------------------
     def stop(self) -> None:
         """Tell generators to finish, drain what they still send, close the log."""
+        self._stop_service()
         for g in self.topo.generator_ranks:
             self.chan.send(None, g, Tag.STOP)
         while len(self.gen_stats) < len(self.topo.generator_ranks):

@@ -3,7 +3,7 @@ trajectories over MPI, weights over a gloo group, rollouts in HDF5."""
 import os
 import subprocess
 import sys
-import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +15,14 @@ from areal_hpc.storage.rollout_log import RolloutReader
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# Every process a test starts carries this in its environment (vLLM and MPI children inherit
+# it), so the leftover check finds this session's processes and nobody else's.
+_MARKER = ("AREAL_HPC_TEST_SESSION", uuid.uuid4().hex)
+
+
 def _run(args, timeout, env=None):
+    env = dict(os.environ if env is None else env)
+    env[_MARKER[0]] = _MARKER[1]
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -34,16 +41,14 @@ def _job_args(model, out_dir, name, *extra):
             f"data.eval_path={model}/heldout.jsonl", f"output_dir={out_dir}", f"name={name}", *extra]
 
 
-def _leftovers(since: float):
-    """Processes of a job started after `since`: MPI ranks, vLLM engine cores and workers (vLLM
-    renames its processes, so match on names as well as command lines)."""
-    markers = ("areal_hpc.main", "EngineCore", "VLLM", "hydra_pmi_proxy", "mpiexec")
+def _leftovers():
+    """Processes started by this test session's jobs that are still alive: MPI ranks, vLLM engine
+    cores and workers, found by the marker in their environment (orphans are re-parented)."""
     found = []
-    for p in psutil.process_iter(["pid", "name", "cmdline", "create_time"]):
+    for p in psutil.process_iter(["pid", "name", "cmdline"]):
         try:
-            text = " ".join([p.info["name"] or ""] + (p.info["cmdline"] or []))
-            if p.info["create_time"] >= since and any(m in text for m in markers):
-                found.append((p.info["pid"], text[:120]))
+            if p.pid != os.getpid() and p.environ().get(_MARKER[0]) == _MARKER[1]:
+                found.append((p.info["pid"], " ".join([p.info["name"] or ""] + (p.info["cmdline"] or []))[:120]))
         except psutil.Error:
             pass
     return found
@@ -53,7 +58,6 @@ def _leftovers(since: float):
 def test_short_run(tiny_model, tmp_path, mode, eta, generators):
     """A few steps; from rollouts.h5: every step took B groups, no trained token is older than η,
     weight updates reached the generators mid-run, groups never span generators."""
-    started = time.time()
     steps, B, n = 3, 2, 2
     r = _run(_job_args(tiny_model, tmp_path, "e2e", f"train.total_steps={steps}",
                        f"train.batch_prompts={B}", f"rollout.group_size={n}",
@@ -88,7 +92,7 @@ def test_short_run(tiny_model, tmp_path, mode, eta, generators):
     if generators > 1:
         assert len({rk for ranks in by_prompt.values() for rk in ranks}) == generators
     assert (run / "policy" / "config.json").exists() and (run / "eval.json").exists()
-    assert not _leftovers(started), "processes of the job are still running"
+    assert not _leftovers(), "processes of the job are still running"
 
 
 def test_code_dataset_is_scored_in_the_sandbox(tiny_model, tmp_path):
