@@ -79,17 +79,38 @@ class RewardConfig:
 class TrainConfig:
     total_steps: int = 20
     batch_prompts: int = 8              # B: prompts (groups) per training step
+    # Adam(W) through Megatron's optimizer; lr schedule by Megatron's OptimizerParamScheduler,
+    # counted in optimizer steps (ppo_minibatches per training step): linear warm-up from 0 to
+    # lr over lr_warmup_steps, then constant | linear | cosine decay to min_lr at lr_decay_steps
+    # (null = the run's last optimizer step).
     lr: float = 1e-4
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"
+    lr_decay_steps: Optional[int] = None
+    min_lr: float = 0.0
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
+    # Decoupled PPO. π_prox: "recompute" (a forward pass with the weights at the start of the
+    # step), "loglinear" (AReaL's approximation from per-token versions, no forward pass) or
+    # "behaviour" (π_prox = π_behav: naive PPO against the sampling policy).
+    prox: str = "recompute"
+    ppo_minibatches: int = 1            # optimizer steps per training step (π_prox fixed for all)
     eps_clip: float = 0.2
     eps_clip_high: Optional[float] = None   # DAPO clip-higher; None = eps_clip
     dual_clip: Optional[float] = None       # dual-clip PPO bound c > 1 for A < 0; None = off
     behav_imp_weight_cap: Optional[float] = 5.0
-    max_tokens_per_mb: int = 4096
+    # Advantages: r <- clip((r + reward_bias) * reward_scaling, ±reward_clip); reward_norm
+    # "group" (GRPO z-score per prompt) | "none"; adv_norm "batch" (z-score over all output
+    # tokens of the batch) | "none".
+    reward_bias: float = 0.0
+    reward_scaling: float = 1.0
+    reward_clip: float = 20.0
+    reward_norm: str = "group"
+    adv_norm: str = "none"
+    max_tokens_per_mb: int = 4096       # tokens (prompt + output) per packed micro-batch
     seed: int = 1
 
 
@@ -178,7 +199,27 @@ def validate(cfg: RunConfig) -> None:
     _check(tr.total_steps >= 1, "train.total_steps", "must be >= 1")
     _check(tr.batch_prompts >= 1, "train.batch_prompts", "must be >= 1")
     _check(tr.dual_clip is None or tr.dual_clip > 1, "train.dual_clip", "must be > 1 (or null)")
-    _check(tr.max_tokens_per_mb >= 1, "train.max_tokens_per_mb", "must be >= 1")
+    _check(tr.max_tokens_per_mb >= r.max_model_len, "train.max_tokens_per_mb",
+           f"must hold one whole sequence: >= rollout.max_model_len = {r.max_model_len}")
+    _check(tr.prox in ("recompute", "loglinear", "behaviour"), "train.prox",
+           f"must be recompute, loglinear or behaviour, got {tr.prox!r}")
+    dp = t.n_trainers // (t.tp * t.pp)
+    _check(tr.ppo_minibatches >= 1, "train.ppo_minibatches", "must be >= 1")
+    _check(tr.batch_prompts * r.group_size >= tr.ppo_minibatches * dp, "train.ppo_minibatches",
+           f"{tr.batch_prompts * r.group_size} sequences per step cannot fill {tr.ppo_minibatches} "
+           f"minibatches on each of {dp} data-parallel ranks")
+    _check(tr.lr > 0 and 0 <= tr.min_lr <= tr.lr, "train.min_lr", "need 0 <= min_lr <= lr and lr > 0")
+    _check(tr.lr_decay_style in ("constant", "linear", "cosine"), "train.lr_decay_style",
+           f"must be constant, linear or cosine, got {tr.lr_decay_style!r}")
+    _check(tr.lr_warmup_steps >= 0, "train.lr_warmup_steps", "must be >= 0")
+    decay = tr.lr_decay_steps if tr.lr_decay_steps is not None else tr.total_steps * tr.ppo_minibatches
+    _check(decay > tr.lr_warmup_steps, "train.lr_decay_steps",
+           f"must exceed lr_warmup_steps = {tr.lr_warmup_steps} (got {decay} optimizer steps)")
+    _check(tr.reward_scaling > 0 and tr.reward_clip > 0, "train.reward_scaling",
+           "reward_scaling and reward_clip must be > 0")
+    _check(tr.reward_norm in ("group", "none"), "train.reward_norm",
+           f"must be group or none, got {tr.reward_norm!r}")
+    _check(tr.adv_norm in ("batch", "none"), "train.adv_norm", f"must be batch or none, got {tr.adv_norm!r}")
     _check(cfg.weights.bucket_mb >= 1, "weights.bucket_mb", "must be >= 1")
 
 

@@ -11,6 +11,9 @@ Three log-probabilities per generated token:
 
 Tokens whose behaviour weight exceeds the cap are dropped, not clipped, and still count in the
 denominator: this is AReaL's exact form (v0.3 `actor_loss_fn`, HEAD rejection sampling "mask").
+
+Advantages have no critic and no KL term (γ = λ = 1, AReaL's math recipes): every output token
+of a sequence carries that sequence's advantage, so they are computed per sequence.
 """
 
 from __future__ import annotations
@@ -38,6 +41,86 @@ def grpo_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tens
     # Equal rewards: centred is 0 up to rounding; make it exact.
     adv = torch.where(r.eq(r[:, :1]).all(dim=1, keepdim=True), torch.zeros_like(adv), adv)
     return adv.view(-1)
+
+
+def shape_rewards(rewards: Tensor, bias: float = 0.0, scaling: float = 1.0, clip: float = 20.0) -> Tensor:
+    """`clip((r + bias) * scaling, -clip, clip)`, AReaL's reward_bias / reward_scaling / reward_clip."""
+    return ((rewards.double() + bias) * scaling).clamp(-clip, clip)
+
+
+def token_normalised(seq_values: Tensor, n_tokens: Tensor, eps: float = 1e-5) -> Tensor:
+    """Z-score over all output tokens of the batch, for values that are constant per sequence.
+
+    Token level, as AReaL's `masked_normalization` over the loss mask: a sequence weighs by its
+    token count. Population variance, `(x - mean) / (std + eps)`, in float64.
+
+    Args:
+        seq_values: `[num_seqs]`, one value per sequence (all of its tokens share it).
+        n_tokens: `[num_seqs]`, output tokens per sequence.
+    """
+    x = seq_values.double()
+    w = n_tokens.double()
+    total = w.sum().clamp(min=1.0)
+    mean = (w * x).sum() / total
+    var = (w * (x - mean).square()).sum() / total
+    return (x - mean) / (var.sqrt() + eps)
+
+
+def compute_advantages(
+    rewards: Tensor,
+    n_tokens: Tensor,
+    group_size: int,
+    reward_bias: float = 0.0,
+    reward_scaling: float = 1.0,
+    reward_clip: float = 20.0,
+    reward_norm: str = "group",
+    adv_norm: str = "none",
+) -> Tensor:
+    """Per-sequence advantages of a whole batch, AReaL's order: shape, normalise per group,
+    then (optionally) normalise over all tokens of the batch.
+
+    Args:
+        rewards: `[num_seqs]` scalar rewards, group-contiguous.
+        n_tokens: `[num_seqs]` output tokens per sequence (weights of the token-level norm).
+        reward_norm: "group" (GRPO z-score per prompt) or "none".
+        adv_norm: "batch" (token-level z-score over the batch) or "none".
+    Returns:
+        `[num_seqs]` float32.
+    """
+    r = shape_rewards(rewards, reward_bias, reward_scaling, reward_clip)
+    if reward_norm == "group":
+        r = grpo_advantages(r, group_size)
+    elif reward_norm != "none":
+        raise ValueError(f"reward_norm must be group or none, got {reward_norm!r}")
+    if adv_norm == "batch":
+        r = token_normalised(r, n_tokens)
+    elif adv_norm != "none":
+        raise ValueError(f"adv_norm must be batch or none, got {adv_norm!r}")
+    return r.float()
+
+
+def loglinear_prox_logprobs(
+    behav_logprobs: Tensor, logprobs: Tensor, versions: Tensor, current_version: int
+) -> Tensor:
+    """log π_prox without a forward pass: AReaL's "loglinear" approximation (A-3PO).
+
+        α = clamp((v_prox - v_behav) / (v_θ - v_behav), 0, 1),  v_θ = current_version,
+        v_prox = current_version - 1,
+        log π_prox ≈ log π_behav + α (log π_θ - log π_behav)
+
+    `current_version` is the version of the weights being trained (before this step's update).
+    Tokens sampled by it or by the version before get α = 0 (π_prox = π_behav); staler tokens
+    move towards π_θ. Tokens with no version (< 0) or none behind v_θ also get α = 0.
+
+    Args (flat `[total_tokens]`): behaviour log-probs, current log-probs (detached here), and the
+    policy version that sampled each token.
+    """
+    v = versions.to(torch.float64)
+    behind = current_version - v
+    alpha = torch.where((behind > 0) & (v >= 0), (behind - 1) / behind.clamp(min=1), 0.0)
+    alpha = alpha.clamp(0.0, 1.0).to(behav_logprobs.dtype)
+    behav = behav_logprobs.detach()
+    return behav + alpha * (logprobs.detach() - behav)
 
 
 def decoupled_ppo_loss(

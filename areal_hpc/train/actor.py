@@ -1,17 +1,30 @@
-"""The policy on the trainer ranks: Megatron GPTModel + DDP + Megatron optimizer.
+"""The policy on the trainer ranks: Megatron GPTModel + DDP + Megatron optimizer, TP × PP × DP.
 
-One `train_step` is one decoupled-PPO update (AReaL, one minibatch per step):
-GRPO advantages -> π_prox by recompute -> forward/backward over packed micro-batches ->
-one optimizer step. Loss aggregation is a token mean over the whole batch (across micro-batches
-and data-parallel ranks): each micro-batch returns its loss *sum* and token count, and Megatron
-(`calculate_per_token_loss`) divides the accumulated gradient by the global token count.
+One `train_step` is one decoupled-PPO step on a batch (AReaL's `ppo_update`):
+
+    advantages (reward shaping, GRPO group norm, optional token-level norm), whole batch
+    split the batch into `ppo_minibatches` minibatches; each into data-parallel shares; each
+        share into packed micro-batches (equal counts on every data-parallel rank)
+    π_prox: one forward pass over all of them with the step's initial weights (recompute), or
+        π_behav (behaviour), or AReaL's loglinear approximation inside the loss (loglinear)
+    per minibatch: forward/backward over its micro-batches, one optimizer step, lr schedule step
+
+Every trainer rank gets the same whole batch, so the minibatch and data-parallel splits are
+computed alike everywhere and do not depend on the data-parallel size: DP = 2 trains on exactly
+the minibatches DP = 1 does. Loss aggregation is a token mean over the minibatch (across
+micro-batches and data-parallel ranks): each micro-batch returns its loss *sum* and token count,
+and Megatron (`calculate_per_token_loss`) divides the accumulated gradient by the minibatch's
+global token count.
 
 Micro-batches are padding-free: their sequences are concatenated into one row with a
 block-diagonal causal mask (THD packing needs TransformerEngine; the mask is exact, see
 shared/notes/megatron-on-cpu.md Q5). RoPE is relative, so positions need no reset.
 
-Requires `megatron_model.init_megatron_parallel` first; every trainer rank constructs an Actor and
-calls its methods together (they are collective over Megatron's groups).
+With pipeline parallelism, logits exist only on the last stage: log-probs and statistics are sent
+from there to the other stages, and `hf_state_dict` collects all stages on the first one.
+
+Every trainer rank constructs an Actor and calls its methods together (they are collective over
+Megatron's groups).
 """
 
 from __future__ import annotations
@@ -24,26 +37,36 @@ from functools import partial
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from safetensors.torch import save_file
 
-from areal_hpc.algo.packing import pack_sequences
-from areal_hpc.algo.ppo import decoupled_ppo_loss, grpo_advantages
+from areal_hpc.algo.packing import balanced_allocate
+from areal_hpc.algo.ppo import compute_advantages, decoupled_ppo_loss, loglinear_prox_logprobs
+from areal_hpc.config import TrainConfig
 from areal_hpc.train import megatron_model
 from areal_hpc.train.cpu_compat import CudaToCpuMode
 
 # Files of a HF model directory that are weights (rewritten by save_hf); all others are copied.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Per-micro-batch sums returned by the PPO loss (last pipeline stage), reduced over the batch.
+_SUM_KEYS = ("loss", "clip_frac", "ratio_mean", "dropped_frac", "approx_kl", "imp_weight_mean", "kept")
 
 
 @dataclass
 class _MicroBatch:
-    """One packed row. S = total tokens of its sequences, N = their output tokens."""
+    """One packed row. S = total tokens of its sequences, N = their output tokens.
+
+    A micro-batch with no sequences (a rank with less data than the agreed micro-batch count)
+    is one padding token with N = 0: it runs through the schedule and contributes nothing.
+    """
 
     seq_ids: list[int]  # indices into the step's `seqs`
     out_lens: list[int]  # output tokens per sequence
@@ -52,10 +75,11 @@ class _MicroBatch:
     attention_mask: torch.Tensor  # [1, 1, S, S] bool, True = masked
     out_pos: torch.Tensor  # [N] positions whose logits predict the output tokens
     targets: torch.Tensor  # [1, N] int64, the output tokens
-    # training only, [N] float32
-    prox_logprobs: torch.Tensor | None = None
+    # training only, [N]
     behav_logprobs: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
+    versions: torch.Tensor | None = None  # int64, loglinear π_prox only
+    prox_logprobs: torch.Tensor | None = None  # set on the last stage before the first minibatch
 
     @property
     def n_tokens(self) -> int:
@@ -63,65 +87,50 @@ class _MicroBatch:
 
 
 class Actor:
-    """The trained policy on one trainer rank (TP shard of it; pp == 1 for now).
+    """The trained policy on one trainer rank (its TP shard of its pipeline stage).
 
-    Args (plain values, from the run config):
+    Args:
+        cfg: the run's `train` section (optimizer, lr schedule, PPO, advantages, packing).
         model_dir: HF directory (config.json + *.safetensors) of the initial policy.
-        tp, pp: Megatron parallel sizes, as given to `init_megatron_parallel`.
-        lr, weight_decay, betas, eps, clip_grad: Adam(W) via Megatron's optimizer, constant lr.
+        tp, pp: Megatron parallel sizes; dp = world size / (tp * pp).
+        group_size: samples per prompt (GRPO groups are contiguous in a batch).
         temperature: sampling temperature; logits are divided by it so that recomputed
             log-probs match the inference engine's.
-        eps_clip, behav_imp_weight_cap: decoupled PPO (see `algo.ppo.decoupled_ppo_loss`).
-        max_tokens_per_mb: token budget of one packed micro-batch (prompt + output tokens).
-        group_size: samples per prompt, for GRPO advantages.
-        device: "cpu" or a CUDA device of this rank.
-        bf16: bf16 parameters with fp32 main params/grads in the optimizer (GPU only).
-        seed: Megatron's RNG seed, used if the Actor has to initialise Megatron's parallel state
-            itself (torch.distributed must already be initialised over the trainer ranks).
+        device: "cpu" or "cuda" (the current CUDA device of this rank).
+        dtype: parameter dtype, "float32" | "bfloat16" | "float16"; half precision keeps fp32
+            main parameters and gradients in Megatron's optimizer (fp16 with loss scaling).
+    Megatron's parallel state is initialised here (seed `cfg.seed`) unless it already is;
+    torch.distributed must already be initialised over the trainer ranks.
     """
 
     def __init__(
         self,
+        cfg: TrainConfig,
         model_dir: str,
+        *,
         tp: int = 1,
         pp: int = 1,
-        lr: float = 1e-6,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        clip_grad: float = 1.0,
-        temperature: float = 1.0,
-        eps_clip: float = 0.2,
-        behav_imp_weight_cap: float | None = 5.0,
-        eps_clip_high: float | None = None,
-        dual_clip: float | None = None,
-        max_tokens_per_mb: int = 8192,
         group_size: int = 1,
+        temperature: float = 1.0,
         device: str | torch.device = "cpu",
-        bf16: bool = False,
-        seed: int = 0,
+        dtype: str = "float32",
     ):
-        if pp > 1:
-            # Missing for PP: broadcast of logprobs/stats from the last stage, and a test.
-            raise NotImplementedError("Actor supports pp == 1 for now")
+        if cfg.prox not in ("recompute", "loglinear", "behaviour"):
+            raise ValueError(f"prox must be recompute, loglinear or behaviour, got {cfg.prox!r}")
+        self.cfg = cfg
         self.model_dir = model_dir
-        self.temperature = temperature
-        self.eps_clip = eps_clip
-        self.behav_imp_weight_cap = behav_imp_weight_cap
-        self.eps_clip_high, self.dual_clip = eps_clip_high, dual_clip
-        self.max_tokens_per_mb = max_tokens_per_mb
         self.group_size = group_size
+        self.temperature = temperature
+        self.max_tokens_per_mb = cfg.max_tokens_per_mb
         self.device = torch.device(device)
         self.hf_config = megatron_model.read_hf_config(model_dir)
         if not parallel_state.model_parallel_is_initialized():
-            megatron_model.init_megatron_parallel(tp, pp, seed)
+            megatron_model.init_megatron_parallel(tp, pp, cfg.seed)
+        self.pp = pp
+        params_dtype = _DTYPES[dtype]
 
         model = megatron_model.build_gpt_model(
-            self.hf_config,
-            params_dtype=torch.bfloat16 if bf16 else torch.float32,
-            tp=tp,
-            pp=pp,
-            device=self.device,
+            self.hf_config, params_dtype=params_dtype, tp=tp, pp=pp, device=self.device,
             calculate_per_token_loss=True,
         )
         megatron_model.load_hf_checkpoint(model, model_dir, self.hf_config)
@@ -135,27 +144,55 @@ class Actor:
         config.finalize_model_grads_func = finalize_model_grads
         opt_config = OptimizerConfig(
             optimizer="adam",
-            lr=lr,
-            min_lr=lr,
-            weight_decay=weight_decay,
-            adam_beta1=betas[0],
-            adam_beta2=betas[1],
-            adam_eps=eps,
-            clip_grad=clip_grad,
-            bf16=bf16,
-            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1,
+            adam_beta2=cfg.adam_beta2,
+            adam_eps=cfg.adam_eps,
+            clip_grad=cfg.clip_grad,
+            bf16=params_dtype == torch.bfloat16,
+            fp16=params_dtype == torch.float16,
+            params_dtype=params_dtype,
         )
         with CudaToCpuMode():
             self.optimizer = get_megatron_optimizer(opt_config, [self.model])
+        if params_dtype == torch.float16:  # the schedule scales each micro-batch loss by this
+            config.grad_scale_func = self.optimizer.scale_loss
+        decay_steps = cfg.lr_decay_steps or cfg.total_steps * cfg.ppo_minibatches
+        # `step(1)` runs before each optimizer step, so optimizer step n of the warm-up uses
+        # lr * n / warmup (none is wasted at lr 0) and step `decay_steps` uses min_lr.
+        self.lr_scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if cfg.lr_warmup_steps else cfg.lr,
+            max_lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            lr_warmup_steps=cfg.lr_warmup_steps,
+            lr_decay_steps=decay_steps,
+            lr_decay_style=cfg.lr_decay_style,
+            start_wd=cfg.weight_decay,
+            end_wd=cfg.weight_decay,
+            wd_incr_steps=decay_steps,
+            wd_incr_style="constant",
+        )
 
     # ---------------------------------------------------------------- batches
 
-    def _micro_batches(self, seqs: list[dict], extras: dict[str, list[np.ndarray]] | None = None):
-        lengths = [len(s["prompt_tokens"]) + len(s["output_tokens"]) for s in seqs]
-        for mb_ids in pack_sequences(lengths, self.max_tokens_per_mb):
-            yield self._pack(seqs, mb_ids, extras)
+    def _plan(self, lengths: list[int], equalise_dp: bool) -> list[list[int]]:
+        """Micro-batches (index lists into `lengths`): at most `max_tokens_per_mb` tokens each,
+        balanced, a multiple of pp; with `equalise_dp` as many as on the busiest data-parallel
+        rank (AReaL all-gathers the count and takes the max; so do we, by all-reduce)."""
+        groups = balanced_allocate(lengths, self.max_tokens_per_mb, divisor=self.pp)
+        if equalise_dp and parallel_state.get_data_parallel_world_size() > 1:
+            k = torch.tensor(len(groups), device=self.device)
+            dist.all_reduce(k, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+            if int(k) > len(groups):
+                groups = balanced_allocate(lengths, self.max_tokens_per_mb, min_groups=int(k), divisor=self.pp)
+        return groups
 
-    def _pack(self, seqs: list[dict], mb_ids: list[int], extras) -> _MicroBatch:
+    def _pack(self, seqs: list[dict], mb_ids: list[int], per_token: dict | None = None) -> _MicroBatch:
+        """Concatenate `seqs[mb_ids]` into one row; `per_token` adds `[N]` training inputs
+        (name -> one array per sequence of the step, each `[len(output_tokens)]`)."""
         tokens, positions, segments, out_pos, out_lens = [], [], [], [], []
         offset = 0
         for k, i in enumerate(mb_ids):
@@ -171,6 +208,8 @@ class Actor:
             out_pos.append(offset + len(prompt) - 1 + np.arange(len(output)))
             out_lens.append(len(output))
             offset += n
+        if not mb_ids:  # a filler: one token, nothing to predict
+            tokens, positions, segments, out_pos = [np.zeros(1, np.int64)], [np.zeros(1, np.int64)], [np.zeros(1)], [np.zeros(0, np.int64)]
         dev = self.device
         seg = torch.from_numpy(np.concatenate(segments)).to(dev)
         s = seg.numel()
@@ -179,7 +218,7 @@ class Actor:
         out_pos_t = torch.from_numpy(np.concatenate(out_pos)).to(dev)
         tokens_t = torch.from_numpy(np.concatenate(tokens)).to(dev)[None]
         mb = _MicroBatch(
-            seq_ids=mb_ids,
+            seq_ids=list(mb_ids),
             out_lens=out_lens,
             tokens=tokens_t,
             position_ids=torch.from_numpy(np.concatenate(positions)).to(dev)[None],
@@ -187,10 +226,10 @@ class Actor:
             out_pos=out_pos_t,
             targets=tokens_t[:, out_pos_t + 1],
         )
-        if extras is not None:
-            for name, per_seq in extras.items():
-                flat = np.concatenate([np.asarray(per_seq[i], dtype=np.float32) for i in mb_ids])
-                setattr(mb, name, torch.from_numpy(flat).to(dev))
+        for name, per_seq in (per_token or {}).items():
+            dtype = np.int64 if name == "versions" else np.float32
+            parts = [np.asarray(per_seq[i], dtype=dtype) for i in mb_ids] or [np.zeros(0, dtype)]
+            setattr(mb, name, torch.from_numpy(np.concatenate(parts)).to(dev))
         return mb
 
     # ---------------------------------------------------------------- forward
@@ -203,10 +242,14 @@ class Actor:
 
     def _forward_step(self, loss_fn, data_iterator, model):
         mb = next(data_iterator)
-        logits = model(mb.tokens, mb.position_ids, mb.attention_mask)  # [1, S, V/tp]
-        return logits, partial(loss_fn, mb)
+        # first stage: token ids in; later stages: the schedule has set the previous stage's
+        # activations as input. The mask is needed on every stage.
+        output = model(mb.tokens, mb.position_ids, mb.attention_mask)  # last stage: [1, S, V/tp]
+        return output, partial(loss_fn, mb)
 
     def _run(self, micro_batches: list[_MicroBatch], loss_fn, forward_only: bool) -> list[dict]:
+        """Megatron's schedule over the micro-batches (1F1B with pp > 1); the loss outputs on
+        the last pipeline stage, [] on the others."""
         with CudaToCpuMode():
             return get_forward_backward_func()(
                 forward_step_func=partial(self._forward_step, loss_fn),
@@ -227,44 +270,64 @@ class Actor:
         return zero, self._n_tokens(mb.n_tokens), {"logprobs": logprobs.detach().clone()}
 
     @torch.no_grad()
+    def _forward_logprobs(self, micro_batches: list[_MicroBatch], to_all_stages: bool) -> list[torch.Tensor | None]:
+        """`[N]` float32 log-probs per micro-batch: on the last stage, and on every stage with
+        `to_all_stages` (sent from the last stage); None elsewhere."""
+        outputs = self._run(micro_batches, self._logprob_loss, forward_only=True)
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        per_mb = [o["logprobs"].float() for o in outputs] if last else None
+        if to_all_stages and self.pp > 1:
+            flat = torch.cat(per_mb) if last else torch.empty(
+                sum(mb.n_tokens for mb in micro_batches), dtype=torch.float32, device=self.device)
+            dist.broadcast(flat, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                           group=parallel_state.get_pipeline_model_parallel_group())
+            per_mb = list(torch.split(flat, [mb.n_tokens for mb in micro_batches]))
+        return per_mb if per_mb is not None else [None] * len(micro_batches)
+
     def compute_logprobs(self, seqs: list[dict]) -> list[np.ndarray]:
         """log π(a_t|s_t) of every output token with the current weights, at `temperature`.
+
+        Collective over this rank's pipeline and TP groups (not over data parallelism: each
+        data-parallel rank computes what it is given).
 
         Args:
             seqs: dicts with `prompt_tokens` and `output_tokens` (int arrays; prompt non-empty).
         Returns:
-            one float32 array `[len(output_tokens)]` per sequence, in input order.
+            one float32 array `[len(output_tokens)]` per sequence, in input order, on every
+            pipeline stage.
         """
         if not seqs:
             return []
-        micro_batches = list(self._micro_batches(seqs))
-        outputs = self._run(micro_batches, self._logprob_loss, forward_only=True)
+        lengths = [len(s["prompt_tokens"]) + len(s["output_tokens"]) for s in seqs]
+        micro_batches = [self._pack(seqs, ids) for ids in self._plan(lengths, equalise_dp=False)]
         result: list[np.ndarray | None] = [None] * len(seqs)
-        for mb, out in zip(micro_batches, outputs, strict=True):
-            per_seq = torch.split(out["logprobs"].float().cpu(), mb.out_lens)
-            for i, lp in zip(mb.seq_ids, per_seq):
-                result[i] = lp.numpy()
+        for mb, lp in zip(micro_batches, self._forward_logprobs(micro_batches, to_all_stages=True)):
+            for i, part in zip(mb.seq_ids, torch.split(lp.cpu(), mb.out_lens)):
+                result[i] = part.numpy()
         return result
 
     # ---------------------------------------------------------------- train
 
-    def _ppo_loss(self, mb: _MicroBatch, logits: torch.Tensor):
+    def _ppo_loss(self, version: int, mb: _MicroBatch, logits: torch.Tensor):
         logprobs = self._token_logprobs(logits, mb)
-        mask = torch.ones_like(logprobs, dtype=torch.bool)
+        if self.cfg.prox == "loglinear":
+            prox = loglinear_prox_logprobs(mb.behav_logprobs, logprobs, mb.versions, version)
+        else:
+            prox = mb.prox_logprobs
         loss, stats = decoupled_ppo_loss(
             logprobs,
-            mb.prox_logprobs,
+            prox,
             mb.behav_logprobs,
             mb.advantages,
-            mask,
-            eps_clip=self.eps_clip,
-            behav_imp_weight_cap=self.behav_imp_weight_cap,
-            eps_clip_high=self.eps_clip_high,
-            dual_clip=self.dual_clip,
+            torch.ones_like(logprobs, dtype=torch.bool),
+            eps_clip=self.cfg.eps_clip,
+            behav_imp_weight_cap=self.cfg.behav_imp_weight_cap,
+            eps_clip_high=self.cfg.eps_clip_high,
+            dual_clip=self.cfg.dual_clip,
         )
         n = mb.n_tokens
         # decoupled_ppo_loss averages over this micro-batch; Megatron wants the sum and divides
-        # the accumulated gradient by the batch's total token count.
+        # the accumulated gradient by the minibatch's total token count.
         loss_sum = loss * n
         kept = n * (1.0 - stats["dropped_frac"])
         sums = {
@@ -278,85 +341,143 @@ class Actor:
         }
         return loss_sum, self._n_tokens(n), sums
 
-    def train_step(self, seqs: list[dict]) -> dict[str, float]:
-        """One decoupled-PPO optimizer step on a batch of trajectories.
+    def _plan_step(self, seqs: list[dict], per_token: dict) -> list[list[_MicroBatch]]:
+        """This rank's packed micro-batches, per minibatch (see the module docstring)."""
+        lengths = [len(s["prompt_tokens"]) + len(s["output_tokens"]) for s in seqs]
+        dp = parallel_state.get_data_parallel_world_size()
+        dp_rank = parallel_state.get_data_parallel_rank()
+        plan = []
+        for mb_ids in balanced_allocate(lengths, sum(lengths), min_groups=self.cfg.ppo_minibatches):
+            mb_lens = [lengths[i] for i in mb_ids]
+            share = [mb_ids[j] for j in balanced_allocate(mb_lens, max(sum(mb_lens), 1), min_groups=dp)[dp_rank]]
+            groups = self._plan([lengths[i] for i in share], equalise_dp=True)
+            plan.append([self._pack(seqs, [share[j] for j in g], per_token) for g in groups])
+        return plan
+
+    def train_step(self, seqs: list[dict], version: int = 0) -> dict[str, float]:
+        """One decoupled-PPO step (`ppo_minibatches` optimizer steps) on a whole batch.
 
         Args:
-            seqs: group-contiguous (`group_size` samples per prompt) dicts with `prompt_tokens`,
-                `output_tokens`, `behav_logprobs` (float32, one per output token) and `reward`.
+            seqs: the whole batch, identical on every trainer rank, group-contiguous
+                (`group_size` samples per prompt): dicts with `prompt_tokens`, `output_tokens`,
+                `behav_logprobs` (float32, one per output token), `reward`, and for
+                `prox="loglinear"` `versions` (the policy version of each output token).
+            version: the version of the current weights (0 before the first step).
         Returns:
-            loss (token mean), grad_norm, reward_mean, clip_frac, ratio_mean, imp_weight_mean,
-            dropped_frac, approx_kl, n_tokens, n_seqs (summed over data-parallel ranks),
-            n_micro_batches (this rank), prox_seconds (recompute) and seconds (whole step).
+            loss (token mean over the batch), grad_norm (mean over minibatches), lr (last
+            optimizer step), reward_mean (raw), adv_abs_mean, clip_frac, ratio_mean,
+            imp_weight_mean, dropped_frac, approx_kl, n_tokens, n_seqs, n_micro_batches (this
+            rank, all minibatches), skipped_steps (fp16 overflow), and seconds spent packing,
+            recomputing π_prox, in forward/backward, in the optimizer, and in the whole step.
         """
         t0 = time.perf_counter()
-        rewards = torch.tensor([float(s["reward"]) for s in seqs], dtype=torch.float32)
-        seq_adv = grpo_advantages(rewards, self.group_size).numpy()
-        prox = self.compute_logprobs(seqs)
-        t_prox = time.perf_counter() - t0
-
-        extras = {
-            "prox_logprobs": prox,
-            "behav_logprobs": [s["behav_logprobs"] for s in seqs],
-            "advantages": [np.full(len(s["output_tokens"]), a) for s, a in zip(seqs, seq_adv)],
-        }
+        cfg = self.cfg
+        if len(seqs) < cfg.ppo_minibatches:
+            raise ValueError(f"{len(seqs)} sequences cannot fill {cfg.ppo_minibatches} minibatches")
+        needed = ["behav_logprobs"] + (["versions"] if cfg.prox == "loglinear" else [])
         for i, s in enumerate(seqs):
-            if len(s["behav_logprobs"]) != len(s["output_tokens"]):
-                raise ValueError(f"sequence {i}: behav_logprobs and output_tokens differ in length")
-        micro_batches = list(self._micro_batches(seqs, extras))
+            for key in needed:
+                if len(s[key]) != len(s["output_tokens"]):
+                    raise ValueError(f"sequence {i}: {key} and output_tokens differ in length")
+        n_out = torch.tensor([len(s["output_tokens"]) for s in seqs])
+        rewards = torch.tensor([float(s["reward"]) for s in seqs], dtype=torch.float64)
+        adv = compute_advantages(
+            rewards, n_out, self.group_size, cfg.reward_bias, cfg.reward_scaling, cfg.reward_clip,
+            cfg.reward_norm, cfg.adv_norm,
+        ).numpy()
+        per_token = {
+            "behav_logprobs": [s["behav_logprobs"] for s in seqs],
+            "advantages": [np.full(len(s["output_tokens"]), a) for s, a in zip(seqs, adv)],
+        }
+        if cfg.prox == "loglinear":
+            per_token["versions"] = [s["versions"] for s in seqs]
+        plan = self._plan_step(seqs, per_token)
+        t_pack = time.perf_counter() - t0
+
+        # π_prox once, with the weights at the start of the step, before the first minibatch.
+        t1 = time.perf_counter()
+        all_mbs = [mb for minibatch in plan for mb in minibatch]
+        if cfg.prox == "recompute":
+            for mb, lp in zip(all_mbs, self._forward_logprobs(all_mbs, to_all_stages=False)):
+                mb.prox_logprobs = lp
+        elif cfg.prox == "behaviour":
+            for mb in all_mbs:
+                mb.prox_logprobs = mb.behav_logprobs
+        t_prox = time.perf_counter() - t1
 
         self.model.train()
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        outputs = self._run(micro_batches, self._ppo_loss, forward_only=False)
-        with CudaToCpuMode():
-            _, grad_norm, _ = self.optimizer.step()
+        outputs, grad_norms, skipped, t_fb, t_opt = [], [], 0, 0.0, 0.0
+        for micro_batches in plan:
+            t1 = time.perf_counter()
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            outputs += self._run(micro_batches, partial(self._ppo_loss, version), forward_only=False)
+            t2 = time.perf_counter()
+            self.lr_scheduler.step(1)
+            with CudaToCpuMode():
+                ok, grad_norm, _ = self.optimizer.step()
+            skipped += not ok
+            grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+            t_fb, t_opt = t_fb + t2 - t1, t_opt + time.perf_counter() - t2
 
-        sums = {k: sum(float(o[k]) for o in outputs) for k in outputs[0]}
-        sums["n_tokens"] = sum(mb.n_tokens for mb in micro_batches)
-        sums["reward"] = float(rewards.sum())
-        sums["n_seqs"] = len(seqs)
-        sums = self._sum_over_data_parallel(sums)
+        sums = self._reduce_sums(outputs, n_tokens=sum(mb.n_tokens for mb in all_mbs))
         denom = max(sums["n_tokens"], 1.0)
         return {
             "loss": sums["loss"] / denom,
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "reward_mean": sums["reward"] / sums["n_seqs"],
+            "grad_norm": float(np.mean(grad_norms)),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "reward_mean": float(rewards.mean()),
+            "adv_abs_mean": float(np.abs(adv).mean()),
             "clip_frac": sums["clip_frac"] / denom,
             "ratio_mean": sums["ratio_mean"] / denom,
             "imp_weight_mean": sums["imp_weight_mean"] / max(sums["kept"], 1.0),
             "dropped_frac": sums["dropped_frac"] / denom,
             "approx_kl": sums["approx_kl"] / denom,
             "n_tokens": int(sums["n_tokens"]),
-            "n_seqs": int(sums["n_seqs"]),
-            "n_micro_batches": len(micro_batches),
+            "n_seqs": len(seqs),
+            "n_micro_batches": len(all_mbs),
+            "skipped_steps": skipped,
+            "pack_seconds": t_pack,
             "prox_seconds": t_prox,
+            "fwd_bwd_seconds": t_fb,
+            "optim_seconds": t_opt,
             "seconds": time.perf_counter() - t0,
         }
 
-    def _sum_over_data_parallel(self, sums: dict[str, float]) -> dict[str, float]:
-        """Batch statistics over all data-parallel ranks (each trains on its own sequences)."""
-        if parallel_state.get_data_parallel_world_size() == 1:
-            return sums
-        keys = sorted(sums)
-        vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(vec, group=parallel_state.get_data_parallel_group())
-        return dict(zip(keys, vec.tolist()))
+    def _reduce_sums(self, outputs: list[dict], n_tokens: int) -> dict[str, float]:
+        """Sums of `_SUM_KEYS` and `n_tokens` over the whole batch: from the last pipeline stage
+        (the only one with loss outputs) and over data-parallel ranks. One vector, two
+        all-reduces (the other stages add zeros)."""
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        vec = torch.zeros(len(_SUM_KEYS) + 1, dtype=torch.float64, device=self.device)
+        if last:
+            for j, key in enumerate(_SUM_KEYS):
+                vec[j] = sum(float(o[key]) for o in outputs)
+            vec[-1] = n_tokens
+        if self.pp > 1:
+            dist.all_reduce(vec, group=parallel_state.get_pipeline_model_parallel_group())
+        if parallel_state.get_data_parallel_world_size() > 1:
+            dist.all_reduce(vec, group=parallel_state.get_data_parallel_group())
+        return dict(zip((*_SUM_KEYS, "n_tokens"), vec.tolist()))
 
     # ---------------------------------------------------------------- weights
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full HF-named weights (collective over TP; the whole model on every rank for pp == 1)."""
+        """Full HF-named weights on the first pipeline stage ({} on later ones).
+
+        Collective over TP and PP; see `megatron_model.hf_state_dict`.
+        """
         return megatron_model.hf_state_dict(self.model, self.hf_config)
 
     def save_hf(self, out_dir: str) -> None:
         """Write a HF model directory loadable by transformers and vLLM.
 
-        Collective (calls `hf_state_dict`); the first rank of each data-parallel/TP group writes.
+        Collective (calls `hf_state_dict`); the rank with dp = tp = pp = 0 writes.
         config.json, tokenizer and other non-weight files are copied from `model_dir`.
         """
         state = self.hf_state_dict()
-        if parallel_state.get_data_parallel_rank() != 0 or parallel_state.get_tensor_model_parallel_rank() != 0:
+        if (parallel_state.get_data_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(),
+                parallel_state.get_pipeline_model_parallel_rank()) != (0, 0, 0):
             return
         os.makedirs(out_dir, exist_ok=True)
         for name in sorted(os.listdir(self.model_dir)):

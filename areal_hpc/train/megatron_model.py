@@ -77,7 +77,8 @@ def build_gpt_model(
     """This rank's part of a GPTModel (local spec, RMSNorm, swiglu, GQA, RoPE) for `hf_config`.
 
     Args:
-        params_dtype: parameter dtype; `torch.bfloat16` turns on Megatron's bf16 mode.
+        params_dtype: parameter dtype; `torch.bfloat16` / `torch.float16` turn on Megatron's
+            bf16 / fp16 mode.
         tp, pp: must match `init_megatron_parallel`.
         device: where the parameters live; default the current CUDA device, else CPU.
         config_overrides: extra `TransformerConfig` fields (e.g. `calculate_per_token_loss`).
@@ -99,6 +100,7 @@ def build_gpt_model(
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
         # Without a GPU, Megatron's default GPU-side init runs under the CUDA RNG tracker.
         use_cpu_initialization=not on_gpu,
         # Random init stays on even when weights are loaded next: with perform_initialization=False
@@ -106,15 +108,20 @@ def build_gpt_model(
         perform_initialization=True,
         # Packed micro-batches differ in length; PP must then exchange shapes first.
         variable_seq_lengths=pp > 1,
+        # No MoE here, but 0.16 rejects variable_seq_lengths with the default "allgather".
+        moe_token_dispatcher_type="alltoall",
         **config_overrides,
     )
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
-        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
-        **model_kwargs,
-    )
+    # With tied embeddings and pp > 1 the last stage's copy of the embedding is moved with
+    # `.cuda()` before its all-reduce with the first stage.
+    with cpu_compat.CudaToCpuMode():
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+            **model_kwargs,
+        )
     return model.to(device)
 
 
@@ -220,12 +227,11 @@ def full_megatron_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def hf_state_dict(model: torch.nn.Module, hf_config) -> dict[str, torch.Tensor]:
+def _stage_hf_state_dict(model: torch.nn.Module, hf_config) -> dict[str, torch.Tensor]:
     """This pipeline stage's weights as full HF-named tensors (the whole model when pp == 1).
 
-    Collective over the TP group. With PP each stage returns its own layers (and embedding /
-    final norm / lm_head where it holds them); merging stages is the caller's business (the
-    weight broadcast can send per stage).
+    Collective over the TP group. Each stage has its own layers (and the embedding / final
+    norm / lm_head where it holds them).
     """
     mcore = full_megatron_state_dict(model)
     out = {}
@@ -233,3 +239,34 @@ def hf_state_dict(model: torch.nn.Module, hf_config) -> dict[str, torch.Tensor]:
         if mc_name in mcore:
             out.update(zip(rule.hf_names, rule.to_hf(mcore[mc_name]), strict=True))
     return out
+
+
+@torch.no_grad()
+def hf_state_dict(model: torch.nn.Module, hf_config) -> dict[str, torch.Tensor]:
+    """The whole model as full HF-named tensors on the first pipeline stage; {} on later stages.
+
+    Collective over the TP and PP groups. Stage by stage, each later stage sends its tensors
+    (TP-gathered) to the first stage of its pipeline, names and shapes first; tensors keep their
+    device and dtype. A tied lm_head on the last stage is the embedding's copy: not sent.
+    """
+    local = _stage_hf_state_dict(model, hf_config)
+    group = parallel_state.get_pipeline_model_parallel_group()
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return local
+    ranks = dist.get_process_group_ranks(group)  # global ranks, by stage
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    device = next(iter(local.values())).device
+    if stage > 0:
+        meta = [[(k, tuple(v.shape), v.dtype) for k, v in local.items()]]
+        dist.send_object_list(meta, dst=ranks[0], device=device)
+        for tensor in local.values():
+            dist.send(tensor.contiguous(), dst=ranks[0])
+        return {}
+    for src in ranks[1:]:
+        meta = [None]
+        dist.recv_object_list(meta, src=src, device=device)
+        for name, shape, dtype in meta[0]:
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(tensor, src=src)
+            local[name] = tensor
+    return local

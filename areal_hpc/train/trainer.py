@@ -3,7 +3,7 @@
     evaluate the initial policy on held-out prompts
     for step in 0..total_steps-1:
         batch ← controller: B groups, each at most η versions old   (generators never wait)
-        decoupled-PPO update on the batch (π_prox recomputed, GRPO advantages)
+        decoupled-PPO update on the batch (GRPO advantages, π_prox, ppo_minibatches steps)
         version += 1; broadcast the HF-named weights to every generator engine
     evaluate the final policy; stop generators; save the trained policy
 """
@@ -26,14 +26,10 @@ class Trainer:
     def __init__(self, cfg: RunConfig, topo: Topology):
         self.cfg, self.topo = cfg, topo
         topo.init_trainer_process_group()
-        t, tr = cfg.topology, cfg.train
+        t = cfg.topology
         self.actor = Actor(
-            model_dir=cfg.model.path, tp=t.tp, pp=t.pp, lr=tr.lr, weight_decay=tr.weight_decay,
-            betas=(tr.adam_beta1, tr.adam_beta2), eps=tr.adam_eps, clip_grad=tr.clip_grad,
-            temperature=cfg.rollout.temperature, eps_clip=tr.eps_clip,
-            eps_clip_high=tr.eps_clip_high, dual_clip=tr.dual_clip,
-            behav_imp_weight_cap=tr.behav_imp_weight_cap, max_tokens_per_mb=tr.max_tokens_per_mb,
-            group_size=cfg.rollout.group_size, device=t.device, seed=tr.seed)
+            cfg.train, cfg.model.path, tp=t.tp, pp=t.pp, group_size=cfg.rollout.group_size,
+            temperature=cfg.rollout.temperature, device=t.device, dtype=cfg.model.dtype)
         self.version = 0
         self.weight_meta = None         # bucket plan of the HF weights: fixed for the run
         self.controller = None
@@ -78,23 +74,13 @@ class Trainer:
         return time.monotonic() - t0
 
     def _batch(self, progress) -> tuple[list[dict], dict]:
-        """Rank 0 gathers the batch from the controller; every trainer rank gets it."""
+        """Rank 0 gathers the batch from the controller; every trainer rank gets all of it (the
+        Actor splits it into minibatches and data-parallel shares, alike on every rank)."""
         if self.controller is not None:
             trajs, stats = self.controller.next_batch(on_wait=progress.waiting)
         else:
             trajs, stats = None, None
-        trajs, stats = self.topo.role_comm.bcast((trajs, stats), root=0)
-        return self._data_parallel_share(trajs), stats
-
-    def _data_parallel_share(self, trajs: list[dict]) -> list[dict]:
-        """This data-parallel rank's whole groups (GRPO normalises within a group)."""
-        from megatron.core import parallel_state
-        dp = parallel_state.get_data_parallel_world_size()
-        if dp == 1:
-            return trajs
-        n = self.cfg.rollout.group_size
-        groups = [trajs[i:i + n] for i in range(0, len(trajs), n)]
-        return [t for g in groups[parallel_state.get_data_parallel_rank()::dp] for t in g]
+        return self.topo.role_comm.bcast((trajs, stats), root=0)
 
     def _record(self, step: int, stats: dict, train_stats: dict, weight_sync_s: float) -> dict:
         """One line of metrics.jsonl (rank 0): batch, update and generation statistics."""
@@ -117,7 +103,7 @@ class Trainer:
         self._gen_tokens, self._t_record = 0, time.monotonic()
         for step in range(cfg.train.total_steps):
             trajs, stats = self._batch(progress)            # B groups, none older than η
-            train_stats = self.actor.train_step(trajs)      # decoupled PPO, π_prox recomputed
+            train_stats = self.actor.train_step(trajs, self.version)  # decoupled PPO
             self.version = step + 1
             weight_sync_s = self._publish_weights()         # generators go on with the new version
             if self.controller is not None:

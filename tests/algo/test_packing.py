@@ -1,66 +1,85 @@
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from areal_hpc.algo.packing import pack_sequences
-
-
-def _check(lengths, budget, mbs):
-    flat = sorted(i for mb in mbs for i in mb)
-    assert flat == list(range(len(lengths)))
-    for mb in mbs:
-        assert len(mb) == 1 or sum(lengths[i] for i in mb) <= budget
+from areal_hpc.algo.packing import balanced_allocate, ffd_allocate
 
 
-def test_fits_in_one():
-    assert pack_sequences([3, 4, 5], 100) == [[0, 1, 2]]
+def _loads(lengths, groups):
+    return [sum(lengths[i] for i in g) for g in groups]
 
 
-def test_minimal_number_of_balanced_micro_batches():
-    lengths = [100, 200, 300, 150, 250]  # total 1000, budget 500 -> 2 bins of 500
-    mbs = pack_sequences(lengths, 500)
-    _check(lengths, 500, mbs)
-    assert len(mbs) == 2
-    assert sorted(sum(lengths[i] for i in mb) for mb in mbs) == [500, 500]
+def _check(lengths, capacity, groups):
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert all(load <= capacity for load in _loads(lengths, groups))
+    assert all(g == sorted(g) for g in groups)
 
 
-def test_balanced_loads():
-    mbs = pack_sequences([50] * 10, 200)  # 500 tokens, 3 bins: 4/3/3 sequences
-    assert sorted(len(mb) for mb in mbs) == [3, 3, 4]
+def test_balanced_fits_in_one():
+    assert balanced_allocate([3, 4, 5], 100) == [[0, 1, 2]]
+    assert balanced_allocate([], 100) == [[]]
 
 
-def test_oversized_sequence_gets_its_own_micro_batch():
-    lengths = [10, 700, 20, 30]
-    mbs = pack_sequences(lengths, 64)
-    _check(lengths, 64, mbs)
-    assert [1] in mbs
-    assert len(mbs) == 2
+def test_balanced_by_hand():
+    # FFD needs 2 groups of 500. LPT: 300→a, 250→b, 200→b (450), 150→a (450), 100→a (550): no
+    # room, so FFD's own groups: {300, 200} and {250, 150, 100}, both 500.
+    lengths = [100, 200, 300, 150, 250]
+    assert balanced_allocate(lengths, 500) == [[0, 3, 4], [1, 2]]
+    # min_groups=3: LPT: 300→a, 250→b, 200→c, 150→c (350), 100→b (350): loads 300/350/350,
+    # then rebalancing finds no transfer that narrows a gap of 50 (lengths differ by >= 50).
+    groups = balanced_allocate(lengths, 500, min_groups=3)
+    assert groups == [[0, 4], [1, 3], [2]] and _loads(lengths, groups) == [350, 350, 300]
 
 
-def test_adds_bins_when_greedy_does_not_fit():
-    # total 18 <= 2*10, but 6,6,6 cannot go into two bins of 10.
-    mbs = pack_sequences([6, 6, 6], 10)
-    assert len(mbs) == 3
+def test_balanced_rounds_up_to_the_divisor_and_pads_with_empty_groups():
+    groups = balanced_allocate([50] * 10, 200, divisor=2)  # FFD needs 3 -> 4 groups
+    assert len(groups) == 4 and sorted(_loads([50] * 10, groups)) == [100, 100, 150, 150]
+    groups = balanced_allocate([10, 20], 100, min_groups=3, divisor=2)
+    assert groups == [[0], [1], [], []]
 
 
-def test_deterministic_and_valid_on_random_inputs():
-    rng = random.Random(0)
-    for _ in range(200):
-        lengths = [rng.randint(1, 300) for _ in range(rng.randint(1, 40))]
-        budget = rng.randint(50, 1000)
-        mbs = pack_sequences(lengths, budget)
-        _check(lengths, budget, mbs)
-        assert mbs == pack_sequences(list(lengths), budget)
+def test_rebalancing_reaches_what_lpt_misses():
+    # LPT into 2 groups: 7→a, 6→b, 5→b (11), 4→a (11), 4→a (tie, 15): loads 15 / 11, gap 4.
+    # Swapping 7 (a) for 5 (b) transfers 2 = gap / 2: {5, 4, 4} / {7, 6}, 13 / 13.
+    lengths = [7, 6, 5, 4, 4]
+    assert balanced_allocate(lengths, 100, min_groups=2) == [[0, 1], [2, 3, 4]]
 
 
-def test_edge_cases():
-    assert pack_sequences([], 10) == []
-    with pytest.raises(ValueError):
-        pack_sequences([1], 0)
+def test_balanced_raises_on_an_oversized_sequence():
+    with pytest.raises(ValueError, match="sequence 1 has 700 tokens, more than the capacity of 64"):
+        balanced_allocate([10, 700], 64)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 300), max_size=60),
+    capacity=st.integers(300, 1200),
+    min_groups=st.integers(1, 8),
+    divisor=st.integers(1, 4),
+)
+def test_balanced_properties(lengths, capacity, min_groups, divisor):
+    groups = balanced_allocate(lengths, capacity, min_groups=min_groups, divisor=divisor)
+    _check(lengths, capacity, groups)
+    k = max(len(ffd_allocate(lengths, capacity, min_groups=0)), min_groups)
+    assert len(groups) == -(-k // divisor) * divisor       # FFD's count, raised and rounded
+    assert all(groups[: min(len(lengths), len(groups))])   # empty groups only without sequences
+    assert groups == balanced_allocate(list(lengths), capacity, min_groups, divisor)  # deterministic
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_balanced_loads_on_long_tailed_lengths(seed):
+    """Many sequences per group: loads within one short sequence of each other."""
+    rng = random.Random(seed)
+    lengths = [min(int(rng.paretovariate(1.2) * 40), 1024) for _ in range(300)]
+    groups = balanced_allocate(lengths, 2048, divisor=4)
+    _check(lengths, 2048, groups)
+    loads = _loads(lengths, groups)
+    assert max(loads) - min(loads) <= min(lengths) or max(loads) / (sum(loads) / len(loads)) < 1.05
 
 
 def test_ffd_allocate_by_hand():
-    from areal_hpc.algo.packing import ffd_allocate
     # decreasing: 7(i1) → g0; 5(i3) → g1; 4(i0) → g1 (9); 3(i2) → g0 (10); 1(i4) → g1 (10)
     assert ffd_allocate([4, 7, 3, 5, 1], capacity=10) == [[0, 3, 4], [1, 2]]
     # min_groups=4: from {1,2} {0,3,4}, move 4 (smallest of the most populous), then 2 (of {1,2},
@@ -70,7 +89,6 @@ def test_ffd_allocate_by_hand():
 
 
 def test_ffd_allocate_errors_name_the_problem():
-    from areal_hpc.algo.packing import ffd_allocate
     with pytest.raises(ValueError, match="sequence 2 has 11 tokens, more than the capacity of 10"):
         ffd_allocate([1, 2, 11], capacity=10)
     with pytest.raises(ValueError, match="2 sequences cannot fill min_groups=3"):
@@ -79,9 +97,6 @@ def test_ffd_allocate_errors_name_the_problem():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_ffd_allocate_properties_on_long_tailed_lengths(seed):
-    import random
-
-    from areal_hpc.algo.packing import ffd_allocate
     rng = random.Random(seed)
     n = rng.randint(1, 200)
     lengths = [min(int(rng.paretovariate(1.2) * 20), 1024) for _ in range(n)]

@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from areal_hpc.algo.ppo import decoupled_ppo_loss, grpo_advantages
+from areal_hpc.algo.ppo import (
+    compute_advantages,
+    decoupled_ppo_loss,
+    grpo_advantages,
+    loglinear_prox_logprobs,
+    shape_rewards,
+    token_normalised,
+)
 
 
 def t(*xs):
@@ -141,3 +148,53 @@ def test_all_masked_input_gives_zero_loss_and_finite_grad():
     loss.backward()
     assert loss.item() == 0.0 and torch.isfinite(logp.grad).all()
     assert stats["clip_frac"].item() == 0.0
+
+
+def test_shape_rewards_bias_scale_clip():
+    # AReaL's GRPO recipe: bias -0.5, scaling 10 maps {0, 1} to {-5, +5}; clip at 4 bounds it.
+    r = t(0.0, 1.0, 0.5)
+    assert torch.equal(shape_rewards(r, -0.5, 10.0, 20.0), torch.tensor([-5.0, 5.0, 0.0], dtype=torch.float64))
+    assert torch.equal(shape_rewards(r, -0.5, 10.0, 4.0), torch.tensor([-4.0, 4.0, 0.0], dtype=torch.float64))
+
+
+def test_token_normalised_weighs_sequences_by_tokens():
+    # Values 1 (3 tokens) and -1 (1 token): token mean 0.5, token variance 0.75.
+    out = token_normalised(t(1.0, -1.0), torch.tensor([3, 1]), eps=0.0)
+    std = math.sqrt(0.75)
+    torch.testing.assert_close(out, torch.tensor([0.5 / std, -1.5 / std], dtype=torch.float64))
+    # The same as a z-score over the expanded tokens.
+    tokens = t(1.0, 1.0, 1.0, -1.0).double()
+    ref = (tokens - tokens.mean()) / tokens.std(unbiased=False)
+    torch.testing.assert_close(out.repeat_interleave(torch.tensor([3, 1])), ref)
+
+
+def test_compute_advantages_order_and_switches():
+    rewards = t(1.0, 0.0, 1.0, 1.0)
+    n_tokens = torch.tensor([1, 1, 1, 3])
+    # group z-score ([+1, -1], then an all-equal group -> 0); bias and scale do not change it.
+    adv = compute_advantages(rewards, n_tokens, 2, reward_bias=-0.5, reward_scaling=10.0)
+    torch.testing.assert_close(adv, t(1.0, -1.0, 0.0, 0.0), rtol=0, atol=1e-5)
+    # no group norm: the shaped rewards themselves
+    adv = compute_advantages(rewards, n_tokens, 2, reward_bias=-0.5, reward_scaling=10.0, reward_norm="none")
+    assert torch.equal(adv, t(5.0, -5.0, 5.0, 5.0))
+    # then a token-level z-score: tokens are [5, -5, 5, 5, 5, 5] -> mean 10/3
+    adv = compute_advantages(rewards, n_tokens, 2, reward_bias=-0.5, reward_scaling=10.0,
+                             reward_norm="none", adv_norm="batch")
+    tokens = torch.tensor([5.0, -5.0, 5.0, 5.0, 5.0, 5.0], dtype=torch.float64)
+    z = ((tokens - tokens.mean()) / (tokens.std(unbiased=False) + 1e-5)).float()
+    torch.testing.assert_close(adv, z[:4])
+    with pytest.raises(ValueError, match="reward_norm"):
+        compute_advantages(rewards, n_tokens, 2, reward_norm="batch")
+    with pytest.raises(ValueError, match="adv_norm"):
+        compute_advantages(rewards, n_tokens, 2, adv_norm="group")
+
+
+def test_loglinear_prox_alpha_by_version():
+    # current version 5: v_behav 5 or 4 -> α 0; 3 -> 1/2; 1 -> 3/4; -1 (no version) -> 0;
+    # 6 (ahead of the trainer: cannot happen, but must not blow up) -> 0.
+    behav = t(-1.0, -1.0, -1.0, -1.0, -1.0, -1.0)
+    logp = t(-2.0, -2.0, -2.0, -2.0, -2.0, -2.0).requires_grad_(True)
+    versions = torch.tensor([5, 4, 3, 1, -1, 6])
+    prox = loglinear_prox_logprobs(behav, logp, versions, current_version=5)
+    torch.testing.assert_close(prox, t(-1.0, -1.0, -1.5, -1.75, -1.0, -1.0))
+    assert not prox.requires_grad  # π_prox is a constant of the loss

@@ -1,45 +1,28 @@
-"""Actor on a tiny random Qwen2, world size 1 (gloo): logprobs, PPO step, weight export."""
+"""Actor on a tiny random Qwen2, world size 1 (gloo): log-probs, PPO steps, packing, weights."""
 
-import json
 import os
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
+from areal_hpc.algo.packing import balanced_allocate
 from areal_hpc.algo.ppo import decoupled_ppo_loss, grpo_advantages
-from areal_hpc.topology import free_port
+from areal_hpc.config import TrainConfig
 
 TEMPERATURE = 0.7
 GROUP_SIZE = 4
+# Adam's first steps move each weight by about lr (1e-3) however small its gradient, so fp32
+# rounding differences in near-zero gradients reach ~1e-5 in the weights: a tenth of a step.
+WEIGHT_ATOL = 1e-4
 
 
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    model = Qwen2ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(std=0.1)
-    path = tmp_path_factory.mktemp("tiny_qwen2")
-    model.save_pretrained(path)
-    (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 256}))
-    return str(path)
-
-
-def make_actor(model_dir, **kw):
+def make_actor(model_dir, **cfg):
     from areal_hpc.train.actor import Actor
 
-    args = dict(lr=1e-3, temperature=TEMPERATURE, max_tokens_per_mb=40, group_size=GROUP_SIZE)
-    return Actor(model_dir, **{**args, **kw})
+    return Actor(TrainConfig(**{"lr": 1e-3, "max_tokens_per_mb": 40, **cfg}), model_dir,
+                 group_size=GROUP_SIZE, temperature=TEMPERATURE)
 
 
 def make_seqs(n=8, seed=0):
@@ -61,6 +44,21 @@ def hf_logprobs(model, seq, temperature=TEMPERATURE):
     return torch.log_softmax(logits[p - 1 : -1], dim=-1).gather(-1, ids[p:, None])[:, 0]
 
 
+def batch(actor, seed, rewards, behav_shift=None, version=0):
+    """Sequences whose behaviour log-probs are the actor's current ones (+ `behav_shift`)."""
+    seqs = make_seqs(seed=seed)
+    current = actor.compute_logprobs(seqs)
+    for i, seq in enumerate(seqs):
+        seq["reward"] = rewards[i]
+        seq["behav_logprobs"] = current[i] if behav_shift is None else current[i] + behav_shift[i]
+        seq["versions"] = np.full(len(seq["output_tokens"]), version, dtype=np.int32)
+    return seqs
+
+
+def max_weight_diff(a, b):
+    return max((a.hf_state_dict()[k] - v).abs().max().item() for k, v in b.hf_state_dict().items())
+
+
 def test_compute_logprobs_matches_hf(megatron_ws1, model_dir):
     actor = make_actor(model_dir)
     seqs = make_seqs()
@@ -74,22 +72,20 @@ def test_compute_logprobs_matches_hf(megatron_ws1, model_dir):
 
 
 def test_packed_equals_unpacked(megatron_ws1, model_dir):
-    actor = make_actor(model_dir, max_tokens_per_mb=10_000)
-    seqs = make_seqs(seed=1)
-    packed = actor.compute_logprobs(seqs)  # one row for all sequences
-    actor.max_tokens_per_mb = 1  # every sequence alone
-    alone = actor.compute_logprobs(seqs)
-    for a, b in zip(packed, alone):
+    """One packed row vs every sequence alone (plus an empty filler micro-batch): same
+    log-probs, loss, grad norm and, after two steps, weights."""
+    packed = make_actor(model_dir, max_tokens_per_mb=10_000)
+    alone = make_actor(model_dir, max_tokens_per_mb=10_000)
+    alone._plan = lambda lengths, equalise_dp: [[i] for i in range(len(lengths))] + [[]]
+    seqs = batch(packed, 1, [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0])
+    for a, b in zip(packed.compute_logprobs(seqs), alone.compute_logprobs(seqs)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
-
-
-def _batch(actor, seed, rewards, behav_shift=None):
-    seqs = make_seqs(seed=seed)
-    prox = actor.compute_logprobs(seqs)
-    for i, seq in enumerate(seqs):
-        seq["reward"] = rewards[i]
-        seq["behav_logprobs"] = prox[i] if behav_shift is None else prox[i] + behav_shift[i]
-    return seqs
+    for _ in range(2):
+        sp, sa = packed.train_step(seqs), alone.train_step(seqs)
+        assert (sp["n_micro_batches"], sa["n_micro_batches"]) == (1, 9)
+        assert sp["loss"] == pytest.approx(sa["loss"], rel=1e-5, abs=1e-6)
+        assert sp["grad_norm"] == pytest.approx(sa["grad_norm"], rel=1e-5)
+    assert max_weight_diff(packed, alone) < WEIGHT_ATOL
 
 
 def test_first_step_ratio_one_and_token_mean_gradient(megatron_ws1, model_dir):
@@ -100,7 +96,7 @@ def test_first_step_ratio_one_and_token_mean_gradient(megatron_ws1, model_dir):
     seqs = make_seqs(seed=3)
     shifts = [rng.normal(0, 0.3, len(s["output_tokens"])).astype(np.float32) for s in seqs]
     shifts[0][0] = -3.0  # w = e^3 > 5: this token is dropped (but counted)
-    seqs = _batch(actor, 3, rewards, shifts)
+    seqs = batch(actor, 3, rewards, shifts)
 
     stats = actor.train_step(seqs)
     assert stats["ratio_mean"] == 1.0 and stats["clip_frac"] == 0.0
@@ -120,14 +116,53 @@ def test_first_step_ratio_one_and_token_mean_gradient(megatron_ws1, model_dir):
     assert stats["grad_norm"] == pytest.approx(ref_norm.item(), rel=1e-4)
 
 
-def test_training_raises_logprob_of_rewarded_sequences(megatron_ws1, model_dir):
-    actor = make_actor(model_dir)
+def test_prox_modes_agree_while_behaviour_is_current(megatron_ws1, model_dir):
+    """π_behav = the current policy: recompute, loglinear and behaviour give the same first step.
+    On the second step (tokens one version old) loglinear still has α = 0 and equals naive PPO,
+    while recompute now uses the updated weights as π_prox."""
+    actors = {p: make_actor(model_dir, prox=p) for p in ("recompute", "loglinear", "behaviour")}
+    seqs = batch(actors["recompute"], 7, [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0])
+    first = {p: a.train_step(seqs, version=0) for p, a in actors.items()}
+    assert first["recompute"]["prox_seconds"] > 0 and first["loglinear"]["prox_seconds"] < 1e-3
+    for p in ("loglinear", "behaviour"):
+        assert first[p]["loss"] == first["recompute"]["loss"]
+        assert first[p]["grad_norm"] == first["recompute"]["grad_norm"]
+    second = {p: a.train_step(seqs, version=1) for p, a in actors.items()}
+    assert second["loglinear"]["loss"] == second["behaviour"]["loss"]
+    assert second["recompute"]["ratio_mean"] == 1.0 and second["behaviour"]["ratio_mean"] != 1.0
+    assert second["recompute"]["imp_weight_mean"] != 1.0 and second["behaviour"]["imp_weight_mean"] == 1.0
+
+
+def test_minibatches_share_one_prox_and_step_each(megatron_ws1, model_dir):
+    """ppo_minibatches=2 == two naive-PPO steps on the two minibatches, when π_behav is the
+    step's initial policy: π_prox is computed once (with the initial weights), and each minibatch
+    gets its own optimizer step."""
+    kw = dict(reward_norm="none", total_steps=2)
+    two = make_actor(model_dir, ppo_minibatches=2, **kw)
+    ref = make_actor(model_dir, prox="behaviour", **kw)
+    seqs = batch(two, 8, [1.0, -1.0, 0.5, 1.0, -0.5, 1.0, 0.0, -1.0])
+    stats = two.train_step(seqs)
+    lengths = [len(s["prompt_tokens"]) + len(s["output_tokens"]) for s in seqs]
+    ref_stats = [ref.train_step([seqs[i] for i in mb]) for mb in balanced_allocate(lengths, sum(lengths), 2)]
+    n = [s["n_tokens"] for s in ref_stats]
+    assert stats["loss"] == pytest.approx(sum(s["loss"] * k for s, k in zip(ref_stats, n)) / sum(n), rel=1e-5)
+    assert stats["grad_norm"] == pytest.approx(np.mean([s["grad_norm"] for s in ref_stats]), rel=1e-5)
+    assert ref_stats[1]["ratio_mean"] != 1.0  # the second minibatch sees updated weights
+    assert max_weight_diff(two, ref) < WEIGHT_ATOL
+
+
+def test_training_raises_logprob_of_rewarded_sequences_with_lr_schedule(megatron_ws1, model_dir):
+    actor = make_actor(model_dir, lr_warmup_steps=2, lr_decay_style="linear", total_steps=4, min_lr=1e-4)
     rewards = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]
-    seqs = _batch(actor, 4, rewards)
+    seqs = batch(actor, 4, rewards)
     before = [lp.sum() for lp in actor.compute_logprobs(seqs)]
+    lrs = []
     for _ in range(4):
         stats = actor.train_step(seqs)
         assert np.isfinite(stats["loss"]) and stats["grad_norm"] > 0
+        lrs.append(stats["lr"])
+    # warm-up: lr * n / 2; then linear decay to min_lr at the last optimizer step
+    np.testing.assert_allclose(lrs, [5e-4, 1e-3, 5.5e-4, 1e-4], rtol=1e-12)
     after = [lp.sum() for lp in actor.compute_logprobs(seqs)]
     delta = np.array(after) - np.array(before)
     good = np.array(rewards) > 0
@@ -135,9 +170,23 @@ def test_training_raises_logprob_of_rewarded_sequences(megatron_ws1, model_dir):
     assert (delta[~good] < 0).all(), delta
 
 
+def test_bad_inputs_are_named(megatron_ws1, model_dir):
+    actor = make_actor(model_dir, prox="loglinear")
+    seqs = batch(actor, 9, [1.0] * 8)
+    del seqs[2]["versions"]
+    with pytest.raises(KeyError, match="versions"):
+        actor.train_step(seqs)
+    seqs[2]["versions"] = np.zeros(1)
+    seqs[2]["output_tokens"] = np.zeros(20, dtype=np.int32)
+    with pytest.raises(ValueError, match="sequence 2: behav_logprobs and output_tokens differ"):
+        actor.train_step(seqs)
+    with pytest.raises(ValueError, match="sequence 0 has 44 tokens, more than the capacity of 40"):
+        actor.compute_logprobs([dict(prompt_tokens=np.ones(4), output_tokens=np.ones(40))])
+
+
 def test_trained_weights_load_into_transformers(megatron_ws1, model_dir, tmp_path):
     actor = make_actor(model_dir)
-    seqs = _batch(actor, 5, [1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 0.0, 0.0])
+    seqs = batch(actor, 5, [1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 0.0, 0.0])
     actor.train_step(seqs)
 
     hf = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
@@ -168,64 +217,3 @@ def test_cpu_compat_mode_redirects_cuda():
         assert x.type() == "torch.cuda.FloatTensor"
         assert x.type(torch.float64).dtype == torch.float64
     assert torch.zeros(1).type() == "torch.FloatTensor"
-
-
-_TP2_WORKER = r"""
-import pickle, sys
-import numpy as np, torch, torch.distributed as dist
-torch.set_num_threads(1)
-from areal_hpc.train.megatron_model import init_megatron_parallel
-from areal_hpc.train.actor import Actor
-rank, port, model_dir, work = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-init_megatron_parallel(tp=2, pp=1, seed=0, backend="gloo")
-with open(f"{work}/in.pkl", "rb") as f:
-    seqs, kw = pickle.load(f)
-actor = Actor(model_dir, tp=2, **kw)
-out = {"initial": {k: v.clone() for k, v in actor.hf_state_dict().items()}}
-out["logprobs"] = actor.compute_logprobs(seqs)
-out["stats"] = actor.train_step(seqs)
-out["trained"] = actor.hf_state_dict()
-with open(f"{work}/out{rank}.pkl", "wb") as f:
-    pickle.dump(out, f)
-"""
-
-
-def test_tensor_parallel_2_matches_tp1(megatron_ws1, model_dir, tmp_path):
-    """TP=2 in two gloo processes: same logprobs, loss, grad norm and gathered weights as TP=1."""
-    import pickle
-    import subprocess
-    import sys
-
-    kw = dict(lr=1e-3, temperature=TEMPERATURE, max_tokens_per_mb=40, group_size=GROUP_SIZE)
-    actor = make_actor(model_dir, **kw)
-    seqs = _batch(actor, 6, [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0])
-    with open(tmp_path / "in.pkl", "wb") as f:
-        pickle.dump((seqs, kw), f)
-    port = str(free_port())
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen([sys.executable, "-c", _TP2_WORKER, str(r), port, model_dir, str(tmp_path)],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for r in range(2)
-    ]
-    for p in procs:
-        log = p.communicate(timeout=240)[0].decode()
-        assert p.returncode == 0, log[-3000:]
-    outs = [pickle.loads((tmp_path / f"out{r}.pkl").read_bytes()) for r in range(2)]
-
-    ref_initial = Qwen2ForCausalLM.from_pretrained(model_dir).state_dict()
-    ref_logprobs = actor.compute_logprobs(seqs)
-    ref_stats = actor.train_step(seqs)
-    ref_trained = actor.hf_state_dict()
-    for out in outs:  # both TP ranks hold the full gathered weights
-        for name, tensor in out["initial"].items():
-            assert torch.equal(tensor, ref_initial[name]), name
-        for a, b in zip(out["logprobs"], ref_logprobs):
-            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
-        assert out["stats"]["loss"] == pytest.approx(ref_stats["loss"], rel=1e-5, abs=1e-6)
-        assert out["stats"]["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=1e-4)
-        assert set(out["trained"]) == set(ref_trained)
-        for name, tensor in out["trained"].items():
-            torch.testing.assert_close(tensor, ref_trained[name], rtol=0, atol=1e-4)

@@ -1,0 +1,121 @@
+"""TP, PP and DP layouts of the Actor (gloo processes) against the single-process reference.
+
+Two decoupled-PPO steps of two minibatches each (π_prox recomputed, token-level advantage norm,
+lr warm-up then decay), on micro-batches small enough that every layout packs several. Every
+layout must give the reference's log-probs, losses and grad norms, and after the four optimizer
+steps the same gathered weights.
+"""
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen2ForCausalLM
+
+from areal_hpc.config import TrainConfig
+from areal_hpc.topology import free_port
+
+CFG = TrainConfig(lr=1e-3, max_tokens_per_mb=40, ppo_minibatches=2, adv_norm="batch",
+                  lr_warmup_steps=1, lr_decay_style="linear", total_steps=2)
+ACTOR = dict(group_size=4, temperature=0.7)
+WORKER = Path(__file__).with_name("dist_worker.py")
+# Tolerances (fp32, gloo). Log-probs and the first loss see the same weights; the second step's
+# loss and grad norm see weights that already differ by rounding. Weights: Adam moves each by
+# about lr = 1e-3 per step however small its gradient, so rounding in near-zero gradients shows
+# up to ~1e-5 after four steps; 1e-4 is a tenth of one step.
+LOGPROB_ATOL, LOSS_REL, GRAD_NORM_REL, WEIGHT_ATOL = 1e-5, 1e-4, 1e-4, 1e-4
+
+
+def batches(model_dir):
+    """Two steps of 8 sequences (2 groups) with off-policy behaviour log-probs."""
+    rng = np.random.default_rng(0)
+    hf = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
+    steps = []
+    for _ in range(2):
+        seqs = []
+        for i in range(8):
+            prompt = rng.integers(0, 128, rng.integers(1, 10)).astype(np.int32)
+            output = rng.integers(0, 128, rng.integers(1, 20)).astype(np.int32)
+            ids = torch.from_numpy(np.concatenate([prompt, output]).astype(np.int64))[None]
+            with torch.no_grad():
+                logits = hf(ids).logits[0, len(prompt) - 1 : -1] / ACTOR["temperature"]
+            lp = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None])[:, 0].numpy()
+            seqs.append(dict(prompt_tokens=prompt, output_tokens=output, reward=float(rng.integers(0, 2)),
+                             behav_logprobs=(lp + rng.normal(0, 0.2, len(lp))).astype(np.float32),
+                             versions=np.zeros(len(output), np.int32)))
+        steps.append(seqs)
+    return steps
+
+
+def launch(world: int, cases: list[dict], work: Path) -> dict:
+    """Run `cases` in one gloo world of `world` processes; {tag: [output of each rank]}."""
+    with open(work / "in.pkl", "wb") as f:
+        pickle.dump({"cases": cases, "cfg": CFG, "actor": ACTOR}, f)
+    port = str(free_port())
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), port, str(work)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(world)]
+    logs = [p.communicate(timeout=900)[0].decode() for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    return {c["tag"]: [pickle.loads((work / f"{c['tag']}.{r}.pkl").read_bytes()) for r in range(world)]
+            for c in cases}
+
+
+@pytest.fixture(scope="module")
+def references(megatron_ws1, model_dir, tied_model_dir):
+    """Single-process (TP = PP = DP = 1) runs, per model."""
+    sys.path.insert(0, str(WORKER.parent))
+    from dist_worker import run_case
+
+    out = {}
+    for d in (model_dir, tied_model_dir):
+        steps = batches(d)
+        out[d] = (steps, run_case(d, 1, 1, CFG, ACTOR, steps))
+    return out
+
+
+def check_layout(ranks: list[dict], ref: dict, model_dir: str) -> None:
+    hf_initial = Qwen2ForCausalLM.from_pretrained(model_dir).state_dict()
+    rank0 = ranks[0]  # dp = tp = pp = 0: holds the whole model
+    assert set(rank0["initial"]) == set(ref["initial"])
+    for name, tensor in rank0["initial"].items():
+        assert torch.equal(tensor, hf_initial[name]), name
+    for out in ranks:  # every rank: the reference's log-probs and statistics
+        for a, b in zip(out["logprobs"], ref["logprobs"], strict=True):
+            np.testing.assert_allclose(a, b, rtol=0, atol=LOGPROB_ATOL)
+        for got, want in zip(out["stats"], ref["stats"], strict=True):
+            assert got["n_tokens"] == want["n_tokens"]
+            assert got["loss"] == pytest.approx(want["loss"], rel=LOSS_REL, abs=1e-6)
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=GRAD_NORM_REL)
+            assert got["clip_frac"] == pytest.approx(want["clip_frac"], abs=1e-6)
+            assert got["lr"] == want["lr"]
+    assert set(rank0["trained"]) == set(ref["trained"])
+    for name, tensor in rank0["trained"].items():
+        torch.testing.assert_close(tensor, ref["trained"][name], rtol=0, atol=WEIGHT_ATOL)
+
+
+def case(tag, tp, pp, model_dir, references):
+    return dict(tag=tag, tp=tp, pp=pp, model_dir=model_dir, batches=references[model_dir][0])
+
+
+def test_two_processes_tp2_pp2_dp2(references, model_dir, tied_model_dir, tmp_path):
+    """One 2-process world, four layouts in turn: TP=2, PP=2, DP=2, and PP=2 with tied embeddings."""
+    cases = [case("tp2", 2, 1, model_dir, references), case("pp2", 1, 2, model_dir, references),
+             case("dp2", 1, 1, model_dir, references), case("pp2_tied", 1, 2, tied_model_dir, references)]
+    outs = launch(2, cases, tmp_path)
+    for c in cases:
+        check_layout(outs[c["tag"]], references[c["model_dir"]][1], c["model_dir"])
+    assert [s["n_micro_batches"] % 2 for s in outs["pp2"][0]["stats"]] == [0, 0]  # a multiple of pp
+
+
+def test_four_processes_tp2xpp2(references, model_dir, tmp_path):
+    outs = launch(4, [case("tp2pp2", 2, 2, model_dir, references)], tmp_path)
+    check_layout(outs["tp2pp2"], references[model_dir][1], model_dir)
