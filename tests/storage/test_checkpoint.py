@@ -1,0 +1,114 @@
+"""Checkpoints on the real Megatron model + optimizer (gloo, one rank): exact resume, the run state,
+the manifest's corruption checks, fallback to the previous checkpoint, pruning."""
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from areal_hpc.config import TrainConfig
+from areal_hpc.storage import checkpoint as ck
+from areal_hpc.topology import free_port
+
+
+@pytest.fixture(scope="module")
+def actor_factory(tmp_path_factory):
+    from megatron.core import parallel_state
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from areal_hpc.train.actor import Actor
+    from areal_hpc.train.megatron_model import init_megatron_parallel
+
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        init_megatron_parallel(tp=1, pp=1, seed=0, backend="gloo")
+    path = tmp_path_factory.mktemp("qwen2")
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=64)).save_pretrained(path)
+    return lambda: Actor(TrainConfig(lr=1e-3, max_tokens_per_mb=64), str(path), group_size=2)
+
+
+def _batch(seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    seqs = []
+    for i in range(4):
+        out = rng.integers(0, 64, 6).astype(np.int32)
+        seqs.append({"prompt_tokens": rng.integers(0, 64, 4).astype(np.int32), "output_tokens": out,
+                     "behav_logprobs": np.full(6, -4.0, np.float32), "reward": float(i % 2),
+                     "versions": np.zeros(6, np.int32)})
+    return seqs
+
+
+def _weights(actor) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in actor.hf_state_dict().items()}
+
+
+CONTROLLER = {"version": 1, "cursor_consumed": 12, "accepted": 6, "rollout_rows": 40,
+              "buffer_rows": np.arange(8, dtype=np.int64), "buffer_group_ends": np.array([4, 8]),
+              "inflight_prompt_ids": np.array([10, 11]), "inflight_dataset_index": np.array([3, 7])}
+
+
+def test_resume_is_exact_and_state_round_trips(actor_factory, tmp_path):
+    a = actor_factory()
+    a.train_step(_batch(0))
+    torch.manual_seed(123)
+    ck.save(tmp_path, 1, model=a.model, optimizer=a.optimizer, scheduler=a.lr_scheduler,
+            controller_state=CONTROLLER, config_yaml="name: t\n")
+    expected_rand = torch.rand(3)
+    stats = a.train_step(_batch(1))
+    after = _weights(a)
+
+    b = actor_factory()                                 # fresh weights and optimizer
+    found = ck.find_latest(tmp_path)
+    assert found is not None and found[0] == ck.step_dir(tmp_path, 1)
+    state = ck.load(found[0], model=b.model, optimizer=b.optimizer, scheduler=b.lr_scheduler)
+    assert torch.equal(torch.rand(3), expected_rand)    # RNG restored
+    stats_b = b.train_step(_batch(1))
+    assert stats_b["loss"] == stats["loss"]
+    for k, v in _weights(b).items():
+        assert torch.equal(v, after[k]), k              # bit-exact: Adam moments restored too
+
+    assert state["step"] == 1 and state["config_yaml"] == "name: t\n"
+    c = state["controller"]
+    assert c["cursor_consumed"] == 12 and c["version"] == 1
+    np.testing.assert_array_equal(c["inflight_dataset_index"], [3, 7])
+    np.testing.assert_array_equal(c["buffer_rows"], np.arange(8))
+
+
+def test_corrupt_newest_falls_back_with_message(actor_factory, tmp_path, caplog):
+    a = actor_factory()
+    for step in (2, 4, 6):
+        ck.save(tmp_path, step, model=a.model, optimizer=a.optimizer, keep=2)
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_00000006", "step_00000004"]
+    newest = ck.step_dir(tmp_path, 6)
+    shard = max((newest / ck.SHARDS).rglob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])            # truncated
+    with caplog.at_level("WARNING"):
+        path, manifest = ck.find_latest(tmp_path)
+    assert path == ck.step_dir(tmp_path, 4) and manifest["step"] == 4
+    assert "step_00000006" in caplog.text and "bytes, the manifest says" in caplog.text
+
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # same size, one bit flipped
+    with pytest.raises(ck.CheckpointError, match="CRC-32"):
+        ck.validate(newest)
+
+    (ck.step_dir(tmp_path, 4) / ck.MANIFEST).unlink()     # an unfinished save
+    with pytest.raises(ck.CheckpointError, match="did not finish"):
+        ck.validate(ck.step_dir(tmp_path, 4))
+    assert ck.find_latest(tmp_path) is None
+
+
+def test_manifest_lists_every_file(actor_factory, tmp_path):
+    a = actor_factory()
+    path = ck.save(tmp_path, 3, model=a.model, optimizer=a.optimizer)
+    manifest = json.loads((path / ck.MANIFEST).read_text())
+    on_disk = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()
+                     and p.name != ck.MANIFEST)
+    assert sorted(manifest["files"]) == on_disk and ck.STATE in on_disk
+    assert manifest["bytes"] == sum(v["size"] for v in manifest["files"].values())
