@@ -1,0 +1,91 @@
+"""What every launcher (mpiexec, the slurm/ batch scripts, submitit) does before the ranks start:
+validate the config and its input paths, build the tiny model if the recipe needs it, and set
+the ranks' environment. One place, so the three launchers cannot drift apart.
+
+    eval "$(python -m areal_hpc.launch.env CONFIG.yaml [key=value ...])"
+
+prints `export` lines: the rank environment (only variables not already set, so a user's or a
+site's choice wins) and, for batch scripts, AREAL_RUN_DIR / AREAL_N_TRAINERS / AREAL_N_GENERATORS.
+A bad config prints the error on stderr and exits 2, before any node time is spent on ranks.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from ..config import ConfigError, RunConfig, check_paths, load
+
+TINY_MODEL = Path("models/tiny")
+
+
+def rank_env(cfg: RunConfig) -> dict[str, str]:
+    """Defaults for every rank's environment: one compute thread each on a small CPU box, vLLM's
+    caches inside the project, the KV-cache size from the config, quiet logs. The caller's own
+    environment takes precedence over these (see `merged_env`)."""
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CACHE_ROOT": str(Path(".cache/vllm").resolve()),
+        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        # Megatron warns at import that TransformerEngine/Apex are absent: expected on CPU.
+        "PYTHONWARNINGS": "ignore:Transformer Engine and Apex are not installed:UserWarning,"
+                          "ignore:Apex is not installed:UserWarning,"
+                          "ignore:full scope is deprecated:UserWarning",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+    }
+    if cfg.rollout.kv_cache_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gib)
+    return env
+
+
+def merged_env(cfg: RunConfig) -> dict[str, str]:
+    """The full environment for the ranks: `rank_env` under the current one."""
+    return {**rank_env(cfg), **os.environ}
+
+
+def export_lines(cfg: RunConfig) -> list[str]:
+    """`export K=V` shell lines for the rank-environment defaults not set in this environment."""
+    return [f"export {k}={shlex.quote(v)}" for k, v in rank_env(cfg).items() if k not in os.environ]
+
+
+def ensure_tiny_model(cfg: RunConfig) -> None:
+    if Path(cfg.model.path).resolve() == TINY_MODEL.resolve() and not (TINY_MODEL / "config.json").exists():
+        print(f"[launch] building the tiny model in {TINY_MODEL} (once, a few minutes)", file=sys.stderr,
+              flush=True)
+        subprocess.run([sys.executable, "tools/make_tiny_model.py", "--out", str(TINY_MODEL)],
+                       check=True, stdout=sys.stderr)
+
+
+def prepare(config: str, overrides: list[str]) -> RunConfig:
+    """Load and validate the config, build the tiny model if needed, check the input paths.
+    Raises ConfigError with a message that names the key."""
+    cfg = load(config, overrides)
+    ensure_tiny_model(cfg)
+    check_paths(cfg)
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    try:
+        cfg = prepare(argv[0], argv[1:])
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    t = cfg.topology
+    print("\n".join([*export_lines(cfg),
+                     f"export AREAL_RUN_DIR={shlex.quote(str(cfg.run_dir.resolve()))}",
+                     f"export AREAL_N_TRAINERS={t.n_trainers}",
+                     f"export AREAL_N_GENERATORS={t.n_generators}"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

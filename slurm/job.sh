@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The body every slurm/areal_*.sh batch script shares (they hold only the #SBATCH lines and the
+# site environment, then `exec bash slurm/job.sh CONFIG "$@"`, which keeps the batch shell's pid
+# so that `--signal=B:USR1@...` lands here). Not submitted by itself.
+#
+# 1. `python -m areal_hpc.launch.env`: validate the config (a bad one fails here, exit 2), build
+#    the tiny model if the recipe needs it, export the rank environment.
+# 2. Check that the allocation matches the config: het group 0 = topology.n_trainers tasks,
+#    het group 1 = topology.n_generators tasks.
+# 3. One MPI world over both components: `srun --het-group=0,1 --mpi=pmi2`, in the background so
+#    that a trapped USR1/TERM is handled at once (bash runs traps only between commands); its
+#    output goes to <run dir>/logs/job-<id>/attempt-<SLURM_RESTART_COUNT>/ranks.log.
+# 4. USR1 (time limit near) or TERM: forwarded to the ranks, which stop at the next step boundary,
+#    checkpoint and exit with EXIT_PREEMPTED (= 3, areal_hpc/main.py). Then this script requeues
+#    the job (`scontrol requeue`) and exits 0; the next attempt runs the same command in the same
+#    run dir and resumes from the checkpoint. Other exit codes end the job with that code.
+set -uo pipefail
+EXIT_PREEMPTED=3   # areal_hpc.main.EXIT_PREEMPTED: the ranks checkpointed after a signal
+
+say() { echo "[job $(date +%T)] $*"; }
+config=${1:?usage: bash slurm/job.sh CONFIG [key=value ...]}
+shift
+[ -f slurm/job.sh ] || { say "error: submit from the repository root (cwd is $PWD)"; exit 2; }
+if [ -n "${AREAL_PYTHON:-}" ]; then py=$AREAL_PYTHON
+elif [ -x .venv/bin/python ]; then py=$PWD/.venv/bin/python
+else py=$(command -v python3 || command -v python); fi
+attempt=${SLURM_RESTART_COUNT:-0}
+say "job ${SLURM_JOB_ID:-?} attempt $attempt on $(hostname -s): ${SLURM_HET_SIZE:-1} het component(s)," \
+    "trainers on ${SLURM_JOB_NODELIST_HET_GROUP_0:-?} (${SLURM_NTASKS_HET_GROUP_0:-?} tasks)," \
+    "generators on ${SLURM_JOB_NODELIST_HET_GROUP_1:-?} (${SLURM_NTASKS_HET_GROUP_1:-?} tasks)"
+
+signal=
+srun_pid=
+forward() {
+  signal=$1
+  if [ -n "$srun_pid" ]; then
+    say "SIG$1: asking the ranks to checkpoint at the next step boundary"
+    kill -"$1" "$srun_pid" 2>/dev/null || true
+  fi
+}
+trap 'forward USR1' USR1
+trap 'forward TERM' TERM
+
+requeue() {
+  say "$1: requeueing job $SLURM_JOB_ID; the next attempt resumes from the checkpoint"
+  scontrol requeue "$SLURM_JOB_ID" || say "scontrol requeue failed (a cancelled job is not requeued)"
+  exit 0
+}
+
+exports=$("$py" -m areal_hpc.launch.env "$config" "$@") || exit $?
+eval "$exports"
+if [ "${SLURM_HET_SIZE:-1}" != 2 ] || [ "${SLURM_NTASKS_HET_GROUP_0:-}" != "$AREAL_N_TRAINERS" ] \
+   || [ "${SLURM_NTASKS_HET_GROUP_1:-}" != "$AREAL_N_GENERATORS" ]; then
+  say "error: the config wants a heterogeneous job of $AREAL_N_TRAINERS trainer + $AREAL_N_GENERATORS" \
+      "generator task(s); this allocation has ${SLURM_HET_SIZE:-1} component(s) with" \
+      "${SLURM_NTASKS_HET_GROUP_0:-?} + ${SLURM_NTASKS_HET_GROUP_1:-?} tasks: fix the #SBATCH lines"
+  exit 2
+fi
+[ -z "$signal" ] || requeue "SIG$signal before the ranks started"
+
+logs=$AREAL_RUN_DIR/logs/job-$SLURM_JOB_ID/attempt-$attempt
+mkdir -p "$logs"
+say "ranks' output: $logs/ranks.log"
+srun --het-group=0,1 --mpi="${AREAL_SRUN_MPI:-pmi2}" --kill-on-bad-exit=1 --label \
+  "$py" -m mpi4py -m areal_hpc.main "$config" "$@" >"$logs/ranks.log" 2>&1 &
+srun_pid=$!
+# `wait` returns early (> 128) when a trapped signal arrives; wait again until srun has ended.
+while :; do
+  wait "$srun_pid"
+  rc=$?
+  kill -0 "$srun_pid" 2>/dev/null || break
+done
+say "ranks ended with exit code $rc"
+if [ "$rc" = "$EXIT_PREEMPTED" ] || { [ -n "$signal" ] && [ "$rc" != 0 ]; }; then
+  requeue "preempted (exit code $rc${signal:+ after SIG$signal})"
+fi
+if [ "$rc" != 0 ]; then
+  say "last lines of $logs/ranks.log:"
+  tail -n 40 "$logs/ranks.log"
+fi
+exit "$rc"
