@@ -33,6 +33,7 @@ class _Group:
     prompt: dict        # {"prompt_id", "prompt_tokens", "n", "reward_kind", "reference"}
     samples: dict = field(default_factory=dict)   # sample_idx → finished sample
     rewards: dict = field(default_factory=dict)   # sample_idx → reward
+    errors: dict = field(default_factory=dict)    # sample_idx → reward-service error, if any
 
     @property
     def generated(self) -> bool:
@@ -143,6 +144,7 @@ class Generator:
             group = self.groups[(kind, pid)]
             group.rewards[idx] = res.reward
             if res.error:
+                group.errors[idx] = res.error
                 log.warning("reward for prompt %d sample %d: %s (scored 0)", pid, idx, res.error)
             if group.generated and group.scored:
                 complete.append((kind, self.groups.pop((kind, pid))))
@@ -158,6 +160,7 @@ class Generator:
             "versions": s.versions, "reward": group.rewards[idx],
             "finish_reason": s.finish_reason, "generator_rank": self.topo.rank,
             "t_submit": s.t_submit, "t_first_token": s.t_first_token, "t_end": s.t_end,
+            "reward_error": group.errors.get(idx, ""),
         } for idx, s in sorted(group.samples.items())]
         self.chan.send(trajs, CONTROLLER_RANK, Tag.TRAJECTORIES)
 

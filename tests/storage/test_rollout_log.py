@@ -82,3 +82,57 @@ def test_swmr_reader_follows_a_live_writer(tmp_path):
     out, _ = reader.communicate(timeout=90)
     w.close()
     assert reader.returncode == 0 and out.strip() == "20"
+
+
+def test_reward_error_roundtrip_and_cut(tmp_path):
+    path = tmp_path / "r.h5"
+    w = RolloutWriter(path)
+    trajs = [_traj(0, i, 2, 3, 0) for i in range(3)]
+    trajs[1]["reward_error"] = "timeout after 10 s"
+    trajs[2]["reward_error"] = "é" * 60                     # 120 bytes of UTF-8
+    w.append(trajs)                                         # trajs[0] has no reward_error key
+    w.close()
+    with RolloutReader(path) as r:
+        assert [r[i]["reward_error"] for i in range(3)] == ["", "timeout after 10 s", "é" * 48]
+        assert r.column("reward_error").tolist() == [b"", b"timeout after 10 s", ("é" * 48).encode()]
+        np.testing.assert_array_equal(r.tokens("versions"), np.zeros(9))
+        np.testing.assert_array_equal(r.tokens("prompt"), np.concatenate([t["prompt_tokens"] for t in trajs]))
+
+
+def test_schema_1_logs_still_read(tmp_path):
+    """A log written before reward_error existed: no such dataset, no format attribute."""
+    import h5py
+    path = tmp_path / "old.h5"
+    w = RolloutWriter(path)
+    w.append([_traj(0, 0, 2, 3, 0)])
+    w.close()
+    with h5py.File(path, "r+") as f:
+        del f["traj/reward_error"]
+        del f.attrs["format"]
+        f.attrs["schema_version"] = 1
+    with RolloutReader(path) as r:
+        assert r[0]["reward_error"] == "" and r.column("reward_error").tolist() == [b""]
+        assert r[0]["sample_idx"] == 0
+
+
+def test_files_that_are_not_rollout_logs(tmp_path):
+    import h5py
+    from areal_hpc.storage.rollout_log import RolloutLogError
+    good = tmp_path / "good.h5"
+    w = RolloutWriter(good)
+    w.append([_traj(i, 0, 5, 50, 0) for i in range(20)])
+    w.close()
+    (tmp_path / "text.h5").write_text("hello\n")
+    with h5py.File(tmp_path / "foreign.h5", "w") as f:
+        f["x"] = np.arange(3)
+    with h5py.File(tmp_path / "newer.h5", "w") as f:
+        f.attrs["schema_version"] = 99
+    data = good.read_bytes()
+    (tmp_path / "cut.h5").write_bytes(data[: len(data) - 100])
+    for name, msg in [("text.h5", "not an HDF5 file"), ("foreign.h5", "no schema_version"),
+                      ("newer.h5", "schema_version 99"), ("cut.h5", "truncated HDF5 file")]:
+        with pytest.raises(RolloutLogError, match=msg) as e:
+            RolloutReader(tmp_path / name)
+        assert str(tmp_path / name) in str(e.value)
+    with pytest.raises(FileNotFoundError):
+        RolloutReader(tmp_path / "missing.h5")

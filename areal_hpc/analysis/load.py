@@ -1,0 +1,183 @@
+"""A rollout log read into per-trajectory scalars, in bounded memory, also while it is written.
+
+The token arrays of a large run do not fit in memory (10^10 tokens), so they are read in blocks of
+whole rows, `BLOCK_TOKENS` tokens at most, and reduced on the way: each trajectory's first and
+last token version and how many times its version changed, and a histogram of per-token
+staleness. Everything else in a row is already one scalar.
+
+A log that a running job is still writing is read as of the moment it is opened: the commit
+marker (`traj/output_end`) is read once and every column is cut to that many rows.
+"""
+from __future__ import annotations
+
+import collections
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import yaml
+from tqdm import tqdm
+
+from ..storage.rollout_log import FINISH_REASONS, RolloutLogError, RolloutReader
+
+BLOCK_TOKENS = 1 << 24     # int32 versions: 64 MiB per block
+
+# One row per trajectory; the columns of `--export`.
+COLUMNS = (
+    "run", "row", "prompt_id", "sample_idx", "generator_rank", "reward", "correct",
+    "reward_error", "finish_reason", "prompt_len", "output_len", "version_first", "version_last",
+    "version_changes", "interrupted", "consumed_step", "staleness", "t_submit", "t_first_token",
+    "t_end", "latency_s",
+)
+
+
+@dataclass
+class RunData:
+    """One rollout log, reduced.
+
+    `traj`: one row per trajectory, `COLUMNS`: `correct` is reward > 0.5 (the controller's
+    accuracy); `version_first`/`version_last` the policy versions of its first and last output
+    token, `version_changes` how often the version changed in between (weight updates it lived
+    through); `interrupted` whether it spans more than one version; `consumed_step` the training
+    step that used it (-1 pending, -2 dropped as stale); `staleness` consumed_step minus its
+    oldest token's version for consumed rows (as the controller's bound), NaN otherwise; times
+    are time.time() seconds.
+    `token_staleness`: staleness value → number of output tokens with it, over consumed rows
+    (training step − the token's version)."""
+
+    path: Path
+    label: str
+    config: dict
+    traj: pd.DataFrame
+    token_staleness: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def model_path(self) -> str | None:
+        return (self.config.get("model") or {}).get("path")
+
+
+def _config(text: str) -> dict:
+    try:
+        cfg = yaml.safe_load(text) if text else {}
+    except yaml.YAMLError:
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _row_blocks(ends: np.ndarray, budget: int) -> list[tuple[int, int]]:
+    """Row ranges [r0, r1) of at most `budget` output tokens each (at least one row)."""
+    blocks, r0 = [], 0
+    n = len(ends)
+    while r0 < n:
+        base = int(ends[r0 - 1]) if r0 else 0
+        r1 = int(np.searchsorted(ends, base + budget, side="right"))
+        r1 = max(r1, r0 + 1)
+        blocks.append((r0, r1))
+        r0 = r1
+    return blocks
+
+
+def _reduce_versions(reader: RolloutReader, ends: np.ndarray, consumed: np.ndarray,
+                     block_tokens: int, progress: bool):
+    """Per row: the versions of its first and last token, its oldest version, how many times
+    the version changed; and the per-token staleness histogram of consumed rows. One pass over
+    /tokens/versions in blocks of whole rows. Rows without tokens get version -1."""
+    n = len(ends)
+    first, last, oldest = (np.full(n, -1, dtype=np.int64) for _ in range(3))
+    changes = np.zeros(n, dtype=np.int64)
+    hist: collections.Counter = collections.Counter()
+    ds = reader.f["tokens/versions"]
+    ds.refresh()
+    total = int(ends[-1]) if n else 0
+    if ds.shape[0] < total:
+        raise RolloutLogError(f"{reader.path}: damaged rollout log (/tokens/versions has "
+                              f"{ds.shape[0]} entries, the offsets need {total})")
+    bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"reading {reader.path.name}",
+               delay=2.0, disable=not progress, file=sys.stderr, leave=False)
+    for r0, r1 in _row_blocks(ends, block_tokens):
+        t0 = int(ends[r0 - 1]) if r0 else 0
+        v = ds[t0: int(ends[r1 - 1])].astype(np.int64)
+        stop = ends[r0:r1] - t0
+        start = np.concatenate([[0], stop[:-1]])
+        has = stop > start
+        if has.any():
+            first[r0:r1][has] = v[start[has]]
+            last[r0:r1][has] = v[stop[has] - 1]
+            oldest[r0:r1][has] = np.minimum.reduceat(v, start[has])
+            steps = np.concatenate([[0], np.cumsum(v[1:] != v[:-1])])   # changes up to a token
+            changes[r0:r1][has] = steps[stop[has] - 1] - steps[start[has]]
+        row = np.repeat(np.arange(r1 - r0), stop - start)                # each token's row
+        step = consumed[r0:r1][row]
+        used = step >= 0
+        vals, counts = np.unique(step[used] - v[used], return_counts=True)
+        hist.update(dict(zip(vals.tolist(), counts.tolist())))
+        bar.update(len(v))
+    bar.close()
+    return first, last, oldest, changes, dict(sorted(hist.items()))
+
+
+def load_run(path: str | Path, label: str | None = None, *, block_tokens: int = BLOCK_TOKENS,
+             progress: bool = True) -> RunData:
+    """Read one rollout log into a `RunData` (see there for the columns).
+
+    Raises FileNotFoundError (no such file) or RolloutLogError (not HDF5, truncated, another
+    program's file, or internally inconsistent); both name the file."""
+    path = Path(path)
+    with RolloutReader(path) as r:
+        config = _config(r.config_yaml)
+        label = label or str(config.get("name") or path.parent.name)
+        ends = r.column("output_end")
+        n = len(ends)
+        col = lambda name: r.column(name)[:n]
+        prompt_end = col("prompt_end")
+        if n and (np.any(np.diff(ends) < 0) or np.any(np.diff(prompt_end) < 0)):
+            raise RolloutLogError(f"{path}: damaged rollout log (offsets go backwards)")
+        consumed = col("consumed_step").astype(np.int64)
+        first, last, oldest, changes, hist = _reduce_versions(r, ends, consumed, block_tokens,
+                                                              progress)
+        reward = col("reward").astype(np.float64)
+        finish = col("finish_reason")
+        if n and finish.max() >= len(FINISH_REASONS):
+            raise RolloutLogError(f"{path}: damaged rollout log (unknown finish_reason code)")
+        t_submit, t_end = col("t_submit"), col("t_end")
+        traj = pd.DataFrame({
+            "run": label,
+            "row": np.arange(n),
+            "prompt_id": col("prompt_id"),
+            "sample_idx": col("sample_idx"),
+            "generator_rank": col("generator_rank"),
+            "reward": reward,
+            "correct": reward > 0.5,
+            "reward_error": [e.decode("utf-8", "replace") for e in col("reward_error")],
+            "finish_reason": pd.Categorical.from_codes(finish, FINISH_REASONS),
+            "prompt_len": np.diff(prompt_end, prepend=0),
+            "output_len": np.diff(ends, prepend=0),
+            "version_first": first,
+            "version_last": last,
+            "version_changes": changes,
+            "interrupted": changes > 0,
+            "consumed_step": consumed,
+            "staleness": np.where(consumed >= 0, consumed - oldest, np.nan),
+            "t_submit": t_submit,
+            "t_first_token": col("t_first_token"),
+            "t_end": t_end,
+            "latency_s": t_end - t_submit,
+        }, columns=list(COLUMNS))
+    return RunData(path=path, label=label, config=config, traj=traj, token_staleness=hist)
+
+
+def label_runs(runs: list[RunData]) -> None:
+    """Give runs shown side by side short, distinct labels (in place): the run name from the
+    config, else the run directory's name, else the file's path."""
+    for pick in (lambda r: str(r.config.get("name") or r.path.parent.name),
+                 lambda r: r.path.parent.name, lambda r: str(r.path)):
+        labels = [pick(r) for r in runs]
+        if len(set(labels)) == len(labels):
+            break
+    else:
+        labels = [f"{i}:{r.path}" for i, r in enumerate(runs)]
+    for run, label in zip(runs, labels):
+        run.label = label
+        run.traj["run"] = label

@@ -1,0 +1,116 @@
+"""The summary's plots as PNG files; several runs share each plot (one curve per run).
+
+Small figures on purpose (about 100 kB): they are meant to be committed next to a README or
+pasted into a report. Matplotlib runs headless (Agg).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from . import summary as S  # noqa: E402
+from .load import RunData  # noqa: E402
+
+DPI = 80
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def plot_reward(runs: list[RunData], path: Path, max_rows: int = 200) -> Path:
+    """Reward and accuracy of each training step's batch, against the step and against wall time
+    (when the step's batch was complete)."""
+    fig, axes = plt.subplots(2, 2, figsize=(9, 6), sharey="row")
+    for run in runs:
+        df = S.by_step(run, max_rows)
+        if df.empty:
+            continue
+        step = (df["first"] + df["last"]) / 2
+        for row, key in enumerate(("reward", "accuracy")):
+            axes[row, 0].plot(step, df[key], marker=".", label=run.label)
+            axes[row, 1].plot(df["time_s"], df[key], marker=".", label=run.label)
+    for row, key in enumerate(("reward", "accuracy")):
+        axes[row, 0].set_ylabel(f"{key} (batch mean)")
+        axes[row, 0].set_xlabel("training step")
+        axes[row, 1].set_xlabel("wall time since first prompt (s)")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend()
+    return _save(fig, path)
+
+
+def plot_staleness(runs: list[RunData], path: Path) -> Path:
+    """Share of trained tokens by staleness (training step − the token's version)."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.8 / max(len(runs), 1)
+    for i, run in enumerate(runs):
+        hist = run.token_staleness
+        total = sum(hist.values())
+        if not total:
+            continue
+        vals = np.array(sorted(hist))
+        ax.bar(vals + (i - (len(runs) - 1) / 2) * width, [hist[v] / total for v in vals],
+               width=width, label=run.label)
+    ax.set_xlabel("staleness at consumption (versions)")
+    ax.set_ylabel("share of trained tokens")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_lengths(runs: list[RunData], path: Path) -> Path:
+    """Output length distribution (share of trajectories), with each run's p99 marked."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    top = max((int(r.traj["output_len"].max()) for r in runs if len(r.traj)), default=1)
+    step = max(1, -(-(top + 1) // 60))        # whole tokens per bin, at most ~60 bins
+    bins = np.arange(0, top + step + 1, step)
+    for run in runs:
+        lens = run.traj["output_len"].to_numpy()
+        if not lens.size:
+            continue
+        line = ax.hist(lens, bins=bins, weights=np.full(lens.size, 1 / lens.size),
+                       histtype="step", linewidth=1.5, label=run.label)[2][0]
+        ax.axvline(S.percentile(lens, 99), color=line.get_edgecolor(), linestyle=":")
+    ax.set_xlabel("output length (tokens); dotted: p99")
+    ax.set_ylabel("share of trajectories")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_throughput(runs: list[RunData], path: Path, bin_s: float | None = None) -> Path:
+    """Generation tokens/s of each generator rank over wall time."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run in runs:
+        tput = S.throughput(run, bin_s)
+        if tput.empty:
+            continue
+        mid = tput.index + tput.attrs["bin_s"] / 2
+        for rank in tput.columns:
+            ax.plot(mid, tput[rank], marker=".", label=f"{run.label} rank {rank}")
+    ax.set_xlabel("wall time since first prompt (s)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def write_plots(runs: list[RunData], out_dir: Path, bin_s: float | None = None) -> list[Path]:
+    """All plots into `out_dir` (created): reward.png, staleness.png, lengths.png,
+    throughput.png. Returns their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [plot_reward(runs, out_dir / "reward.png"),
+            plot_staleness(runs, out_dir / "staleness.png"),
+            plot_lengths(runs, out_dir / "lengths.png"),
+            plot_throughput(runs, out_dir / "throughput.png", bin_s)]
