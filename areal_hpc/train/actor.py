@@ -126,7 +126,7 @@ class Actor:
         self.hf_config = megatron_model.read_hf_config(model_dir)
         if not parallel_state.model_parallel_is_initialized():
             megatron_model.init_megatron_parallel(tp, pp, cfg.seed)
-        self.pp = pp
+        self.tp, self.pp = tp, pp
         params_dtype = _DTYPES[dtype]
 
         model = megatron_model.build_gpt_model(
@@ -238,6 +238,8 @@ class Actor:
         """`[N]` log π(a_t|s_t) at temperature T from this TP rank's vocab slice of the logits."""
         picked = logits[:, mb.out_pos].float() / self.temperature  # [1, N, V/tp], a new tensor:
         # vocab_parallel_cross_entropy works in place on its input.
+        if self.tp == 1:  # the whole vocabulary is here: no TP all-reduces (3 per micro-batch)
+            return torch.log_softmax(picked[0], dim=-1).gather(-1, mb.targets[0, :, None])[:, 0]
         return -vocab_parallel_cross_entropy(picked, mb.targets)[0]
 
     def _forward_step(self, loss_fn, data_iterator, model):

@@ -1,0 +1,137 @@
+"""Our train step vs bare Megatron forward/backward on the same packed tokens, same run.
+
+    python tools/bench_train.py [--model models/tiny] [--seqs 128] [--max-tokens-per-mb 512]
+                                [--reps 5] [--prox recompute] [--threads 1]
+
+One process (gloo, world size 1). The batch is like the tiny job's: `--seqs` sequences in groups
+of 8, prompts of 20-40 tokens, outputs long-tailed around 45 tokens (at most 96).
+
+- ours: `Actor.train_step` (advantages, planning and packing, π_prox, decoupled-PPO loss over
+  packed micro-batches, optimizer step, statistics).
+- bare: the same model, DDP wrapper and optimizer, on the micro-batches ours packs (built
+  beforehand, not timed): Megatron's schedule with the model's own loss (`labels` -> per-token
+  cross entropy, summed over output tokens), then the optimizer step; with `--prox recompute`
+  also one forward-only pass over the same micro-batches first, as ours does for π_prox.
+
+The two alternate (ours, bare, ours, bare, ...) after one warm-up each, so load drift on a shared
+machine hits both alike; the ratio of the medians is what to read. Prints ours' own breakdown
+(packing, π_prox, forward/backward, optimizer) as well.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+
+def make_batch(actor, n: int, seed: int = 0) -> list[dict]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    vocab = actor.hf_config["vocab_size"]
+    seqs = []
+    for _ in range(n):
+        prompt = rng.integers(2, vocab, rng.integers(20, 41))
+        output = rng.integers(2, vocab, int(min(np.ceil(rng.lognormal(np.log(45), 0.35)), 96)))
+        seqs.append({"prompt_tokens": prompt, "output_tokens": output, "reward": float(rng.integers(0, 2))})
+    current = actor.compute_logprobs(seqs)
+    for s, lp in zip(seqs, current):
+        s["behav_logprobs"] = lp + rng.normal(0, 0.05, len(lp)).astype(np.float32)
+        s["versions"] = np.zeros(len(lp), np.int64)
+    return seqs
+
+
+def bare_step(actor, micro_batches, recompute: bool) -> None:
+    """Megatron's own path on pre-packed micro-batches: (forward-only,) forward/backward, step."""
+    import torch
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from areal_hpc.train.cpu_compat import CudaToCpuMode
+
+    def loss_func(mb, per_token_loss):  # [1, S] cross entropy from the model's output layer
+        return per_token_loss[0, mb.out_pos].sum(), torch.tensor(mb.n_tokens, dtype=torch.int), {}
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        labels = torch.roll(mb.tokens, -1, dims=1)  # position p predicts token p + 1
+        return model(mb.tokens, mb.position_ids, mb.attention_mask, labels=labels), partial(loss_func, mb)
+
+    def forward_only_step(data_iterator, model):
+        mb = next(data_iterator)
+        return model(mb.tokens, mb.position_ids, mb.attention_mask), lambda out: (out.sum() * 0, {})
+
+    def run(step_func, forward_only):
+        with CudaToCpuMode():
+            get_forward_backward_func()(
+                forward_step_func=step_func, data_iterator=iter(micro_batches), model=[actor.model],
+                num_microbatches=len(micro_batches), micro_batch_size=1, forward_only=forward_only,
+                seq_length=max(mb.tokens.shape[1] for mb in micro_batches))
+
+    if recompute:
+        with torch.no_grad():
+            run(forward_only_step, forward_only=True)
+    actor.model.zero_grad_buffer()
+    actor.optimizer.zero_grad()
+    run(forward_step, forward_only=False)
+    with CudaToCpuMode():
+        actor.optimizer.step()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="models/tiny")
+    ap.add_argument("--seqs", type=int, default=128)
+    ap.add_argument("--max-tokens-per-mb", type=int, default=512)
+    ap.add_argument("--prox", default="recompute", choices=["recompute", "loglinear", "behaviour"])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from areal_hpc.config import TrainConfig
+    from areal_hpc.topology import free_port
+    from areal_hpc.train.actor import Actor
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    cfg = TrainConfig(lr=3e-4, max_tokens_per_mb=args.max_tokens_per_mb, prox=args.prox)
+    actor = Actor(cfg, args.model, group_size=8)
+    seqs = make_batch(actor, args.seqs)
+    n_out = torch.tensor([len(s["output_tokens"]) for s in seqs])
+    per_token = {"behav_logprobs": [s["behav_logprobs"] for s in seqs],
+                 "advantages": [np.zeros(int(n), np.float32) for n in n_out]}
+    micro_batches = [mb for minibatch in actor._plan_step(seqs, per_token) for mb in minibatch]
+    tokens = sum(len(s["prompt_tokens"]) + len(s["output_tokens"]) for s in seqs)
+    print(f"batch: {len(seqs)} sequences, {tokens} tokens ({int(n_out.sum())} output), "
+          f"{len(micro_batches)} micro-batches of <= {args.max_tokens_per_mb} tokens, prox={args.prox}, "
+          f"threads={args.threads}")
+
+    ours, bare, parts = [], [], []
+    for rep in range(args.reps + 1):  # rep 0 warms both up
+        t0 = time.perf_counter()
+        stats = actor.train_step(seqs)
+        t1 = time.perf_counter()
+        bare_step(actor, micro_batches, recompute=args.prox == "recompute")
+        t2 = time.perf_counter()
+        if rep:
+            ours.append(t1 - t0)
+            bare.append(t2 - t1)
+            parts.append(stats)
+            print(f"rep {rep}: ours {t1 - t0:.3f} s, bare {t2 - t1:.3f} s, ratio {(t1 - t0) / (t2 - t1):.3f}")
+    med = {k: statistics.median(p[k] for p in parts)
+           for k in ("pack_seconds", "prox_seconds", "fwd_bwd_seconds", "optim_seconds", "seconds")}
+    print(f"median: ours {statistics.median(ours):.3f} s, bare {statistics.median(bare):.3f} s, "
+          f"ours / bare {statistics.median(ours) / statistics.median(bare):.3f}")
+    print("ours, median seconds: " + ", ".join(f"{k.removesuffix('_seconds')} {v:.3f}" for k, v in med.items()))
+
+
+if __name__ == "__main__":
+    main()
