@@ -11,14 +11,15 @@
 #   tools/local_slurm.sh status     sinfo + squeue (exit 1 when the controller is not up)
 #   eval "$(tools/local_slurm.sh up)"; sbatch --wait slurm/areal_tiny.sh
 #
-# Environment: AREAL_SLURM_DIR (state; default <repo>/.cache/slurm), AREAL_SLURM_PORT (first of the
-# ports used; default 16817), AREAL_SLURM_DBD=0 (no slurmdbd/MariaDB: faster, but no sacct).
+# Environment: AREAL_SLURM_DIR (state; default <repo>/.cache/slurm), AREAL_SLURM_PORT (first of 20
+# ports, up to 9 nodes; default derived from the state folder, so that two checkouts on one machine
+# run two clusters side by side), AREAL_SLURM_DBD=0 (no slurmdbd/MariaDB: faster, but no sacct).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 dir=${AREAL_SLURM_DIR:-$root/.cache/slurm}
 mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
-port=${AREAL_SLURM_PORT:-16817}
+port=${AREAL_SLURM_PORT:-$((10000 + $(cksum <<<"$dir" | cut -d' ' -f1) % 1000 * 20))}
 with_dbd=${AREAL_SLURM_DBD:-1}
 etc=$dir/etc run=$dir/run log=$dir/log
 conf=$etc/slurm.conf
@@ -221,13 +222,14 @@ all_idle() {
 
 up() {
   local n=${1:-4} i
-  [[ $n =~ ^[0-9]+$ && $n -ge 2 ]] || die "need at least 2 nodes (a hetjob's components never share one), got $n"
+  [[ $n =~ ^[0-9]+$ && $n -ge 2 && $n -le 9 ]] \
+    || die "need 2 to 9 nodes (a hetjob's components never share one), got $n"
   install_packages
   mkdir -p "$etc" "$run" "$log"
   write_conf "$n"
   if [ -f "$conf" ] && ! cmp -s "$conf" "$conf.new"; then
-    say "configuration changed: restarting the Slurm daemons"
-    stop_slurm
+    say "configuration changed: restarting the daemons"
+    down
   fi
   mv "$conf.new" "$conf"
   start_munge

@@ -10,4 +10,4 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_CACHE_ROOT=${VLL
 if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest "$@"; fi
 exec .venv/bin/python -m pytest -q \
   tests/config tests/data tests/reward tests/algo tests/storage tests/transport \
-  tests/rollout tests/train tests/e2e
+  tests/rollout tests/train tests/launch tests/e2e

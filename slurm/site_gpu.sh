@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Site environment for the GPU recipes: slurm/areal_{1_5b,7b,32b}.sh source this in the batch
+# shell before slurm/job.sh starts the ranks (srun passes the environment on to every task).
+# Edit once per cluster; a value the user already exported wins over each default here.
+#
+# Software: activate the GPU environment (environment.yml) here or before sbatch, e.g.
+#   module load cuda/12.4
+#   source "$HOME/miniforge3/bin/activate" areal_hpc
+export AREAL_PYTHON=${AREAL_PYTHON:-$(command -v python3)}
+# srun's MPI plugin for the site MPI that mpi4py was built against: pmi2 (MPICH, Cray MPICH,
+# Intel MPI) or pmix (Open MPI).
+export AREAL_SRUN_MPI=${AREAL_SRUN_MPI:-pmi2}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+# Megatron orders TP/SP communication behind compute kernels with a single CUDA work queue.
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+# A rank whose NCCL peer died raises instead of hanging in a collective; srun's
+# --kill-on-bad-exit then ends the step, and the job can be resubmitted from its checkpoint.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+# The fabric: uncomment and set for the site (InfiniBand HCAs, the interface for bootstrap).
+# export NCCL_IB_HCA=mlx5
+# export NCCL_SOCKET_IFNAME=ib0
+# torch.distributed rendezvous address of trainer rank 0, if its hostname resolves to an address
+# other nodes cannot reach:
+# export AREAL_HOST_ADDR=$(hostname -i)

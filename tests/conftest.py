@@ -1,0 +1,78 @@
+"""Fixtures shared by the tests that run whole jobs (e2e, launch): the tiny model, built once, and
+`jobs`, which starts job commands and finds every process they left (by an environment marker)."""
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Jobs:
+    """Start `python <args>` from the repo root, marked so that this session's job processes (MPI
+    ranks, vLLM engines, their children, re-parented orphans) can be found and signalled."""
+
+    root = ROOT
+
+    def __init__(self):
+        self.marker = ("AREAL_HPC_TEST_SESSION", uuid.uuid4().hex)
+
+    def env(self, env=None) -> dict:
+        env = dict(os.environ if env is None else env)
+        env[self.marker[0]] = self.marker[1]
+        return env
+
+    def run(self, args, timeout, env=None) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout, env=self.env(env))
+
+    def start(self, args) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=self.env(), text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    @staticmethod
+    def args(model, out_dir, name, *extra) -> list[str]:
+        """The tiny job on `model` (a make_tiny_model.py output), run in <out_dir>/<name>."""
+        return ["-m", "areal_hpc.launch.local", "configs/tiny_cpu.yaml",
+                f"model.path={model}", f"data.train_path={model}/train.jsonl",
+                f"data.eval_path={model}/heldout.jsonl", f"output_dir={out_dir}", f"name={name}",
+                *extra]
+
+    def processes(self, ranks_only: bool = False) -> list[psutil.Process]:
+        """Live processes of this session's jobs (only the MPI ranks if `ranks_only`)."""
+        found = []
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                if p.pid == os.getpid() or p.environ().get(self.marker[0]) != self.marker[1]:
+                    continue
+                if not ranks_only or "areal_hpc.main" in " ".join(p.info["cmdline"] or []):
+                    found.append(p)
+            except psutil.Error:
+                pass
+        return found
+
+    def leftovers(self) -> list[tuple[int, str]]:
+        out = []
+        for p in self.processes():
+            try:
+                out.append((p.pid, " ".join([p.name(), *p.cmdline()])[:120]))
+            except psutil.Error:
+                pass
+        return out
+
+
+@pytest.fixture(scope="session")
+def jobs() -> Jobs:
+    return Jobs()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, jobs):
+    out = tmp_path_factory.mktemp("model") / "tiny"
+    r = jobs.run(["tools/make_tiny_model.py", "--out", str(out), "--steps", "30"], timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out

@@ -1,0 +1,224 @@
+"""The Slurm path on a real local cluster (tools/local_slurm.sh: slurmctld, slurmdbd, 4 slurmd on
+this host): the tiny job as a heterogeneous job through sbatch and through submitit, the batch
+script's signal forwarding and requeue, and the GPU scripts' consistency with their configs."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_hpc.config import load
+from areal_hpc.launch.submit import Component, hetjob_layout
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted((ROOT / "slurm").glob("*.sh"))
+RECIPES = sorted((ROOT / "slurm").glob("areal_*.sh"))
+SMALL = ["train.total_steps=3", "train.batch_prompts=2", "rollout.group_size=2",
+         "rollout.max_new_tokens=24", "data.eval_limit=6", "data.eval_samples=1"]
+
+
+def _sh(*cmd, env=None, timeout=60, check=True) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert not check or r.returncode == 0, (cmd, r.stdout[-3000:], r.stderr[-3000:])
+    return r
+
+
+@pytest.fixture(scope="session")
+def slurm_env():
+    """The environment of a Slurm client (SLURM_CONF) for the project's local cluster, brought up
+    for this session unless one already runs (then it is left running)."""
+    tool = str(ROOT / "tools/local_slurm.sh")
+    status = _sh(tool, "status", check=False)
+    started = status.returncode != 0
+    if started:
+        have = all(shutil.which(c) or os.path.exists(f"/usr/sbin/{c}") for c in ("slurmctld", "slurmd", "slurmdbd"))
+        if not have and (os.geteuid() != 0 or shutil.which("apt-get") is None):
+            pytest.skip("no local Slurm: tools/local_slurm.sh installs it with apt-get, which needs root")
+        up = _sh(tool, "up", timeout=900, check=False)
+        assert up.returncode == 0, (up.stdout, up.stderr[-4000:])
+        status = up
+    conf = re.search(r"export SLURM_CONF=(\S+)", status.stdout).group(1)
+    yield {**os.environ, "SLURM_CONF": conf}
+    if started:
+        _sh(tool, "down", timeout=120, check=False)
+
+
+def _model_args(model, out_dir, name):
+    return [f"model.path={model}", f"data.train_path={model}/train.jsonl",
+            f"data.eval_path={model}/heldout.jsonl", f"output_dir={out_dir}", f"name={name}"]
+
+
+def _steps(run_dir) -> list[int]:
+    import json
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _sacct(env, job) -> dict[str, str]:
+    """{JobID: State} of a job's het components and steps."""
+    out = _sh("sacct", "-n", "-P", "-o", "JobID,State", "-j", str(job), env=env).stdout
+    return dict(line.split("|")[:2] for line in out.splitlines() if line)
+
+
+def _job(env, job) -> dict[str, str]:
+    out = _sh("scontrol", "-o", "show", "job", str(job), env=env).stdout.splitlines()[0]
+    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+
+def _until(cond, timeout, what):
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+# --- no cluster needed ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_scripts_are_valid_bash(script):
+    _sh("bash", "-n", str(script))
+
+
+def _sbatch_components(script: Path) -> tuple[str, list[Component]]:
+    """The config a recipe script runs and its het components, read from its #SBATCH lines."""
+    comps, opts = [], {}
+    for line in script.read_text().splitlines():
+        if line.startswith("#SBATCH"):
+            words = line.split()[1:]
+            if words == ["hetjob"]:
+                comps.append(opts)
+                opts = {}
+            for w in words:
+                if w.startswith("--") and "=" in w:
+                    k, v = w[2:].split("=", 1)
+                    opts[k] = v
+    comps.append(opts)
+    config = re.search(r"slurm/job\.sh (configs/\S+\.yaml)", script.read_text()).group(1)
+    return config, [Component(int(c["nodes"]), int(c["ntasks-per-node"]), int(c.get("gpus-per-node", 0)))
+                    for c in comps]
+
+
+@pytest.mark.parametrize("script", RECIPES, ids=lambda p: p.name)
+def test_recipe_scripts_match_their_configs(script):
+    """Component 0 holds exactly the config's trainer ranks (one GPU each), component 1 its
+    generator ranks, as submit.py's hetjob_layout would lay them out."""
+    config, comps = _sbatch_components(script)
+    assert len(comps) == 2, "a trainer and a generator component"
+    topo = load(ROOT / config, ["model.path=x", "data.train_path=x"]).topology
+    trainers, generators = comps
+    assert trainers.ntasks == topo.n_trainers and generators.ntasks == topo.n_generators
+    gpus_per_generator = max(1, generators.gpus_per_node // generators.ntasks_per_node)
+    assert hetjob_layout(topo, trainers.gpus_per_node, gpus_per_generator) == (trainers, generators)
+    if trainers.gpus_per_node:          # AReaL's split: 3/4 of the GPUs generate
+        gpus = [c.nodes * c.gpus_per_node for c in comps]
+        assert gpus[1] == 3 * gpus[0], gpus
+
+
+def test_hetjob_layout():
+    topo = load(ROOT / "configs/qwen2_5_32b_math.yaml", ["model.path=x", "data.train_path=x"]).topology
+    assert hetjob_layout(topo, 8, 8) == (Component(4, 8, 8), Component(12, 1, 8))
+    assert hetjob_layout(topo, 8, 2) == (Component(4, 8, 8), Component(3, 4, 8))
+    tiny = load(ROOT / "configs/tiny_cpu.yaml", ["topology.n_generators=2"]).topology
+    assert hetjob_layout(tiny) == (Component(1, 1), Component(1, 2))
+    assert hetjob_layout(tiny, 4) == (Component(1, 1, 4), Component(1, 2, 4))
+    with pytest.raises(ValueError, match="do not fill whole nodes"):
+        hetjob_layout(load(ROOT / "configs/tiny_cpu.yaml", ["topology.n_trainers=12"]).topology, 8)
+    with pytest.raises(ValueError, match="do not divide"):
+        hetjob_layout(topo, 8, 3)
+
+
+def test_submit_bad_config_fails_before_submitting(tmp_path):
+    r = _sh(sys.executable, "-m", "areal_hpc.launch.submit", "configs/tiny_cpu.yaml",
+            f"model.path={tmp_path}/nope", f"output_dir={tmp_path}", check=False)
+    assert r.returncode == 2 and "no HF model at" in r.stderr and "Traceback" not in r.stderr
+
+
+# --- on the local cluster --------------------------------------------------------------------------
+
+def test_local_slurm_status(slurm_env):
+    r = _sh(str(ROOT / "tools/local_slurm.sh"), "status")
+    assert re.search(r"debug\*\s+up\s+infinite\s+\d+\s+(idle|mix|alloc)", r.stdout), r.stdout
+    assert f"export SLURM_CONF={slurm_env['SLURM_CONF']}" in r.stdout
+
+
+def test_sbatch_tiny_hetjob(slurm_env, jobs, tiny_model, tmp_path):
+    """slurm/areal_tiny.sh: one trainer + one generator rank in a two-component hetjob, one MPI
+    world over both; the run completes 3 steps and logs its rollouts."""
+    out = tmp_path / "batch.out"
+    r = _sh("sbatch", "--wait", "--parsable", f"--output={out}", "slurm/areal_tiny.sh", *SMALL,
+            *_model_args(tiny_model, tmp_path, "sb"), env=jobs.env(slurm_env), timeout=900, check=False)
+    log = out.read_text() if out.exists() else ""
+    assert r.returncode == 0, (r.stderr, log)
+    job = r.stdout.strip().split(";")[0]
+    assert "2 het component(s)" in log and "ranks ended with exit code 0" in log, log
+    states = _sacct(slurm_env, job)
+    assert states[f"{job}+0"] == states[f"{job}+1"] == "COMPLETED", states
+    run = tmp_path / "sb"
+    ranks = (run / f"logs/job-{job}/attempt-0/ranks.log").read_text()
+    assert re.search(r"^0: ", ranks, re.M) and re.search(r"^1: ", ranks, re.M)  # both components spoke
+    assert _steps(run) == [0, 1, 2] and (run / "rollouts.h5").exists()
+    assert not jobs.leftovers(), "processes of the job are still running"
+
+
+def test_submitit_tiny_hetjob(slurm_env, jobs, tiny_model, tmp_path):
+    """The same job through `python -m areal_hpc.launch.submit` (submitit + the hetjob splice)."""
+    r = _sh(sys.executable, "-m", "areal_hpc.launch.submit", "configs/tiny_cpu.yaml", *SMALL,
+            *_model_args(tiny_model, tmp_path, "si"), env=jobs.env(slurm_env), timeout=900, check=False)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    job = re.search(r"\[submit\] job (\d+):", r.stdout).group(1)
+    assert "exit code 0, 3 step(s)" in r.stdout, r.stdout
+    run = tmp_path / "si"
+    folder = run / "submitit"
+    assert "#SBATCH hetjob" in (folder / f"{job}_submission.sh").read_text()
+    assert (folder / f"{job}_0_result.pkl").exists() and (folder / f"{job}_1_result.pkl").exists()
+    assert _steps(run) == [0, 1, 2] and (run / "rollouts.h5").exists()
+    # The result is in before Slurm has finished the job: give it a moment.
+    _until(lambda: {_sacct(slurm_env, job).get(f"{job}+{c}") for c in (0, 1)} == {"COMPLETED"}, 60,
+           f"sacct: both components of {job} COMPLETED")
+    assert not jobs.leftovers(), "processes of the job are still running"
+
+
+FAKE_RANK = """#!/usr/bin/env bash
+# Stands in for python in slurm/job.sh: the launch.env step runs for real, the ranks are fakes that
+# follow the contract of areal_hpc.main: on USR1, exit 3 ("checkpointed"); a later attempt finishes.
+if [ "$2" = areal_hpc.launch.env ]; then exec {python} "$@"; fi
+echo "rank $SLURM_PROCID attempt ${{SLURM_RESTART_COUNT:-0}} on $SLURMD_NODENAME"
+[ "${{SLURM_RESTART_COUNT:-0}}" = 0 ] || exit 0
+trap 'echo "rank $SLURM_PROCID got USR1"; exit 3' USR1
+touch {flags}/started.$SLURM_PROCID
+while :; do sleep 0.2; done
+"""
+
+
+def test_usr1_is_forwarded_and_the_job_requeued(slurm_env, jobs, tiny_model, tmp_path):
+    """The batch shell's USR1 (what --signal=B:USR1@... sends before the time limit) reaches every
+    rank; ranks exiting with EXIT_PREEMPTED (3) make slurm/job.sh requeue the job, and the next
+    attempt (SLURM_RESTART_COUNT=1) runs the same command with its own log folder."""
+    fake = tmp_path / "fake_python"
+    fake.write_text(FAKE_RANK.format(python=sys.executable, flags=tmp_path))
+    fake.chmod(0o755)
+    out = tmp_path / "batch.out"
+    env = {**jobs.env(slurm_env), "AREAL_PYTHON": str(fake)}
+    job = _sh("sbatch", "--parsable", f"--output={out}", "slurm/areal_tiny.sh",
+              *_model_args(tiny_model, tmp_path, "rq"), env=env).stdout.strip().split(";")[0]
+    try:
+        _until(lambda: all((tmp_path / f"started.{i}").exists() for i in (0, 1)), 120, "both ranks")
+        _sh("scancel", "--batch", "--signal=USR1", job, env=slurm_env)
+        # A requeued job waits about 120 s on BeginTime: release it once it is back in the queue.
+        _until(lambda: _job(slurm_env, job).get("Restarts") == "1"
+               and _job(slurm_env, job)["JobState"] == "PENDING", 120, "the requeue")
+        _sh("scontrol", "update", f"jobid={job}", "starttime=now", env=slurm_env)
+        _until(lambda: _job(slurm_env, job)["JobState"] == "COMPLETED", 120, "the second attempt")
+    finally:
+        subprocess.run(["scancel", job], env=slurm_env, capture_output=True)
+    log = out.read_text()
+    assert "SIGUSR1: asking the ranks to checkpoint" in log and "requeueing job" in log, log
+    assert "attempt 1" in log and log.rstrip().endswith("ranks ended with exit code 0"), log
+    first = (tmp_path / f"rq/logs/job-{job}/attempt-0/ranks.log").read_text()
+    assert "rank 0 got USR1" in first and "rank 1 got USR1" in first, first
+    second = (tmp_path / f"rq/logs/job-{job}/attempt-1/ranks.log").read_text()
+    nodes = re.findall(r"rank (\d) attempt 1 on (\S+)", second)
+    assert len(nodes) == 2 and nodes[0][1] != nodes[1][1], second   # one rank per het component
