@@ -1,7 +1,7 @@
 """Our train step vs bare Megatron forward/backward on the same packed tokens, same run.
 
     python tools/bench_train.py [--model models/tiny] [--seqs 128] [--max-tokens-per-mb 512]
-                                [--reps 5] [--prox recompute] [--threads 1]
+                                [--reps 5] [--prox recompute] [--threads 1] [--profile]
 
 One process (gloo, world size 1). The batch is like the tiny job's: `--seqs` sequences in groups
 of 8, prompts of 20-40 tokens, outputs long-tailed around 45 tokens (at most 96).
@@ -15,7 +15,9 @@ of 8, prompts of 20-40 tokens, outputs long-tailed around 45 tokens (at most 96)
 
 The two alternate (ours, bare, ours, bare, ...) after one warm-up each, so load drift on a shared
 machine hits both alike; the ratio of the medians is what to read. Prints ours' own breakdown
-(packing, π_prox, forward/backward, optimizer) as well.
+(packing, π_prox, forward/backward, optimizer) as well; `--profile` adds torch.profiler's top
+operators of one more step of ours, and the share of attention scores that the block-diagonal
+mask throws away.
 """
 from __future__ import annotations
 
@@ -90,6 +92,7 @@ def main() -> None:
     ap.add_argument("--prox", default="recompute", choices=["recompute", "loglinear", "behaviour"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
 
     import numpy as np
@@ -131,6 +134,28 @@ def main() -> None:
     print(f"median: ours {statistics.median(ours):.3f} s, bare {statistics.median(bare):.3f} s, "
           f"ours / bare {statistics.median(ours) / statistics.median(bare):.3f}")
     print("ours, median seconds: " + ", ".join(f"{k.removesuffix('_seconds')} {v:.3f}" for k, v in med.items()))
+    if args.profile:
+        profile(actor, seqs, micro_batches)
+
+
+def profile(actor, seqs, micro_batches) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        actor.train_step(seqs)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40))
+    # Each micro-batch computes S x S attention scores; only each sequence's own L x L block is used.
+    full = sum(mb.tokens.shape[1] ** 2 for mb in micro_batches)
+    used = sum(n * n for mb in micro_batches for n in _segment_lengths(mb))
+    print(f"attention scores inside a sequence's own block: {used / full:.3f} of those computed")
+
+
+def _segment_lengths(mb) -> list[int]:
+    """Token count of each sequence packed in `mb` (from its position ids, which restart at 0)."""
+    pos = mb.position_ids[0].tolist()
+    starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
+    return [b - a for a, b in zip(starts, starts[1:])]
 
 
 if __name__ == "__main__":
