@@ -127,7 +127,7 @@ class Actor:
         if not parallel_state.model_parallel_is_initialized():
             megatron_model.init_megatron_parallel(tp, pp, cfg.seed)
         self.tp, self.pp = tp, pp
-        params_dtype = _DTYPES[dtype]
+        self.params_dtype = params_dtype = _DTYPES[dtype]
 
         model = megatron_model.build_gpt_model(
             self.hf_config, params_dtype=params_dtype, tp=tp, pp=pp, device=self.device,
@@ -154,6 +154,10 @@ class Actor:
             bf16=params_dtype == torch.bfloat16,
             fp16=params_dtype == torch.float16,
             params_dtype=params_dtype,
+            # fp16 only. Each micro-batch's loss is a token *sum*, so per-token gradients are O(1)
+            # and a scale of 2**16 already overflows fp16 (Megatron's default 2**32 would skip
+            # dozens of steps, each a whole RL batch). Dynamic scaling adjusts it from here.
+            initial_loss_scale=2.0**10,
         )
         with CudaToCpuMode():
             self.optimizer = get_megatron_optimizer(opt_config, [self.model])
@@ -465,11 +469,13 @@ class Actor:
     # ---------------------------------------------------------------- weights
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full HF-named weights on the first pipeline stage ({} on later ones).
+        """Full HF-named weights on the first pipeline stage ({} on later ones), all in the
+        parameter dtype (without TransformerEngine/Apex, Megatron keeps norm weights in fp32).
 
         Collective over TP and PP; see `megatron_model.hf_state_dict`.
         """
-        return megatron_model.hf_state_dict(self.model, self.hf_config)
+        state = megatron_model.hf_state_dict(self.model, self.hf_config)
+        return {k: v.to(self.params_dtype) for k, v in state.items()}
 
     def save_hf(self, out_dir: str) -> None:
         """Write a HF model directory loadable by transformers and vLLM.

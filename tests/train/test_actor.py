@@ -204,6 +204,23 @@ def test_trained_weights_load_into_transformers(megatron_ws1, model_dir, tmp_pat
         assert torch.equal(tensor, hf.state_dict()[name]), name
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_trains_like_fp32(megatron_ws1, model_dir, dtype):
+    """Half-precision parameters with fp32 main weights in Megatron's optimizer (fp16 with loss
+    scaling): the first step's loss and grad norm match fp32, no step is skipped."""
+    from areal_hpc.train.actor import Actor
+
+    ref = make_actor(model_dir)
+    seqs = batch(ref, 10, [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0])
+    half = Actor(TrainConfig(lr=1e-3, max_tokens_per_mb=40), model_dir, group_size=GROUP_SIZE,
+                 temperature=TEMPERATURE, dtype=dtype)
+    got, want = half.train_step(seqs), ref.train_step(seqs)
+    assert got["loss"] == pytest.approx(want["loss"], rel=0.02, abs=1e-3)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=0.02)
+    assert got["skipped_steps"] == 0 and half.train_step(seqs)["skipped_steps"] == 0
+    assert {t.dtype for t in half.hf_state_dict().values()} == {getattr(torch, dtype)}
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU shims are no-ops with a GPU")
 def test_cpu_compat_mode_redirects_cuda():
     from areal_hpc.train import cpu_compat
