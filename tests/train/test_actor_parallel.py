@@ -116,6 +116,11 @@ def test_two_processes_tp2_pp2_dp2(references, model_dir, tied_model_dir, tmp_pa
     assert [s["n_micro_batches"] % 2 for s in outs["pp2"][0]["stats"]] == [0, 0]  # a multiple of pp
 
 
-def test_four_processes_tp2xpp2(references, model_dir, tmp_path):
-    outs = launch(4, [case("tp2pp2", 2, 2, model_dir, references)], tmp_path)
-    check_layout(outs["tp2pp2"], references[model_dir][1], model_dir)
+def test_four_processes_tp2xpp2_and_pp2xdp2(references, model_dir, tmp_path):
+    cases = [case("tp2pp2", 2, 2, model_dir, references), case("pp2dp2", 1, 2, model_dir, references)]
+    outs = launch(4, cases, tmp_path)
+    for c in cases:
+        check_layout(outs[c["tag"]], references[model_dir][1], model_dir)
+    # equal micro-batch counts on both data-parallel ranks (global ranks 0 and 1), a multiple of pp
+    counts = [[s["n_micro_batches"] for s in out["stats"]] for out in outs["pp2dp2"]]
+    assert counts[0] == counts[1] and all(n % 2 == 0 for n in counts[0])
