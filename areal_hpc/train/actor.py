@@ -121,7 +121,6 @@ class Actor:
         self.model_dir = model_dir
         self.group_size = group_size
         self.temperature = temperature
-        self.max_tokens_per_mb = cfg.max_tokens_per_mb
         self.device = torch.device(device)
         self.hf_config = megatron_model.read_hf_config(model_dir)
         if not parallel_state.model_parallel_is_initialized():
@@ -186,12 +185,13 @@ class Actor:
         """Micro-batches (index lists into `lengths`): at most `max_tokens_per_mb` tokens each,
         balanced, a multiple of pp; with `equalise_dp` as many as on the busiest data-parallel
         rank (AReaL all-gathers the count and takes the max; so do we, by all-reduce)."""
-        groups = balanced_allocate(lengths, self.max_tokens_per_mb, divisor=self.pp)
+        budget = self.cfg.max_tokens_per_mb
+        groups = balanced_allocate(lengths, budget, divisor=self.pp)
         if equalise_dp and parallel_state.get_data_parallel_world_size() > 1:
             k = torch.tensor(len(groups), device=self.device)
             dist.all_reduce(k, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
             if int(k) > len(groups):
-                groups = balanced_allocate(lengths, self.max_tokens_per_mb, min_groups=int(k), divisor=self.pp)
+                groups = balanced_allocate(lengths, budget, min_groups=int(k), divisor=self.pp)
         return groups
 
     def _pack(self, seqs: list[dict], mb_ids: list[int], per_token: dict | None = None) -> _MicroBatch:
@@ -213,7 +213,8 @@ class Actor:
             out_lens.append(len(output))
             offset += n
         if not mb_ids:  # a filler: one token, nothing to predict
-            tokens, positions, segments, out_pos = [np.zeros(1, np.int64)], [np.zeros(1, np.int64)], [np.zeros(1)], [np.zeros(0, np.int64)]
+            one = np.zeros(1, np.int64)
+            tokens, positions, segments, out_pos = [one], [one], [one], [np.zeros(0, np.int64)]
         dev = self.device
         seg = torch.from_numpy(np.concatenate(segments)).to(dev)
         s = seg.numel()
@@ -240,10 +241,10 @@ class Actor:
 
     def _token_logprobs(self, logits: torch.Tensor, mb: _MicroBatch) -> torch.Tensor:
         """`[N]` log π(a_t|s_t) at temperature T from this TP rank's vocab slice of the logits."""
-        picked = logits[:, mb.out_pos].float() / self.temperature  # [1, N, V/tp], a new tensor:
-        # vocab_parallel_cross_entropy works in place on its input.
+        picked = logits[:, mb.out_pos].float() / self.temperature  # [1, N, V/tp]
         if self.tp == 1:  # the whole vocabulary is here: no TP all-reduces (3 per micro-batch)
             return torch.log_softmax(picked[0], dim=-1).gather(-1, mb.targets[0, :, None])[:, 0]
+        # `picked` is a new tensor: vocab_parallel_cross_entropy works in place on its input.
         return -vocab_parallel_cross_entropy(picked, mb.targets)[0]
 
     def _forward_step(self, loss_fn, data_iterator, model):
@@ -276,9 +277,9 @@ class Actor:
         return zero, self._n_tokens(mb.n_tokens), {"logprobs": logprobs.detach().clone()}
 
     @torch.no_grad()
-    def _forward_logprobs(self, micro_batches: list[_MicroBatch], to_all_stages: bool) -> list[torch.Tensor | None]:
-        """`[N]` float32 log-probs per micro-batch: on the last stage, and on every stage with
-        `to_all_stages` (sent from the last stage); None elsewhere."""
+    def _forward_logprobs(self, micro_batches: list[_MicroBatch], to_all_stages: bool) -> list:
+        """`[N]` float32 log-probs per micro-batch (tensors): on the last stage, and on every
+        stage with `to_all_stages` (sent from the last stage); None elsewhere."""
         outputs = self._run(micro_batches, self._logprob_loss, forward_only=True)
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         per_mb = [o["logprobs"].float() for o in outputs] if last else None
@@ -355,7 +356,8 @@ class Actor:
         plan = []
         for mb_ids in balanced_allocate(lengths, sum(lengths), min_groups=self.cfg.ppo_minibatches):
             mb_lens = [lengths[i] for i in mb_ids]
-            share = [mb_ids[j] for j in balanced_allocate(mb_lens, max(sum(mb_lens), 1), min_groups=dp)[dp_rank]]
+            shares = balanced_allocate(mb_lens, max(sum(mb_lens), 1), min_groups=dp)
+            share = [mb_ids[j] for j in shares[dp_rank]]
             groups = self._plan([lengths[i] for i in share], equalise_dp=True)
             plan.append([self._pack(seqs, [share[j] for j in g], per_token) for g in groups])
         return plan
