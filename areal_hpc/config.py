@@ -120,6 +120,20 @@ class WeightSyncConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    # A checkpoint (model + optimizer shards, run state) every `every_steps` training steps (0 =
+    # none on a timer), at the end, and when a preemption signal arrives.
+    every_steps: int = 10
+    keep: int = 2                       # newest valid checkpoints kept
+    # auto: a rerun (requeue) in an existing run dir resumes from its newest valid checkpoint;
+    # never: an existing run dir is an error.
+    resume: str = "auto"
+    # Signals that ask the job to checkpoint at the next step boundary and exit with code 3
+    # (EXIT_PREEMPTED) for the batch script to requeue. Slurm: --signal=B:USR1@<seconds>.
+    signals: list = field(default_factory=lambda: ["USR1", "TERM"])
+
+
+@dataclass
 class RunConfig:
     name: str = "run"
     output_dir: str = "runs"            # the run lives in <output_dir>/<name>
@@ -131,6 +145,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -221,6 +236,13 @@ def validate(cfg: RunConfig) -> None:
            f"must be group or none, got {tr.reward_norm!r}")
     _check(tr.adv_norm in ("batch", "none"), "train.adv_norm", f"must be batch or none, got {tr.adv_norm!r}")
     _check(cfg.weights.bucket_mb >= 1, "weights.bucket_mb", "must be >= 1")
+    ck = cfg.checkpoint
+    _check(ck.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
+    _check(ck.keep >= 1, "checkpoint.keep", "must be >= 1")
+    _check(ck.resume in ("auto", "never"), "checkpoint.resume", f"must be auto or never, got {ck.resume!r}")
+    import signal as _signal
+    for name in ck.signals:
+        _check(hasattr(_signal, f"SIG{name}"), "checkpoint.signals", f"unknown signal {name!r} (e.g. USR1, TERM)")
 
 
 def to_yaml(cfg: RunConfig) -> str:
@@ -238,9 +260,9 @@ def check_paths(cfg: RunConfig) -> None:
         hint = " (build the tiny one with: python tools/make_tiny_model.py --out models/tiny)"
         raise ConfigError(f"config key 'model.path': no HF model at {model} (config.json missing){hint}")
     log = cfg.run_dir / "rollouts.h5"
-    if log.exists():
-        raise ConfigError(f"config key 'name': run {cfg.name!r} already has {log}; "
-                          f"choose another name=... or remove {cfg.run_dir}")
+    if log.exists() and cfg.checkpoint.resume == "never":
+        raise ConfigError(f"config key 'name': run {cfg.name!r} already has {log}; choose another "
+                          f"name=..., remove {cfg.run_dir}, or resume it with checkpoint.resume=auto")
     from .data.prompts import load_prompts
     for key, value in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
         if value is None:

@@ -11,6 +11,8 @@ import logging
 import os
 import sys
 
+from .preemption import EXIT_PREEMPTED  # 3: checkpoint written after a preemption signal
+
 
 def _parse(argv):
     ap = argparse.ArgumentParser(prog="areal_hpc.main", description=__doc__.splitlines()[0])
@@ -33,6 +35,7 @@ def main(argv=None) -> int:
 
     from mpi4py import MPI
 
+    from . import preemption
     from .topology import TRAINER, Topology
     world = MPI.COMM_WORLD
     logging.basicConfig(level=logging.WARNING, datefmt="%H:%M:%S",
@@ -49,14 +52,20 @@ def main(argv=None) -> int:
         (cfg.run_dir / "config.yaml").write_text(to_yaml(cfg))
         print(f"run {cfg.name}: {cfg.topology.n_trainers} trainer + {cfg.topology.n_generators} "
               f"generator rank(s), output in {cfg.run_dir}", flush=True)
+    # A preemption signal only sets a flag: trainer rank 0 acts on it between steps. Generators
+    # install it after their engines are up (preemption.shield_children).
+    preemption.install(cfg.checkpoint.signals)
     if topo.role == TRAINER:
         from .train.trainer import run_trainer
-        run_trainer(cfg, topo)
+        code = run_trainer(cfg, topo)
     else:
         from .rollout.generator import run_generator
-        run_generator(cfg, topo)
+        code = run_generator(cfg, topo)
     world.Barrier()
-    return 0
+    if code == EXIT_PREEMPTED and world.Get_rank() == 0:
+        print(f"run {cfg.name}: preempted, checkpoint written; rerun the same command (or let "
+              f"Slurm requeue) to resume", flush=True)
+    return code
 
 
 if __name__ == "__main__":

@@ -7,10 +7,10 @@ from tqdm import tqdm
 
 
 class Progress:
-    def __init__(self, total_steps: int, enabled: bool = True):
+    def __init__(self, total_steps: int, enabled: bool = True, initial: int = 0):
         self.enabled = enabled
-        self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True,
-                        file=sys.stderr, disable=not enabled, mininterval=1.0)
+        self.bar = tqdm(total=total_steps, initial=initial, desc="train", unit="step",
+                        dynamic_ncols=True, file=sys.stderr, disable=not enabled, mininterval=1.0)
         self._ready = -1
 
     def waiting(self, ready: int) -> None:

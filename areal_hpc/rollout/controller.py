@@ -50,7 +50,8 @@ class PromptCursor:
 
 
 class Controller:
-    def __init__(self, cfg: RunConfig, topo: Topology, train_rows: list[dict], tokenizer):
+    def __init__(self, cfg: RunConfig, topo: Topology, train_rows: list[dict], tokenizer,
+                 resume: dict | None = None):
         self.cfg, self.topo = cfg, topo
         self.chan = Channel(topo.world)
         self.rows = train_rows
@@ -63,9 +64,13 @@ class Controller:
                                           max_staleness=self.max_staleness)
         self.version = 0                # policy version the generators have (training steps done)
         self.in_flight = {g: 0 for g in topo.generator_ranks}
+        self.prompts_in_flight: dict[int, int] = {}     # prompt_id → dataset index
+        self.reissue: list[tuple[int, int]] = []         # (prompt_id, dataset index), from a resume
         self.buffer = ReadyBuffer()
         self.dropped_stale = 0          # groups dropped for exceeding η, over the run
-        self.writer = RolloutWriter(cfg.run_dir / "rollouts.h5", to_yaml(cfg))
+        log_path = cfg.run_dir / "rollouts.h5"
+        # A resumed run reopens its log in `restore`.
+        self.writer = RolloutWriter(log_path, to_yaml(cfg)) if resume is None else None
         self.generated_tokens = 0
         self.gen_stats: dict[int, dict] = {}
         self._eval_results: list[dict] = []
@@ -73,6 +78,8 @@ class Controller:
         self._service: threading.Thread | None = None
         self._service_stop = threading.Event()
         self._service_error: BaseException | None = None
+        if resume is not None:
+            self._restore(resume, log_path)
 
     # -- the service thread ---------------------------------------------------------------------
     def _start_service(self) -> None:
@@ -139,8 +146,12 @@ class Controller:
         batches: dict[int, list[dict]] = {}
         for _ in range(cap):
             g = min(self.in_flight, key=self.in_flight.get)
-            idx = self.cursor.next()
-            pid = self.cursor.consumed - 1          # unique per submission, also across epochs
+            if self.reissue:                        # in flight when the job was preempted
+                pid, idx = self.reissue.pop(0)
+            else:
+                idx = self.cursor.next()
+                pid = self.cursor.consumed - 1      # unique per submission, also across epochs
+            self.prompts_in_flight[pid] = idx
             batches.setdefault(g, []).append(self.encode(pid, self.rows[idx], self.cfg.rollout.group_size))
             self.in_flight[g] += 1
             self.staleness.on_rollout_submitted()
@@ -154,6 +165,7 @@ class Controller:
         for src, tag, msg in self.chan.poll():
             if tag == Tag.TRAJECTORIES:
                 self.in_flight[src] -= 1
+                self.prompts_in_flight.pop(msg[0]["prompt_id"], None)
                 self.staleness.on_rollout_accepted()
                 rows = self.writer.append(msg)
                 self.buffer.add(msg, rows)
@@ -175,9 +187,10 @@ class Controller:
             self.dropped_stale += len(stale)
         return len(stale)
 
-    def next_batch(self, on_wait=None) -> tuple[list[dict], dict]:
+    def next_batch(self, on_wait=None, should_stop=None) -> tuple[list[dict] | None, dict | None]:
         """Block until B groups are ready; returns the flattened trajectories (group-contiguous)
-        and batch stats. `on_wait(n_ready)` is called while waiting (progress display)."""
+        and batch stats. `on_wait(n_ready)` is called while waiting (progress display); when
+        `should_stop()` turns true first (preemption), returns (None, None) and takes nothing."""
         B = self.cfg.train.batch_prompts
         t0 = time.monotonic()
         self._start_service()
@@ -187,9 +200,11 @@ class Controller:
             def ready() -> bool:
                 nonlocal dropped
                 dropped += self._drop_stale()
-                return len(self.buffer) >= B
+                return len(self.buffer) >= B or bool(should_stop and should_stop())
 
             self._wait(ready, on_wait)
+            if should_stop and should_stop():
+                return None, None
             groups = self.buffer.take(B)                  # oldest first
         trajs = [t for g in groups for t in g.trajectories]
         stale = [staleness_of(self.version, t["versions"]) for t in trajs]
@@ -231,16 +246,16 @@ class Controller:
                 "samples": int(rewards.size), "seconds": max(p["seconds"] for p in parts)}
 
     # -- the end ----------------------------------------------------------------------------------
-    def stop(self) -> None:
-        """Tell generators to finish, drain what they still send, close the log."""
+    def stop(self, preempted: bool = False) -> None:
+        """Tell generators to finish (dropping their in-flight work), take every group they still
+        send into the buffer, and collect their statistics. The log stays open until `close`."""
         self._stop_service()
         for g in self.topo.generator_ranks:
-            self.chan.send(None, g, Tag.STOP)
+            self.chan.send({"preempted": preempted}, g, Tag.STOP)
         while len(self.gen_stats) < len(self.topo.generator_ranks):
             if not self.receive():
                 self.chan.idle(timeout=0.05)
         self.chan.flush(timeout=60)
-        self.writer.close()
         for rank, st in sorted(self.gen_stats.items()):
             sec = st["seconds"]
             busy = sec["busy"] / max(sec["busy"] + sec["pause"] + sec["idle"], 1e-9)
@@ -251,3 +266,53 @@ class Controller:
                      st["reward"]["errors"], st["reward"]["timeouts"])
         with open(self.cfg.run_dir / "generators.json", "w") as f:
             json.dump([self.gen_stats[r] for r in sorted(self.gen_stats)], f, indent=1)
+
+    def close(self) -> None:
+        self.writer.close()
+
+    # -- checkpoint and resume ------------------------------------------------------------------
+    def state(self) -> dict:
+        """What a resumed controller needs (saved in the checkpoint's state.h5): the version, the
+        data cursor, the staleness counters, the log rows of buffered groups, the prompts in flight
+        and the number of log rows (rows appended later are rolled back on resume)."""
+        with self._cond:
+            groups = self.buffer.groups()
+            rows = [r for g in groups for r in g.rows]
+            inflight = sorted(self.prompts_in_flight.items()) + list(self.reissue)
+            return {
+                "version": self.version, "cursor_consumed": self.cursor.consumed,
+                "accepted": self.staleness.accepted, "rejected": self.staleness.rejected,
+                "dropped_stale": self.dropped_stale, "generated_tokens": self.generated_tokens,
+                "rollout_rows": self.writer.n_rows,
+                "buffer_rows": np.asarray(rows, dtype=np.int64),
+                "buffer_group_ends": np.cumsum([len(g.rows) for g in groups], dtype=np.int64),
+                "inflight_prompt_ids": np.asarray([p for p, _ in inflight], dtype=np.int64),
+                "inflight_dataset_index": np.asarray([i for _, i in inflight], dtype=np.int64),
+            }
+
+    def _restore(self, state: dict, path) -> None:
+        """Continue from `state()` of a checkpoint: reopen the rollout log (rows after the
+        checkpoint are marked ROLLED_BACK, buffered rows pending again), refill the buffer from it,
+        and queue the prompts that were in flight to be issued first."""
+        from ..storage.rollout_log import NOT_CONSUMED, RolloutReader
+        rows = [int(r) for r in state["buffer_rows"]]
+        ends = [0, *map(int, state["buffer_group_ends"])]
+        with RolloutReader(path) as reader:
+            trajs = [reader[r] for r in rows]
+        for t in trajs:
+            t["output_tokens"] = np.asarray(t["output_tokens"])
+        self.writer = RolloutWriter.reopen(path, int(state["rollout_rows"]))
+        self.writer.mark_consumed(rows, NOT_CONSUMED)
+        for a, b in zip(ends[:-1], ends[1:]):
+            self.buffer.add(trajs[a:b], rows[a:b])
+        self.version = int(state["version"])
+        self.cursor.consumed = int(state["cursor_consumed"])
+        self.staleness.on_version_recovered(self.version)
+        self.staleness.accepted = int(state["accepted"])
+        self.staleness.rejected = int(state["rejected"])
+        self.dropped_stale = int(state["dropped_stale"])
+        self.generated_tokens = int(state["generated_tokens"])
+        self.reissue = list(zip(map(int, state["inflight_prompt_ids"]),
+                                map(int, state["inflight_dataset_index"])))
+        log.info("resumed at version %d: %d buffered groups, %d prompts to reissue, cursor at %d",
+                 self.version, len(ends) - 1, len(self.reissue), self.cursor.consumed)

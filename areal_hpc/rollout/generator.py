@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import preemption
 from ..config import RunConfig
 from ..reward.pool import RewardPool
 from ..topology import CONTROLLER_RANK, Topology
@@ -60,6 +61,19 @@ class Generator:
         self.chan = Channel(topo.world)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         r = cfg.rollout
+        with preemption.shield_children():     # engine processes must outlive a USR1
+            self._start_children(cfg, topo)
+        self.groups: dict[tuple[str, int], _Group] = {}
+        self.tokens_generated = 0
+        # Where the time went, from the first training prompt on: generating (busy), paused for
+        # weight updates, evaluating, or idle with nothing to generate (η bound reached).
+        self.seconds = {"busy": 0.0, "pause": 0.0, "eval": 0.0, "idle": 0.0}
+        self._started = False
+        self.preempted = False
+        self._engine_lost = False
+
+    def _start_children(self, cfg: RunConfig, topo: Topology) -> None:
+        r = cfg.rollout
         self.engine = VLLMEngine(
             cfg.model.path, dtype=cfg.model.dtype, max_model_len=r.max_model_len,
             seed=cfg.train.seed + topo.rank, enforce_eager=r.enforce_eager,
@@ -67,13 +81,7 @@ class Generator:
         self.engine.init_weight_group(topo.controller_addr, topo.weight_port,
                                       topo.weight_group_rank, topo.weight_group_size,
                                       topo.cfg.weight_backend)
-        self.groups: dict[tuple[str, int], _Group] = {}
         self.rewards = RewardPool(cfg.reward.workers, math_timeout_s=cfg.reward.math_timeout_s)
-        self.tokens_generated = 0
-        # Where the time went, from the first training prompt on: generating (busy), paused for
-        # weight updates, evaluating, or idle with nothing to generate (η bound reached).
-        self.seconds = {"busy": 0.0, "pause": 0.0, "eval": 0.0, "idle": 0.0}
-        self._started = False
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
@@ -89,16 +97,25 @@ class Generator:
                 elif tag == Tag.EVAL:
                     with self._timed("eval"):
                         self._evaluate(msg)
-                elif tag == Tag.STOP:
+                elif tag == Tag.STOP:      # in-flight work is dropped (reissued on resume)
+                    self.preempted = bool(msg and msg.get("preempted"))
                     running = False
                     break
             if not running:
                 break
             for _, group in self._collect_rewards():     # eval groups never reach this loop
                 self._send(group)
-            if self.engine.has_unfinished():
+            if self.engine.has_unfinished() and not self._engine_lost:
                 with self._timed("busy"):
-                    self._step()
+                    try:
+                        self._step()
+                    except Exception:
+                        # SIGTERM at a preemption reaches the engine processes too: wait for the
+                        # controller's STOP instead of failing the job before its checkpoint.
+                        if not preemption.requested():
+                            raise
+                        log.warning("vLLM engine lost during preemption; waiting for stop")
+                        self._engine_lost = True
             else:
                 with self._timed("idle"):
                     self.chan.idle(source=CONTROLLER_RANK,
@@ -187,5 +204,8 @@ class Generator:
                         "seconds": time.monotonic() - t0}, CONTROLLER_RANK, Tag.EVAL_RESULT)
 
 
-def run_generator(cfg: RunConfig, topo: Topology) -> None:
-    Generator(cfg, topo).run()
+def run_generator(cfg: RunConfig, topo: Topology) -> int:
+    """Returns the exit code: 0, or EXIT_PREEMPTED when the controller stopped for a preemption."""
+    gen = Generator(cfg, topo)
+    gen.run()
+    return preemption.EXIT_PREEMPTED if gen.preempted else 0

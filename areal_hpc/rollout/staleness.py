@@ -91,6 +91,10 @@ class ReadyBuffer:
         oldest = min(int(min(t["versions"])) for t in trajectories)
         self._groups.append(ReadyGroup(oldest, trajectories, rows))
 
+    def groups(self) -> list[ReadyGroup]:
+        """The buffered groups, in arrival order (what a checkpoint saves)."""
+        return list(self._groups)
+
     def drop_older_than(self, version: int) -> list[ReadyGroup]:
         """Remove and return the groups whose oldest token predates `version`."""
         stale = [g for g in self._groups if g.oldest_version < version]

@@ -34,6 +34,8 @@ from typing import Any
 import h5py
 import numpy as np
 
+from .. import preemption
+
 log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
@@ -52,7 +54,7 @@ def step_dir(run_dir: str | os.PathLike, step: int) -> Path:
     return Path(run_dir) / CHECKPOINTS / f"{_PREFIX}{step:08d}"
 
 
-def _step_of(path: Path) -> int | None:
+def step_of(path: Path) -> int | None:
     name = path.name
     if not name.startswith(_PREFIX) or not name[len(_PREFIX):].isdigit():
         return None
@@ -64,7 +66,7 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
-    found = [(s, p) for p in root.iterdir() if p.is_dir() and (s := _step_of(p)) is not None]
+    found = [(s, p) for p in root.iterdir() if p.is_dir() and (s := step_of(p)) is not None]
     return [p for _, p in sorted(found, reverse=True)]
 
 
@@ -228,7 +230,7 @@ def save(run_dir: str | os.PathLike, step: int, *, model, optimizer, scheduler=N
             shutil.rmtree(ckpt)
         (ckpt / SHARDS).mkdir(parents=True)
     _barrier(comm)
-    with CudaToCpuMode():
+    with CudaToCpuMode(), preemption.shield_children():     # its writer processes
         dist_checkpointing.save(_sharded_state(model, optimizer), str(ckpt / SHARDS))
     rngs = comm.gather(rng_state(), root=0) if comm is not None else [rng_state()]
     if rank == 0:

@@ -22,6 +22,7 @@ job loses at most the batch being written.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -31,7 +32,9 @@ import numpy as np
 FORMAT = "areal_hpc rollout log"        # attrs["format"] from schema 2 on
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)               # 1: before reward_error
-NOT_CONSUMED, DROPPED_STALE = -1, -2
+# consumed_step values that are not a step: pending; dropped as too stale; appended after the
+# checkpoint a resumed job continued from (its training never happened; the prompt was issued again)
+NOT_CONSUMED, DROPPED_STALE, ROLLED_BACK = -1, -2, -3
 FINISH_REASONS = ("stop", "length", "abort")
 REWARD_ERROR_BYTES = 96                 # fixed length: variable-length strings are not SWMR-safe
 _ROW_FIELDS = {
@@ -87,6 +90,41 @@ class RolloutWriter:
         self.n_rows = 0
         self._prompt_end = 0
         self._output_end = 0
+
+    @classmethod
+    def reopen(cls, path: str | Path, keep_rows: int) -> RolloutWriter:
+        """Continue a log after a restart from a checkpoint that saw `keep_rows` rows.
+
+        A torn append (a crash between the data and the commit marker) is cut off; committed
+        rows after `keep_rows` stay in the file, marked ROLLED_BACK."""
+        path = Path(path)
+        self = cls.__new__(cls)
+        self.path = path
+        try:
+            self.f = h5py.File(path, "a", libver="latest")
+        except OSError as exc:      # the writer was killed: its SWMR-write flag is still set
+            if "consistency flags" not in str(exc):
+                raise
+            _rewrite_committed(path)
+            self.f = h5py.File(path, "a", libver="latest")
+        t, tok = self.f["traj"], self.f["tokens"]
+        n = t[_COMMIT].shape[0]
+        if n < keep_rows:
+            self.f.close()
+            raise RolloutLogError(f"{path}: {n} committed rows, but the checkpoint saw {keep_rows}")
+        for name in _ROW_FIELDS:
+            if name in t and t[name].shape[0] != n:
+                t[name].resize((n,))
+        self._prompt_end = int(t["prompt_end"][n - 1]) if n else 0
+        self._output_end = int(t[_COMMIT][n - 1]) if n else 0
+        for name, ds in tok.items():
+            ds.resize((self._prompt_end if name == "prompt" else self._output_end,))
+        if n > keep_rows:
+            t["consumed_step"][keep_rows:n] = ROLLED_BACK
+        self.f.swmr_mode = True
+        self.f.flush()
+        self.n_rows = n
+        return self
 
     def append(self, trajs: Sequence[dict[str, Any]]) -> list[int]:
         """Append trajectories (DESIGN data contract dicts, plus an optional `reward_error`
@@ -144,6 +182,27 @@ class RolloutWriter:
         if self.f.id.valid:
             self.f.flush()
             self.f.close()
+
+
+def _rewrite_committed(path: Path) -> None:
+    """Copy the committed rows of a log whose writer died into a fresh file that replaces it.
+
+    HDF5 refuses to open such a file for writing until its status flags are cleared (h5clear);
+    reading it in SWMR mode works, and every row up to the last flush is intact."""
+    tmp = path.with_name(path.name + ".recover")
+    with h5py.File(path, "r", libver="latest", swmr=True) as src, \
+            h5py.File(tmp, "w", libver="latest") as dst:
+        for key, value in src.attrs.items():
+            dst.attrs[key] = value
+        n = src["traj"][_COMMIT].shape[0]
+        ends = {"prompt": int(src["traj/prompt_end"][n - 1]) if n else 0,
+                "output": int(src["traj"][_COMMIT][n - 1]) if n else 0}
+        for grp in ("traj", "tokens"):
+            g = dst.create_group(grp)
+            for name, ds in src[grp].items():
+                keep = n if grp == "traj" else ends["prompt" if name == "prompt" else "output"]
+                g.create_dataset(name, data=ds[:keep], maxshape=(None,), chunks=ds.chunks)
+    os.replace(tmp, path)
 
 
 def _text(value) -> str:

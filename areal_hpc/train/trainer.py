@@ -12,10 +12,13 @@ from __future__ import annotations
 import json
 import logging
 import time
+from pathlib import Path
 
 from ..config import RunConfig
 from ..data.prompts import load_prompts
 from ..topology import Topology
+from .. import preemption
+from ..storage import checkpoint
 from ..transport import weights as wsync
 from .actor import Actor
 
@@ -33,6 +36,7 @@ class Trainer:
         self.version = 0
         self.weight_meta = None         # bucket plan of the HF weights: fixed for the run
         self.controller = None
+        self.resumed = self._resume() if cfg.checkpoint.resume == "auto" else None
         if topo.is_controller:
             from transformers import AutoTokenizer
 
@@ -44,9 +48,55 @@ class Trainer:
             if d.eval_limit:
                 self.eval_rows = self.eval_rows[: d.eval_limit]
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-            self.controller = Controller(cfg, topo, train_rows, tokenizer)
+            self.controller = Controller(cfg, topo, train_rows, tokenizer,
+                                         resume=self.resumed["controller"] if self.resumed else None)
             self.weight_group = wsync.init_sender_group(
                 topo.controller_addr, topo.weight_port, topo.weight_group_size, t.weight_backend)
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def _resume(self) -> dict | None:
+        """Load the newest valid checkpoint of this run, if any (collective); returns its state.
+        A run dir with a rollout log but no usable checkpoint (killed before its first one) is
+        started afresh, its old files kept under an attempt name."""
+        cfg, comm = self.cfg, self.topo.role_comm
+        found = None
+        if comm.Get_rank() == 0:
+            hit = checkpoint.find_latest(cfg.run_dir)
+            found = str(hit[0]) if hit else None
+            if hit is None and (cfg.run_dir / "rollouts.h5").exists():
+                k = 1 + len(list(cfg.run_dir.glob("rollouts.attempt-*.h5")))
+                for name in ("rollouts.h5", "metrics.jsonl", "eval.json"):
+                    old = cfg.run_dir / name
+                    if old.exists():
+                        old.rename(cfg.run_dir / name.replace(".", f".attempt-{k}.", 1))
+                log.warning("run dir %s has no usable checkpoint: starting afresh (the previous "
+                            "attempt's files are kept as *.attempt-%d.*)", cfg.run_dir, k)
+        found = comm.bcast(found, root=0)
+        if found is None:
+            return None
+        a = self.actor
+        state = checkpoint.load(Path(found), model=a.model, optimizer=a.optimizer,
+                                scheduler=a.lr_scheduler, comm=comm)
+        self.version = state["step"]
+        if comm.Get_rank() == 0:
+            log.info("resuming from %s: %d of %d steps done", found, self.version,
+                     cfg.train.total_steps)
+            metrics = cfg.run_dir / "metrics.jsonl"     # drop the steps that are trained again
+            if metrics.exists():
+                lines = [ln for ln in metrics.read_text().splitlines()
+                         if ln.strip() and json.loads(ln)["step"] < self.version]
+                metrics.write_text("".join(ln + "\n" for ln in lines))
+        return state
+
+    def _checkpoint(self) -> None:
+        """Checkpoint after `self.version` steps (collective over the trainer ranks)."""
+        from ..config import to_yaml
+        a = self.actor
+        checkpoint.save(self.cfg.run_dir, self.version, model=a.model, optimizer=a.optimizer,
+                        scheduler=a.lr_scheduler,
+                        controller_state=self.controller.state() if self.controller else None,
+                        config_yaml=to_yaml(self.cfg), keep=self.cfg.checkpoint.keep,
+                        comm=self.topo.role_comm)
 
     # -- rank 0 helpers ---------------------------------------------------------------------------
     def _evaluate(self, label: str) -> dict | None:
@@ -77,7 +127,9 @@ class Trainer:
         """Rank 0 gathers the batch from the controller; every trainer rank gets all of it (the
         Actor splits it into minibatches and data-parallel shares, alike on every rank)."""
         if self.controller is not None:
-            trajs, stats = self.controller.next_batch(on_wait=progress.waiting)
+            # (None, None) when a preemption signal arrived (checked while waiting, too)
+            trajs, stats = self.controller.next_batch(on_wait=progress.waiting,
+                                                      should_stop=preemption.requested)
         else:
             trajs, stats = None, None
         return self.topo.role_comm.bcast((trajs, stats), root=0)
@@ -95,30 +147,70 @@ class Trainer:
         return record
 
     # -- the loop ---------------------------------------------------------------------------------
-    def run(self) -> None:
+    def run(self) -> int:
+        """Train to `total_steps` (from a checkpoint when resumed); returns the exit code: 0, or
+        EXIT_PREEMPTED after a preemption signal (checkpoint written, generators stopped)."""
         from ..progress import Progress
-        cfg = self.cfg
-        evals = [self._evaluate("initial")]
-        progress = Progress(cfg.train.total_steps, enabled=self.controller is not None)
-        self._gen_tokens, self._t_record = 0, time.monotonic()
-        for step in range(cfg.train.total_steps):
+        cfg, ck = self.cfg, self.cfg.checkpoint
+        start = self.version
+        if self.resumed:
+            self._publish_weights()     # generators start from the checkpoint's weights
+            evals = self._previous_evals()
+        else:
+            evals = [e for e in [self._evaluate("initial")] if e]
+            self._save_evals(evals)     # kept by a resume
+        progress = Progress(cfg.train.total_steps, enabled=self.controller is not None, initial=start)
+        self._gen_tokens = self.controller.generated_tokens if self.controller else 0
+        self._t_record = time.monotonic()
+        for step in range(start, cfg.train.total_steps):
             trajs, stats = self._batch(progress)            # B groups, none older than η
+            if trajs is None:                               # preempted: stop, checkpoint, requeue
+                progress.close()
+                if self.controller is not None:
+                    self.controller.stop(preempted=True)    # in-flight groups land in the buffer
+                self._checkpoint()
+                if self.controller is not None:
+                    self.controller.close()
+                log.warning("preempted after %d steps: checkpoint written; exiting with %d for "
+                            "a requeue", self.version, preemption.EXIT_PREEMPTED)
+                return preemption.EXIT_PREEMPTED
             train_stats = self.actor.train_step(trajs, self.version)  # decoupled PPO
             self.version = step + 1
             weight_sync_s = self._publish_weights()         # generators go on with the new version
             if self.controller is not None:
                 self.controller.on_trained(stats.pop("rows"), step, self.version)
                 progress.step(self._record(step, stats, train_stats, weight_sync_s))
+            if ck.every_steps and self.version % ck.every_steps == 0 \
+                    and self.version < cfg.train.total_steps:
+                self._checkpoint()
         progress.close()
-        evals.append(self._evaluate("final"))
-        self.actor.save_hf(cfg.run_dir / "policy")
+        complete_before = start >= cfg.train.total_steps
+        if complete_before:
+            log.info("run %s was already complete (%d steps)", cfg.name, start)
+        else:
+            evals.append(self._evaluate("final"))
+            self.actor.save_hf(cfg.run_dir / "policy")
         if self.controller is not None:
-            self.controller.stop()
+            self.controller.stop()      # what is still in flight lands in the buffer first
+        if not complete_before:
+            self._checkpoint()
+        if self.controller is not None:
+            self.controller.close()
             evals = [e for e in evals if e]
-            with open(cfg.run_dir / "eval.json", "w") as f:
-                json.dump(evals, f, indent=1)
+            self._save_evals(evals)
             progress.eval_table(evals)
+        return 0
+
+    def _save_evals(self, evals: list[dict]) -> None:
+        if self.controller is not None:
+            (self.cfg.run_dir / "eval.json").write_text(json.dumps(evals, indent=1))
+
+    def _previous_evals(self) -> list[dict]:
+        path = self.cfg.run_dir / "eval.json"
+        if self.controller is None or not path.exists():
+            return []
+        return [e for e in json.loads(path.read_text()) if e.get("label") != "final"]
 
 
-def run_trainer(cfg: RunConfig, topo: Topology) -> None:
-    Trainer(cfg, topo).run()
+def run_trainer(cfg: RunConfig, topo: Topology) -> int:
+    return Trainer(cfg, topo).run()

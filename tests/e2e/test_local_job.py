@@ -1,65 +1,20 @@
 """End to end on the real stack: mpiexec → trainer rank (Megatron-core) + generator rank (vLLM),
 trajectories over MPI, weights over a gloo group, rollouts in HDF5."""
-import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 
 from areal_hpc.storage.rollout_log import RolloutReader
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-# Every process a test starts carries this in its environment (vLLM and MPI children inherit
-# it), so the leftover check finds this session's processes and nobody else's.
-_MARKER = ("AREAL_HPC_TEST_SESSION", uuid.uuid4().hex)
-
-
-def _run(args, timeout, env=None):
-    env = dict(os.environ if env is None else env)
-    env[_MARKER[0]] = _MARKER[1]
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    out = tmp_path_factory.mktemp("model") / "tiny"
-    r = _run(["tools/make_tiny_model.py", "--out", str(out), "--steps", "30"], timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out
-
-
-def _job_args(model, out_dir, name, *extra):
-    return ["-m", "areal_hpc.launch.local", "configs/tiny_cpu.yaml",
-            f"model.path={model}", f"data.train_path={model}/train.jsonl",
-            f"data.eval_path={model}/heldout.jsonl", f"output_dir={out_dir}", f"name={name}", *extra]
-
-
-def _leftovers():
-    """Processes started by this test session's jobs that are still alive: MPI ranks, vLLM engine
-    cores and workers, found by the marker in their environment (orphans are re-parented)."""
-    found = []
-    for p in psutil.process_iter(["pid", "name", "cmdline"]):
-        try:
-            if p.pid != os.getpid() and p.environ().get(_MARKER[0]) == _MARKER[1]:
-                found.append((p.info["pid"], " ".join([p.info["name"] or ""] + (p.info["cmdline"] or []))[:120]))
-        except psutil.Error:
-            pass
-    return found
-
-
 @pytest.mark.parametrize("mode,eta,generators", [("async", 1, 1), ("async", 4, 2), ("sync", 0, 1)])
-def test_short_run(tiny_model, tmp_path, mode, eta, generators):
+def test_short_run(jobs, tiny_model, tmp_path, mode, eta, generators):
     """A few steps; from rollouts.h5: every step took B groups, no trained token is older than η,
     weight updates reached the generators mid-run, groups never span generators."""
     steps, B, n = 3, 2, 2
-    r = _run(_job_args(tiny_model, tmp_path, "e2e", f"train.total_steps={steps}",
+    r = jobs.run(jobs.args(tiny_model, tmp_path, "e2e", f"train.total_steps={steps}",
                        f"train.batch_prompts={B}", f"rollout.group_size={n}",
                        "rollout.max_new_tokens=24", f"rollout.mode={mode}",
                        f"rollout.max_staleness={eta}", f"topology.n_generators={generators}",
@@ -92,10 +47,10 @@ def test_short_run(tiny_model, tmp_path, mode, eta, generators):
     if generators > 1:
         assert len({rk for ranks in by_prompt.values() for rk in ranks}) == generators
     assert (run / "policy" / "config.json").exists() and (run / "eval.json").exists()
-    assert not _leftovers(), "processes of the job are still running"
+    assert not jobs.leftovers(), "processes of the job are still running"
 
 
-def test_code_dataset_is_scored_in_the_sandbox(tiny_model, tmp_path):
+def test_code_dataset_is_scored_in_the_sandbox(jobs, tiny_model, tmp_path):
     """A code-kind dataset: every sample is run against its tests by the reward pool. The tiny
     model writes sums, not programs, so every reward is 0; the path is what is checked."""
     import json
@@ -103,7 +58,7 @@ def test_code_dataset_is_scored_in_the_sandbox(tiny_model, tmp_path):
     with open(data, "w") as f:
         for i in range(8):
             f.write(json.dumps({"prompt": f"{i}+1=", "tests": [{"input": "", "output": str(i + 1)}]}) + "\n")
-    r = _run(_job_args(tiny_model, tmp_path, "code", "data.kind=code", f"data.train_path={data}",
+    r = jobs.run(jobs.args(tiny_model, tmp_path, "code", "data.kind=code", f"data.train_path={data}",
                        "data.eval_path=null", "data.question_key=prompt", "data.answer_key=tests",
                        "train.total_steps=2", "train.batch_prompts=2", "rollout.group_size=2",
                        "rollout.max_new_tokens=16"), timeout=600)
@@ -113,18 +68,18 @@ def test_code_dataset_is_scored_in_the_sandbox(tiny_model, tmp_path):
         assert len(log) >= 8 and set(log.column("reward").tolist()) == {0.0}
 
 
-def test_world_too_small_is_a_clear_error(tiny_model, tmp_path):
+def test_world_too_small_is_a_clear_error(jobs, tiny_model, tmp_path):
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     cmd = [mpiexec, "-n", "1", sys.executable, "-m", "mpi4py", "-m", "areal_hpc.main",
            "configs/tiny_cpu.yaml", f"model.path={tiny_model}", f"data.train_path={tiny_model}/train.jsonl",
            f"data.eval_path={tiny_model}/heldout.jsonl", f"output_dir={tmp_path}"]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(cmd, cwd=jobs.root, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "MPI world has 1 rank(s) but the config asks for 2" in r.stderr
 
 
-def test_missing_model_dir_is_a_clear_error(tmp_path):
-    r = _run(["-m", "areal_hpc.launch.local", "configs/tiny_cpu.yaml", f"model.path={tmp_path}/nope",
+def test_missing_model_dir_is_a_clear_error(jobs, tmp_path):
+    r = jobs.run(["-m", "areal_hpc.launch.local", "configs/tiny_cpu.yaml", f"model.path={tmp_path}/nope",
               f"output_dir={tmp_path}"], timeout=120)
     assert r.returncode == 2
     assert "no HF model at" in r.stderr and "Traceback" not in r.stderr
