@@ -25,18 +25,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 
 def busy_fraction(overrides: list[str]) -> None:
+    """Run the tiny async job; print each generator's time split and the trainer's wait share
+    (the trainer waiting on rollouts = generation is the bottleneck, and vice versa)."""
     import subprocess
     import tempfile
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "areal_hpc.launch.local", "configs/tiny_cpu.yaml",
                "name=bench-busy", f"output_dir={out}", *overrides]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        gens = json.loads((Path(out) / "bench-busy" / "generators.json").read_text())
+        run = Path(out) / "bench-busy"
+        gens = json.loads((run / "generators.json").read_text())
+        steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     for g in gens:
         sec = g["seconds"]
-        busy = sec["busy"] / (sec["busy"] + sec["pause"] + sec["idle"])
+        idle = sec["idle"] + sec.get("idle_scoring", 0.0)
+        busy = sec["busy"] / (sec["busy"] + sec["pause"] + idle)
         print(f"generator rank {g['rank']}: busy {100 * busy:.1f}% (generating {sec['busy']:.1f}s, "
-              f"pauses {sec['pause']:.1f}s, idle {sec['idle']:.1f}s), {g['tokens']} tokens")
+              f"pauses {sec['pause']:.1f}s, idle {idle:.1f}s of which waiting on scores "
+              f"{sec.get('idle_scoring', 0.0):.1f}s), {g['tokens']} tokens")
+    wait = sum(s["wait_s"] for s in steps)
+    train = sum(s["seconds"] + s["weight_sync_s"] for s in steps)
+    print(f"trainer: waited for rollouts {wait:.1f}s, trained + synced {train:.1f}s "
+          f"({100 * wait / (wait + train):.0f}% waiting) over {len(steps)} steps")
 
 
 def main() -> None:
