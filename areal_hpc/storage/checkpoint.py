@@ -297,6 +297,17 @@ def load(ckpt: Path, *, model, optimizer, scheduler=None, comm=None) -> dict[str
     return state
 
 
+def load_model(ckpt: Path, model) -> None:
+    """Load only the model shards (e.g. to export the policy); works for any TP x PP layout."""
+    from megatron.core import dist_checkpointing
+
+    from ..train.cpu_compat import CudaToCpuMode
+    with CudaToCpuMode():
+        loaded = dist_checkpointing.load({"model": _module(model).sharded_state_dict()},
+                                         str(ckpt / SHARDS))
+        _module(model).load_state_dict(loaded["model"])
+
+
 def _barrier(comm) -> None:
     if comm is not None:
         comm.Barrier()

@@ -112,3 +112,34 @@ def test_manifest_lists_every_file(actor_factory, tmp_path):
                      and p.name != ck.MANIFEST)
     assert sorted(manifest["files"]) == on_disk and ck.STATE in on_disk
     assert manifest["bytes"] == sum(v["size"] for v in manifest["files"].values())
+
+
+def test_export_hf_from_checkpoint_equals_trained_weights(actor_factory, tmp_path):
+    """tools/export_hf.py (its own process) writes the checkpoint's policy as a HF directory."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from areal_hpc.config import load, to_yaml
+    a = actor_factory()
+    a.train_step(_batch(2))
+    cfg = load(None, [f"model.path={a.model_dir}", "data.train_path=unused.jsonl",
+                      "train.max_tokens_per_mb=64", "rollout.max_model_len=64",
+                      "rollout.group_size=2", "train.lr=1e-3"])
+    ck.save(tmp_path / "run", 1, model=a.model, optimizer=a.optimizer, config_yaml=to_yaml(cfg))
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "tools/export_hf.py", str(tmp_path / "run"), "--out",
+                        str(tmp_path / "hf")], cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    trained = a.hf_state_dict()
+    assert sorted(exported) == sorted(trained)
+    for k, v in trained.items():
+        assert torch.equal(exported[k], v.cpu()), k
+    assert (tmp_path / "hf" / "config.json").exists()
+
+    r = subprocess.run([sys.executable, "tools/export_hf.py", str(tmp_path / "nothing"), "--out",
+                        str(tmp_path / "x")], cwd=root, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "does not exist" in r.stderr
