@@ -116,7 +116,16 @@ class TrainConfig:
 
 @dataclass
 class WeightSyncConfig:
-    bucket_mb: int = 256                # broadcast bucket size
+    # broadcast: buckets over the weight group (NCCL on GPU, gloo on CPU) straight into the
+    # running engines. disk: versioned safetensors directories under `disk_dir`, loaded by the
+    # generators, for clusters where generator nodes cannot join a NCCL group with the trainers.
+    mode: str = "broadcast"
+    bucket_mb: int = 1024               # bucket size (broadcast unit; file size on disk)
+    # Bounds every collective on the weight group and the wait for the generators'
+    # acknowledgement of an update; past it the job fails naming the generators (rank, host).
+    timeout_s: float = 600.0
+    join_timeout_s: float = 1800.0      # joining the weight group (generators start vLLM first)
+    disk_dir: str = ""                  # disk mode; "" = <run_dir>/weights (a shared filesystem)
 
 
 @dataclass
@@ -236,6 +245,10 @@ def validate(cfg: RunConfig) -> None:
            f"must be group or none, got {tr.reward_norm!r}")
     _check(tr.adv_norm in ("batch", "none"), "train.adv_norm", f"must be batch or none, got {tr.adv_norm!r}")
     _check(cfg.weights.bucket_mb >= 1, "weights.bucket_mb", "must be >= 1")
+    _check(cfg.weights.mode in ("broadcast", "disk"), "weights.mode",
+           f"must be broadcast or disk, got {cfg.weights.mode!r}")
+    _check(cfg.weights.timeout_s > 0 and cfg.weights.join_timeout_s > 0, "weights.timeout_s",
+           "timeout_s and join_timeout_s must be > 0")
     ck = cfg.checkpoint
     _check(ck.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
     _check(ck.keep >= 1, "checkpoint.keep", "must be >= 1")

@@ -54,8 +54,9 @@ class Topology:
     role_rank: int
     controller_addr: str        # host of trainer rank 0 (torch.distributed rendezvous)
     trainer_port: int           # rendezvous of the trainer-only default process group
-    weight_port: int            # rendezvous of the weight group {trainer 0} ∪ generator engines
+    weight_port: int            # rendezvous of the weight group {stage senders} ∪ generator engines
     local_rank: int             # rank among this role's ranks on this node (picks the GPU)
+    hosts: list                 # host name of every world rank (names a rank in error messages)
 
     @classmethod
     def build(cls, cfg: TopologyConfig, world) -> "Topology":
@@ -69,9 +70,10 @@ class Topology:
         node_comm = role_comm.Split_type(MPI.COMM_TYPE_SHARED)
         local_rank = node_comm.Get_rank()
         node_comm.Free()
+        hosts = world.allgather(socket.gethostname())
         return cls(cfg=cfg, world=world, role_comm=role_comm, rank=rank, role=role,
                    role_rank=role_comm.Get_rank(), controller_addr=addr, trainer_port=tport,
-                   weight_port=wport, local_rank=local_rank)
+                   weight_port=wport, local_rank=local_rank, hosts=hosts)
 
     @property
     def is_controller(self) -> bool:
@@ -83,15 +85,21 @@ class Topology:
         return list(range(n, n + self.cfg.n_generators))
 
     @property
+    def engine_tp(self) -> int:
+        """vLLM workers per generator engine (each joins the weight group). 1 for now: the
+        rollout config has no vLLM tensor-parallel knob yet."""
+        return 1
+
+    @property
     def weight_group_size(self) -> int:
-        """Trainer rank 0 plus one vLLM worker per generator (vLLM TP > 1 would add more)."""
-        return 1 + self.cfg.n_generators
+        """One sender per pipeline stage plus every vLLM worker of every generator."""
+        return self.cfg.pp + self.cfg.n_generators * self.engine_tp
 
     @property
     def weight_group_rank(self) -> int:
-        """Rank of this generator's engine in the weight group (trainer rank 0 is rank 0)."""
+        """Weight-group rank of this generator's first vLLM worker (stage senders are [0, pp))."""
         assert self.role == GENERATOR
-        return 1 + self.role_rank
+        return self.cfg.pp + self.role_rank * self.engine_tp
 
     def init_trainer_process_group(self) -> None:
         """torch.distributed default group over the trainer ranks only (Megatron builds on it)."""

@@ -26,6 +26,7 @@ from ..config import RunConfig, to_yaml
 from ..storage.rollout_log import DROPPED_STALE, RolloutWriter
 from ..topology import Topology
 from ..transport.mpi import Channel, Tag
+from ..transport.weights import AckTracker
 from .staleness import ReadyBuffer, StalenessManager, staleness_of
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class Controller:
         self._service: threading.Thread | None = None
         self._service_stop = threading.Event()
         self._service_error: BaseException | None = None
+        self.weight_acks = AckTracker({g: topo.hosts[g] for g in topo.generator_ranks})
         if resume is not None:
             self._restore(resume, log_path)
 
@@ -175,6 +177,8 @@ class Controller:
                 self._eval_results.append(msg)
             elif tag == Tag.STATS:
                 self.gen_stats[src] = msg
+            elif tag == Tag.WEIGHTS_ACK:
+                self.weight_acks.record(src, msg)
         return got
 
     def _drop_stale(self) -> int:
@@ -222,10 +226,24 @@ class Controller:
             self.writer.mark_consumed(rows, step)
             self.version = new_version
 
-    def send_weights_notice(self, version: int, meta) -> None:
+    def send_weights_notice(self, version: int, *, plan=None, path: str | None = None) -> None:
+        """Tell every generator that `version` is coming: over the weight group (`plan`, sent
+        while the stage senders broadcast) or in the safetensors directory `path` (complete)."""
+        msg = {"version": version, "plan": plan} if path is None else {"version": version, "path": path}
         with self._cond:
             for g in self.topo.generator_ranks:
-                self.chan.send({"version": version, "meta": meta}, g, Tag.WEIGHTS)
+                self.chan.send(msg, g, Tag.WEIGHTS)
+
+    def wait_weights_acks(self, version: int, timeout_s: float, cause: BaseException | None = None) -> None:
+        """Block until every generator acknowledges running `version`, at most `timeout_s`;
+        raise `WeightSyncError` naming each generator (rank, host) that did not. With `cause`
+        (the trainer's side of the update failed, e.g. a collective timed out) only a short
+        grace is given for late acknowledgements: the update has failed either way."""
+        t0 = time.monotonic()
+        deadline = t0 + (min(timeout_s, 5.0) if cause is not None else timeout_s)
+        with self._cond:
+            self._wait(lambda: self.weight_acks.complete(version) or time.monotonic() > deadline)
+            self.weight_acks.check(version, time.monotonic() - t0, cause)
 
     # -- held-out evaluation --------------------------------------------------------------------
     def request_eval(self, rows: list[dict], samples: int) -> None:

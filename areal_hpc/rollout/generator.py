@@ -3,8 +3,9 @@
     loop:
         handle controller messages:
             PROMPTS → submit n samples per prompt to vLLM
-            WEIGHTS → interrupt in-flight requests, receive the new weights over the weight
-                      group, drop the KV cache, resume (later tokens carry the new version)
+            WEIGHTS → acknowledge "started"; interrupt in-flight requests, receive the new
+                      weights over the weight group (or load them from disk), drop the KV
+                      cache, resume (later tokens carry the new version); acknowledge "loaded"
             EVAL    → run the held-out prompts to completion at the current version
             STOP    → finish
         step vLLM; hand every finished sample to the reward pool (processes beside the
@@ -78,9 +79,11 @@ class Generator:
             cfg.model.path, dtype=cfg.model.dtype, max_model_len=r.max_model_len,
             seed=cfg.train.seed + topo.rank, enforce_eager=r.enforce_eager,
             kv_cache_gib=r.kv_cache_gib, gpu_memory_utilization=r.gpu_memory_utilization)
-        self.engine.init_weight_group(topo.controller_addr, topo.weight_port,
-                                      topo.weight_group_rank, topo.weight_group_size,
-                                      topo.cfg.weight_backend)
+        if cfg.weights.mode == "broadcast":
+            self.engine.init_weight_group(topo.controller_addr, topo.weight_port,
+                                          topo.weight_group_rank, topo.weight_group_size,
+                                          topo.cfg.weight_backend, cfg.weights.timeout_s,
+                                          cfg.weights.join_timeout_s)
         self.rewards = RewardPool(cfg.reward.workers, math_timeout_s=cfg.reward.math_timeout_s)
 
     # -- the loop ---------------------------------------------------------------------------
@@ -93,7 +96,7 @@ class Generator:
                     for p in msg:
                         self._submit("train", p)
                 elif tag == Tag.WEIGHTS:
-                    self.seconds["pause"] += self.engine.update_weights(msg["version"], msg["meta"])
+                    self._update_weights(msg)
                 elif tag == Tag.EVAL:
                     with self._timed("eval"):
                         self._evaluate(msg)
@@ -126,6 +129,21 @@ class Generator:
         self.chan.flush(timeout=60)
         self.rewards.close()
         self.engine.shutdown()
+
+    def _update_weights(self, msg: dict) -> None:
+        """Load the announced version and acknowledge it: "started" first, so that a load that
+        never finishes is told apart from a notice never taken up; "loaded" only once the
+        engine runs the new weights (a failed load raises: no generation on a half-loaded
+        model). The trainer fails the job if either does not arrive in time."""
+        version = msg["version"]
+        self.chan.send({"version": version, "phase": "started"}, CONTROLLER_RANK, Tag.WEIGHTS_ACK)
+        if "path" in msg:
+            paused_s = self.engine.update_weights_from_file(version, msg["path"])
+        else:
+            paused_s = self.engine.update_weights(version, msg["plan"])
+        self.seconds["pause"] += paused_s
+        self.chan.send({"version": self.engine.version, "phase": "loaded", "paused_s": paused_s},
+                       CONTROLLER_RANK, Tag.WEIGHTS_ACK)
 
     @contextmanager
     def _timed(self, what: str):

@@ -117,7 +117,7 @@ class VLLMEngine:
     """Synchronous vLLM v1 engine for one generator rank. Not thread-safe.
 
     Typical loop: `submit(...)` prompts as capacity allows; `step()` and hand the finished
-    samples on; on a weight-update message, `update_weights(version, buckets)` while the trainer
+    samples on; on a weight-update message, `update_weights(version, plan)` while the trainer
     broadcasts. `version` is the policy version of the loaded weights (0 for the initial ones).
 
     Behaviour logprobs are vLLM's "processed_logprobs": log_softmax(logits / temperature) after
@@ -286,19 +286,28 @@ class VLLMEngine:
     # ---------------------------------------------------------------- weights
 
     def init_weight_group(
-        self, master_address: str, master_port: int, rank: int, world_size: int, backend: str
+        self,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float | None = None,
+        join_timeout_s: float | None = None,
     ) -> list[int]:
         """Join the weight group (see `WeightSyncExtension.init_weight_group`); blocks until
-        the trainer calls `init_sender_group` with the same address. Returns the workers' ranks."""
+        the trainer's stage senders join with the same address, at most `join_timeout_s`;
+        later receives are bounded by `timeout_s`. Returns the workers' ranks."""
         return self._engine.collective_rpc(
-            "init_weight_group", args=(master_address, master_port, rank, world_size, backend)
+            "init_weight_group",
+            args=(master_address, master_port, rank, world_size, backend, timeout_s, join_timeout_s),
         )
 
-    def update_weights(self, version: int, meta: Sequence[Bucket]) -> float:
-        """Interrupt, receive the trainer's broadcast (`broadcast_weights` with the same
-        buckets), and resume; tokens generated from here on carry `version`.
+    def update_weights(self, version: int, plan: Sequence[tuple[int, Bucket]]) -> float:
+        """Interrupt, receive the trainer's broadcast (`broadcast_stage` on every stage sender
+        with the same plan), and resume; tokens generated from here on carry `version`.
         Returns the seconds generation was paused (abort → resubmission)."""
-        return self._update(version, "recv_weights", [list(b) for b in meta])
+        return self._update(version, "recv_weights", [(int(root), list(b)) for root, b in plan])
 
     def update_weights_from_file(self, version: int, path: str) -> float:
         """As `update_weights`, from a safetensors file or a directory of shards."""
@@ -311,6 +320,8 @@ class VLLMEngine:
             self._engine.abort_request([r.vllm_id for r in interrupted])
             self._requests.clear()
         t1 = time.perf_counter()
+        # A failed load raises here, before `version` moves: the engine's model may be half
+        # loaded, and the generator must stop rather than generate with it.
         self._engine.collective_rpc(method, args=(arg,))
         load_s = time.perf_counter() - t1
         # Without this the next prefill silently reuses KV blocks computed with the old weights.

@@ -45,47 +45,62 @@ logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter
 
 class WeightSyncExtension:
     def init_weight_group(
-        self, master_address: str, master_port: int, rank: int, world_size: int, backend: str
+        self,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float | None = None,
+        join_timeout_s: float | None = None,
     ) -> int:
-        """Join the weight group; blocks until the trainer (rank 0) and all receivers join.
+        """Join the weight group; blocks until the trainer's stage senders and all receivers join.
 
         `rank` is the weight-group rank of this engine's first worker; with vLLM TP/PP > 1 the
         engine's worker i joins as `rank + i`, so an engine spans ranks [rank, rank + tp*pp).
-        Returns the rank this worker joined as.
+        `join_timeout_s` bounds the join, `timeout_s` every later receive. Returns the rank this
+        worker joined as.
         """
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+        from areal_hpc.transport.weights import init_weight_group
 
         my_rank = rank + self.rank
-        self._weight_group = stateless_init_torch_distributed_process_group(
-            master_address, master_port, my_rank, world_size, backend
+        self._weight_group = init_weight_group(
+            master_address, master_port, my_rank, world_size, backend, timeout_s, join_timeout_s
         )
         return my_rank
 
-    def recv_weights(self, meta: Sequence[Bucket]) -> int:
-        """Receive one flat broadcast per bucket from rank 0 and reload the model from them.
+    def recv_weights(self, plan: Sequence[tuple[int, Bucket]]) -> int:
+        """Receive one flat broadcast per bucket of `plan` from its root; reload the model.
 
-        `meta` is `plan_buckets(...)` as computed by the trainer. Returns the number of tensors.
+        `plan` is `plan_stages(...)` as computed by the trainer: [(root, bucket), ...]. Every
+        worker receives every full tensor; vLLM's weight loaders cut out this worker's TP shard.
+        Returns the number of tensors.
         """
         group = self._weight_group
         device = self.device
         received = 0  # buckets taken off the wire
         count = 0  # tensors handed to vLLM
+        wire_error: list[BaseException] = []
 
-        def recv(bucket: Bucket) -> torch.Tensor:
+        def recv(root: int, bucket: Bucket) -> torch.Tensor:
             nonlocal received
             # A fresh buffer per bucket, never a reused one: the layerwise reload keeps
             # references to the yielded views until each layer is complete.
             flat = torch.empty(
                 bucket_numel(bucket), dtype=dtype_from_str(bucket_dtype(bucket)), device=device
             )
-            group.broadcast(flat, root=0).wait()
+            try:
+                group.broadcast(flat, root=root).wait()
+            except BaseException as exc:
+                wire_error.append(exc)
+                raise
             received += 1
             return flat
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal count
-            for bucket in meta:
-                flat = recv(bucket)
+            for root, bucket in plan:
+                flat = recv(root, bucket)
                 offset = 0
                 for name, shape, _ in bucket:
                     n = spec_numel(shape)
@@ -96,12 +111,22 @@ class WeightSyncExtension:
         try:
             self.reload_weights(weights_iterator=tensors())
         except BaseException:
-            # Take the rest of the broadcast off the wire before raising, so that the trainer
-            # and the other receivers finish the collective instead of hanging in it.
-            for bucket in meta[received:]:
-                recv(bucket)
+            # A local failure (unknown name, bad shape): take the rest of the broadcast off the
+            # wire before raising, so the senders and the other receivers finish the collective
+            # instead of waiting out their timeout. A failure of the wire itself (timeout, peer
+            # gone) is raised at once: draining would only wait out the timeout again per bucket.
+            if not wire_error:
+                for root, bucket in plan[received:]:
+                    recv(root, bucket)
             raise
         return count
+
+    def recv_flat(self, numel: int, dtype_str: str, root: int = 0) -> int:
+        """Receive one raw broadcast of `numel` elements and drop it: the baseline that
+        tools/bench_weights.py sets the weight update against (same bytes, one buffer, no load)."""
+        flat = torch.empty(numel, dtype=dtype_from_str(dtype_str), device=self.device)
+        self._weight_group.broadcast(flat, root=root).wait()
+        return numel
 
     def load_weights_from_file(self, path: str) -> int:
         """Reload from safetensors: one file, or a directory of `*.safetensors` shards (HF export).

@@ -479,6 +479,28 @@ class Actor:
         state = megatron_model.hf_state_dict(self.model, self.hf_config)
         return {k: v.to(self.params_dtype) for k, v in state.items()}
 
+    def iter_hf_weights(self):
+        """This pipeline stage's full HF-named weights, one at a time, in the parameter dtype.
+
+        Collective over this rank's TP group; see `megatron_model.iter_stage_hf`. The weight
+        path runs it on data-parallel rank 0 only (the other replicas hold the same weights).
+        """
+        for name, tensor in megatron_model.iter_stage_hf(self.model, self.hf_config):
+            yield name, tensor.to(self.params_dtype)
+
+    @property
+    def weight_stage(self) -> int | None:
+        """The pipeline stage whose weights this rank gathers for the generators, or None
+        (data-parallel replicas other than the first take no part)."""
+        if parallel_state.get_data_parallel_rank() != 0:
+            return None
+        return parallel_state.get_pipeline_model_parallel_rank()
+
+    @property
+    def is_weight_sender(self) -> bool:
+        """This rank sends its stage's weights (dp = tp = 0); its TP peers gather along."""
+        return self.weight_stage is not None and parallel_state.get_tensor_model_parallel_rank() == 0
+
     def save_hf(self, out_dir: str) -> None:
         """Write a HF model directory loadable by transformers and vLLM.
 

@@ -227,6 +227,26 @@ def full_megatron_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
+def iter_stage_hf(model: torch.nn.Module, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    """This pipeline stage's weights as full HF-named tensors, one Megatron parameter at a time.
+
+    Collective over the TP group: every TP rank of the stage must run the iterator to its end,
+    in step (each parameter is TP-gathered when reached). Only the tensors of one parameter are
+    alive at a time beyond the shards, so a consumer that sends and drops them (the weight
+    broadcast) never holds the stage twice. Order: the conversion rules' (embedding, layers in
+    order, final norm, lm_head), restricted to what this stage holds; a tied lm_head is not
+    produced (it is the embedding).
+    """
+    params = {global_name: param for _, global_name, param in _named_parameters(model)}
+    for mc_name, rule in conversion_rules(hf_config).items():
+        param = params.get(mc_name)
+        if param is None:
+            continue
+        full = _tp_gather(param.detach(), param, mc_name)
+        yield from zip(rule.hf_names, rule.to_hf(full), strict=True)
+
+
+@torch.no_grad()
 def _stage_hf_state_dict(model: torch.nn.Module, hf_config) -> dict[str, torch.Tensor]:
     """This pipeline stage's weights as full HF-named tensors (the whole model when pp == 1).
 

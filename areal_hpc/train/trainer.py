@@ -4,7 +4,8 @@
     for step in 0..total_steps-1:
         batch ← controller: B groups, each at most η versions old   (generators never wait)
         decoupled-PPO update on the batch (GRPO advantages, π_prox, ppo_minibatches steps)
-        version += 1; broadcast the HF-named weights to every generator engine
+        version += 1; send the HF-named weights to every generator engine (one sender per
+            pipeline stage) and wait until all of them run the new version
     evaluate the final policy; stop generators; save the trained policy
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ class Trainer:
             cfg.train, cfg.model.path, tp=t.tp, pp=t.pp, group_size=cfg.rollout.group_size,
             temperature=cfg.rollout.temperature, device=t.device, dtype=cfg.model.dtype)
         self.version = 0
-        self.weight_meta = None         # bucket plan of the HF weights: fixed for the run
+        self.weight_plan = None         # [(stage, bucket)] of the HF weights: fixed for the run
         self.controller = None
         self.resumed = self._resume() if cfg.checkpoint.resume == "auto" else None
         if topo.is_controller:
@@ -50,8 +51,13 @@ class Trainer:
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
             self.controller = Controller(cfg, topo, train_rows, tokenizer,
                                          resume=self.resumed["controller"] if self.resumed else None)
-            self.weight_group = wsync.init_sender_group(
-                topo.controller_addr, topo.weight_port, topo.weight_group_size, t.weight_backend)
+        w = cfg.weights
+        self.weight_dir = w.disk_dir or str(cfg.run_dir / "weights")
+        self.weight_group = None
+        if w.mode == "broadcast" and self.actor.is_weight_sender:   # stage s is weight rank s
+            self.weight_group = wsync.init_weight_group(
+                topo.controller_addr, topo.weight_port, self.actor.weight_stage,
+                topo.weight_group_size, t.weight_backend, w.timeout_s, w.join_timeout_s)
 
     # -- checkpoints ------------------------------------------------------------------------------
     def _resume(self) -> dict | None:
@@ -109,18 +115,73 @@ class Trainer:
                  label, res["version"], res["accuracy"], res["samples"], res["seconds"])
         return res
 
+    def _weight_plan(self) -> wsync.Plan:
+        """The update plan, once per run (collective): each stage's sender lists its HF tensors,
+        trainer rank 0 buckets them per stage, every trainer rank gets the plan."""
+        a, comm = self.actor, self.topo.role_comm
+        specs = None
+        if a.weight_stage is not None:      # TP peers gather along with their sender
+            specs = [(k, tuple(v.shape), wsync.dtype_to_str(v.dtype)) for k, v in a.iter_hf_weights()]
+        sent = comm.gather((a.weight_stage, specs) if a.is_weight_sender else None, root=0)
+        plan = None
+        if comm.Get_rank() == 0:
+            by_stage = dict(x for x in sent if x is not None)
+            plan = wsync.plan_stages([by_stage[s] for s in range(self.cfg.topology.pp)],
+                                     self.cfg.weights.bucket_mb << 20)
+        return comm.bcast(plan, root=0)
+
     def _publish_weights(self) -> float:
-        """Gather the HF-named weights (collective over the trainer ranks); trainer rank 0 tells
-        every generator a new version is coming, then broadcasts it in buckets."""
+        """Send version `self.version` to every generator (collective over the trainer ranks).
+
+        Each stage's data-parallel-rank-0 TP group gathers its HF tensors one at a time; its
+        tp = 0 rank broadcasts them in buckets into the engines (or writes them as a versioned
+        safetensors directory, disk mode). Trainer rank 0 announces the update and waits until
+        every generator acknowledges running the version; if one does not within
+        `weights.timeout_s`, or a collective times out, every trainer rank raises the same
+        `WeightSyncError` naming the generators (rank, host), instead of hanging.
+        """
         t0 = time.monotonic()
-        state = self.actor.hf_state_dict()
-        if self.controller is None:
-            return 0.0
-        if self.weight_meta is None:
-            named = [(k, tuple(v.shape), wsync.dtype_to_str(v.dtype)) for k, v in state.items()]
-            self.weight_meta = wsync.plan_buckets(named, self.cfg.weights.bucket_mb << 20)
-        self.controller.send_weights_notice(self.version, self.weight_meta)
-        wsync.broadcast_weights(self.weight_group, state, self.weight_meta)
+        w, a, comm = self.cfg.weights, self.actor, self.topo.role_comm
+        if self.weight_plan is None:
+            self.weight_plan = self._weight_plan()
+        plan, stage, error = self.weight_plan, a.weight_stage, None
+        try:
+            if w.mode == "broadcast":
+                if self.controller is not None:
+                    self.controller.send_weights_notice(self.version, plan=plan)
+                if a.is_weight_sender:
+                    wsync.broadcast_stage(self.weight_group, plan, stage, a.iter_hf_weights(), a.device)
+                elif stage is not None:
+                    for _ in a.iter_hf_weights():
+                        pass
+            else:
+                if a.is_weight_sender:
+                    wsync.write_stage(self.weight_dir, self.version, plan, stage, a.iter_hf_weights())
+                elif stage is not None:
+                    for _ in a.iter_hf_weights():
+                        pass
+                comm.Barrier()                  # every stage's files are in place
+                if self.controller is not None:
+                    path = wsync.version_dir(self.weight_dir, self.version)
+                    self.controller.send_weights_notice(self.version, path=str(path))
+        except Exception as exc:                # rank 0 names the generators; all raise below
+            log.error("weight update to version %d failed on this rank: %s", self.version, exc)
+            error = exc
+        failure = None
+        if self.controller is not None:
+            try:
+                self.controller.wait_weights_acks(self.version, w.timeout_s, error)
+            except wsync.WeightSyncError as exc:
+                failure = exc
+            if failure is None and w.mode == "disk":
+                wsync.prune_versions(self.weight_dir, keep=self.version)
+        message = comm.bcast(None if failure is None else str(failure), root=0)
+        if failure is not None:
+            raise failure
+        if message is not None:
+            raise wsync.WeightSyncError(message) from error
+        if error is not None:
+            raise error
         return time.monotonic() - t0
 
     def _batch(self, progress) -> tuple[list[dict], dict]:

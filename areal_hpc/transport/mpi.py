@@ -16,12 +16,14 @@ from typing import Any, Iterator
 
 class Tag(IntEnum):
     PROMPTS = 11        # controller → generator: list of prompt dicts to generate groups for
-    WEIGHTS = 12        # controller → generator: {"version", "meta"}; a broadcast follows
+    WEIGHTS = 12        # controller → generator: {"version", "plan"} (a broadcast follows) or
+                        # {"version", "path"} (a safetensors directory to load)
     EVAL = 13           # controller → generator: {"version", "prompts", "samples"}
     STOP = 14           # controller → generator: finish
     TRAJECTORIES = 21   # generator → controller: one scored group (list of trajectory dicts)
     EVAL_RESULT = 22    # generator → controller: {"version", "results": [...]}
     STATS = 23          # generator → controller: {"rank", "tokens", ...} at stop
+    WEIGHTS_ACK = 24    # generator → controller: {"version", "phase": "started"|"loaded", ...}
 
 
 class Channel:

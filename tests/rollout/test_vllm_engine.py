@@ -23,7 +23,8 @@ FAKE_MPI_ENV = {"PMI_RANK": "0", "PMI_FD": "9", "HYDI_CONTROL_FD": "7", "MPI_LOC
 
 
 def make_tiny_model(path):
-    """Random Qwen2 (head_dim 32: vLLM's CPU attention has no kernel for 16) + char tokenizer."""
+    """Random Qwen2 (head_dim 32: vLLM's CPU attention has no kernel for 16) + char tokenizer.
+    Two KV heads, so that a Megatron TP=2 trainer can shard it (tests of the weight path)."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -35,7 +36,7 @@ def make_tiny_model(path):
     ).save_pretrained(path)
     torch.manual_seed(0)
     config = Qwen2Config(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
         intermediate_size=128, vocab_size=128, max_position_embeddings=512,
         tie_word_embeddings=False, initializer_range=0.2,  # peaked, so that a weight change shows
         eos_token_id=1, bos_token_id=1, pad_token_id=0,
@@ -196,7 +197,7 @@ def test_weight_update_mid_generation(engine, model_dir, tmp_path):
             early += engine.step()
         assert not early and engine.num_running() == 3
 
-        paused_s = engine.update_weights(1, buckets)
+        paused_s = engine.update_weights(1, [(0, b) for b in buckets])
         assert engine.num_running() == 3  # all three resubmitted
         stats = meta_queue.get(timeout=120)
         done = run_to_completion(engine)
@@ -252,6 +253,98 @@ def test_update_from_file_and_prefix_cache_reset(engine, model_dir, tmp_path):
     reference = hf_model(model_dir, str(tmp_path / "reference.st"))
     diff = np.abs(hf_logprobs(reference, s, 1.0) - s.behav_logprobs).max()
     assert diff < ATOL
+
+
+# ------------------------------------------------------------ trainer layouts → engine
+
+WORKER = os.path.join(os.path.dirname(__file__), "weights_worker.py")
+
+
+def _perturbed_copy(model_dir, out, seed):
+    """`model_dir` with every weight moved by 0.2·N(0,1): the 'trained' policy of one case."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    g = torch.Generator().manual_seed(seed)
+    path = os.path.join(out, "model.safetensors")
+    weights = {k: (v + 0.2 * torch.randn(v.shape, generator=g)).contiguous()
+               for k, v in load_file(path).items()}
+    save_file(weights, path, metadata={"format": "pt"})
+    return str(out)
+
+
+def _wait_for(path, proc, timeout=600):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if proc.poll() is not None:
+            raise AssertionError(f"trainer ranks exited ({proc.returncode}):\n{proc.stdout.read()[-4000:]}")
+        assert time.monotonic() < deadline, f"no {path} after {timeout} s"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("world,layouts", [
+    (1, [("tp1", 1, 1, "broadcast"), ("tp1_disk", 1, 1, "disk")]),
+    (2, [("tp2", 2, 1, "broadcast"), ("pp2", 1, 2, "broadcast"), ("pp2_disk", 1, 2, "disk")]),
+], ids=["world1", "world2"])
+def test_update_from_trainer_layouts(engine, model_dir, tmp_path, world, layouts):
+    """The trainer's own `_publish_weights` from Megatron layouts (TP gathered, one sender per
+    PP stage, or versioned safetensors on disk) into the running engine: afterwards vLLM's
+    log-probs match a HF forward pass of the weights the trainer was loaded with."""
+    import pickle
+    import subprocess
+    import sys
+
+    cases = []
+    for i, (tag, tp, pp, mode) in enumerate(layouts):
+        cases.append({"tag": tag, "tp": tp, "pp": pp, "mode": mode, "port": free_port(),
+                      "version": 10 + i + 10 * world,
+                      "model_dir": _perturbed_copy(model_dir, tmp_path / tag, 1000 * world + i)})
+    (tmp_path / "in.pkl").write_bytes(pickle.dumps({"cases": cases, "torch_port": free_port()}))
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    proc = subprocess.Popen([mpiexec, "-n", str(world), sys.executable, "-m", "mpi4py", WORKER,
+                             str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    prompts = {"p0": [5, 6, 7, 8], "p1": list(range(20, 50))}
+    try:
+        for case in cases:
+            tag, version = case["tag"], case["version"]
+            if case["mode"] == "broadcast":
+                pp = case["pp"]
+                assert engine.init_weight_group("127.0.0.1", case["port"], pp, pp + 1, "gloo",
+                                                120, 600) == [pp]
+                _wait_for(tmp_path / f"{tag}.plan.pkl", proc)
+                plan = pickle.loads((tmp_path / f"{tag}.plan.pkl").read_bytes())
+                assert {root for root, _ in plan} == set(range(pp)) and len(plan) >= 1
+                paused_s = engine.update_weights(version, plan)
+                _wait_for(tmp_path / f"{tag}.done", proc)
+            else:
+                _wait_for(tmp_path / f"{tag}.done", proc)
+                path = (tmp_path / f"{tag}.done").read_text()
+                assert sorted(os.listdir(path)) and all(f.endswith(".safetensors") for f in os.listdir(path))
+                paused_s = engine.update_weights_from_file(version, path)
+            assert engine.version == version
+            for rid, prompt in prompts.items():
+                engine.submit(f"{tag}-{rid}", prompt, 12, temperature=1.0, ignore_eos=True)
+            done = run_to_completion(engine)
+            reference, before = hf_model(case["model_dir"]), hf_model(model_dir)
+            for rid, s in done.items():
+                assert s.versions.tolist() == [version] * 12
+                diff = np.abs(hf_logprobs(reference, s, 1.0) - s.behav_logprobs).max()
+                moved = np.abs(hf_logprobs(before, s, 1.0) - s.behav_logprobs).max()
+                print(f"\n{rid}: max |vLLM - HF(trainer weights)| = {diff:.1e} "
+                      f"(vs initial weights {moved:.2f}); paused {paused_s * 1e3:.0f} ms")
+                assert diff < ATOL and moved > 0.05
+        assert proc.wait(timeout=300) == 0, proc.stdout.read()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    weights_dir = tmp_path / "weights"  # disk mode keeps the newest version only
+    assert [d.name for d in weights_dir.iterdir()] == [f"v{cases[-1]['version']:08d}"]
 
 
 def test_shutdown_leaves_no_process(engine):

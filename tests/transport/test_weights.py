@@ -7,11 +7,15 @@ import torch
 
 from areal_hpc.topology import free_port
 from areal_hpc.transport.weights import (
+    AckTracker,
+    WeightSyncError,
     bucket_dtype,
     bucket_numel,
     dtype_from_str,
     dtype_to_str,
     plan_buckets,
+    plan_bytes,
+    plan_stages,
 )
 
 
@@ -119,7 +123,7 @@ def _receiver(port, buckets, out_queue):
 
     w = Worker()
     assert w.init_weight_group("127.0.0.1", port, 1, 2, "gloo") == 1
-    n = w.recv_weights(buckets)
+    n = w.recv_weights([(0, b) for b in buckets])
     out_queue.put((n, w.received))
 
 
@@ -174,7 +178,7 @@ def _failing_receiver(port, buckets, out_queue):
     w = Worker()
     w.init_weight_group("127.0.0.1", port, 1, 2, "gloo")
     try:
-        w.recv_weights(buckets)
+        w.recv_weights([(0, b) for b in buckets])
     except KeyError as e:
         out_queue.put(repr(e))
 
@@ -197,3 +201,124 @@ def test_receiver_error_does_not_hang_the_sender():
     finally:
         proc.join(timeout=60)
     assert proc.exitcode == 0 and stats.num_buckets == len(buckets)
+
+
+# ------------------------------------------------------------ per-stage plan, handshake
+
+
+def test_plan_stages_roots_and_order():
+    s0 = [("embed", (8, 4), "float32"), ("l0.w", (4, 4), "float32")]  # 128 B, 64 B
+    s1 = [("l1.w", (4, 4), "float32"), ("head", (8, 4), "float32")]
+    plan = plan_stages([s0, s1], 128)
+    assert [(root, [n for n, _, _ in b]) for root, b in plan] == [
+        (0, ["embed"]), (0, ["l0.w"]), (1, ["l1.w"]), (1, ["head"])]
+    assert plan_bytes(plan) == 384
+    with pytest.raises(ValueError, match="repeats"):
+        plan_stages([s0, s0], 128)
+
+
+def test_ack_tracker_names_generators():
+    acks = AckTracker({2: "n1", 3: "n2", 4: "n3"})
+    acks.record(2, {"version": 5, "phase": "started"})
+    acks.record(2, {"version": 5, "phase": "loaded", "paused_s": 0.1})
+    acks.record(3, {"version": 5, "phase": "started"})
+    assert not acks.complete(5)
+    with pytest.raises(WeightSyncError) as e:
+        acks.check(5, 12.0)
+    msg = str(e.value)
+    assert "version 5 failed after 12.0 s" in msg and "rank 2" not in msg
+    assert "generator rank 3 (host n2) started loading but did not finish" in msg
+    assert "generator rank 4 (host n3) never started loading" in msg
+    acks.record(3, {"version": 5, "phase": "loaded"})
+    acks.record(4, {"version": 5, "phase": "loaded"})
+    assert acks.complete(5)
+    acks.check(5, 1.0)  # no error
+    with pytest.raises(WeightSyncError, match="TimeoutError: gloo"):
+        acks.check(5, 1.0, cause=TimeoutError("gloo timed out\nmore"))
+
+
+def _stage_sender(port, world, stage, plan, sd, out_queue):
+    from areal_hpc.transport.weights import broadcast_stage, init_weight_group
+
+    group = init_weight_group("127.0.0.1", port, stage, world, "gloo", timeout_s=60)
+    mine = {n for root, b in plan if root == stage for n, _, _ in b}
+    # produced in reverse order: the sender must hold tensors until their bucket is due
+    tensors = [(k, v) for k, v in reversed(list(sd.items())) if k in mine]
+    out_queue.put(("stats", stage, broadcast_stage(group, plan, stage, tensors, "cpu")))
+
+
+def _plan_receiver(port, world, rank, plan, out_queue, stall_s=0.0):
+    import time
+
+    from areal_hpc.rollout.vllm_ext import WeightSyncExtension
+
+    class Worker(_FakeWorker, WeightSyncExtension):
+        pass
+
+    w = Worker()
+    w.init_weight_group("127.0.0.1", port, rank, world, "gloo", timeout_s=8, join_timeout_s=120)
+    time.sleep(stall_s)  # a generator stuck elsewhere: it never enters the broadcast in time
+    try:
+        n = w.recv_weights(plan)
+        out_queue.put(("ok", rank, n, w.received))
+    except Exception as e:  # the wire's own timeout: raised at once, no drain
+        out_queue.put(("error", rank, type(e).__name__, str(e)[:200]))
+
+
+def test_two_stage_senders_round_trip_gloo():
+    """PP=2: stage 0 and stage 1 each broadcast their own buckets; a receiver gets all."""
+    sd = _state_dict()
+    names = list(sd)
+    specs = [(k, sd[k].shape, dtype_to_str(sd[k].dtype)) for k in names]
+    plan = plan_stages([specs[:2], specs[2:]], 64)
+    assert {root for root, _ in plan} == {0, 1}
+    port, ctx = free_port(), mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_stage_sender, args=(port, 3, 1, plan, sd, out)),
+             ctx.Process(target=_plan_receiver, args=(port, 3, 2, plan, out))]
+    for p in procs:
+        p.start()
+    try:
+        _stage_sender(port, 3, 0, plan, sd, out)
+        got = [out.get(timeout=120) for _ in range(3)]
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    (recv,) = [g for g in got if g[0] == "ok"]
+    assert recv[2] == len(sd)
+    for k, v in sd.items():
+        assert torch.equal(recv[3][k], v), k
+    stats = {g[1]: g[2] for g in got if g[0] == "stats"}
+    assert stats[0].num_buckets + stats[1].num_buckets == len(plan)
+
+
+def test_stalled_receiver_times_out_everywhere():
+    """One receiver never enters the broadcast: sender and the other receiver fail within the
+    group timeout (8 s) instead of hanging, and every process exits."""
+    import time
+
+    sd = _state_dict()
+    plan = plan_stages([[(k, v.shape, dtype_to_str(v.dtype)) for k, v in sd.items()]], 64)
+    port, ctx = free_port(), mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_plan_receiver, args=(port, 3, 1, plan, out)),
+             ctx.Process(target=_plan_receiver, args=(port, 3, 2, plan, out, 60.0))]
+    for p in procs:
+        p.start()
+    from areal_hpc.transport.weights import broadcast_stage, init_weight_group
+
+    group = init_weight_group("127.0.0.1", port, 0, 3, "gloo", timeout_s=8, join_timeout_s=120)
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as e:
+        broadcast_stage(group, plan, 0, sd.items(), "cpu")
+    waited = time.monotonic() - t0
+    print(f"\nsender failed after {waited:.1f} s: {type(e.value).__name__}: {str(e.value)[:120]}")
+    assert 4 < waited < 30
+    first = out.get(timeout=60)
+    assert first[:2] == ("error", 1), first
+    procs[0].join(timeout=30)
+    assert procs[0].exitcode == 0
+    procs[1].kill()  # the stalled one (in the real job: mpiexec ends it when the trainer aborts)
+    procs[1].join(timeout=30)
+    assert not any(p.is_alive() for p in procs)

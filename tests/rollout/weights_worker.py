@@ -1,0 +1,68 @@
+"""One trainer rank of the weight-path tests, under `mpiexec -n W python -m mpi4py`:
+
+    weights_worker.py WORKDIR
+
+WORKDIR/in.pkl holds {"cases": [{"tag", "tp", "pp", "port", "version", "mode", "model_dir"},
+...], "torch_port"}. For each case Megatron is rebuilt over the W ranks (dp = W / (tp*pp)) from
+the case's `model_dir`, and the trainer's own `_weight_plan` and `_publish_weights` run (no controller:
+the test process plays the generator and calls `update_weights` itself). Rank 0 writes
+WORKDIR/<tag>.plan.pkl once the plan is known (the generator needs it) and <tag>.done after
+publishing. Broadcast cases join the weight group at 127.0.0.1:<port> as stage senders.
+"""
+
+import pickle
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    from mpi4py import MPI
+    from megatron.core import parallel_state
+
+    from areal_hpc.config import RunConfig, TrainConfig
+    from areal_hpc.train.actor import Actor
+    from areal_hpc.train.megatron_model import init_megatron_parallel
+    from areal_hpc.train.trainer import Trainer
+    from areal_hpc.transport import weights as wsync
+
+    work = Path(sys.argv[1])
+    spec = pickle.loads((work / "in.pkl").read_bytes())
+    comm = MPI.COMM_WORLD
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['torch_port']}",
+                            rank=comm.Get_rank(), world_size=comm.Get_size())
+    for case in spec["cases"]:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        init_megatron_parallel(case["tp"], case["pp"], seed=0, backend="gloo")
+        cfg = RunConfig()
+        cfg.topology.pp = case["pp"]
+        cfg.weights.mode = case["mode"]
+        cfg.weights.bucket_mb = 1       # several buckets even for the tiny model
+        cfg.weights.timeout_s = 120
+        actor = Actor(TrainConfig(), case["model_dir"], tp=case["tp"], pp=case["pp"])
+        trainer = SimpleNamespace(cfg=cfg, actor=actor, topo=SimpleNamespace(role_comm=comm),
+                                  controller=None, weight_plan=None, weight_group=None,
+                                  version=case["version"], weight_dir=str(work / "weights"))
+        trainer._weight_plan = lambda t=trainer: Trainer._weight_plan(t)
+        if case["mode"] == "broadcast" and actor.is_weight_sender:
+            trainer.weight_group = wsync.init_weight_group(
+                "127.0.0.1", case["port"], actor.weight_stage, case["pp"] + 1, "gloo",
+                timeout_s=120, join_timeout_s=600)
+        trainer.weight_plan = trainer._weight_plan()
+        if comm.Get_rank() == 0:
+            (work / f"{case['tag']}.plan.pkl").write_bytes(pickle.dumps(trainer.weight_plan))
+        Trainer._publish_weights(trainer)
+        if comm.Get_rank() == 0:
+            (work / f"{case['tag']}.done").write_text(
+                str(wsync.version_dir(trainer.weight_dir, case["version"])))
+        comm.Barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
