@@ -217,6 +217,7 @@ class Controller:
                  "accuracy": float((rewards > 0.5).mean()),
                  "staleness_max": max(stale), "staleness_mean": float(np.mean(stale)),
                  "dropped_stale": dropped,
+                 "reward_errors": sum(1 for t in trajs if t.get("reward_error")),
                  "response_len": float(np.mean([len(t["output_tokens"]) for t in trajs])),
                  "rows": [r for g in groups for r in g.rows]}
         return trajs, stats
@@ -276,11 +277,13 @@ class Controller:
         self.chan.flush(timeout=60)
         for rank, st in sorted(self.gen_stats.items()):
             sec = st["seconds"]
-            busy = sec["busy"] / max(sec["busy"] + sec["pause"] + sec["idle"], 1e-9)
+            idle = sec["idle"] + sec["idle_scoring"]
+            busy = sec["busy"] / max(sec["busy"] + sec["pause"] + idle, 1e-9)
             log.info("generator rank %d: %d tokens, busy %.1f%% of its time (generating %.1fs, "
-                     "weight-update pauses %.1fs, idle %.1fs, eval %.1fs); reward calls %d, "
-                     "errors %d, timeouts %d", rank, st["tokens"], 100 * busy, sec["busy"],
-                     sec["pause"], sec["idle"], sec["eval"], st["reward"]["calls"],
+                     "weight-update pauses %.1fs, idle %.1fs of which %.1fs waiting on scores, "
+                     "eval %.1fs); reward calls %d, errors %d, timeouts %d", rank, st["tokens"],
+                     100 * busy, sec["busy"], sec["pause"], idle, sec["idle_scoring"], sec["eval"],
+                     st["reward"]["calls"],
                      st["reward"]["errors"], st["reward"]["timeouts"])
         with open(self.cfg.run_dir / "generators.json", "w") as f:
             json.dump([self.gen_stats[r] for r in sorted(self.gen_stats)], f, indent=1)

@@ -68,7 +68,8 @@ class Generator:
         self.tokens_generated = 0
         # Where the time went, from the first training prompt on: generating (busy), paused for
         # weight updates, evaluating, or idle with nothing to generate (η bound reached).
-        self.seconds = {"busy": 0.0, "pause": 0.0, "eval": 0.0, "idle": 0.0}
+        # idle_scoring: idle while the reward pool still scores finished samples.
+        self.seconds = {"busy": 0.0, "pause": 0.0, "eval": 0.0, "idle": 0.0, "idle_scoring": 0.0}
         self._started = False
         self.preempted = False
         self._engine_lost = False
@@ -119,10 +120,10 @@ class Generator:
                             raise
                         log.warning("vLLM engine lost during preemption; waiting for stop")
                         self._engine_lost = True
-            else:
-                with self._timed("idle"):
-                    self.chan.idle(source=CONTROLLER_RANK,
-                                   timeout=0.005 if self.rewards.unfinished else 0.05)
+            else:       # nothing to generate: waiting on scores of finished samples, or on prompts
+                scoring = bool(self.rewards.unfinished)
+                with self._timed("idle_scoring" if scoring else "idle"):
+                    self.chan.idle(source=CONTROLLER_RANK, timeout=0.005 if scoring else 0.05)
         self.chan.send({"rank": self.topo.rank, "tokens": self.tokens_generated,
                         "seconds": self.seconds, "version": self.engine.version,
                         "reward": self.rewards.stats()}, CONTROLLER_RANK, Tag.STATS)

@@ -64,6 +64,8 @@ def test_code_dataset_is_scored_in_the_sandbox(jobs, tiny_model, tmp_path):
                        "rollout.max_new_tokens=16"), timeout=600)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
     assert "errors 0, timeouts 0" in r.stderr
+    metrics = [json.loads(x) for x in (tmp_path / "code" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["reward_errors"] for m in metrics] == [0, 0]      # counted per step
     with RolloutReader(tmp_path / "code" / "rollouts.h5") as log:
         assert len(log) >= 8 and set(log.column("reward").tolist()) == {0.0}
 
