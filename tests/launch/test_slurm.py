@@ -68,6 +68,25 @@ def _job(env, job) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
 
 
+def _release(env, job):
+    """Start a requeued job now instead of after its ~120 s BeginTime hold, but only once the
+    previous attempt is gone: released while its step daemons still run (the job is PENDING at
+    once), the new attempt is killed ("Job credential revoked") and the job FAILS."""
+    import psutil
+    ids = {f"[{int(job) + c}." for c in (0, 1)}        # a hetjob's components: job, job + 1
+
+    def settled():
+        if _job(env, job)["JobState"] != "PENDING":
+            return False
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if cmd.startswith("slurmstepd:") and any(i in cmd for i in ids):
+                return False
+        return True
+    _until(settled, 120, f"job {job} back in the queue")
+    _sh("scontrol", "update", f"jobid={job}", "starttime=now", env=env)
+
+
 def _until(cond, timeout, what):
     deadline = time.time() + timeout
     while not cond():
@@ -207,10 +226,8 @@ def test_usr1_is_forwarded_and_the_job_requeued(slurm_env, jobs, tiny_model, tmp
     try:
         _until(lambda: all((tmp_path / f"started.{i}").exists() for i in (0, 1)), 120, "both ranks")
         _sh("scancel", "--batch", "--signal=USR1", job, env=slurm_env)
-        # A requeued job waits about 120 s on BeginTime: release it once it is back in the queue.
-        _until(lambda: _job(slurm_env, job).get("Restarts") == "1"
-               and _job(slurm_env, job)["JobState"] == "PENDING", 120, "the requeue")
-        _sh("scontrol", "update", f"jobid={job}", "starttime=now", env=slurm_env)
+        _until(lambda: _job(slurm_env, job).get("Restarts") == "1", 120, "the requeue")
+        _release(slurm_env, job)
         _until(lambda: _job(slurm_env, job)["JobState"] == "COMPLETED", 120, "the second attempt")
     finally:
         subprocess.run(["scancel", job], env=slurm_env, capture_output=True)
@@ -222,3 +239,37 @@ def test_usr1_is_forwarded_and_the_job_requeued(slurm_env, jobs, tiny_model, tmp
     second = (tmp_path / f"rq/logs/job-{job}/attempt-1/ranks.log").read_text()
     nodes = re.findall(r"rank (\d) attempt 1 on (\S+)", second)
     assert len(nodes) == 2 and nodes[0][1] != nodes[1][1], second   # one rank per het component
+
+
+def test_preempted_tiny_job_resumes_after_requeue(slurm_env, jobs, tiny_model, tmp_path):
+    """The real job: USR1 to the batch shell mid-run → the ranks checkpoint at the next step
+    boundary → requeue → the next attempt resumes; every step appears once in metrics.jsonl."""
+    pytest.importorskip("areal_hpc.preemption", reason="needs the checkpoint/resume side (issue 6)")
+    # Enough steps that the signal lands well before the end (a tiny step takes well under 1 s).
+    steps, out, run = 30, tmp_path / "batch.out", tmp_path / "pre"
+    small = [f"train.total_steps={steps}", *SMALL[1:], "data.eval_limit=4"]
+    job = _sh("sbatch", "--parsable", f"--output={out}", "slurm/areal_tiny.sh", *small,
+              *_model_args(tiny_model, tmp_path, "pre"), env=jobs.env(slurm_env)).stdout.strip()
+
+    def running(cond):      # cond, failing at once if the job ended
+        def check():
+            state = _job(slurm_env, job)["JobState"]
+            assert state in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING"), (state, out.read_text())
+            return cond()
+        return check
+    try:
+        _until(running(lambda: (run / "metrics.jsonl").exists() and _steps(run)), 600, "the first step")
+        _sh("scancel", "--batch", "--signal=USR1", job, env=slurm_env)
+        _until(running(lambda: _job(slurm_env, job).get("Restarts") == "1"), 300, "the requeue")
+        stopped_at = len(_steps(run))
+        _release(slurm_env, job)
+        _until(lambda: _job(slurm_env, job)["JobState"] in ("COMPLETED", "FAILED", "CANCELLED"), 600,
+               "the second attempt")
+    finally:
+        subprocess.run(["scancel", job], env=slurm_env, capture_output=True)
+    log = out.read_text()
+    assert _job(slurm_env, job)["JobState"] == "COMPLETED", log
+    assert "requeueing job" in log and f"job {job} attempt 1" in log, log
+    assert 1 <= stopped_at < steps
+    assert _steps(run) == list(range(steps)), _steps(run)
+    assert not jobs.leftovers(), "processes of the job are still running"
