@@ -71,6 +71,9 @@ while :; do
   kill -0 "$srun_pid" 2>/dev/null || break
 done
 say "ranks ended with exit code $rc"
+# `python -m mpi4py` turns a non-zero exit into MPI_Abort unless the rank finalized MPI first; srun
+# then reports the killed step as 137, not 3. After a forwarded signal any failure counts as a
+# stop: the next attempt resumes from the newest valid checkpoint either way.
 if [ "$rc" = "$EXIT_PREEMPTED" ] || { [ -n "$signal" ] && [ "$rc" != 0 ]; }; then
   requeue "preempted (exit code $rc${signal:+ after SIG$signal})"
 fi

@@ -82,7 +82,14 @@ def run_rank(config: str, overrides: list[str]) -> int:
     """One task of the job: `areal_hpc.main`; after a checkpoint on a signal, requeue (see the
     module docstring) and leave no result behind."""
     from .. import main as entry
-    rc = entry.main([config, *overrides])
+    try:
+        rc = entry.main([config, *overrides])
+    except BaseException:
+        # What `python -m mpi4py` does: a rank that fails aborts the MPI job at exit, instead of
+        # waiting in MPI_Finalize while the others wait for it in a collective.
+        from mpi4py.run import set_abort_status
+        set_abort_status(1)
+        raise
     if rc == EXIT_PREEMPTED:
         import submitit
         env = submitit.JobEnvironment()

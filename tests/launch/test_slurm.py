@@ -149,9 +149,10 @@ def test_hetjob_layout():
         hetjob_layout(topo, 8, 3)
 
 
-def test_submit_bad_config_fails_before_submitting(tmp_path):
+@pytest.mark.parametrize("local", [[], ["--local"]], ids=["slurm", "local"])
+def test_submit_bad_config_fails_before_submitting(tmp_path, local):
     r = _sh(sys.executable, "-m", "areal_hpc.launch.submit", "configs/tiny_cpu.yaml",
-            f"model.path={tmp_path}/nope", f"output_dir={tmp_path}", check=False)
+            f"model.path={tmp_path}/nope", f"output_dir={tmp_path}", *local, check=False)
     assert r.returncode == 2 and "no HF model at" in r.stderr and "Traceback" not in r.stderr
 
 
