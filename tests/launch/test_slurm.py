@@ -242,35 +242,75 @@ def test_usr1_is_forwarded_and_the_job_requeued(slurm_env, jobs, tiny_model, tmp
     assert len(nodes) == 2 and nodes[0][1] != nodes[1][1], second   # one rank per het component
 
 
-def test_preempted_tiny_job_resumes_after_requeue(slurm_env, jobs, tiny_model, tmp_path):
-    """The real job: USR1 to the batch shell mid-run → the ranks checkpoint at the next step
-    boundary → requeue → the next attempt resumes; every step appears once in metrics.jsonl."""
-    pytest.importorskip("areal_hpc.preemption", reason="needs the checkpoint/resume side (issue 6)")
-    # Enough steps that the signal lands well before the end (a tiny step takes well under 1 s).
-    steps, out, run = 30, tmp_path / "batch.out", tmp_path / "pre"
-    small = [f"train.total_steps={steps}", *SMALL[1:], "data.eval_limit=4"]
-    job = _sh("sbatch", "--parsable", f"--output={out}", "slurm/areal_tiny.sh", *small,
-              *_model_args(tiny_model, tmp_path, "pre"), env=jobs.env(slurm_env)).stdout.strip()
+PREEMPT_STEPS = 30     # enough that the signal lands well before the end (a tiny step is < 1 s)
 
+
+def _preempt_and_resume(env, run, job_id, signal_args, log) -> int:
+    """Once the run has a step: signal the job, wait for its requeue, release it, wait for the end.
+    `job_id()` finds the job's id, `log()` reads what explains a failure. Returns the number of
+    steps done when the job was requeued."""
     def running(cond):      # cond, failing at once if the job ended
         def check():
-            state = _job(slurm_env, job)["JobState"]
-            assert state in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING"), (state, out.read_text())
+            state = _job(env, job_id())["JobState"] if job_id() else "PENDING"
+            assert state in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING"), (state, log())
             return cond()
         return check
+    _until(running(lambda: (run / "metrics.jsonl").exists() and _steps(run)), 600, "the first step")
+    job = job_id()
     try:
-        _until(running(lambda: (run / "metrics.jsonl").exists() and _steps(run)), 600, "the first step")
-        _sh("scancel", "--batch", "--signal=USR1", job, env=slurm_env)
-        _until(running(lambda: _job(slurm_env, job).get("Restarts") == "1"), 300, "the requeue")
+        _sh("scancel", *signal_args, job, env=env)
+        _until(running(lambda: _job(env, job).get("Restarts") == "1"), 300, "the requeue")
         stopped_at = len(_steps(run))
-        _release(slurm_env, job)
-        _until(lambda: _job(slurm_env, job)["JobState"] in ("COMPLETED", "FAILED", "CANCELLED"), 600,
+        _release(env, job)
+        _until(lambda: _job(env, job)["JobState"] in ("COMPLETED", "FAILED", "CANCELLED"), 600,
                "the second attempt")
     finally:
-        subprocess.run(["scancel", job], env=slurm_env, capture_output=True)
+        subprocess.run(["scancel", job], env=env, capture_output=True)
+    assert _job(env, job)["JobState"] == "COMPLETED", log()
+    assert 1 <= stopped_at < PREEMPT_STEPS
+    assert _steps(run) == list(range(PREEMPT_STEPS)), _steps(run)
+    return stopped_at
+
+
+def test_preempted_tiny_job_resumes_after_requeue(slurm_env, jobs, tiny_model, tmp_path):
+    """The real job: USR1 to the batch shell mid-run (as --signal=B:USR1@... sends it) → the
+    ranks checkpoint at the next step boundary → slurm/job.sh requeues → the next attempt resumes;
+    every step appears once in metrics.jsonl."""
+    pytest.importorskip("areal_hpc.preemption", reason="needs the checkpoint/resume side (issue 6)")
+    out, run = tmp_path / "batch.out", tmp_path / "pre"
+    small = [f"train.total_steps={PREEMPT_STEPS}", *SMALL[1:], "data.eval_limit=4"]
+    job = _sh("sbatch", "--parsable", f"--output={out}", "slurm/areal_tiny.sh", *small,
+              *_model_args(tiny_model, tmp_path, "pre"), env=jobs.env(slurm_env)).stdout.strip()
+    _preempt_and_resume(slurm_env, run, lambda: job, ["--batch", "--signal=USR1"], out.read_text)
     log = out.read_text()
-    assert _job(slurm_env, job)["JobState"] == "COMPLETED", log
     assert "requeueing job" in log and f"job {job} attempt 1" in log, log
-    assert 1 <= stopped_at < steps
-    assert _steps(run) == list(range(steps)), _steps(run)
+    assert not jobs.leftovers(), "processes of the job are still running"
+
+
+def test_preempted_submitit_job_resumes_after_requeue(slurm_env, jobs, tiny_model, tmp_path):
+    """The same through submitit: USR1 to the ranks (as its --signal=USR1@... sends it) → main
+    returns EXIT_PREEMPTED → run_rank requeues, leaving no result → the waiting submit process
+    sees the requeued job finish."""
+    pytest.importorskip("areal_hpc.preemption", reason="needs the checkpoint/resume side (issue 6)")
+    run = tmp_path / "pre"
+    small = [f"train.total_steps={PREEMPT_STEPS}", *SMALL[1:], "data.eval_limit=4"]
+    proc = subprocess.Popen([sys.executable, "-m", "areal_hpc.launch.submit", "configs/tiny_cpu.yaml",
+                             *small, *_model_args(tiny_model, tmp_path, "pre")],
+                            cwd=ROOT, env=jobs.env(slurm_env), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def job_id():
+        pickles = list((run / "submitit").glob("*_submitted.pkl"))
+        return pickles[0].name.split("_")[0] if pickles else None
+
+    def log():
+        return "\n".join(p.read_text()[-3000:] for p in sorted((run / "submitit").glob("*.out")))
+    try:
+        _preempt_and_resume(slurm_env, run, job_id, ["--signal=USR1"], log)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and f"exit code 0, {PREEMPT_STEPS} step(s)" in out, out[-3000:]
+    rank0 = (run / "submitit" / f"{job_id()}_0_log.out").read_text()
+    assert "[submit] preempted: requeueing job" in rank0, rank0[-3000:]
     assert not jobs.leftovers(), "processes of the job are still running"
