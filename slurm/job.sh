@@ -11,11 +11,11 @@
 #    that a trapped USR1/TERM is handled at once (bash runs traps only between commands); its
 #    output goes to <run dir>/logs/job-<id>/attempt-<SLURM_RESTART_COUNT>/ranks.log.
 # 4. USR1 (time limit near) or TERM: forwarded to the ranks, which stop at the next step boundary,
-#    checkpoint and exit with EXIT_PREEMPTED (= 3, areal_hpc/main.py). Then this script requeues
+#    checkpoint and exit with EXIT_PREEMPTED (= 3, areal_hpc/preemption.py). Then this script requeues
 #    the job (`scontrol requeue`) and exits 0; the next attempt runs the same command in the same
 #    run dir and resumes from the checkpoint. Other exit codes end the job with that code.
 set -uo pipefail
-EXIT_PREEMPTED=3   # areal_hpc.main.EXIT_PREEMPTED: the ranks checkpointed after a signal
+EXIT_PREEMPTED=3   # areal_hpc/preemption.py EXIT_PREEMPTED: the ranks checkpointed after a signal
 
 say() { echo "[job $(date +%T)] $*"; }
 config=${1:?usage: bash slurm/job.sh CONFIG [key=value ...]}

@@ -39,9 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ConfigError, TopologyConfig
+from ..preemption import EXIT_PREEMPTED
 from .env import export_lines, prepare
-
-EXIT_PREEMPTED = 3      # areal_hpc.main.EXIT_PREEMPTED: the ranks checkpointed after a signal
 
 
 @dataclass(frozen=True)

@@ -276,7 +276,6 @@ def test_preempted_tiny_job_resumes_after_requeue(slurm_env, jobs, tiny_model, t
     """The real job: USR1 to the batch shell mid-run (as --signal=B:USR1@... sends it) → the
     ranks checkpoint at the next step boundary → slurm/job.sh requeues → the next attempt resumes;
     every step appears once in metrics.jsonl."""
-    pytest.importorskip("areal_hpc.preemption", reason="needs the checkpoint/resume side (issue 6)")
     out, run = tmp_path / "batch.out", tmp_path / "pre"
     small = [f"train.total_steps={PREEMPT_STEPS}", *SMALL[1:], "data.eval_limit=4"]
     job = _sh("sbatch", "--parsable", f"--output={out}", "slurm/areal_tiny.sh", *small,
@@ -291,7 +290,6 @@ def test_preempted_submitit_job_resumes_after_requeue(slurm_env, jobs, tiny_mode
     """The same through submitit: USR1 to the ranks (as its --signal=USR1@... sends it) → main
     returns EXIT_PREEMPTED → run_rank requeues, leaving no result → the waiting submit process
     sees the requeued job finish."""
-    pytest.importorskip("areal_hpc.preemption", reason="needs the checkpoint/resume side (issue 6)")
     run = tmp_path / "pre"
     small = [f"train.total_steps={PREEMPT_STEPS}", *SMALL[1:], "data.eval_limit=4"]
     proc = subprocess.Popen([sys.executable, "-m", "areal_hpc.launch.submit", "configs/tiny_cpu.yaml",
