@@ -65,6 +65,10 @@ def main(argv=None) -> int:
     if code == EXIT_PREEMPTED and world.Get_rank() == 0:
         print(f"run {cfg.name}: preempted, checkpoint written; rerun the same command (or let "
               f"Slurm requeue) to resume", flush=True)
+    if code:
+        # Every rank agreed on this code: finalize, or `python -m mpi4py` turns the non-zero
+        # exit into MPI_Abort and srun reports the step as killed (137) instead of 3.
+        MPI.Finalize()
     return code
 
 

@@ -8,6 +8,7 @@ import time.
 from __future__ import annotations
 
 import os
+import random
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,28 @@ TRAINER, GENERATOR = "trainer", "generator"
 CONTROLLER_RANK = 0
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A TCP port to listen on, free now. Chosen below the kernel's ephemeral range: a port from
+    bind(("", 0)) is ephemeral, and an outgoing connection can take it before our listener
+    (a TCPStore started a moment later) binds it."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]

@@ -71,9 +71,11 @@ def test_preempt_at_a_random_step_then_resume(jobs, tiny_model, tmp_path, seed):
     proc = jobs.start(args)
     _wait_for(lambda: _steps_done(run_dir) >= kill_after, proc)
     for p in jobs.processes(ranks_only=False):     # as Slurm does: every process of the step
-        launcher = " ".join(p.cmdline())
-        if not any(x in launcher for x in ("mpiexec", "hydra", "areal_hpc.launch")):
-            p.send_signal(signal.SIGUSR1)
+        try:
+            if not any(x in " ".join(p.cmdline()) for x in ("mpiexec", "hydra", "areal_hpc.launch")):
+                p.send_signal(signal.SIGUSR1)
+        except psutil.Error:                        # exited meanwhile
+            pass
     code, out = _finish(proc)
     assert code == 3, out[-4000:]
     assert "preempted" in out
@@ -89,22 +91,29 @@ def test_preempt_at_a_random_step_then_resume(jobs, tiny_model, tmp_path, seed):
 
 
 def test_hard_kill_resumes_from_last_checkpoint(jobs, tiny_model, tmp_path):
-    args = jobs.args(tiny_model, tmp_path, "k", *SMALL)
+    steps = 9
+    args = jobs.args(tiny_model, tmp_path, "k", *SMALL, f"train.total_steps={steps}",
+                     "checkpoint.every_steps=3")
     run_dir = tmp_path / "k"
     proc = jobs.start(args)
-    # past the checkpoint at step 2, before the one at step 4
-    _wait_for(lambda: _steps_done(run_dir) >= 3, proc)
+    _wait_for(lambda: _steps_done(run_dir) >= 4, proc)         # past the checkpoint at step 3
     for p in jobs.processes(ranks_only=False):
-        p.kill()
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    done = _steps_done(run_dir)
     proc.wait(timeout=60)
     psutil.wait_procs(jobs.processes(ranks_only=False), timeout=30)
-    assert ck.find_latest(run_dir)[1]["step"] == 2
+    ckpt = ck.find_latest(run_dir)[1]["step"]
+    assert ckpt in (3, 6) and ckpt <= done < steps, (ckpt, done)
 
     code, out = _finish(jobs.start(args))
     assert code == 0, out[-4000:]
-    assert f"resuming from {ck.step_dir(run_dir, 2)}" in out
-    consumed, _ = _check_log(run_dir)
-    assert (consumed == ROLLED_BACK).any(), "rows after the checkpoint should be rolled back"
+    assert f"resuming from {ck.step_dir(run_dir, ckpt)}" in out
+    consumed, _ = _check_log(run_dir, steps)
+    if done > ckpt:     # groups arrived after the checkpoint: kept in the log, never trained
+        assert (consumed == ROLLED_BACK).any()
     assert not jobs.leftovers(), "processes of the job are still running"
 
 
