@@ -24,7 +24,8 @@ def _parse(argv):
 def main(argv=None) -> int:
     args = _parse(argv)
     from .config import ConfigError, check_paths, load, to_yaml
-    rank_env = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "0"
+    rank_env = (os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK")
+                or os.environ.get("SLURM_PROCID") or "0")
     try:
         cfg = load(args.config, args.overrides)
         check_paths(cfg)
@@ -32,6 +33,16 @@ def main(argv=None) -> int:
         if rank_env == "0":
             print(f"error: {exc}", file=sys.stderr)
         return 2
+
+    if cfg.checkpoint.resume == "auto":     # a rerun of a finished run: nothing to start
+        from .storage.checkpoint import find_latest
+        found = find_latest(cfg.run_dir, check_crc=False)
+        if found and found[1]["step"] >= cfg.train.total_steps:
+            if rank_env == "0":
+                print(f"run {cfg.name} is already complete ({found[1]['step']} steps, "
+                      f"{found[0]}); raise train.total_steps to continue it, or choose another "
+                      f"name=...", flush=True)
+            return 0
 
     from mpi4py import MPI
 
