@@ -124,7 +124,21 @@ def _receiver(port, buckets, out_queue):
     w = Worker()
     assert w.init_weight_group("127.0.0.1", port, 1, 2, "gloo") == 1
     n = w.recv_weights([(0, b) for b in buckets])
-    out_queue.put((n, w.received))
+    out_queue.put((n, _to_bytes(w.received)))
+
+
+def _to_bytes(tensors: dict) -> bytes:
+    """Tensors for a multiprocessing queue as plain bytes: a queued tensor is shared through a
+    file descriptor that vanishes when the child exits before the parent has read it."""
+    import io
+    buf = io.BytesIO()
+    torch.save(tensors, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(data: bytes) -> dict:
+    import io
+    return torch.load(io.BytesIO(data))
 
 
 def _state_dict():
@@ -153,6 +167,7 @@ def test_broadcast_round_trip_gloo():
         group = init_sender_group("127.0.0.1", port, 2, "gloo", timeout_s=120)
         stats = broadcast_weights(group, sd, buckets)
         n, received = out.get(timeout=120)
+        received = _from_bytes(received)
     finally:
         proc.join(timeout=60)
     assert proc.exitcode == 0
@@ -260,7 +275,7 @@ def _plan_receiver(port, world, rank, plan, out_queue, stall_s=0.0):
     time.sleep(stall_s)  # a generator stuck elsewhere: it never enters the broadcast in time
     try:
         n = w.recv_weights(plan)
-        out_queue.put(("ok", rank, n, w.received))
+        out_queue.put(("ok", rank, n, _to_bytes(w.received)))
     except Exception as e:  # the wire's own timeout: raised at once, no drain
         out_queue.put(("error", rank, type(e).__name__, str(e)[:200]))
 
@@ -287,8 +302,9 @@ def test_two_stage_senders_round_trip_gloo():
     assert [p.exitcode for p in procs] == [0, 0]
     (recv,) = [g for g in got if g[0] == "ok"]
     assert recv[2] == len(sd)
+    received = _from_bytes(recv[3])
     for k, v in sd.items():
-        assert torch.equal(recv[3][k], v), k
+        assert torch.equal(received[k], v), k
     stats = {g[1]: g[2] for g in got if g[0] == "stats"}
     assert stats[0].num_buckets + stats[1].num_buckets == len(plan)
 
