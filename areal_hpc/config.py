@@ -67,6 +67,17 @@ class RolloutConfig:
                                         # None = vLLM's default / gpu_memory_utilization
     gpu_memory_utilization: float = 0.8
     enforce_eager: bool = True
+    # Liveness: each generator reports to the controller at least every `heartbeat_s` while its
+    # loop runs; one silent for `generator_timeout_s` while the trainer waits on rollouts fails the
+    # job with a message naming it (rank, host) instead of waiting forever. The allowance before a
+    # generator's first report (starting vLLM) is weights.join_timeout_s. Weight updates are
+    # bounded by weights.timeout_s instead. Keep it above the longest single engine step.
+    heartbeat_s: float = 5.0
+    generator_timeout_s: float = 600.0
+    # vLLM tensor parallelism inside one generator rank: workers per engine (GPUs on a GPU node;
+    # on CPU, this rank's allowed CPUs split among them). Each worker joins the weight group, so
+    # it has pp + n_generators * engine_tp members.
+    engine_tp: int = 1
 
 
 @dataclass
@@ -217,6 +228,11 @@ def validate(cfg: RunConfig) -> None:
     _check(r.temperature > 0, "rollout.temperature", "must be > 0 (behaviour log-probs need sampling)")
     _check(r.max_staleness >= 0, "rollout.max_staleness", "η must be >= 0")
     _check(r.max_concurrent_prompts >= 1, "rollout.max_concurrent_prompts", "must be >= 1")
+    _check(r.heartbeat_s > 0, "rollout.heartbeat_s", "must be > 0")
+    _check(r.generator_timeout_s > 2 * r.heartbeat_s, "rollout.generator_timeout_s",
+           f"must exceed two heartbeats (2 * rollout.heartbeat_s = {2 * r.heartbeat_s})")
+    _check(r.engine_tp >= 1, "rollout.engine_tp",
+           f"vLLM workers per generator engine must be >= 1, got {r.engine_tp}")
     _check(cfg.data.kind in ("math", "code"), "data.kind", f"must be math or code, got {cfg.data.kind!r}")
     _check(cfg.reward.workers >= 1, "reward.workers", "must be >= 1")
     _check(cfg.reward.math_timeout_s > 0, "reward.math_timeout_s", "must be > 0")

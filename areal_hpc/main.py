@@ -46,14 +46,14 @@ def main(argv=None) -> int:
 
     from mpi4py import MPI
 
-    from . import preemption
+    from . import preemption, reaper
     from .topology import TRAINER, Topology
     world = MPI.COMM_WORLD
     logging.basicConfig(level=logging.WARNING, datefmt="%H:%M:%S",
                         format=f"%(asctime)s [rank {world.Get_rank()}] %(name)s: %(message)s")
     logging.getLogger("areal_hpc").setLevel(logging.INFO)
     try:
-        topo = Topology.build(cfg.topology, world)
+        topo = Topology.build(cfg.topology, world, engine_tp=cfg.rollout.engine_tp)
     except ConfigError as exc:
         if world.Get_rank() == 0:
             print(f"error: {exc}", file=sys.stderr)
@@ -63,6 +63,8 @@ def main(argv=None) -> int:
         (cfg.run_dir / "config.yaml").write_text(to_yaml(cfg))
         print(f"run {cfg.name}: {cfg.topology.n_trainers} trainer + {cfg.topology.n_generators} "
               f"generator rank(s), output in {cfg.run_dir}", flush=True)
+    # However this rank ends, its child processes (vLLM engine, reward workers) end with it.
+    reaper.start(f"rank {world.Get_rank()} ({topo.role}, host {topo.hosts[world.Get_rank()]})")
     # A preemption signal only sets a flag: trainer rank 0 acts on it between steps. Generators
     # install it after their engines are up (preemption.shield_children).
     preemption.install(cfg.checkpoint.signals)

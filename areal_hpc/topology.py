@@ -79,9 +79,11 @@ class Topology:
     weight_port: int            # rendezvous of the weight group {stage senders} ∪ generator engines
     local_rank: int             # rank among this role's ranks on this node (picks the GPU)
     hosts: list                 # host name of every world rank (names a rank in error messages)
+    engine_tp: int = 1          # vLLM workers per generator engine (rollout.engine_tp); each
+                                # joins the weight group
 
     @classmethod
-    def build(cls, cfg: TopologyConfig, world) -> "Topology":
+    def build(cls, cfg: TopologyConfig, world, engine_tp: int = 1) -> "Topology":
         check_world(cfg, world.Get_size())
         rank = world.Get_rank()
         role = TRAINER if rank < cfg.n_trainers else GENERATOR
@@ -95,7 +97,7 @@ class Topology:
         hosts = world.allgather(socket.gethostname())
         return cls(cfg=cfg, world=world, role_comm=role_comm, rank=rank, role=role,
                    role_rank=role_comm.Get_rank(), controller_addr=addr, trainer_port=tport,
-                   weight_port=wport, local_rank=local_rank, hosts=hosts)
+                   weight_port=wport, local_rank=local_rank, hosts=hosts, engine_tp=engine_tp)
 
     @property
     def is_controller(self) -> bool:
@@ -105,12 +107,6 @@ class Topology:
     def generator_ranks(self) -> list[int]:
         n = self.cfg.n_trainers
         return list(range(n, n + self.cfg.n_generators))
-
-    @property
-    def engine_tp(self) -> int:
-        """vLLM workers per generator engine (each joins the weight group). 1 for now: the
-        rollout config has no vLLM tensor-parallel knob yet."""
-        return 1
 
     @property
     def weight_group_size(self) -> int:

@@ -20,6 +20,7 @@ class Jobs:
 
     def __init__(self):
         self.marker = ("AREAL_HPC_TEST_SESSION", uuid.uuid4().hex)
+        self._seen: dict[int, psutil.Process] = {}
 
     def env(self, env=None) -> dict:
         env = dict(os.environ if env is None else env)
@@ -43,19 +44,41 @@ class Jobs:
                 *extra]
 
     def processes(self, ranks_only: bool = False) -> list[psutil.Process]:
-        """Live processes of this session's jobs (only the MPI ranks if `ranks_only`)."""
-        found = []
+        """Live processes of this session's jobs (only the MPI ranks if `ranks_only`).
+
+        Marked processes, their descendants, and every process seen here before that is still
+        the same process: vLLM's engine processes rewrite their title over the environment
+        block (setproctitle), so they carry no readable marker and, once re-parented, can only
+        be found because they were seen under a rank earlier."""
+        found: dict[int, psutil.Process] = {}
         for p in psutil.process_iter(["pid", "cmdline"]):
             try:
                 if p.pid == os.getpid() or p.environ().get(self.marker[0]) != self.marker[1]:
                     continue
                 if not ranks_only or "areal_hpc.main" in " ".join(p.info["cmdline"] or []):
-                    found.append(p)
+                    found[p.pid] = p
             except psutil.Error:
                 pass
-        return found
+        if ranks_only:
+            return list(found.values())
+        for p in list(found.values()):
+            try:
+                found.update((c.pid, c) for c in p.children(recursive=True))
+            except psutil.Error:
+                pass
+        for pid, p in self._seen.items():
+            try:
+                if pid not in found and p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    found[pid] = p
+            except psutil.Error:
+                pass
+        self._seen.update(found)
+        return [p for p in found.values() if p.pid != os.getpid()]
 
-    def leftovers(self) -> list[tuple[int, str]]:
+    def leftovers(self, grace_s: float = 10.0) -> list[tuple[int, str]]:
+        """Processes of this session's jobs still running after `grace_s` (a rank's reaper
+        ends a moment after its rank)."""
+        psutil.wait_procs(self.processes(), timeout=grace_s)
         out = []
         for p in self.processes():
             try:

@@ -50,6 +50,10 @@ class PromptCursor:
         return self._order[pos]
 
 
+class GeneratorLostError(RuntimeError):
+    """A generator stopped reporting while the trainer waited on it; the job must stop."""
+
+
 class Controller:
     def __init__(self, cfg: RunConfig, topo: Topology, train_rows: list[dict], tokenizer,
                  resume: dict | None = None):
@@ -80,6 +84,9 @@ class Controller:
         self._service_stop = threading.Event()
         self._service_error: BaseException | None = None
         self.weight_acks = AckTracker({g: topo.hosts[g] for g in topo.generator_ranks})
+        self._t_start = time.monotonic()
+        self.last_heard: dict[int, float] = {}          # generator rank → monotonic time
+        self.last_report: dict[int, dict] = {}          # generator rank → its newest heartbeat
         if resume is not None:
             self._restore(resume, log_path)
 
@@ -121,17 +128,45 @@ class Controller:
         if self._service_error is not None:
             raise RuntimeError("controller service thread failed") from self._service_error
 
-    def _wait(self, ready, on_wait=None) -> None:
+    def _wait(self, ready, on_wait=None, watch: bool = True) -> None:
         """Block (holding the lock on return) until `ready()`; without the service thread,
-        receive in this thread."""
+        receive in this thread. With `watch`, a generator silent for too long raises
+        `GeneratorLostError` (`check_generators`)."""
         while not ready():
             self._check_service()
+            if watch:
+                self.check_generators()
             if self._service is not None:
                 self._cond.wait(timeout=0.1)
             elif not self.receive():
                 self.chan.idle(timeout=0.05)
             if on_wait:
                 on_wait(len(self.buffer))
+
+    def check_generators(self, now: float | None = None) -> None:
+        """Raise `GeneratorLostError` naming every generator not heard from within
+        rollout.generator_timeout_s (before its first report: weights.join_timeout_s, the
+        allowance for starting vLLM and joining the weight group)."""
+        now = time.monotonic() if now is None else now
+        r, lines = self.cfg.rollout, []
+        for g in self.topo.generator_ranks:
+            host = self.topo.hosts[g]
+            heard = self.last_heard.get(g)
+            if heard is None:
+                if now - self._t_start > self.cfg.weights.join_timeout_s:
+                    lines.append(f"generator rank {g} (host {host}) has not reported in "
+                                 f"{now - self._t_start:.0f} s since the job started "
+                                 f"(weights.join_timeout_s = {self.cfg.weights.join_timeout_s:g}); "
+                                 f"is its vLLM engine stuck starting?")
+            elif now - heard > r.generator_timeout_s:
+                last = self.last_report.get(g, {})
+                lines.append(f"generator rank {g} (host {host}) silent for {now - heard:.1f} s "
+                             f"(rollout.generator_timeout_s = {r.generator_timeout_s:g}) with "
+                             f"{self.in_flight[g]} prompt(s) in flight; last report: version "
+                             f"{last.get('version', '?')}, {last.get('running', '?')} request(s) "
+                             f"running; its vLLM engine or process is hung or gone")
+        if lines:
+            raise GeneratorLostError("; ".join(lines))
 
     # -- prompts out, groups in ----------------------------------------------------------------
     def encode(self, prompt_id: int, row: dict, n: int) -> dict:
@@ -165,7 +200,10 @@ class Controller:
         """Take every group that has arrived; returns how many."""
         got = 0
         for src, tag, msg in self.chan.poll():
-            if tag == Tag.TRAJECTORIES:
+            self.last_heard[src] = time.monotonic()
+            if tag == Tag.HEARTBEAT:
+                self.last_report[src] = msg
+            elif tag == Tag.TRAJECTORIES:
                 self.in_flight[src] -= 1
                 self.prompts_in_flight.pop(msg[0]["prompt_id"], None)
                 self.staleness.on_rollout_accepted()
@@ -243,7 +281,9 @@ class Controller:
         t0 = time.monotonic()
         deadline = t0 + (min(timeout_s, 5.0) if cause is not None else timeout_s)
         with self._cond:
-            self._wait(lambda: self.weight_acks.complete(version) or time.monotonic() > deadline)
+            # Not watched: a generator is silent while it loads; `timeout_s` bounds this wait.
+            self._wait(lambda: self.weight_acks.complete(version) or time.monotonic() > deadline,
+                       watch=False)
             self.weight_acks.check(version, time.monotonic() - t0, cause)
 
     # -- held-out evaluation --------------------------------------------------------------------
@@ -271,7 +311,13 @@ class Controller:
         self._stop_service()
         for g in self.topo.generator_ranks:
             self.chan.send({"preempted": preempted}, g, Tag.STOP)
+        deadline = time.monotonic() + self.cfg.rollout.generator_timeout_s
         while len(self.gen_stats) < len(self.topo.generator_ranks):
+            if time.monotonic() > deadline:
+                missing = [g for g in self.topo.generator_ranks if g not in self.gen_stats]
+                log.warning("no final statistics from generator rank(s) %s within "
+                            "rollout.generator_timeout_s; ending without them", missing)
+                break
             if not self.receive():
                 self.chan.idle(timeout=0.05)
         self.chan.flush(timeout=60)

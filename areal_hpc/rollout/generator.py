@@ -71,6 +71,7 @@ class Generator:
         # idle_scoring: idle while the reward pool still scores finished samples.
         self.seconds = {"busy": 0.0, "pause": 0.0, "eval": 0.0, "idle": 0.0, "idle_scoring": 0.0}
         self._started = False
+        self._last_heartbeat = 0.0
         self.preempted = False
         self._engine_lost = False
 
@@ -79,7 +80,8 @@ class Generator:
         self.engine = VLLMEngine(
             cfg.model.path, dtype=cfg.model.dtype, max_model_len=r.max_model_len,
             seed=cfg.train.seed + topo.rank, enforce_eager=r.enforce_eager,
-            kv_cache_gib=r.kv_cache_gib, gpu_memory_utilization=r.gpu_memory_utilization)
+            kv_cache_gib=r.kv_cache_gib, gpu_memory_utilization=r.gpu_memory_utilization,
+            tensor_parallel_size=topo.engine_tp)
         if cfg.weights.mode == "broadcast":
             self.engine.init_weight_group(topo.controller_addr, topo.weight_port,
                                           topo.weight_group_rank, topo.weight_group_size,
@@ -91,6 +93,7 @@ class Generator:
     def run(self) -> None:
         running = True
         while running:
+            self._heartbeat()
             for _, tag, msg in self.chan.poll(source=CONTROLLER_RANK):
                 if tag == Tag.PROMPTS:
                     self._started = True
@@ -117,6 +120,8 @@ class Generator:
                         # SIGTERM at a preemption reaches the engine processes too: wait for the
                         # controller's STOP instead of failing the job before its checkpoint.
                         if not preemption.requested():
+                            log.error("generator rank %d (host %s): its vLLM engine failed",
+                                      self.topo.rank, self.topo.hosts[self.topo.rank])
                             raise
                         log.warning("vLLM engine lost during preemption; waiting for stop")
                         self._engine_lost = True
@@ -145,6 +150,16 @@ class Generator:
         self.seconds["pause"] += paused_s
         self.chan.send({"version": self.engine.version, "phase": "loaded", "paused_s": paused_s},
                        CONTROLLER_RANK, Tag.WEIGHTS_ACK)
+
+    def _heartbeat(self) -> None:
+        """Tell the controller this loop still turns (at most every rollout.heartbeat_s): a
+        generator that falls silent (hung engine, stopped or lost process) is named by the
+        trainer after rollout.generator_timeout_s instead of being waited on forever."""
+        now = time.monotonic()
+        if now - self._last_heartbeat >= self.cfg.rollout.heartbeat_s:
+            self._last_heartbeat = now
+            self.chan.send({"version": self.engine.version, "running": self.engine.num_running(),
+                            "tokens": self.tokens_generated}, CONTROLLER_RANK, Tag.HEARTBEAT)
 
     @contextmanager
     def _timed(self, what: str):
@@ -210,6 +225,7 @@ class Generator:
             pending.add(p["prompt_id"])
         results = []
         while pending:
+            self._heartbeat()
             if self.engine.has_unfinished():
                 self._step()
             for kind, group in self._collect_rewards(0.0 if self.engine.has_unfinished() else 0.05):

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -102,6 +102,54 @@ def _child_process_environment() -> Iterator[None]:
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = method
 
 
+def split_cpus(cpus: Iterable[int], n: int) -> list[list[int]]:
+    """`cpus` (sorted) cut into `n` contiguous lists, sizes differing by at most one, the longer
+    lists first. With fewer CPUs than lists, list i is [cpus[i % len(cpus)]]: workers share
+    CPUs rather than fail to start."""
+    ids = sorted(cpus)
+    if n < 1 or not ids:
+        raise ValueError(f"need n >= 1 and at least one CPU, got n={n}, cpus={ids}")
+    if len(ids) < n:
+        return [[ids[i % len(ids)]] for i in range(n)]
+    size, extra = divmod(len(ids), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + size + (i < extra)
+        out.append(ids[start:end])
+        start = end
+    return out
+
+
+def omp_threads_bind(cpus: Iterable[int], n: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `n` CPU workers: one CPU list per worker, "|"-separated,
+    e.g. "0,1|2,3"."""
+    return "|".join(",".join(map(str, part)) for part in split_cpus(cpus, n))
+
+
+@contextlib.contextmanager
+def _cpu_worker_binding(tensor_parallel_size: int) -> Iterator[None]:
+    """Give each of vLLM's CPU workers its own share of this process's CPUs, while they start.
+
+    vLLM's CPU platform binds worker i's OpenMP threads to the CPUs of NUMA node i unless
+    VLLM_CPU_OMP_THREADS_BIND lists them, and fails to start with more workers than NUMA nodes
+    (a one-node box, or a rank confined to one node by Slurm/mpiexec). The split is of
+    `os.sched_getaffinity(0)`, so ranks that the launcher pinned apart stay apart. A value the
+    user set wins; GPU platforms and one worker are left alone.
+    """
+    from vllm.platforms import current_platform
+
+    key = "VLLM_CPU_OMP_THREADS_BIND"
+    if tensor_parallel_size <= 1 or not current_platform.is_cpu() or key in os.environ:
+        yield
+        return
+    os.environ[key] = omp_threads_bind(os.sched_getaffinity(0), tensor_parallel_size)
+    logger.info("vLLM CPU workers bound to %s=%s", key, os.environ[key])
+    try:
+        yield
+    finally:
+        os.environ.pop(key, None)
+
+
 def _descendants() -> list:
     """This process's descendants, minus multiprocessing's resource tracker: Python starts that
     one once per process, on first use, and it must outlive any one engine."""
@@ -167,7 +215,7 @@ class VLLMEngine:
         self._pending: list[FinishedSample] = []  # finished outside step(), returned by step()
         children_before = {p.pid for p in _descendants()}
         t0 = time.perf_counter()
-        with _child_process_environment():
+        with _child_process_environment(), _cpu_worker_binding(tensor_parallel_size):
             self._engine = LLMEngine.from_engine_args(args, enable_multiprocessing=True)
         self.start_s = time.perf_counter() - t0
         # Remember what vLLM started, so that shutdown() can check that it is all gone.

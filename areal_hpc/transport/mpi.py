@@ -24,6 +24,8 @@ class Tag(IntEnum):
     EVAL_RESULT = 22    # generator → controller: {"version", "results": [...]}
     STATS = 23          # generator → controller: {"rank", "tokens", ...} at stop
     WEIGHTS_ACK = 24    # generator → controller: {"version", "phase": "started"|"loaded", ...}
+    HEARTBEAT = 25      # generator → controller: {"version", "running", "tokens"} every
+                        # rollout.heartbeat_s while its loop runs (liveness)
 
 
 class Channel:

@@ -49,6 +49,8 @@ def test_missing_required_and_semantic_checks(tmp_path):
         load(_yaml(tmp_path, BASE), ["train.total_steps"])
     with pytest.raises(ConfigError, match="config file not found"):
         load(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match=r"rollout\.generator_timeout_s.*two heartbeats"):
+        load(_yaml(tmp_path, BASE), ["rollout.heartbeat_s=10", "rollout.generator_timeout_s=15"])
 
 
 def test_roundtrip_yaml(tmp_path):
@@ -82,3 +84,18 @@ def test_check_paths_names_the_bad_jsonl_line(tmp_path):
     data.write_text("")
     with pytest.raises(ConfigError, match="holds no rows"):
         check_paths(cfg)
+
+
+def test_engine_tp_sizes_the_weight_group(tmp_path):
+    from areal_hpc.topology import GENERATOR, Topology
+
+    assert load(_yaml(tmp_path, BASE)).rollout.engine_tp == 1
+    with pytest.raises(ConfigError, match=r"rollout\.engine_tp.*>= 1, got 0"):
+        load(_yaml(tmp_path, BASE), ["rollout.engine_tp=0"])
+    cfg = load(_yaml(tmp_path, BASE), ["rollout.engine_tp=4", "topology.pp=2",
+                                       "topology.n_trainers=2", "topology.n_generators=3"])
+    # Stage senders are ranks 0, 1; generator g's four vLLM workers are 2 + 4g .. 2 + 4g + 3.
+    topo = Topology(cfg=cfg.topology, world=None, role_comm=None, rank=4, role=GENERATOR,
+                    role_rank=2, controller_addr="", trainer_port=0, weight_port=0, local_rank=0,
+                    hosts=[], engine_tp=cfg.rollout.engine_tp)
+    assert topo.weight_group_size == 2 + 3 * 4 and topo.weight_group_rank == 2 + 2 * 4

@@ -1,0 +1,157 @@
+"""Kill a rank's child processes when the rank dies, however it dies.
+
+A rank's children (vLLM's EngineCore and workers, reward workers, Megatron's checkpoint writer)
+are separate processes. When the rank exits normally it stops them itself; when it is killed
+(MPI_Abort after another rank's error, mpiexec tearing the job down, the OOM killer) they are
+re-parented and keep running: a stopped or spinning vLLM engine then holds its cores, memory
+and GPU after the job has ended. Slurm kills a step's whole cgroup, but `mpiexec` and other
+launchers only kill the ranks.
+
+`start()` launches a small watcher (`python -m areal_hpc.reaper PID`) in its own session. It
+notes the rank's descendants every `interval` seconds until end-of-file on a pipe whose write
+end the rank holds (the kernel closes it when the rank exits for any reason) or until the rank's
+process is gone (checked at the same interval; a forked child may hold the pipe open). Then it
+kills every noted process that is still the same process (pid and start time), with its
+descendants, and exits. It ignores the usual termination signals so that a signal sent to the
+whole job does not remove it before the engine; SIGKILL still does.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+_watcher: subprocess.Popen | None = None
+
+
+def start(label: str = "", interval: float = 1.0) -> subprocess.Popen:
+    """Watch this process's descendants from a separate process; idempotent. The watcher ends
+    (killing what is left) when this process exits; nothing needs to be called at exit.
+    `label` (e.g. "rank 1 (generator, host n042)") names this process in the watcher's report
+    when it ends without a clean exit."""
+    global _watcher
+    if _watcher is None:
+        import atexit
+        from .rollout.vllm_engine import MPI_ENV_PREFIXES   # the watcher must not join MPI
+        env = {k: v for k, v in os.environ.items() if not k.startswith(MPI_ENV_PREFIXES)}
+        _watcher = subprocess.Popen(
+            [sys.executable, "-m", "areal_hpc.reaper", str(os.getpid()), str(interval),
+             label or f"process {os.getpid()}"],
+            stdin=subprocess.PIPE, env=env, start_new_session=True, close_fds=True)
+        atexit.register(_clean_exit, _watcher)
+    return _watcher
+
+
+def _clean_exit(watcher: subprocess.Popen) -> None:
+    """Tell the watcher this exit is a normal one (no report; leftovers are still killed)."""
+    try:
+        watcher.stdin.write(CLEAN)
+        watcher.stdin.close()
+    except OSError:
+        pass
+
+
+CLEAN = b"clean exit\n"
+
+
+def _snapshot(parent, me: int) -> dict:
+    import psutil
+
+    found = {}
+    try:
+        for p in parent.children(recursive=True):
+            if p.pid != me:
+                found[p.pid] = p
+    except psutil.Error:
+        pass
+    return found
+
+
+def _kill(procs) -> list[int]:
+    """SIGKILL each process still alive as the same process, and its descendants."""
+    import psutil
+
+    victims = {}
+    for p in procs:
+        try:
+            if _alive(p):     # pid and start time: never a recycled pid; a zombie is dead
+                victims.update((c.pid, c) for c in p.children(recursive=True) if c.pid != os.getpid())
+                victims[p.pid] = p
+        except psutil.Error:
+            pass
+    killed = []
+    for p in victims.values():
+        try:
+            p.kill()
+            killed.append(p.pid)
+        except psutil.Error:
+            pass
+    psutil.wait_procs(list(victims.values()), timeout=10)
+    return killed
+
+
+def watch(parent_pid: int, interval: float, stream=None, grace_s: float = 5.0
+          ) -> tuple[list[int], bool]:
+    """Note `parent_pid`'s descendants until `stream` (default: stdin) reaches end-of-file or the
+    parent is gone, then kill those still running (after a clean exit, those still running
+    `grace_s` later). Returns (pids killed, whether the parent announced a clean exit)."""
+    import psutil
+
+    stream = sys.stdin.buffer if stream is None else stream
+    closed = threading.Event()
+    said = bytearray()
+
+    def wait_eof() -> None:
+        while chunk := stream.read(1 << 12):
+            said.extend(chunk)
+        closed.set()
+
+    threading.Thread(target=wait_eof, daemon=True).start()
+    try:
+        parent = psutil.Process(parent_pid)
+    except psutil.NoSuchProcess:
+        return [], False
+    seen: dict = {}
+    # End-of-file is the prompt signal; polling the parent covers a forked child that inherited
+    # the pipe's write end and so keeps the pipe open after the rank is gone.
+    while not closed.wait(interval) and parent.is_running():
+        seen = {pid: p for pid, p in seen.items() if p.is_running()}   # exited on their own
+        seen.update(_snapshot(parent, os.getpid()))
+    closed.wait(1.0)        # a clean exit's announcement may trail the parent's end slightly
+    clean = CLEAN in said
+    if clean:               # children on their way out (resource tracker, engine) may finish
+        psutil.wait_procs([p for p in seen.values() if _alive(p)], timeout=grace_s)
+    return _kill(seen.values()), clean
+
+
+def _alive(p) -> bool:
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def main(argv: list[str]) -> int:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
+    label = argv[2] if len(argv) > 2 else f"process {argv[0]}"
+    killed, clean = watch(int(argv[0]), float(argv[1]) if len(argv) > 1 else 1.0)
+    try:
+        if not clean:
+            print(f"[areal_hpc.reaper] {label} ended without a clean exit (killed by a signal, "
+                  f"its node lost, or aborted after another rank's error); killed "
+                  f"{len(killed)} leftover child process(es)", file=sys.stderr, flush=True)
+        elif killed:
+            print(f"[areal_hpc.reaper] {label} exited leaving {len(killed)} child process(es); "
+                  f"killed them: {killed}", file=sys.stderr, flush=True)
+    except OSError:         # the launcher that collected our output may be gone already
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,109 @@
+"""areal_hpc.reaper on real processes: a rank killed hard takes its children (running, stopped,
+re-parented grandchildren, a forked child holding the watcher's pipe open) with it."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# A stand-in for a rank: starts the reaper, then children like vLLM's (a child with its own
+# child, one of them stopped), prints their pids, and waits to be killed.
+RANK = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    from areal_hpc import reaper
+    watcher = reaper.start("rank 7 (test)", interval=0.2)
+    tree = subprocess.Popen([sys.executable, "-c",
+        "import subprocess, sys, time; c = subprocess.Popen(['sleep', '300']); "
+        "print(c.pid, flush=True); time.sleep(300)"], stdout=subprocess.PIPE, text=True)
+    grandchild = int(tree.stdout.readline())
+    stopped = subprocess.Popen(["sleep", "300"])
+    os.kill(stopped.pid, signal.SIGSTOP)
+    pids = [tree.pid, grandchild, stopped.pid]
+    if sys.argv[1] == "fork":           # a forked child inherits the watcher pipe's write end
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(300)
+            os._exit(0)
+        pids.append(pid)
+    time.sleep(1.0)                      # at least one snapshot
+    print(watcher.pid, *pids, flush=True)
+    if sys.argv[1] == "exit":
+        for p in pids:
+            os.kill(p, signal.SIGKILL)
+        sys.exit(0)
+    time.sleep(300)
+""")
+
+
+def _start(mode):
+    proc = subprocess.Popen([sys.executable, "-c", RANK, mode], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    watcher, *children = map(int, proc.stdout.readline().split())
+    return proc, psutil.Process(watcher), [psutil.Process(p) for p in children]
+
+
+def _cleanup(proc, watcher, children):
+    for p in [*children, watcher]:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+
+
+def _alive(procs):
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("mode", ["plain", "fork"])
+def test_children_die_with_a_killed_rank(mode):
+    proc, watcher, children = _start(mode)
+    try:
+        assert len(_alive(children)) == len(children)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 20
+        while _alive(children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(children), [p.cmdline() for p in _alive(children)]
+        watcher.wait(timeout=20)         # and the watcher itself is gone
+        report = proc.stderr.read()
+        assert f"rank 7 (test) ended without a clean exit" in report, report
+        assert f"killed {len(children)} leftover" in report, report
+    finally:
+        _cleanup(proc, watcher, children)
+
+
+def test_watcher_ends_with_a_clean_exit_and_ignores_termination_signals():
+    proc, watcher, children = _start("exit")
+    assert proc.wait(timeout=30) == 0
+    watcher.wait(timeout=20)
+    assert "without a clean exit" not in proc.stderr.read()
+
+
+def test_watcher_survives_sigterm_until_the_rank_ends():
+    proc, watcher, children = _start("plain")
+    try:
+        watcher.send_signal(signal.SIGTERM)     # a signal to the whole job
+        time.sleep(0.5)
+        assert watcher.is_running() and watcher.status() != psutil.STATUS_ZOMBIE
+        proc.kill()
+        proc.wait()
+        watcher.wait(timeout=20)
+        assert not _alive(children)
+    finally:
+        _cleanup(proc, watcher, children)
