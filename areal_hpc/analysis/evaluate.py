@@ -47,6 +47,7 @@ class EvalSettings:
     max_model_len: int = 512
     kv_cache_gib: float | None = None
     gpu_memory_utilization: float = 0.8
+    engine_tp: int = 1                  # vLLM tensor parallelism (rollout.engine_tp)
     enforce_eager: bool = True
     seed: int = 0
     reward_workers: int = 1
@@ -61,7 +62,7 @@ class EvalSettings:
                    kind=d.kind, question_key=d.question_key, answer_key=d.answer_key,
                    dtype=cfg.model.dtype, max_model_len=r.max_model_len,
                    kv_cache_gib=r.kv_cache_gib,
-                   gpu_memory_utilization=r.gpu_memory_utilization,
+                   gpu_memory_utilization=r.gpu_memory_utilization, engine_tp=r.engine_tp,
                    enforce_eager=r.enforce_eager, seed=cfg.train.seed,
                    reward_workers=cfg.reward.workers, math_timeout_s=cfg.reward.math_timeout_s)
 
@@ -121,7 +122,8 @@ def evaluate(model: str | Path, rows: list[dict], s: EvalSettings, *, ks: list[i
     with RewardPool(s.reward_workers, math_timeout_s=s.math_timeout_s) as pool, \
             VLLMEngine(str(model), dtype=s.dtype, max_model_len=s.max_model_len, seed=s.seed,
                        kv_cache_gib=s.kv_cache_gib, enforce_eager=s.enforce_eager,
-                       gpu_memory_utilization=s.gpu_memory_utilization) as engine:
+                       gpu_memory_utilization=s.gpu_memory_utilization,
+                       tensor_parallel_size=s.engine_tp) as engine:
         for i, p in enumerate(prompts):
             for j in range(n):
                 engine.submit(f"eval:{i}:{j}", p, max_new_tokens=s.max_new_tokens,
