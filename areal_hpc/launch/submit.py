@@ -135,7 +135,12 @@ def _sbatch_line(**options) -> str:
 
 def submit(args) -> int:
     cfg = prepare(args.config, args.overrides)
-    trainers, generators = hetjob_layout(cfg.topology, args.gpus_per_node, args.gpus_per_generator)
+    per_gen = cfg.rollout.engine_tp if args.gpus_per_generator is None else args.gpus_per_generator
+    if args.gpus_per_node and per_gen != cfg.rollout.engine_tp:
+        raise ConfigError(f"--gpus-per-generator {per_gen} differs from the recipe's "
+                          f"rollout.engine_tp = {cfg.rollout.engine_tp} (vLLM workers per engine, "
+                          f"one GPU each); set rollout.engine_tp={per_gen} instead")
+    trainers, generators = hetjob_layout(cfg.topology, args.gpus_per_node, per_gen)
     folder = (cfg.run_dir / "submitit").resolve()
     folder.mkdir(parents=True, exist_ok=True)
     signal = f"USR1@{args.signal_delay_s}"
@@ -176,7 +181,8 @@ def _parse(argv):
     ap.add_argument("--partition", default=None)
     ap.add_argument("--time-min", type=int, default=60, help="time limit of one attempt, minutes")
     ap.add_argument("--gpus-per-node", type=int, default=0, help="0 = CPU nodes")
-    ap.add_argument("--gpus-per-generator", type=int, default=1, help="GPUs of one vLLM engine (its TP)")
+    ap.add_argument("--gpus-per-generator", type=int, default=None,
+                    help="GPUs of one vLLM engine (default: the recipe's rollout.engine_tp)")
     ap.add_argument("--cpus-per-task", type=int, default=1)
     ap.add_argument("--signal-delay-s", type=int, default=120,
                     help="SIGUSR1 this long before the time limit: checkpoint and requeue")
