@@ -131,7 +131,8 @@ class WeightSyncConfig:
     # running engines. disk: versioned safetensors directories under `disk_dir`, loaded by the
     # generators, for clusters where generator nodes cannot join a NCCL group with the trainers.
     mode: str = "broadcast"
-    bucket_mb: int = 1024               # bucket size (broadcast unit; file size on disk)
+    bucket_mb: int = 256                # bucket size (broadcast unit; file size on disk); two are
+                                        # in flight per side (~2x this beside vLLM's KV budget)
     # Bounds every collective on the weight group and the wait for the generators'
     # acknowledgement of an update; past it the job fails naming the generators (rank, host).
     timeout_s: float = 600.0

@@ -1,6 +1,7 @@
 """Weight update (gather + broadcast + load into a running vLLM engine) vs a raw broadcast.
 
-    python tools/bench_weights.py [--sizes tiny,small,medium] [--reps 3] [--bucket-mb 1024]
+    python tools/bench_weights.py [--sizes tiny,small,medium] [--reps 5] [--bucket-mb 1024]
+                                  [--breakdown]
 
 One trainer (Megatron, TP = PP = 1, gloo world of one) and one vLLM engine (CPU, its worker
 joins the weight group as rank 1), both on this machine, fp32. For each model size, a random
@@ -12,7 +13,15 @@ Qwen2 is written to a temp dir and loaded by both; then, alternating after one w
 - raw: one `broadcast` of the same number of bytes in one flat buffer into the same worker
   (`WeightSyncExtension.recv_flat`), nothing gathered, nothing loaded.
 
-Prints the median of each, their ratio, and the generator pause per update.
+Prints the median of each, their ratio, and the generator pause per update. The default bucket
+size is the config's (1 GiB): the models here then fit in one bucket and nothing pipelines; pass
+a smaller `--bucket-mb` to see the pipelined path.
+
+`--breakdown` also times each phase alone, in the same alternation: gather (`iter_hf_weights`),
+gather + pack (`broadcast_stage` against a group that sends nothing), the wire in the plan's
+buckets (pre-packed buffers, received into fresh buffers and dropped), and vLLM's layerwise
+reload from buffers already in the worker (no wire). It sends functions to the worker, which
+needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (set here for the engine this tool starts).
 """
 from __future__ import annotations
 
@@ -70,7 +79,53 @@ def in_thread(fn, *args):
     return join
 
 
-def bench(size: str, reps: int, bucket_mb: int, work: Path) -> dict:
+class _NoWire:
+    """A weight group that sends nothing: `broadcast_stage` against it is gather + pack alone."""
+
+    class _Done:
+        def wait(self):
+            return True
+
+    def broadcast(self, flat, root):
+        return self._Done()
+
+
+def _worker_recv_buckets(worker, plan) -> float:
+    """In the vLLM worker: take the plan's buckets off the wire into fresh buffers, drop them."""
+    import torch
+
+    from areal_hpc.transport.weights import bucket_dtype, bucket_numel, dtype_from_str
+
+    t0 = time.perf_counter()
+    for root, bucket in plan:
+        flat = torch.empty(bucket_numel(bucket), dtype=dtype_from_str(bucket_dtype(bucket)))
+        worker._weight_group.broadcast(flat, root=root).wait()
+    return time.perf_counter() - t0
+
+
+def _worker_reload(worker, plan) -> float:
+    """In the vLLM worker: vLLM's layerwise reload alone, from buckets already in memory (fresh
+    buffers, as the receiver hands them over; the values are small constants)."""
+    import torch
+
+    from areal_hpc.transport.weights import bucket_dtype, bucket_numel, dtype_from_str, spec_numel
+
+    flats = [torch.full((bucket_numel(b),), 1e-3, dtype=dtype_from_str(bucket_dtype(b))) for _, b in plan]
+
+    def tensors():
+        for (_, bucket), flat in zip(plan, flats):
+            offset = 0
+            for name, shape, _ in bucket:
+                n = spec_numel(shape)
+                yield name, flat[offset : offset + n].view(tuple(shape))
+                offset += n
+
+    t0 = time.perf_counter()
+    worker.reload_weights(weights_iterator=tensors())
+    return time.perf_counter() - t0
+
+
+def bench(size: str, reps: int, bucket_mb: int, work: Path, breakdown: bool = False) -> dict:
     import torch
 
     from areal_hpc.config import TrainConfig
@@ -93,7 +148,26 @@ def bench(size: str, reps: int, bucket_mb: int, work: Path) -> dict:
         nbytes = wsync.plan_bytes(plan)
         flat = torch.zeros(nbytes // 4, dtype=torch.float32)
         ours, raw, pauses = [], [], []
+        phases: dict[str, list[float]] = {"gather": [], "pack": [], "wire": [], "reload": []}
+        packed = [torch.zeros(wsync.bucket_numel(b), dtype=wsync.dtype_from_str(wsync.bucket_dtype(b)))
+                  for _, b in plan] if breakdown else []
         for rep in range(reps + 1):     # rep 0: warm-up
+            if breakdown:
+                t0 = time.perf_counter()
+                for _ in actor.iter_hf_weights():
+                    pass
+                t_gather = time.perf_counter() - t0
+                t_pack = wsync.broadcast_stage(_NoWire(), plan, 0, actor.iter_hf_weights(), "cpu").seconds
+                t0 = time.perf_counter()
+                gen = in_thread(engine._engine.collective_rpc, _worker_recv_buckets, None, (plan,))
+                for (root, _), buf in zip(plan, packed):
+                    group.broadcast(buf, root=root).wait()
+                gen()
+                t_wire = time.perf_counter() - t0
+                (t_reload,) = engine._engine.collective_rpc(_worker_reload, args=(plan,))
+                if rep:
+                    for key, t in zip(phases, (t_gather, t_pack, t_wire, t_reload)):
+                        phases[key].append(t)
             engine.submit(f"r{rep}", [5, 6, 7, 8], 16, ignore_eos=True)  # interrupted by the update
             t0 = time.perf_counter()
             gen = in_thread(engine.update_weights, rep + 1, plan)
@@ -115,17 +189,22 @@ def bench(size: str, reps: int, bucket_mb: int, work: Path) -> dict:
         engine.shutdown()
     o, r = statistics.median(ours), statistics.median(raw)
     return {"size": size, "params": n_params, "bytes": nbytes, "buckets": len(plan), "ours_s": o,
-            "raw_s": r, "ratio": o / r, "pause_s": statistics.median(pauses)}
+            "raw_s": r, "ratio": o / r, "pause_s": statistics.median(pauses),
+            **{f"{k}_s": statistics.median(v) for k, v in phases.items() if v}}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="tiny,small,medium")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--bucket-mb", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--breakdown", action="store_true", help="also time each phase alone")
     args = ap.parse_args()
     import os
+
+    if args.breakdown:
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
     import torch
     import torch.distributed as dist
@@ -140,7 +219,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes.split(","):
-            rows.append(bench(size, args.reps, args.bucket_mb, Path(tmp)))
+            rows.append(bench(size, args.reps, args.bucket_mb, Path(tmp), args.breakdown))
             r = rows[-1]
             print(f"{r['size']}: {r['params'] / 1e6:.1f} M params, {r['bytes'] / 2**20:.1f} MiB in "
                   f"{r['buckets']} bucket(s): ours {r['ours_s'] * 1e3:.1f} ms, raw broadcast "
@@ -152,6 +231,13 @@ def main() -> None:
         print(f"| {r['size']} | {r['params'] / 1e6:.1f} M | {r['bytes'] / 2**20:.1f} | {r['buckets']} | "
               f"{r['ours_s'] * 1e3:.1f} ms | {r['raw_s'] * 1e3:.1f} ms | {r['ratio']:.2f} | "
               f"{r['pause_s'] * 1e3:.1f} ms |")
+    if args.breakdown:
+        print("\nEach phase alone (medians; ms):\n")
+        print("| model | buckets | gather | gather+pack | wire in buckets | vLLM reload | raw broadcast |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['size']} | {r['buckets']} | {r['gather_s'] * 1e3:.1f} | {r['pack_s'] * 1e3:.1f} | "
+                  f"{r['wire_s'] * 1e3:.1f} | {r['reload_s'] * 1e3:.1f} | {r['raw_s'] * 1e3:.1f} |")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ This module must stay importable in a fresh spawned process: no MPI, no project 
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -74,33 +75,47 @@ class WeightSyncExtension:
 
         `plan` is `plan_stages(...)` as computed by the trainer: [(root, bucket), ...]. Every
         worker receives every full tensor; vLLM's weight loaders cut out this worker's TP shard.
+        The receive of bucket k+1 is posted before bucket k's tensors go to vLLM, so loading
+        overlaps the wire (this matches `broadcast_stage`, which keeps two buckets in flight).
         Returns the number of tensors.
         """
         group = self._weight_group
         device = self.device
-        received = 0  # buckets taken off the wire
+        posted: collections.deque = collections.deque()  # (flat, Work) of receives not yet waited
+        next_post = 0  # index in `plan` of the next bucket to post
         count = 0  # tensors handed to vLLM
         wire_error: list[BaseException] = []
 
-        def recv(root: int, bucket: Bucket) -> torch.Tensor:
-            nonlocal received
+        def post() -> None:
+            nonlocal next_post
+            root, bucket = plan[next_post]
             # A fresh buffer per bucket, never a reused one: the layerwise reload keeps
             # references to the yielded views until each layer is complete.
             flat = torch.empty(
                 bucket_numel(bucket), dtype=dtype_from_str(bucket_dtype(bucket)), device=device
             )
             try:
-                group.broadcast(flat, root=root).wait()
+                posted.append((flat, group.broadcast(flat, root=root)))
             except BaseException as exc:
                 wire_error.append(exc)
                 raise
-            received += 1
+            next_post += 1
+
+        def wait() -> torch.Tensor:
+            flat, work = posted.popleft()
+            try:
+                work.wait()
+            except BaseException as exc:
+                wire_error.append(exc)
+                raise
             return flat
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal count
-            for root, bucket in plan:
-                flat = recv(root, bucket)
+            for _, bucket in plan:
+                while next_post < len(plan) and len(posted) < 2:
+                    post()
+                flat = wait()
                 offset = 0
                 for name, shape, _ in bucket:
                     n = spec_numel(shape)
@@ -108,17 +123,26 @@ class WeightSyncExtension:
                     yield name, flat[offset : offset + n].view(tuple(shape))
                     offset += n
 
+        def drain() -> None:
+            """Take what is left of the broadcast off the wire, so that the senders and the
+            other receivers finish the collective instead of waiting out their timeout."""
+            while posted or next_post < len(plan):
+                if not posted:
+                    post()
+                wait()
+
         try:
             self.reload_weights(weights_iterator=tensors())
         except BaseException:
-            # A local failure (unknown name, bad shape): take the rest of the broadcast off the
-            # wire before raising, so the senders and the other receivers finish the collective
-            # instead of waiting out their timeout. A failure of the wire itself (timeout, peer
-            # gone) is raised at once: draining would only wait out the timeout again per bucket.
+            # A local failure (unknown name, bad shape): drain before raising. A failure of the
+            # wire itself (timeout, peer gone) is raised at once: draining would only wait out
+            # the timeout again per bucket.
             if not wire_error:
-                for root, bucket in plan[received:]:
-                    recv(root, bucket)
+                drain()
             raise
+        if posted or next_post < len(plan):  # vLLM returned without reading every tensor
+            drain()
+            raise RuntimeError(f"vLLM's reload read {count} tensors and stopped before the end of the plan")
         return count
 
     def recv_flat(self, numel: int, dtype_str: str, root: int = 0) -> int:

@@ -113,8 +113,14 @@ def _split_qkv(qkv: torch.Tensor, nh: int, ng: int, hn: int):
     """Inverse of `_fuse_qkv`."""
     tail = qkv.shape[1:]
     q, k, v = torch.split(qkv.reshape(ng, (nh // ng + 2) * hn, *tail), [nh // ng * hn, hn, hn], dim=1)
-    # Clones: views sharing one storage cannot be saved by safetensors.
-    return q.reshape(nh * hn, *tail).clone(), k.reshape(ng * hn, *tail).clone(), v.reshape(ng * hn, *tail).clone()
+    return tuple(_own(t.reshape(-1, *tail), qkv) for t in (q, k, v))
+
+
+def _own(t: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """`t` with storage of its own: views sharing one storage cannot be saved by safetensors.
+    A reshape that had to copy (ng > 1 in `_split_qkv`) already made one; copying again would
+    only cost time on every weight update."""
+    return t.clone() if t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() else t
 
 
 def _fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

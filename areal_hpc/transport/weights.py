@@ -12,9 +12,10 @@ run (shapes never change) and travels in the MPI weight notice. For each bucket,
 sender packs the bucket's tensors, in order, into ONE flat buffer of the bucket's dtype and
 broadcasts it; every other group member receives it (other stages' senders drop it) and cuts it
 back into the named tensors. One collective per bucket keeps the latency of hundreds of small
-tensors (norms, biases) out of the update; a sender holds at most about one bucket of gathered
-tensors beyond its own shards (`broadcast_stage` pulls tensors lazily from a TP-gathering
-iterator), so no process ever holds the model twice, and no stage funnels through another.
+tensors (norms, biases) out of the update; a sender holds at most about two buckets beyond its
+own shards (`broadcast_stage` pulls tensors lazily from a TP-gathering iterator and packs bucket
+k+1 while bucket k is on the wire; receivers load bucket k while bucket k+1 arrives), so no
+process ever holds the model twice, and no stage funnels through another.
 
 Bounded time: the group is created with a timeout that applies to its joining and to every
 collective; generators acknowledge each update over MPI (`AckTracker`), and a missing or wrong
@@ -23,6 +24,7 @@ acknowledgement becomes a `WeightSyncError` naming the generator rank and host.
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import shutil
@@ -197,21 +199,19 @@ class BroadcastStats:
     seconds: float  # wall time of the whole plan (all stages), on this rank
 
 
-def _pack(bucket: Bucket, take, device) -> torch.Tensor:
-    """One flat buffer holding `take(name)` for every tensor of `bucket`, in order."""
-    dtype = dtype_from_str(bucket_dtype(bucket))
-    flat = torch.empty(bucket_numel(bucket), dtype=dtype, device=device)
+def _pack(bucket: Bucket, take, flat: torch.Tensor) -> None:
+    """Copy `take(name)` for every tensor of `bucket`, in order, into `flat` (the bucket's
+    dtype, exactly `bucket_numel(bucket)` elements)."""
     offset = 0
     for name, shape, _ in bucket:
         tensor = take(name)
-        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+        if tuple(tensor.shape) != shape or tensor.dtype != flat.dtype:
             raise ValueError(
-                f"{name}: tensor is {tuple(tensor.shape)} {tensor.dtype}, plan says {shape} {dtype}"
+                f"{name}: tensor is {tuple(tensor.shape)} {tensor.dtype}, plan says {shape} {flat.dtype}"
             )
         n = spec_numel(shape)
         flat[offset : offset + n].view(shape).copy_(tensor.detach())
         offset += n
-    return flat
 
 
 def broadcast_stage(
@@ -224,11 +224,21 @@ def broadcast_stage(
     """Take part in every bucket of `plan` as stage `stage`'s sender (weight-group rank `stage`).
 
     This stage's buckets are packed from `tensors` (pulled lazily: a tensor is held only until
-    its bucket is sent) and broadcast; other stages' buckets are received and dropped, since a
+    its bucket is packed) and broadcast; other stages' buckets are received and dropped, since a
     broadcast needs every group member. Every receiver must be in `recv_weights(plan)`.
-    Raises what the backend raises when the group's timeout passes.
+
+    Two buckets are in flight: bucket k+1 is gathered and packed while bucket k's broadcast is
+    on the wire (gloo runs it on its own thread; NCCL on its own stream), into two buffers that
+    are reused for the whole plan, so the sender holds at most its two largest buckets' bytes
+    beyond the tensors of the bucket being packed. A bucket of one contiguous tensor is sent
+    from that tensor, without a copy: `tensors` must not change a tensor it has produced until
+    this returns. Raises what the backend raises when the group's timeout passes (from the wait
+    on the oldest bucket in flight); `ValueError` when `tensors` does not match the plan.
     """
     t0 = time.perf_counter()
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # as tensors report it
     source: Iterator[tuple[str, torch.Tensor]] = iter(tensors)
     held: dict[str, torch.Tensor] = {}
 
@@ -241,20 +251,44 @@ def broadcast_stage(
             held[got] = tensor
         return held.pop(name)
 
+    # Raw bytes, viewed as each bucket's dtype. Reused rather than allocated per bucket: a
+    # fresh host buffer costs a page fault per 4 KiB, several times the copy into it.
+    buffers: list[torch.Tensor | None] = [None, None]
+    in_flight: collections.deque = collections.deque()  # the broadcasts' Work, oldest first
     sent = num_bytes = 0
-    for root, bucket in plan:
+    for k, (root, bucket) in enumerate(plan):
+        if len(in_flight) == 2:
+            in_flight.popleft().wait()  # bucket k-2 is off the wire: its buffer is free
+        dtype = dtype_from_str(bucket_dtype(bucket))
+        nbytes = bucket_numel(bucket) * dtype.itemsize
+        flat = None
+        if root == stage and len(bucket) == 1:
+            # A one-tensor bucket goes on the wire as it is, when it can: no pack copy.
+            name, shape, _ = bucket[0]
+            tensor = take(name)
+            if (tensor.is_contiguous() and tensor.device == device
+                    and tuple(tensor.shape) == shape and tensor.dtype == dtype):
+                flat = tensor.detach().view(-1)
+            else:
+                held[name] = tensor  # for _pack: it copies it, or names the mismatch
+        if flat is None:
+            slot = k % 2
+            if buffers[slot] is None or buffers[slot].numel() < nbytes:
+                buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            flat = buffers[slot][:nbytes].view(dtype)
+            if root == stage:
+                _pack(bucket, take, flat)
         if root == stage:
-            flat = _pack(bucket, take, device)
             sent += 1
-            num_bytes += flat.numel() * flat.element_size()
-        else:
-            flat = torch.empty(bucket_numel(bucket), dtype=dtype_from_str(bucket_dtype(bucket)), device=device)
-        group.broadcast(flat, root=root).wait()
+            num_bytes += nbytes
+        in_flight.append(group.broadcast(flat, root=root))
+    while in_flight:
+        in_flight.popleft().wait()
     for _ in source:  # TP peers gather in lock step: run the iterator to its end
         pass
     if held:
         raise ValueError(f"stage {stage} produced tensors outside the plan: {sorted(held)[:5]}")
-    if torch.device(device).type == "cuda":
+    if device.type == "cuda":
         torch.cuda.synchronize(device)  # so `seconds` measures the transfer, not the launch
     return BroadcastStats(sent, num_bytes, time.perf_counter() - t0)
 

@@ -66,6 +66,25 @@ def test_qkv_layout_is_per_query_group():
     assert mc["decoder.layers.0.mlp.linear_fc1.weight"][:, 0].tolist() == [1, 1, 2, 2]
 
 
+@pytest.mark.parametrize("ng", [1, 2, 4])
+def test_split_tensors_own_their_storage(ng):
+    """Every HF tensor made from a fused one has storage of its own (safetensors refuses shared
+    storage), whether the split needed a copy (ng > 1) or was a view (ng = 1)."""
+    from areal_hpc.train.hf_convert import conversion_rules
+
+    cfg = {"hidden_size": 8, "num_attention_heads": 4, "num_key_value_heads": ng, "head_dim": 2,
+           "num_hidden_layers": 1, "intermediate_size": 6, "tie_word_embeddings": True}
+    rules = conversion_rules(cfg)
+    for mc, fused in [("self_attention.linear_qkv.weight", torch.randn((4 + 2 * ng) * 2, 8)),
+                      ("self_attention.linear_qkv.bias", torch.randn((4 + 2 * ng) * 2)),
+                      ("mlp.linear_fc1.weight", torch.randn(12, 8))]:
+        rule = rules["decoder.layers.0." + mc]
+        parts = rule.to_hf(fused)
+        ptrs = {t.untyped_storage().data_ptr() for t in parts} | {fused.untyped_storage().data_ptr()}
+        assert len(ptrs) == len(parts) + 1, mc
+        assert torch.equal(rule.to_megatron(*parts), fused), mc
+
+
 def test_config_kwargs_from_object_and_config_json_dict():
     model = tiny_qwen2(tie=True)
     kw = megatron_config_kwargs(model.config)

@@ -1,6 +1,9 @@
-"""Bucket layout (pure) and one gloo round trip of the bucketed weight broadcast."""
+"""Bucket layout (pure), the two-in-flight sender and prefetching receiver against a fake group,
+and gloo round trips of the bucketed weight broadcast."""
 
 import multiprocessing as mp
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +20,13 @@ from areal_hpc.transport.weights import (
     plan_bytes,
     plan_stages,
 )
+
+# Spawned children unpickle their targets by module name (`tests.transport.test_weights` under
+# --import-mode=importlib), which needs the repo root on the sys.path they inherit; the
+# `.venv/bin/pytest` entry point does not put it there (`python -m pytest` does).
+_ROOT = str(Path(__file__).resolve().parents[2])
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
 
 
 def names(buckets):
@@ -102,6 +112,205 @@ def test_dtype_strings():
         dtype_from_str("Tensor")
 
 
+# ------------------------------------------------------------ against a fake group
+
+
+class _LazyWire:
+    """A weight group whose broadcast reads its buffer only when waited on, the latest moment
+    a real backend may: a sender that refilled a buffer still in flight would send the wrong
+    bytes. As a receiver's group it fills the buffer from `incoming` at that moment instead."""
+
+    def __init__(self, incoming=None, fail_at_wait=None):
+        self.incoming = list(incoming or [])
+        self.fail_at_wait = fail_at_wait  # index of the wait that raises, like a timeout
+        self.events = []  # ("post", k) / ("wait", k), in order
+        self.arrived = []  # what each broadcast carried, in plan order
+        self.sources = []  # data_ptr of each broadcast's tensor
+        self.in_flight = self.max_in_flight = 0
+
+    def broadcast(self, flat, root):
+        k = len(self.sources)
+        self.sources.append(flat.data_ptr())
+        self.events.append(("post", k))
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        wire = self
+
+        class Work:
+            def wait(self):
+                wire.in_flight -= 1
+                if k == wire.fail_at_wait:
+                    raise TimeoutError("gloo: timed out")
+                if wire.incoming:
+                    flat.copy_(wire.incoming[k])
+                wire.events.append(("wait", k))
+                wire.arrived.append(flat.clone())
+
+        return Work()
+
+
+def _many_tensors():
+    """Tensors for many buckets of several sizes: two dtypes, a 0-d one, non-contiguous ones,
+    and two larger than the bucket cap (one contiguous: sent as it is; one transposed)."""
+    g = torch.Generator().manual_seed(1)
+    sd = {}
+    for i in range(6):
+        sd[f"l{i}.w"] = torch.randn(3 + i, 4, generator=g)
+        sd[f"l{i}.b"] = torch.randn(4 + 2 * i, generator=g).to(torch.bfloat16)
+        sd[f"l{i}.t"] = torch.randn(5, 2 + i, generator=g).t()
+    sd["scale"] = torch.tensor(2.5)
+    sd["big"] = torch.randn(40, 8, generator=g)
+    sd["big_t"] = torch.randn(8, 40, generator=g).t()
+    return sd
+
+
+def _unpack(plan, arrived):
+    out = {}
+    for (_, bucket), flat in zip(plan, arrived, strict=True):
+        offset = 0
+        for name, shape, _ in bucket:
+            n = bucket_numel([(name, shape, "float32")])
+            out[name] = flat[offset : offset + n].view(shape)
+            offset += n
+    return out
+
+
+def _plan_of(sd, cap):
+    return plan_stages([[(k, v.shape, dtype_to_str(v.dtype)) for k, v in sd.items()]], cap)
+
+
+def test_sender_keeps_two_buckets_in_flight_and_never_overwrites_one():
+    from areal_hpc.transport.weights import broadcast_stage
+
+    sd = _many_tensors()
+    plan = _plan_of(sd, 96)
+    assert len(plan) > 8 and len({bucket_numel(b) for _, b in plan}) > 3  # buffers must grow
+    wire = _LazyWire()
+    # produced in reverse order: the sender holds tensors until their bucket is due
+    stats = broadcast_stage(wire, plan, 0, reversed(list(sd.items())), "cpu")
+    assert wire.max_in_flight == 2
+    assert stats.num_buckets == len(plan)
+    assert stats.num_bytes == sum(v.numel() * v.element_size() for v in sd.values())
+    got = _unpack(plan, wire.arrived)
+    for k, v in sd.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    # a contiguous tensor alone in its bucket goes on the wire as it is; a transposed one is packed
+    index = {b[0][0]: k for k, (_, b) in enumerate(plan) if len(b) == 1}
+    assert wire.sources[index["big"]] == sd["big"].data_ptr()
+    assert wire.sources[index["big_t"]] != sd["big_t"].data_ptr()
+
+
+def test_sender_other_stages_buckets_received_and_dropped():
+    from areal_hpc.transport.weights import broadcast_stage
+
+    sd = _many_tensors()
+    names = list(sd)
+    specs = [(k, sd[k].shape, dtype_to_str(sd[k].dtype)) for k in names]
+    plan = plan_stages([specs[:7], specs[7:]], 96)
+    wire = _LazyWire()
+    stats = broadcast_stage(wire, plan, 1, [(k, sd[k]) for k in names[7:]], "cpu")
+    assert stats.num_buckets == sum(root == 1 for root, _ in plan)
+    assert len(wire.arrived) == len(plan) and wire.max_in_flight == 2
+    got = _unpack(plan, wire.arrived)
+    for k in names[7:]:
+        assert torch.equal(got[k], sd[k]), k
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda sd: sd.update({"l2.w": sd["l2.w"][:-1]}), "l2.w: tensor is"),
+        (lambda sd: sd.update({"big": sd["big"].double()}), "big: tensor is"),
+        (lambda sd: sd.pop("l5.t"), "produced no tensor 'l5.t'"),
+        (lambda sd: sd.update({"extra": torch.zeros(1)}), "outside the plan"),
+    ],
+)
+def test_sender_plan_mismatch_is_a_value_error(change, match):
+    from areal_hpc.transport.weights import broadcast_stage
+
+    sd = _many_tensors()
+    plan = _plan_of(sd, 96)
+    change(sd)
+    with pytest.raises(ValueError, match=match):
+        broadcast_stage(_LazyWire(), plan, 0, reversed(list(sd.items())), "cpu")
+
+
+class _Worker:
+    """What the receiver uses of vLLM's worker, with a reload that records when it sees each
+    tensor and can fail (`fail_at`: the 1-based tensor; `stop_early`: return instead of raise)."""
+
+    rank = 0
+    device = torch.device("cpu")
+
+    def __init__(self, wire, fail_at=None, stop_early=False):
+        self._weight_group = wire
+        self.fail_at, self.stop_early = fail_at, stop_early
+        self.received = {}
+
+    def reload_weights(self, weights_iterator):
+        for i, (name, t) in enumerate(weights_iterator, 1):
+            if i == self.fail_at:
+                if self.stop_early:
+                    return
+                raise KeyError("no such parameter")
+            self._weight_group.events.append(("load", name))
+            self.received[name] = t.clone()
+
+
+def _receiver_on(wire, plan, **kw):
+    from areal_hpc.rollout.vllm_ext import WeightSyncExtension
+
+    w = _Worker(wire, **kw)
+    return w, WeightSyncExtension.recv_weights(w, plan)
+
+
+def _incoming(plan, sd):
+    out = []
+    for _, bucket in plan:
+        out.append(torch.cat([sd[name].reshape(-1) for name, _, _ in bucket]))
+    return out
+
+
+def test_receiver_posts_next_bucket_before_loading_this_one():
+    sd = _many_tensors()
+    plan = _plan_of(sd, 96)
+    wire = _LazyWire(_incoming(plan, sd))
+    w, n = _receiver_on(wire, plan)
+    assert n == len(sd) and wire.max_in_flight == 2
+    for k, v in sd.items():
+        assert torch.equal(w.received[k], v), k
+    # bucket k+1 is on the wire before bucket k's first tensor is loaded
+    for k, (_, bucket) in enumerate(plan[:-1]):
+        first_load = wire.events.index(("load", bucket[0][0]))
+        assert wire.events.index(("post", k + 1)) < first_load
+        assert wire.events.index(("wait", k)) < first_load
+    # a fresh buffer per bucket: vLLM may hold views of earlier ones
+    assert len(set(wire.sources)) == len(plan)
+
+
+@pytest.mark.parametrize("stop_early", [False, True])
+@pytest.mark.parametrize("fail_at", [1, 9, 20])
+def test_receiver_local_failure_drains_the_whole_plan(fail_at, stop_early):
+    sd = _many_tensors()
+    plan = _plan_of(sd, 96)
+    wire = _LazyWire(_incoming(plan, sd))
+    expected = (RuntimeError, "stopped before the end") if stop_early else (KeyError, "no such")
+    with pytest.raises(expected[0], match=expected[1]):
+        _receiver_on(wire, plan, fail_at=fail_at, stop_early=stop_early)
+    assert [e for e in wire.events if e[0] == "wait"] == [("wait", k) for k in range(len(plan))]
+    assert wire.in_flight == 0
+
+
+def test_receiver_wire_failure_is_raised_at_once():
+    sd = _many_tensors()
+    plan = _plan_of(sd, 96)
+    wire = _LazyWire(_incoming(plan, sd), fail_at_wait=3)
+    with pytest.raises(TimeoutError):
+        _receiver_on(wire, plan)
+    posted = [k for e, k in wire.events if e == "post"]
+    assert posted == [0, 1, 2, 3, 4]  # no drain: nothing posted after the failed wait
+
+
 # ------------------------------------------------------------ gloo round trip
 
 
@@ -179,18 +388,22 @@ def test_broadcast_round_trip_gloo():
 
 
 class _FailingWorker(_FakeWorker):
+    fail_at = 1  # the tensor (1-based) on which vLLM's loader fails
+
     def reload_weights(self, weights_iterator):
-        next(iter(weights_iterator))
-        raise KeyError("no such parameter")
+        for i, _ in enumerate(weights_iterator, 1):
+            if i == self.fail_at:
+                raise KeyError("no such parameter")
 
 
-def _failing_receiver(port, buckets, out_queue):
+def _failing_receiver(port, buckets, out_queue, fail_at=1):
     from areal_hpc.rollout.vllm_ext import WeightSyncExtension
 
     class Worker(_FailingWorker, WeightSyncExtension):
         pass
 
     w = Worker()
+    w.fail_at = fail_at
     w.init_weight_group("127.0.0.1", port, 1, 2, "gloo")
     try:
         w.recv_weights([(0, b) for b in buckets])
@@ -198,16 +411,18 @@ def _failing_receiver(port, buckets, out_queue):
         out_queue.put(repr(e))
 
 
-def test_receiver_error_does_not_hang_the_sender():
-    """A receiver that fails mid-update still takes every bucket off the wire."""
+@pytest.mark.parametrize("fail_at", [1, 9])
+def test_receiver_error_does_not_hang_the_sender(fail_at):
+    """A receiver that fails mid-update (with the next bucket already posted) still takes
+    every bucket off the wire, so the sender finishes."""
     from areal_hpc.transport.weights import broadcast_weights, init_sender_group
 
-    sd = _state_dict()
-    buckets = plan_buckets([(k, v.shape, dtype_to_str(v.dtype)) for k, v in sd.items()], 64)
+    sd = _many_tensors()
+    buckets = plan_buckets([(k, v.shape, dtype_to_str(v.dtype)) for k, v in sd.items()], 96)
     port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_failing_receiver, args=(port, buckets, out))
+    proc = ctx.Process(target=_failing_receiver, args=(port, buckets, out, fail_at))
     proc.start()
     try:
         group = init_sender_group("127.0.0.1", port, 2, "gloo", timeout_s=60)
@@ -307,6 +522,35 @@ def test_two_stage_senders_round_trip_gloo():
         assert torch.equal(received[k], v), k
     stats = {g[1]: g[2] for g in got if g[0] == "stats"}
     assert stats[0].num_buckets + stats[1].num_buckets == len(plan)
+
+
+def test_pipelined_round_trip_gloo_many_buckets():
+    """Many buckets of several sizes and two dtypes, two in flight, to two receivers."""
+    from areal_hpc.transport.weights import broadcast_stage, init_weight_group
+
+    sd = _many_tensors()
+    plan = _plan_of(sd, 96)
+    assert len(plan) > 8
+    port, ctx = free_port(), mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_plan_receiver, args=(port, 3, r, plan, out)) for r in (1, 2)]
+    for p in procs:
+        p.start()
+    try:
+        group = init_weight_group("127.0.0.1", port, 0, 3, "gloo", timeout_s=60, join_timeout_s=120)
+        # produced in reverse order: the sender holds tensors until their bucket is due
+        stats = broadcast_stage(group, plan, 0, reversed(list(sd.items())), "cpu")
+        got = [out.get(timeout=120) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert stats.num_buckets == len(plan)
+    for g in got:
+        assert g[0] == "ok" and g[2] == len(sd), g[:3]
+        received = _from_bytes(g[3])
+        for k, v in sd.items():
+            assert received[k].dtype == v.dtype and torch.equal(received[k], v), k
 
 
 def test_stalled_receiver_times_out_everywhere():
