@@ -48,6 +48,9 @@ class TopologyConfig:
     trainer_backend: str = "gloo"
     weight_backend: str = "gloo"
     device: str = "cpu"                 # "cpu" | "cuda"
+    # Memory of one GPU, for the preflight (`python -m areal_hpc.plan memory`): every launcher
+    # refuses a config whose per-GPU estimate exceeds it before any rank starts. 0 = no check.
+    gpu_mem_gib: float = 80.0
 
 
 @dataclass
@@ -122,6 +125,24 @@ class TrainConfig:
     reward_norm: str = "group"
     adv_norm: str = "none"
     max_tokens_per_mb: int = 4096       # tokens (prompt + output) per packed micro-batch
+    # Core attention over a packed micro-batch. varlen: each sequence attends only within itself
+    # (cumulative sequence lengths; cost sum(len_i^2), memory linear in the pack): TransformerEngine
+    # THD where installed, else PyTorch's fused kernels. mask: one dense [S, S] block-diagonal
+    # mask through Megatron's local attention (the exact reference; cost S^2). auto = varlen.
+    attention: str = "auto"
+    # Log-probs are computed from the last hidden states in chunks of this many tokens, the
+    # output projection and the [chunk, vocab / tp] float32 softmax recomputed in backward, so
+    # no [tokens, vocab] tensor exists.
+    logprob_chunk_tokens: int = 2048
+    # Megatron activation recompute: granularity null | selective (core attention) | full
+    # (whole layers); with full, method uniform | block and num_layers (per chunk / per stage).
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+    sequence_parallel: bool = False     # Megatron sequence parallelism (needs topology.tp > 1)
+    # Megatron's distributed optimizer: Adam state and fp32 main weights sharded over the
+    # data-parallel ranks (ZeRO-1).
+    distributed_optimizer: bool = False
     seed: int = 1
 
 
@@ -244,6 +265,21 @@ def validate(cfg: RunConfig) -> None:
            f"must hold one whole sequence: >= rollout.max_model_len = {r.max_model_len}")
     _check(tr.prox in ("recompute", "loglinear", "behaviour"), "train.prox",
            f"must be recompute, loglinear or behaviour, got {tr.prox!r}")
+    _check(tr.attention in ("auto", "varlen", "mask"), "train.attention",
+           f"must be auto, varlen or mask, got {tr.attention!r}")
+    _check(tr.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens", "must be >= 1")
+    _check(tr.recompute_granularity in (None, "selective", "full"), "train.recompute_granularity",
+           f"must be null, selective or full, got {tr.recompute_granularity!r}")
+    if tr.recompute_granularity == "full":
+        _check(tr.recompute_method in ("uniform", "block"), "train.recompute_method",
+               f"full recompute needs uniform or block, got {tr.recompute_method!r}")
+        _check(tr.recompute_num_layers is not None and tr.recompute_num_layers >= 1,
+               "train.recompute_num_layers", "full recompute needs a layer count >= 1")
+    else:
+        _check(tr.recompute_method is None and tr.recompute_num_layers is None,
+               "train.recompute_method", "only with train.recompute_granularity=full")
+    _check(not tr.sequence_parallel or t.tp > 1, "train.sequence_parallel", "needs topology.tp > 1")
+    _check(t.gpu_mem_gib >= 0, "topology.gpu_mem_gib", "must be >= 0 (0 = no memory preflight)")
     dp = t.n_trainers // (t.tp * t.pp)
     _check(tr.ppo_minibatches >= 1, "train.ppo_minibatches", "must be >= 1")
     _check(tr.batch_prompts * r.group_size >= tr.ppo_minibatches * dp, "train.ppo_minibatches",

@@ -131,11 +131,17 @@ class Actor:
         model = megatron_model.build_gpt_model(
             self.hf_config, params_dtype=params_dtype, tp=tp, pp=pp, device=self.device,
             calculate_per_token_loss=True,
+            attention=cfg.attention,
+            recompute_granularity=cfg.recompute_granularity,
+            recompute_method=cfg.recompute_method,
+            recompute_num_layers=cfg.recompute_num_layers,
+            sequence_parallel=cfg.sequence_parallel,
         )
         megatron_model.load_hf_checkpoint(model, model_dir, self.hf_config)
         self.model = DistributedDataParallel(
             config=model.config,
-            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.distributed_optimizer),
             module=model,
         )
         config = model.config
@@ -153,6 +159,7 @@ class Actor:
             bf16=params_dtype == torch.bfloat16,
             fp16=params_dtype == torch.float16,
             params_dtype=params_dtype,
+            use_distributed_optimizer=cfg.distributed_optimizer,
             # fp16 only. Each micro-batch's loss is a token *sum*, so per-token gradients are O(1)
             # and a scale of 2**16 already overflows fp16 (Megatron's default 2**32 would skip
             # dozens of steps, each a whole RL batch). Dynamic scaling adjusts it from here.

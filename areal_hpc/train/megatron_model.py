@@ -72,6 +72,7 @@ def build_gpt_model(
     tp: int = 1,
     pp: int = 1,
     device: torch.device | str | None = None,
+    attention: str = "mask",
     **config_overrides,
 ) -> GPTModel:
     """This rank's part of a GPTModel (local spec, RMSNorm, swiglu, GQA, RoPE) for `hf_config`.
