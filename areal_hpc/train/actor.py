@@ -16,9 +16,16 @@ micro-batches and data-parallel ranks): each micro-batch returns its loss *sum* 
 and Megatron (`calculate_per_token_loss`) divides the accumulated gradient by the minibatch's
 global token count.
 
-Micro-batches are padding-free: their sequences are concatenated into one row with a
-block-diagonal causal mask (THD packing needs TransformerEngine; the mask is exact, see
-shared/notes/megatron-on-cpu.md Q5). RoPE is relative, so positions need no reset.
+Micro-batches are padding-free: their sequences are concatenated into one row. With
+`train.attention` varlen (the default) each sequence attends within itself through Megatron's THD
+`PackedSeqParams` (cumulative sequence lengths; `areal_hpc.train.attention`): work Σ lenᵢ²,
+memory linear in the row. With `mask` the row gets a dense block-diagonal causal `[S, S]` mask
+through Megatron's local attention (the exact reference, S² work and memory). With sequence
+parallelism the row is padded to a multiple of tp by a separate dummy sequence.
+
+Log-probs come from the last hidden states in chunks of `train.logprob_chunk_tokens` tokens
+(`areal_hpc.train.logprobs`): the model's output layer hands back hidden states, and no
+`[tokens, vocab]` tensor is formed.
 
 With pipeline parallelism, logits exist only on the last stage: log-probs and statistics are sent
 from there to the other stages, and `hf_state_dict` collects all stages on the first one.
@@ -44,14 +51,15 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from safetensors.torch import save_file
 
 from areal_hpc.algo.packing import balanced_allocate
 from areal_hpc.algo.ppo import compute_advantages, decoupled_ppo_loss, loglinear_prox_logprobs
 from areal_hpc.config import TrainConfig
 from areal_hpc.train import megatron_model
+from areal_hpc.train.attention import packed_seq_params
 from areal_hpc.train.cpu_compat import CudaToCpuMode
+from areal_hpc.train.logprobs import chunked_token_logprobs
 
 # Files of a HF model directory that are weights (rewritten by save_hf); all others are copied.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
@@ -72,7 +80,8 @@ class _MicroBatch:
     out_lens: list[int]  # output tokens per sequence
     tokens: torch.Tensor  # [1, S] int64
     position_ids: torch.Tensor  # [1, S] int64, restarting per sequence
-    attention_mask: torch.Tensor  # [1, 1, S, S] bool, True = masked
+    attention_mask: torch.Tensor | None  # mask attention: [1, 1, S, S] bool, True = masked
+    packed_seq_params: object | None  # varlen attention: Megatron PackedSeqParams (THD)
     out_pos: torch.Tensor  # [N] positions whose logits predict the output tokens
     targets: torch.Tensor  # [1, N] int64, the output tokens
     # training only, [N]
@@ -138,6 +147,10 @@ class Actor:
             sequence_parallel=cfg.sequence_parallel,
         )
         megatron_model.load_hf_checkpoint(model, model_dir, self.hf_config)
+        megatron_model.output_hidden_states(model)  # log-probs from hidden states, in chunks
+        self.attention = "varlen" if cfg.attention == "auto" else cfg.attention
+        # Rows are padded to a multiple of this (sequence parallelism splits them over TP).
+        self._row_multiple = tp if cfg.sequence_parallel else 1
         self.model = DistributedDataParallel(
             config=model.config,
             ddp_config=DistributedDataParallelConfig(
@@ -222,11 +235,22 @@ class Actor:
         if not mb_ids:  # a filler: one token, nothing to predict
             one = np.zeros(1, np.int64)
             tokens, positions, segments, out_pos = [one], [one], [one], [np.zeros(0, np.int64)]
+        seq_lens = [len(x) for x in positions]
+        pad = -sum(seq_lens) % self._row_multiple
+        if pad:  # its own dummy sequence: nothing attends to it, it predicts nothing
+            tokens.append(np.zeros(pad, np.int64))
+            positions.append(np.arange(pad))
+            segments.append(np.full(pad, len(seq_lens)))
+            seq_lens.append(pad)
         dev = self.device
-        seg = torch.from_numpy(np.concatenate(segments)).to(dev)
-        s = seg.numel()
-        causal = torch.ones(s, s, dtype=torch.bool, device=dev).triu(1)
-        mask = causal | (seg[:, None] != seg[None, :])
+        mask = params = None
+        if self.attention == "mask":
+            seg = torch.from_numpy(np.concatenate(segments)).to(dev)
+            s = seg.numel()
+            causal = torch.ones(s, s, dtype=torch.bool, device=dev).triu(1)
+            mask = (causal | (seg[:, None] != seg[None, :]))[None, None]
+        else:
+            params = packed_seq_params(seq_lens, dev)
         out_pos_t = torch.from_numpy(np.concatenate(out_pos)).to(dev)
         tokens_t = torch.from_numpy(np.concatenate(tokens)).to(dev)[None]
         mb = _MicroBatch(
@@ -234,7 +258,8 @@ class Actor:
             out_lens=out_lens,
             tokens=tokens_t,
             position_ids=torch.from_numpy(np.concatenate(positions)).to(dev)[None],
-            attention_mask=mask[None, None],
+            attention_mask=mask,
+            packed_seq_params=params,
             out_pos=out_pos_t,
             targets=tokens_t[:, out_pos_t + 1],
         )
@@ -246,19 +271,22 @@ class Actor:
 
     # ---------------------------------------------------------------- forward
 
-    def _token_logprobs(self, logits: torch.Tensor, mb: _MicroBatch) -> torch.Tensor:
-        """`[N]` log π(a_t|s_t) at temperature T from this TP rank's vocab slice of the logits."""
-        picked = logits[:, mb.out_pos].float() / self.temperature  # [1, N, V/tp]
-        if self.tp == 1:  # the whole vocabulary is here: no TP all-reduces (3 per micro-batch)
-            return torch.log_softmax(picked[0], dim=-1).gather(-1, mb.targets[0, :, None])[:, 0]
-        # `picked` is a new tensor: vocab_parallel_cross_entropy works in place on its input.
-        return -vocab_parallel_cross_entropy(picked, mb.targets)[0]
+    def _token_logprobs(self, hidden: torch.Tensor, mb: _MicroBatch) -> torch.Tensor:
+        """`[N]` log π(a_t|s_t) at temperature T from the last hidden states `[1, S, H]`,
+        against this TP rank's vocabulary slice, `logprob_chunk_tokens` tokens at a time."""
+        weight = megatron_model.output_weight(self.model)
+        vocab_start = parallel_state.get_tensor_model_parallel_rank() * weight.shape[0]
+        group = parallel_state.get_tensor_model_parallel_group() if self.tp > 1 else None
+        return chunked_token_logprobs(hidden[0, mb.out_pos], weight, mb.targets[0],
+                                      self.temperature, self.cfg.logprob_chunk_tokens,
+                                      vocab_start, group)
 
     def _forward_step(self, loss_fn, data_iterator, model):
         mb = next(data_iterator)
         # first stage: token ids in; later stages: the schedule has set the previous stage's
-        # activations as input. The mask is needed on every stage.
-        output = model(mb.tokens, mb.position_ids, mb.attention_mask)  # last stage: [1, S, V/tp]
+        # activations as input. The mask / sequence lengths are needed on every stage.
+        output = model(mb.tokens, mb.position_ids, mb.attention_mask,
+                       packed_seq_params=mb.packed_seq_params)  # last stage: [1, S, H]
         return output, partial(loss_fn, mb)
 
     def _run(self, micro_batches: list[_MicroBatch], loss_fn, forward_only: bool) -> list[dict]:
@@ -278,8 +306,8 @@ class Actor:
     def _n_tokens(self, n: int) -> torch.Tensor:
         return torch.tensor(n, dtype=torch.int, device=self.device)
 
-    def _logprob_loss(self, mb: _MicroBatch, logits: torch.Tensor):
-        logprobs = self._token_logprobs(logits, mb)
+    def _logprob_loss(self, mb: _MicroBatch, hidden: torch.Tensor):
+        logprobs = self._token_logprobs(hidden, mb)
         zero = torch.zeros((), device=self.device)
         return zero, self._n_tokens(mb.n_tokens), {"logprobs": logprobs.detach().clone()}
 
@@ -322,8 +350,8 @@ class Actor:
 
     # ---------------------------------------------------------------- train
 
-    def _ppo_loss(self, version: int, mb: _MicroBatch, logits: torch.Tensor):
-        logprobs = self._token_logprobs(logits, mb)
+    def _ppo_loss(self, version: int, mb: _MicroBatch, hidden: torch.Tensor):
+        logprobs = self._token_logprobs(hidden, mb)
         if self.cfg.prox == "loglinear":
             prox = loglinear_prox_logprobs(mb.behav_logprobs, logprobs, mb.versions, version)
         else:

@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 from safetensors import safe_open
 
 from areal_hpc.train import cpu_compat
+from areal_hpc.train.attention import gpt_block_spec
 from areal_hpc.train.hf_convert import (
     conversion_rules,
     gpt_model_kwargs,
@@ -82,8 +82,15 @@ def build_gpt_model(
             bf16 / fp16 mode.
         tp, pp: must match `init_megatron_parallel`.
         device: where the parameters live; default the current CUDA device, else CPU.
-        config_overrides: extra `TransformerConfig` fields (e.g. `calculate_per_token_loss`).
+        attention: "varlen" (packed per-sequence attention, the model then takes
+            `packed_seq_params`; see `areal_hpc.train.attention`) or "mask" (Megatron's local
+            attention with a dense mask, the reference). "auto" = "varlen".
+        config_overrides: extra `TransformerConfig` fields (e.g. `calculate_per_token_loss`,
+            `recompute_granularity`, `sequence_parallel`).
+    The output layer can hand back the last hidden states instead of logits (`return_hidden`,
+    see `output_hidden_states`).
     """
+    attention = "varlen" if attention == "auto" else attention
     if parallel_state.get_tensor_model_parallel_world_size() != tp:
         raise ValueError(f"tp={tp} but Megatron was initialised with a different TP size")
     if parallel_state.get_pipeline_model_parallel_world_size() != pp:
@@ -118,12 +125,57 @@ def build_gpt_model(
     with cpu_compat.CudaToCpuMode():
         model = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            transformer_layer_spec=gpt_block_spec(config, attention),
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
             **model_kwargs,
         )
-    return model.to(device)
+    model = model.to(device)
+    if model.post_process:
+        _hidden_state_output(model.output_layer)
+    return model
+
+
+def _hidden_state_output(layer) -> None:
+    """Let the output layer return its (TP-prepared) input instead of logits while
+    `layer.return_hidden` is True: `[S, b, H]` hidden states, all-gathered along the sequence
+    with sequence parallelism. The TP region's backward (all-reduce, or reduce-scatter with
+    sequence parallelism) sums the per-vocabulary-slice input gradients, as the layer's own
+    matmul would. Parameter names and the state dict are unchanged."""
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
+    logits_forward = layer.forward
+    layer.return_hidden = False
+
+    def forward(input_, weight=None, runtime_gather_output=None):
+        if not layer.return_hidden:
+            return logits_forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        if layer.sequence_parallel:
+            return gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True,
+                                                        group=layer.tp_group), None
+        if layer.tp_group is not None and layer.tp_group.size() > 1:
+            return copy_to_tensor_model_parallel_region(input_, group=layer.tp_group), None
+        return input_, None
+
+    layer.forward = forward
+
+
+def output_weight(model: torch.nn.Module) -> torch.Tensor:
+    """The `[V/tp, H]` output projection of the last stage (the embedding when tied)."""
+    gpt = _unwrap(model)
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight
+
+
+def output_hidden_states(model: torch.nn.Module, on: bool = True) -> None:
+    """Make the last stage's forward return hidden states `[b, S, H]` instead of logits."""
+    gpt = _unwrap(model)
+    if gpt.post_process:
+        gpt.output_layer.return_hidden = on
 
 
 def _unwrap(model: torch.nn.Module) -> GPTModel:

@@ -2,13 +2,15 @@
 
     python tests/train/dist_worker.py RANK WORLD_SIZE PORT WORKDIR
 
-WORKDIR/in.pkl holds `{"cases": [{"tag", "tp", "pp", "model_dir", "batches"}, ...], "cfg":
-TrainConfig, "actor": Actor keyword arguments}`, `batches` being [seqs of step 0, of step 1, ...].
+WORKDIR/in.pkl holds `{"cases": [{"tag", "tp", "pp", "model_dir", "batches"[, "train"]}, ...], "cfg":
+TrainConfig, "actor": Actor keyword arguments}`, `batches` being [seqs of step 0, of step 1, ...]
+and `train` optional TrainConfig fields that this case overrides.
 For each case Megatron's parallel state is rebuilt over the same world (dp = world / (tp * pp)),
 and `run_case` writes WORKDIR/<tag>.<rank>.pkl. One launch serves several layouts: most of a
 launch's time is importing Megatron.
 """
 
+import dataclasses
 import pickle
 import sys
 
@@ -26,6 +28,11 @@ def run_case(model_dir, tp, pp, cfg, actor_kw, batches) -> dict:
     out["logprobs"] = actor.compute_logprobs(batches[0])
     out["stats"] = [actor.train_step(seqs, version) for version, seqs in enumerate(batches)]
     out["trained"] = actor.hf_state_dict()
+    mc = actor.model.config
+    out["features"] = dict(sequence_parallel=mc.sequence_parallel, recompute=mc.recompute_granularity,
+                           distributed_optimizer=actor.optimizer.config.use_distributed_optimizer,
+                           core_attention=type(actor.model.module.decoder.layers[0]
+                                               .self_attention.core_attention).__name__)
     return out
 
 
@@ -43,7 +50,8 @@ def main() -> None:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         init_megatron_parallel(case["tp"], case["pp"], seed=spec["cfg"].seed, backend="gloo")
-        out = run_case(case["model_dir"], case["tp"], case["pp"], spec["cfg"], spec["actor"], case["batches"])
+        cfg = dataclasses.replace(spec["cfg"], **case.get("train", {}))
+        out = run_case(case["model_dir"], case["tp"], case["pp"], cfg, spec["actor"], case["batches"])
         with open(f"{work}/{case['tag']}.{rank}.pkl", "wb") as f:
             pickle.dump(out, f)
     dist.destroy_process_group()

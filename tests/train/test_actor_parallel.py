@@ -4,11 +4,16 @@ Two decoupled-PPO steps of two minibatches each (π_prox recomputed, token-level
 lr warm-up then decay), on micro-batches small enough that every layout packs several. Every
 layout must give the reference's log-probs, losses and grad norms, and after the four optimizer
 steps the same gathered weights.
+
+Layouts run the default packed (varlen) attention; the references are computed both with it and
+with the dense-mask attention (the exact reference), and every TP/PP layout must match both.
+Sequence parallelism, full activation recompute and the distributed optimizer are layouts too.
 """
 
 import os
 import pickle
 import subprocess
+from dataclasses import replace
 import sys
 from pathlib import Path
 
@@ -79,7 +84,14 @@ def references(megatron_ws1, model_dir, tied_model_dir):
     for d in (model_dir, tied_model_dir):
         steps = batches(d)
         out[d] = (steps, run_case(d, 1, 1, CFG, ACTOR, steps))
+    steps = out[model_dir][0]
+    out["mask"] = (steps, run_case(model_dir, 1, 1, replace(CFG, attention="mask"), ACTOR, steps))
     return out
+
+
+def test_varlen_equals_mask_single_process(references, model_dir):
+    """TP1: packed attention gives the dense-mask path's log-probs, losses, grads and weights."""
+    check_layout([references[model_dir][1]], references["mask"][1], model_dir)
 
 
 def check_layout(ranks: list[dict], ref: dict, model_dir: str) -> None:
@@ -102,17 +114,29 @@ def check_layout(ranks: list[dict], ref: dict, model_dir: str) -> None:
         torch.testing.assert_close(tensor, ref["trained"][name], rtol=0, atol=WEIGHT_ATOL)
 
 
-def case(tag, tp, pp, model_dir, references):
-    return dict(tag=tag, tp=tp, pp=pp, model_dir=model_dir, batches=references[model_dir][0])
+def case(tag, tp, pp, model_dir, references, **train):
+    return dict(tag=tag, tp=tp, pp=pp, model_dir=model_dir, batches=references[model_dir][0], train=train)
 
 
 def test_two_processes_tp2_pp2_dp2(references, model_dir, tied_model_dir, tmp_path):
     """One 2-process world, four layouts in turn: TP=2, PP=2, DP=2, and PP=2 with tied embeddings."""
     cases = [case("tp2", 2, 1, model_dir, references), case("pp2", 1, 2, model_dir, references),
-             case("dp2", 1, 1, model_dir, references), case("pp2_tied", 1, 2, tied_model_dir, references)]
+             case("dp2", 1, 1, model_dir, references), case("pp2_tied", 1, 2, tied_model_dir, references),
+             case("tp2_sp", 2, 1, model_dir, references, sequence_parallel=True),
+             case("tp2_recompute", 2, 1, model_dir, references, recompute_granularity="full",
+                  recompute_method="uniform", recompute_num_layers=1),
+             case("dp2_distopt", 1, 1, model_dir, references, distributed_optimizer=True)]
     outs = launch(2, cases, tmp_path)
     for c in cases:
         check_layout(outs[c["tag"]], references[c["model_dir"]][1], c["model_dir"])
+    for tag in ("tp2", "pp2", "tp2_sp"):  # packed attention at TP2 / PP2 equals the mask path
+        check_layout(outs[tag], references["mask"][1], model_dir)
+    features = {tag: outs[tag][0]["features"] for tag in outs}
+    assert features["tp2"] == dict(sequence_parallel=False, recompute=None, distributed_optimizer=False,
+                                   core_attention="PackedAttention")
+    assert features["tp2_sp"]["sequence_parallel"] and features["tp2_recompute"]["recompute"] == "full"
+    assert features["dp2_distopt"]["distributed_optimizer"]
+    assert references["mask"][1]["features"]["core_attention"] == "DotProductAttention"
     assert [s["n_micro_batches"] % 2 for s in outs["pp2"][0]["stats"]] == [0, 0]  # a multiple of pp
 
 
