@@ -2,6 +2,13 @@
 
     python tools/bench_train.py [--model models/tiny] [--seqs 128] [--max-tokens-per-mb 512]
                                 [--reps 5] [--prox recompute] [--threads 1] [--profile]
+                                [--attention varlen|mask]
+    python tools/bench_train.py --sweep 256,512,1024,2048,4096 [--attentions varlen,mask] [--reps 3]
+
+`--sweep`: the same batch (same tokens per step) at each pack size (`max_tokens_per_mb`) and
+attention path, each case in a fresh process: median step time, tokens/s, the tokens/s ratio to
+the smallest pack of the same path, and the peak resident memory the step added over the
+process's memory after building the model (ru_maxrss, so each case needs its own process).
 
 One process (gloo, world size 1). The batch is like the tiny job's: `--seqs` sequences in groups
 of 8, prompts of 20-40 tokens, outputs long-tailed around 45 tokens (at most 96).
@@ -53,6 +60,19 @@ def bare_step(actor, micro_batches, recompute: bool) -> None:
     import torch
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from areal_hpc.train.megatron_model import output_hidden_states
+
+    output_hidden_states(actor.model, False)  # the model's own logits and loss
+    try:
+        _bare_step(actor, micro_batches, recompute)
+    finally:
+        output_hidden_states(actor.model, True)
+
+
+def _bare_step(actor, micro_batches, recompute: bool) -> None:
+    import torch
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
     from areal_hpc.train.cpu_compat import CudaToCpuMode
 
     def loss_func(mb, per_token_loss):  # [1, S] cross entropy from the model's output layer
@@ -61,11 +81,13 @@ def bare_step(actor, micro_batches, recompute: bool) -> None:
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         labels = torch.roll(mb.tokens, -1, dims=1)  # position p predicts token p + 1
-        return model(mb.tokens, mb.position_ids, mb.attention_mask, labels=labels), partial(loss_func, mb)
+        return model(mb.tokens, mb.position_ids, mb.attention_mask, labels=labels,
+                     packed_seq_params=mb.packed_seq_params), partial(loss_func, mb)
 
     def forward_only_step(data_iterator, model):
         mb = next(data_iterator)
-        return model(mb.tokens, mb.position_ids, mb.attention_mask), lambda out: (out.sum() * 0, {})
+        return (model(mb.tokens, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params),
+                lambda out: (out.sum() * 0, {}))
 
     def run(step_func, forward_only):
         with CudaToCpuMode():
@@ -93,7 +115,18 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--attention", default="varlen", choices=["varlen", "mask"])
+    ap.add_argument("--sweep", help="comma-separated pack sizes: one fresh process per case")
+    ap.add_argument("--attentions", default="varlen,mask", help="with --sweep")
+    ap.add_argument("--random", metavar="HIDDEN,LAYERS",
+                    help="instead of --model: a random Qwen2 of this width and depth (head dim 32, "
+                         "GQA 4:1, vocab 1024), built in a temporary directory")
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a sweep case
     args = ap.parse_args()
+    if args.random:
+        args.model = random_model(*(int(x) for x in args.random.split(",")))
+    if args.sweep:
+        return sweep(args)
 
     import numpy as np
     import torch
@@ -105,9 +138,12 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    cfg = TrainConfig(lr=3e-4, max_tokens_per_mb=args.max_tokens_per_mb, prox=args.prox)
+    cfg = TrainConfig(lr=3e-4, max_tokens_per_mb=args.max_tokens_per_mb, prox=args.prox,
+                      attention=args.attention)
     actor = Actor(cfg, args.model, group_size=8)
     seqs = make_batch(actor, args.seqs)
+    if args.one:
+        return one_case(actor, seqs, args.reps)
     n_out = torch.tensor([len(s["output_tokens"]) for s in seqs])
     per_token = {"behav_logprobs": [s["behav_logprobs"] for s in seqs],
                  "advantages": [np.zeros(int(n), np.float32) for n in n_out]}
@@ -136,6 +172,72 @@ def main() -> None:
     print("ours, median seconds: " + ", ".join(f"{k.removesuffix('_seconds')} {v:.3f}" for k, v in med.items()))
     if args.profile:
         profile(actor, seqs, micro_batches)
+
+
+def random_model(hidden: int, layers: int) -> str:
+    import tempfile
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = tempfile.mkdtemp(prefix="bench_train_model_")
+    heads = max(hidden // 32, 4)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=1024, hidden_size=hidden, intermediate_size=hidden * 3,
+                                 num_hidden_layers=layers, num_attention_heads=heads,
+                                 num_key_value_heads=max(heads // 4, 1), max_position_embeddings=8192)
+                     ).save_pretrained(out)
+    return out
+
+
+def one_case(actor, seqs, reps: int) -> None:
+    """A sweep case: median train_step time and the peak RSS the steps added, as one JSON line."""
+    import json
+    import resource
+
+    import psutil
+
+    base = psutil.Process().memory_info().rss
+    times = []
+    for rep in range(reps + 1):  # rep 0 warms up
+        t0 = time.perf_counter()
+        stats = actor.train_step(seqs)
+        if rep:
+            times.append(time.perf_counter() - t0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print("RESULT " + json.dumps({"seconds": statistics.median(times), "n_tokens": stats["n_tokens"],
+                                  "tokens": sum(len(s["prompt_tokens"]) + len(s["output_tokens"]) for s in seqs),
+                                  "micro_batches": stats["n_micro_batches"],
+                                  "peak_added_mib": max(peak - base, 0) / 2**20}))
+
+
+def sweep(args) -> None:
+    import json
+    import subprocess
+
+    packs = [int(x) for x in args.sweep.split(",")]
+    rows = {}
+    for attention in args.attentions.split(","):
+        for pack in packs:
+            cmd = [sys.executable, __file__, "--one", "--model", args.model, "--seqs", str(args.seqs),
+                   "--max-tokens-per-mb", str(pack), "--reps", str(args.reps), "--prox", args.prox,
+                   "--threads", str(args.threads), "--attention", attention]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+            if out.returncode or not line:
+                print(f"{attention} {pack}: failed\n{out.stderr[-2000:]}")
+                continue
+            rows[attention, pack] = r = json.loads(line[0][7:])
+            print(f"{attention:>6} {pack:>5}: {r['seconds']:.3f} s, {r['tokens'] / r['seconds']:.0f} tokens/s, "
+                  f"peak +{r['peak_added_mib']:.0f} MiB", flush=True)
+    print(f"\n{args.seqs} sequences, prox {args.prox}, threads {args.threads}, median of {args.reps}\n")
+    print("| attention | pack | micro-batches | step | tokens/s | vs smallest pack | peak added |")
+    print("|---|---|---|---|---|---|---|")
+    for (attention, pack), r in rows.items():
+        base = rows.get((attention, packs[0]))
+        ratio = (r["tokens"] / r["seconds"]) / (base["tokens"] / base["seconds"]) if base else float("nan")
+        print(f"| {attention} | {pack} | {r['micro_batches']} | {r['seconds']:.3f} s | "
+              f"{r['tokens'] / r['seconds']:.0f} | {ratio:.2f}x | {r['peak_added_mib']:.0f} MiB |")
 
 
 def profile(actor, seqs, micro_batches) -> None:
