@@ -13,8 +13,9 @@ Kernels, chosen per device at call time:
   `scaled_dot_product_attention` call per sequence (flash / memory-efficient backends).
 - CPU: one `scaled_dot_product_attention(is_causal=True)` per sequence (PyTorch's CPU flash
   kernel: no `[L, L]` scores are kept).
-With TransformerEngine installed, Megatron's own `TEDotProductAttention` takes the same
-`PackedSeqParams`; `packed_layer_spec(..., use_te=True)` picks it.
+TransformerEngine is not used: it does not install on the CPU test platform, so no path through
+it could be tested here, and PyTorch's varlen kernel is the same FlashAttention-2 algorithm.
+Megatron's `TEDotProductAttention` takes the same `PackedSeqParams`, should a site want it.
 
 Positions: with THD, Megatron applies RoPE per sequence (positions restart at each one, as in the
 inference engine); the mask path runs RoPE over the whole row instead. Both are exact (RoPE is
@@ -112,12 +113,12 @@ class _SequenceParallelRMSNorm(torch.nn.RMSNorm):
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
 
-def gpt_block_spec(config, attention: str, use_te: bool = False):
+def gpt_block_spec(config, attention: str):
     """The decoder spec for `GPTModel`: Megatron's local layer spec (RMSNorm) with the chosen
     core attention, for this pipeline stage's layers.
 
     attention: "mask" keeps Megatron's `DotProductAttention` (dense mask, the reference);
-    "varlen" uses `PackedAttention` (or TE's `TEDotProductAttention` with `use_te`). With
+    "varlen" uses `PackedAttention`. With
     `config.sequence_parallel` every norm (the final one included) is `_SequenceParallelRMSNorm`.
     Parameter names are those of the plain local spec either way.
     """
@@ -130,11 +131,7 @@ def gpt_block_spec(config, attention: str, use_te: bool = False):
     layer = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
     sub = layer.submodules
     if attention == "varlen":
-        if use_te:
-            from megatron.core.extensions.transformer_engine import TEDotProductAttention
-            sub.self_attention.submodules.core_attention = TEDotProductAttention
-        else:
-            sub.self_attention.submodules.core_attention = PackedAttention
+        sub.self_attention.submodules.core_attention = PackedAttention
     elif attention != "mask":
         raise ValueError(f"attention must be varlen or mask, got {attention!r}")
     norm = WrappedTorchNorm

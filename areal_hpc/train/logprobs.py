@@ -5,9 +5,10 @@ vocabulary slice of the output layer. The forward pass computes, chunk by chunk 
 the logits `[chunk, V/tp]` in the parameter dtype, their float32 log-sum-exp (max and sum
 all-reduced over the TP group) and the target's logit, and keeps only the inputs and one
 float32 per token. The backward pass recomputes each chunk's logits and softmax and accumulates
-`dh = (onehot - p) g / T · w` and `dw = ((onehot - p) g / T)ᵀ · h`. Peak extra memory is
-about `chunk × V/tp × (2 + 4 + 4)` bytes (logits in the parameter dtype, their float32 copy,
-the softmax), whatever the number of tokens. The gradient with respect to `h` is this rank's
+`dh = (onehot - p) g / T · w` and `dw = ((onehot - p) g / T)ᵀ · h` (float32, one `[V/tp, H]`
+buffer). Peak extra memory is about `chunk × V/tp × (4 + 2)` bytes (the float32 logits, reused
+in place for the softmax and its gradient, and one copy in the parameter dtype) plus that
+buffer, whatever the number of tokens. The gradient with respect to `h` is this rank's
 partial sum over its vocabulary slice; the caller's TP region (Megatron's
 `copy_to_tensor_model_parallel_region` / sequence-parallel gather) all-reduces it.
 """
@@ -65,12 +66,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
             inside = (local >= 0) & (local < vocab_local)
             rows = torch.nonzero(inside)[:, 0]
             grad[rows, local[rows]] += 1.0
-            grad.mul_(g_all[s:e, None])
-            grad = grad.to(hidden.dtype)
+            grad.mul_(g_all[s:e, None])  # float32 [c, V/tp], in the logits' buffer
+            if grad_w is not None:  # accumulated in float32 over the chunks
+                grad_w.addmm_(grad.t(), hidden[s:e].float())
             if grad_h is not None:
-                grad_h[s:e] = grad @ weight
-            if grad_w is not None:
-                grad_w.addmm_(grad.t().float(), hidden[s:e].float())
+                grad_h[s:e] = grad.to(weight.dtype) @ weight
             del logits, grad
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
