@@ -3,12 +3,15 @@
 Layout, one folder per training step, under `<run_dir>/checkpoints/`:
 
   step_00000012/
-    megatron/       model + optimizer shards, Megatron dist-checkpointing (reshards on load: a
-                    different TP x PP layout can load it)
-    state.h5        the run state: step and policy version, the LR scheduler, every trainer rank's
-                    RNG states, the config, and the controller's state (data cursor, staleness
-                    counters, the rollout-log rows of accepted-but-unconsumed groups, the prompts
-                    in flight, how many rollout-log rows existed)
+    megatron/       model + optimizer shards, Megatron dist-checkpointing (the model reshards on
+                    load: a different TP x PP layout can load it; the distributed optimizer's
+                    state reshards over DP only). Saved before the optimizer's first step (no
+                    Adam state yet): the model only.
+    state.h5        the run state: step and policy version, the optimizer layout (plain or
+                    distributed) and whether its state was written, the LR scheduler, every
+                    trainer rank's RNG states, the config, and the controller's state (data
+                    cursor, staleness counters, the rollout-log rows of accepted-but-unconsumed
+                    groups, the prompts in flight, how many rollout-log rows existed)
     manifest.json   written last, atomically (write, fsync, rename): every file with its size and
                     CRC-32. A folder without a valid manifest is not a checkpoint.
 
@@ -44,6 +47,11 @@ STATE = "state.h5"
 SHARDS = "megatron"
 FORMAT = "areal_hpc checkpoint"
 _PREFIX = "step_"
+# How the optimizer shards are laid out (state.h5 attribute `optimizer_format`). PLAIN: Megatron's
+# model-space optimizer state (per-parameter tensors). DISTRIBUTED: the distributed optimizer's
+# "dp_reshardable" bucket-space state (reshards over DP only, not over TP x PP).
+PLAIN = "plain"
+DISTRIBUTED = "distributed/dp_reshardable"
 
 
 class CheckpointError(RuntimeError):
@@ -156,11 +164,17 @@ def set_rng_state(blob: bytes) -> None:
 
 
 def write_state(path: Path, *, step: int, config_yaml: str, scheduler: dict | None,
-                rng: list[bytes], controller: dict | None) -> None:
-    """state.h5: scalars as attributes, arrays as datasets (see the module docstring)."""
+                rng: list[bytes], controller: dict | None, optimizer_format: str = PLAIN,
+                optimizer_state: bool = True) -> None:
+    """state.h5: scalars as attributes, arrays as datasets (see the module docstring).
+    `optimizer_format`: PLAIN or DISTRIBUTED (how the optimizer shards are laid out);
+    `optimizer_state`: False when the optimizer had no state yet (saved before its first step:
+    only the model shards were written)."""
     with h5py.File(path, "w") as f:
         f.attrs["format"] = FORMAT
         f.attrs["step"] = step
+        f.attrs["optimizer_format"] = optimizer_format
+        f.attrs["optimizer_state"] = bool(optimizer_state)
         f.attrs["created"] = time.time()
         f.attrs["config_yaml"] = config_yaml
         f.attrs["scheduler_json"] = json.dumps(scheduler) if scheduler is not None else ""
@@ -179,10 +193,15 @@ def write_state(path: Path, *, step: int, config_yaml: str, scheduler: dict | No
 
 
 def read_state(path: Path) -> dict[str, Any]:
-    """What `write_state` wrote: step, config_yaml, scheduler, rng (list), controller (dict|None)."""
+    """What `write_state` wrote: step, config_yaml, scheduler, rng (list), controller (dict|None),
+    optimizer_format and optimizer_state (None in checkpoints older than these attributes)."""
     with h5py.File(path, "r") as f:
         sched = f.attrs["scheduler_json"]
+        opt_state = f.attrs.get("optimizer_state")
+        opt_format = f.attrs.get("optimizer_format")
         out = {"step": int(f.attrs["step"]), "created": float(f.attrs["created"]),
+               "optimizer_format": str(opt_format) if opt_format is not None else None,
+               "optimizer_state": bool(opt_state) if opt_state is not None else None,
                "config_yaml": str(f.attrs["config_yaml"]),
                "scheduler": json.loads(sched) if sched else None,
                "rng": [f["rng"][k][()].tobytes() for k in sorted(f["rng"], key=lambda k: int(k.rsplit("_", 1)[1]))],
@@ -202,9 +221,59 @@ def _module(model):
     return model.module if hasattr(model, "module") else model
 
 
-def _sharded_state(model, optimizer, is_loading: bool = False) -> dict:
+def _inner(optimizer) -> list:
+    """The Megatron optimizers in `optimizer` (itself, or a ChainedOptimizer's)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _dist_optimizers(optimizer) -> list:
+    """Megatron's DistributedOptimizer(s) in `optimizer`."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    return [o for o in _inner(optimizer) if isinstance(o, DistributedOptimizer)]
+
+
+def _optimizer_format(optimizer) -> str:
+    return DISTRIBUTED if _dist_optimizers(optimizer) else PLAIN
+
+
+def _has_state(optimizer, comm=None) -> bool:
+    """Whether the optimizer has per-parameter state (Adam moments): False before its first
+    step. Agreed over the trainer ranks (every rank must write the same kind of shards)."""
+    mine = any(len(o.optimizer.state) > 0 for o in _inner(optimizer))
+    if comm is None or comm.Get_size() == 1:
+        return mine
+    flags = comm.gather(mine, root=0)
+    n = comm.bcast(sum(flags) if comm.Get_rank() == 0 else None, root=0)
+    if 0 < n < comm.Get_size():
+        raise CheckpointError(f"{n} of {comm.Get_size()} trainer ranks have optimizer state, the "
+                              "others none: cannot write a consistent checkpoint")
+    return n > 0
+
+
+# The distributed optimizer's state as "dp_reshardable" buckets, each rank's saved and loaded as
+# they are (same TP x PP; DP may change). Its default, "fully_sharded_model_space", builds
+# ShardedTensors with `flattened_range`, which megatron-core 0.16 rejects ("ShardedTensor.
+# flattened_range is not supported"); "fully_reshardable" was reported to fail to load on CPU
+# without Apex/TE (KeyError 'step').
+_DISTOPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _sharded_state(model, optimizer, is_loading: bool = False, with_optimizer: bool = True) -> dict:
     msd = _module(model).sharded_state_dict()
-    return {"model": msd, "optimizer": optimizer.sharded_state_dict(msd, is_loading=is_loading)}
+    if not with_optimizer:
+        return {"model": msd}
+    dist_opts = _dist_optimizers(optimizer)
+    if not dist_opts:
+        return {"model": msd, "optimizer": optimizer.sharded_state_dict(msd, is_loading=is_loading)}
+    if is_loading:
+        # A fresh DistributedOptimizer has no state to load into (and its state_dict() asserts
+        # one common step): Megatron's own initialisation, one Adam step on zero gradients. The
+        # values it leaves are all overwritten by the load (`step`: _restore_distributed_steps).
+        for o in dist_opts:
+            if len(o.optimizer.state) == 0:
+                o._init_optimizer_states_with_dummy_values()
+    return {"model": msd, "optimizer": optimizer.sharded_state_dict(
+        msd, is_loading=is_loading, metadata=dict(_DISTOPT_METADATA))}
 
 
 def save(run_dir: str | os.PathLike, step: int, *, model, optimizer, scheduler=None,
@@ -230,13 +299,19 @@ def save(run_dir: str | os.PathLike, step: int, *, model, optimizer, scheduler=N
             shutil.rmtree(ckpt)
         (ckpt / SHARDS).mkdir(parents=True)
     _barrier(comm)
+    # Before the optimizer's first step it has no state: only the model is written (Megatron
+    # would write a plain optimizer's param groups without any moments, which then fail every
+    # load with KeyError '...exp_avg...', and the distributed optimizer's state_dict() asserts).
+    with_opt = _has_state(optimizer, comm)
     with CudaToCpuMode(), preemption.shield_children():     # its writer processes
-        dist_checkpointing.save(_sharded_state(model, optimizer), str(ckpt / SHARDS))
+        dist_checkpointing.save(_sharded_state(model, optimizer, with_optimizer=with_opt),
+                                str(ckpt / SHARDS))
     rngs = comm.gather(rng_state(), root=0) if comm is not None else [rng_state()]
     if rank == 0:
         write_state(ckpt / STATE, step=step, config_yaml=config_yaml,
                     scheduler=scheduler.state_dict() if scheduler is not None else None,
-                    rng=rngs, controller=controller_state)
+                    rng=rngs, controller=controller_state,
+                    optimizer_format=_optimizer_format(optimizer), optimizer_state=with_opt)
     _barrier(comm)
     # CRC-32 of every file, split over the trainer ranks (a 32B checkpoint is hundreds of GB).
     files = _files(ckpt) if rank == 0 else None
@@ -275,26 +350,102 @@ def _prune(run_dir, keep: int) -> None:
         shutil.rmtree(ckpt, ignore_errors=True)
 
 
+def _checkpoint_has_optimizer_state(ckpt: Path, state: dict) -> bool:
+    """Whether the shards hold optimizer state. Checkpoints older than the `optimizer_state`
+    attribute: whether any optimizer tensor was written (a plain optimizer saved before its
+    first step wrote param groups only)."""
+    if state["optimizer_state"] is not None:
+        return state["optimizer_state"]
+    from megatron.core import dist_checkpointing
+    keys = dist_checkpointing.load_tensors_metadata(str(ckpt / SHARDS)).keys()
+    return any(k.startswith("optimizer.") for k in keys)
+
+
 def load(ckpt: Path, *, model, optimizer, scheduler=None, comm=None) -> dict[str, Any]:
     """Load shards, optimizer, scheduler and this rank's RNG states (collective); returns the
-    run state (`read_state`)."""
+    run state (`read_state`).
+
+    A checkpoint written before the optimizer's first step loads the model only and leaves the
+    optimizer without state (as it was when saved). The optimizer layout must match the run's
+    (`train.distributed_optimizer`); a mismatch raises CheckpointError."""
     import torch
     from megatron.core import dist_checkpointing
 
     from ..train.cpu_compat import CudaToCpuMode
     rank = comm.Get_rank() if comm is not None else 0
     state = read_state(ckpt / STATE)
+    saved_fmt = state["optimizer_format"] or PLAIN            # older checkpoints: plain only
+    run_fmt = _optimizer_format(optimizer)
+    with_opt = _checkpoint_has_optimizer_state(ckpt, state)
+    if with_opt and saved_fmt != run_fmt:
+        raise CheckpointError(
+            f"{ckpt}: its optimizer state was written by the {saved_fmt} optimizer, this run "
+            f"uses the {run_fmt} one (train.distributed_optimizer); resume with the setting it "
+            f"was written with (or use tools/export_hf.py for the weights only)")
     with CudaToCpuMode():
-        loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True),
-                                         str(ckpt / SHARDS))
+        loaded = dist_checkpointing.load(
+            _sharded_state(model, optimizer, is_loading=True, with_optimizer=with_opt),
+            str(ckpt / SHARDS))
         _module(model).load_state_dict(loaded["model"])
         with torch.no_grad():
-            optimizer.load_state_dict(loaded["optimizer"])
+            if with_opt:
+                optimizer.load_state_dict(loaded["optimizer"])
+                _restore_distributed_steps(optimizer, loaded["optimizer"])
+            else:
+                _reset_optimizer(optimizer)
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
     if rank < len(state["rng"]):
         set_rng_state(state["rng"][rank])
     return state
+
+
+def _restore_distributed_steps(optimizer, loaded: dict) -> None:
+    """Give every parameter of a DistributedOptimizer its own, correct Adam `step` tensor.
+
+    With torch's Adam/AdamW (no Apex/TE), the step lives per parameter (`state[p]["step"]`) and
+    Megatron's load leaves it wrong in two ways (megatron-core 0.16.1, distrib_optimizer.py):
+    - `load_state_dict` sets the checkpoint's step (saved in the param groups) as ONE tensor,
+      `s["step"] = step`, in every parameter's state; torch keeps it uncopied (non-capturable
+      step tensors are not cast), so each `step_t += 1` in Adam's per-parameter loop bumps the
+      shared counter: after one step on N parameters it has advanced by N, and the bias
+      corrections `1 - beta**step` of every parameter are wrong from the first resumed step.
+    - `load_parameter_state_from_dp_reshardable` then copies every state entry, `step`
+      included, from the dict `sharded_state_dict(is_loading=True)` built before the load; its
+      `step` is not saved (a LocalNonpersistentObject), so the copy brings back the loading
+      optimizer's own step (1 after `_init_optimizer_states_with_dummy_values`).
+    The true step is the param groups' `step` of the loaded checkpoint."""
+    import torch
+    dist_opts = _dist_optimizers(optimizer)
+    if not dist_opts:
+        return
+    inner = _inner(optimizer)
+    if len(inner) == 1:
+        per_opt = [loaded]
+    else:
+        per_opt = ([v for _, v in sorted(loaded.items())] if isinstance(loaded, dict)
+                   else list(loaded))
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    for o, sd in zip(inner, per_opt):
+        if o not in dist_opts:
+            continue
+        steps = {g["step"] for g in sd["optimizer"]["param_groups"] if "step" in g}
+        states = [st for st in o.optimizer.state.values() if "step" in st]
+        if not states or not steps:
+            continue                    # Apex/TE FusedAdam: the step is in the param groups
+        if len(steps) != 1:
+            raise CheckpointError(f"distributed optimizer checkpoint with several steps {steps}")
+        step = float(steps.pop())
+        for st in states:
+            st["step"] = torch.tensor(step, dtype=dtype, device=st["step"].device)
+
+
+def _reset_optimizer(optimizer) -> None:
+    """The optimizer as before its first step, on the loaded weights: no per-parameter state,
+    main (fp32) params copied from the model params."""
+    for o in _inner(optimizer):
+        o.optimizer.state.clear()
+    optimizer.reload_model_params()
 
 
 def load_model(ckpt: Path, model) -> None:
