@@ -1,7 +1,8 @@
 """Per-rank entry point: `python -m mpi4py -m areal_hpc.main CONFIG.yaml [key=value ...]`.
 
-Every rank loads and validates the config (and checks the input paths) before MPI work starts, so
-a bad config ends all ranks with one clear message. MPI is imported inside `main()` only: vLLM's
+Every rank loads and validates the config (and checks the input paths and the installed
+torch / vLLM / Megatron-core releases) before MPI work starts, so a bad config or environment
+ends all ranks with one clear message. MPI is imported inside `main()` only: vLLM's
 spawned engine processes re-import this module and must not join the MPI job.
 """
 from __future__ import annotations
@@ -29,6 +30,8 @@ def main(argv=None) -> int:
     try:
         cfg = load(args.config, args.overrides)
         check_paths(cfg)
+        from .versions import check_versions  # this node's torch / vLLM / Megatron releases
+        check_versions(cfg.topology.device)
     except (ConfigError, FileNotFoundError) as exc:
         if rank_env == "0":
             print(f"error: {exc}", file=sys.stderr)
