@@ -38,7 +38,13 @@ def describe(path: Path, check_crc: bool) -> bool:
         print(f"  buffered groups {groups} ({len(c['buffer_rows'])} trajectories), prompts in "
               f"flight {len(c['inflight_prompt_ids'])}")
     shards = sorted(f for f in manifest["files"] if f.startswith(ck.SHARDS + "/"))
-    print(f"  model + optimizer shards: {len(shards)} files under {ck.SHARDS}/")
+    if state.get("optimizer_state") is None:
+        what = "optimizer: not recorded (older checkpoint)"
+    elif state["optimizer_state"]:
+        what = f"optimizer: {state['optimizer_format']}"
+    else:
+        what = "optimizer: none yet (saved before the first optimizer step; resumes with a fresh one)"
+    print(f"  model + optimizer shards: {len(shards)} files under {ck.SHARDS}/; {what}")
     return True
 
 
