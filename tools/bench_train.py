@@ -7,8 +7,9 @@
 
 `--sweep`: the same batch (same tokens per step) at each pack size (`max_tokens_per_mb`) and
 attention path, each case in a fresh process: median step time, tokens/s, the tokens/s ratio to
-the smallest pack of the same path, and the peak resident memory the step added over the
-process's memory after building the model (ru_maxrss, so each case needs its own process).
+the smallest pack of the same path (pack sizes interleaved in one process per path), and the
+peak resident memory a step adds over the process's memory after building the model
+(ru_maxrss, so each reading has its own process).
 
 One process (gloo, world size 1). The batch is like the tiny job's: `--seqs` sequences in groups
 of 8, prompts of 20-40 tokens, outputs long-tailed around 45 tokens (at most 96).
@@ -110,7 +111,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="models/tiny")
     ap.add_argument("--seqs", type=int, default=128)
-    ap.add_argument("--max-tokens-per-mb", type=int, default=512)
+    ap.add_argument("--max-tokens-per-mb", default="512")
     ap.add_argument("--prox", default="recompute", choices=["recompute", "loglinear", "behaviour"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
@@ -138,12 +139,14 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    cfg = TrainConfig(lr=3e-4, max_tokens_per_mb=args.max_tokens_per_mb, prox=args.prox,
-                      attention=args.attention)
+    packs = [int(x) for x in str(args.max_tokens_per_mb).split(",")]
+    args.max_tokens_per_mb = packs[0]
+    cfg = TrainConfig(lr=3e-4, max_tokens_per_mb=max(packs), prox=args.prox, attention=args.attention)
     actor = Actor(cfg, args.model, group_size=8)
     seqs = make_batch(actor, args.seqs)
+    actor.cfg.max_tokens_per_mb = args.max_tokens_per_mb
     if args.one:
-        return one_case(actor, seqs, args.reps)
+        return one_case(actor, seqs, args.reps, packs)
     n_out = torch.tensor([len(s["output_tokens"]) for s in seqs])
     per_token = {"behav_logprobs": [s["behav_logprobs"] for s in seqs],
                  "advantages": [np.zeros(int(n), np.float32) for n in n_out]}
@@ -190,25 +193,32 @@ def random_model(hidden: int, layers: int) -> str:
     return out
 
 
-def one_case(actor, seqs, reps: int) -> None:
-    """A sweep case: median train_step time and the peak RSS the steps added, as one JSON line."""
+def one_case(actor, seqs, reps: int, packs: list[int]) -> None:
+    """A sweep process, one JSON line per pack size. With one pack size: the peak RSS one
+    `train_step` adds over the memory after building the model. With several: step times,
+    the pack sizes interleaved (a, b, c, a, b, c, ...) so that load drift hits all alike."""
     import json
     import resource
 
     import psutil
 
     base = psutil.Process().memory_info().rss
-    times = []
+    times = {p: [] for p in packs}
+    stats = {}
     for rep in range(reps + 1):  # rep 0 warms up
-        t0 = time.perf_counter()
-        stats = actor.train_step(seqs)
-        if rep:
-            times.append(time.perf_counter() - t0)
+        for pack in packs:
+            actor.cfg.max_tokens_per_mb = pack
+            t0 = time.perf_counter()
+            stats[pack] = actor.train_step(seqs)
+            if rep:
+                times[pack].append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print("RESULT " + json.dumps({"seconds": statistics.median(times), "n_tokens": stats["n_tokens"],
-                                  "tokens": sum(len(s["prompt_tokens"]) + len(s["output_tokens"]) for s in seqs),
-                                  "micro_batches": stats["n_micro_batches"],
-                                  "peak_added_mib": max(peak - base, 0) / 2**20}))
+    tokens = sum(len(s["prompt_tokens"]) + len(s["output_tokens"]) for s in seqs)
+    for pack in packs:
+        print("RESULT " + json.dumps({
+            "pack": pack, "seconds": statistics.median(times[pack]) if times[pack] else None,
+            "tokens": tokens, "micro_batches": stats[pack]["n_micro_batches"],
+            "peak_added_mib": max(peak - base, 0) / 2**20 if len(packs) == 1 else None}))
 
 
 def sweep(args) -> None:
@@ -216,26 +226,32 @@ def sweep(args) -> None:
     import subprocess
 
     packs = [int(x) for x in args.sweep.split(",")]
+
+    def run(attention, case_packs, reps):
+        cmd = [sys.executable, __file__, "--one", "--model", args.model, "--seqs", str(args.seqs),
+               "--max-tokens-per-mb", ",".join(map(str, case_packs)), "--reps", str(reps),
+               "--prox", args.prox, "--threads", str(args.threads), "--attention", attention]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [json.loads(x[7:]) for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+        if out.returncode or not lines:
+            raise SystemExit(f"{attention} {case_packs}: failed\n{out.stderr[-3000:]}")
+        return {r["pack"]: r for r in lines}
+
     rows = {}
     for attention in args.attentions.split(","):
+        timed = run(attention, packs, args.reps)  # one process: pack sizes interleaved
         for pack in packs:
-            cmd = [sys.executable, __file__, "--one", "--model", args.model, "--seqs", str(args.seqs),
-                   "--max-tokens-per-mb", str(pack), "--reps", str(args.reps), "--prox", args.prox,
-                   "--threads", str(args.threads), "--attention", attention]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-            if out.returncode or not line:
-                print(f"{attention} {pack}: failed\n{out.stderr[-2000:]}")
-                continue
-            rows[attention, pack] = r = json.loads(line[0][7:])
-            print(f"{attention:>6} {pack:>5}: {r['seconds']:.3f} s, {r['tokens'] / r['seconds']:.0f} tokens/s, "
-                  f"peak +{r['peak_added_mib']:.0f} MiB", flush=True)
-    print(f"\n{args.seqs} sequences, prox {args.prox}, threads {args.threads}, median of {args.reps}\n")
+            mem = run(attention, [pack], 0)[pack]  # a fresh process per peak-memory reading
+            rows[attention, pack] = r = {**timed[pack], "peak_added_mib": mem["peak_added_mib"]}
+            print(f"{attention:>6} {pack:>5}: {r['seconds']:.3f} s, {r['tokens'] / r['seconds']:.0f} "
+                  f"tokens/s, peak +{r['peak_added_mib']:.0f} MiB", flush=True)
+    print(f"\n{args.seqs} sequences, prox {args.prox}, threads {args.threads}, median of {args.reps} "
+          f"(pack sizes interleaved in one process per path)\n")
     print("| attention | pack | micro-batches | step | tokens/s | vs smallest pack | peak added |")
     print("|---|---|---|---|---|---|---|")
     for (attention, pack), r in rows.items():
-        base = rows.get((attention, packs[0]))
-        ratio = (r["tokens"] / r["seconds"]) / (base["tokens"] / base["seconds"]) if base else float("nan")
+        base = rows[attention, packs[0]]
+        ratio = (r["tokens"] / r["seconds"]) / (base["tokens"] / base["seconds"])
         print(f"| {attention} | {pack} | {r['micro_batches']} | {r['seconds']:.3f} s | "
               f"{r['tokens'] / r['seconds']:.0f} | {ratio:.2f}x | {r['peak_added_mib']:.0f} MiB |")
 
