@@ -1,6 +1,7 @@
 """What every launcher (mpiexec, the slurm/ batch scripts, submitit) does before the ranks start:
-validate the config and its input paths, build the tiny model if the recipe needs it, and set
-the ranks' environment. One place, so the three launchers cannot drift apart.
+validate the config, its per-GPU memory estimate (`python -m areal_hpc.plan memory`) and its
+input paths, build the tiny model if the recipe needs it, and set the ranks' environment. One
+place, so the three launchers cannot drift apart.
 
     eval "$(python -m areal_hpc.launch.env CONFIG.yaml [key=value ...])"
 
@@ -61,9 +62,16 @@ def ensure_tiny_model(cfg: RunConfig) -> None:
 
 
 def prepare(config: str, overrides: list[str]) -> RunConfig:
-    """Load and validate the config, build the tiny model if needed, check the input paths.
-    Raises ConfigError with a message that names the key."""
+    """Load and validate the config, check that every rank's memory estimate fits its GPU
+    (`areal_hpc.plan.check_fits`; before the paths, which a login node may not have), build the
+    tiny model if needed, check the input paths. Raises ConfigError with a message that names
+    the key."""
+    from ..plan import check_fits
+
     cfg = load(config, overrides)
+    check_fits(cfg)
+    from ..versions import check_versions  # VersionMismatch: installed torch/vLLM/Megatron differ
+    check_versions(cfg.topology.device)
     ensure_tiny_model(cfg)
     check_paths(cfg)
     return cfg
