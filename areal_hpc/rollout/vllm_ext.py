@@ -11,6 +11,15 @@ reload: it restores the checkpoint-format parameters, runs `model.load_weights` 
 `model.load_weights` directly fails after the first load (notes/vllm-on-cpu.md §3).
 The caller must reset vLLM's prefix cache after every load (stale KV blocks otherwise).
 
+Tied embeddings (`tie_word_embeddings`, Qwen2.5-0.5B/1.5B): HF checkpoints and the trainer's
+tensors have no `lm_head.weight`; vLLM's head holds the embedding's parameter, and its weight
+loader skips the alias. Sharing the storage is not enough on a reload: the layerwise reload
+reprocesses only the layers it loaded, and on CPU the head's GEMM (a oneDNN handler made in
+`process_weights_after_loading`) holds its own packed copy of the weight, so the head kept
+computing logits with the embedding of the first load (vLLM warned "ParallelLMHead: Failed to
+load weights" at every update). After each reload the tied head is therefore processed again
+from the new embedding (`_reload`), and that warning, expected for it, is dropped.
+
 This module must stay importable in a fresh spawned process: no MPI, no project globals.
 """
 
@@ -33,15 +42,78 @@ from areal_hpc.transport.weights import (
 
 
 
-class _DropRotaryReloadWarning(logging.Filter):
-    """vLLM warns on every reload that RotaryEmbedding loaded nothing: its cos/sin cache is
-    computed, never in a checkpoint, so the warning is noise at every weight update."""
+class _DropExpectedReloadWarnings(logging.Filter):
+    """vLLM warns on every reload about each layer that loaded nothing. Expected, so noise at
+    every weight update: RotaryEmbedding (its cos/sin cache is computed, never in a checkpoint)
+    and a tied LM head (`_reload` reprocesses it); `layers` holds their class names."""
+
+    SUFFIX = ": Failed to load weights"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = {"RotaryEmbedding"}
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "RotaryEmbedding: Failed to load weights" not in record.getMessage()
+        message = record.getMessage()
+        return not (message.endswith(self.SUFFIX) and message.removesuffix(self.SUFFIX) in self.layers)
 
 
-logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_DropRotaryReloadWarning())
+_EXPECTED_RELOAD_WARNINGS = _DropExpectedReloadWarnings()
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_EXPECTED_RELOAD_WARNINGS)
+
+
+def tied_weights(model: torch.nn.Module) -> dict[str, list[str]]:
+    """`{name: [tied names]}`: for each parameter of `model` that several modules hold (a tied
+    LM head holds the input embedding's), the name under its first module and the names under
+    the others, e.g. {"model.embed_tokens.weight": ["lm_head.weight"]}. Module names are the
+    checkpoint names for the models this project serves (Qwen2: no name mapping)."""
+    first: dict[int, str] = {}
+    tied: dict[str, list[str]] = {}
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            if id(param) in first:
+                tied.setdefault(first[id(param)], []).append(name)
+            else:
+                first[id(param)] = name
+    return tied
+
+
+def _tied_layers(worker) -> list[torch.nn.Module]:
+    """The layers of `worker`'s model that hold another layer's weight (a tied LM head) and
+    must be processed again after a reload: those of unquantized embedding layers, whose
+    processing is only the CPU GEMM packing and can be repeated. Found once, before the first
+    reload (while a reload runs, vLLM swaps every layer's parameters for placeholders). A worker
+    without a model runner (the tests' stand-ins) has none."""
+    layers = getattr(worker, "_tied_layers", None)
+    if layers is None:
+        layers = []
+        runner = getattr(worker, "model_runner", None)
+        if runner is not None:
+            from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+            model = runner.get_model()
+            for aliases in tied_weights(model).values():
+                for alias in aliases:
+                    layer = model.get_submodule(alias.rpartition(".")[0])
+                    if isinstance(getattr(layer, "quant_method", None), UnquantizedEmbeddingMethod):
+                        layers.append(layer)
+                        _EXPECTED_RELOAD_WARNINGS.layers.add(type(layer).__name__)
+        worker._tied_layers = layers
+    return layers
+
+
+def _reload(worker, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """`worker.reload_weights(weights_iterator=tensors)`, then the tied layers' processing
+    again, from the weights just loaded into the storage they share (module doc)."""
+    tied = _tied_layers(worker)
+    worker.reload_weights(weights_iterator=tensors)
+    if tied:
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(worker.vllm_config):
+            for layer in tied:
+                layer.quant_method.process_weights_after_loading(layer)
 
 
 class WeightSyncExtension:
@@ -132,7 +204,7 @@ class WeightSyncExtension:
                 wait()
 
         try:
-            self.reload_weights(weights_iterator=tensors())
+            _reload(self, tensors())
         except BaseException:
             # A local failure (unknown name, bad shape): drain before raising. A failure of the
             # wire itself (timeout, peer gone) is raised at once: draining would only wait out
@@ -174,5 +246,5 @@ class WeightSyncExtension:
                         count += 1
                         yield name, st.get_tensor(name)
 
-        self.reload_weights(weights_iterator=tensors())
+        _reload(self, tensors())
         return count

@@ -8,10 +8,19 @@ the case's `model_dir`, and the trainer's own `_weight_plan` and `_publish_weigh
 the test process plays the generator and calls `update_weights` itself). Rank 0 writes
 WORKDIR/<tag>.plan.pkl once the plan is known (the generator needs it) and <tag>.done after
 publishing. Broadcast cases join the weight group at 127.0.0.1:<port> as stage senders.
+
+A case with "train": {"seqs", "out", "cfg", "group_size"} first runs one `Actor.train_step`
+(`TrainConfig(**cfg)`, `group_size`) on the sequences pickled at `seqs` (waited for: the test
+writes them once its generator has produced them), saves the trained policy as a HF directory
+in `out` and writes <out>/result.pkl: the log-probs before the step, the step's statistics, the
+shapes of rank 0's embedding and output-layer parameters and the Actor's build time (HF →
+Megatron); then publishes the trained weights.
 """
 
+import os
 import pickle
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -44,7 +53,12 @@ def main() -> None:
         cfg.weights.mode = case["mode"]
         cfg.weights.bucket_mb = 1       # several buckets even for the tiny model
         cfg.weights.timeout_s = 120
-        actor = Actor(TrainConfig(), case["model_dir"], tp=case["tp"], pp=case["pp"])
+        train = case.get("train")
+        t0 = time.perf_counter()
+        actor = Actor(TrainConfig(**(train or {}).get("cfg", {})), case["model_dir"], tp=case["tp"],
+                      pp=case["pp"], group_size=(train or {}).get("group_size", 1))
+        if train is not None:
+            _train_step(actor, train, comm, build_s=time.perf_counter() - t0)
         trainer = SimpleNamespace(cfg=cfg, actor=actor, topo=SimpleNamespace(role_comm=comm),
                                   controller=None, weight_plan=None, weight_group=None,
                                   version=case["version"], weight_dir=str(work / "weights"))
@@ -62,6 +76,25 @@ def main() -> None:
                 str(wsync.version_dir(trainer.weight_dir, case["version"])))
         comm.Barrier()
     dist.destroy_process_group()
+
+
+def _train_step(actor, train: dict, comm, build_s: float, timeout_s: float = 900) -> None:
+    seqs_path = Path(train["seqs"])
+    deadline = time.monotonic() + timeout_s
+    while not seqs_path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {seqs_path} after {timeout_s} s")
+        time.sleep(0.2)
+    seqs = pickle.loads(seqs_path.read_bytes())
+    before = actor.compute_logprobs(seqs)
+    stats = actor.train_step(seqs, version=0)
+    actor.save_hf(train["out"])
+    shapes = {n: tuple(p.shape) for n, p in actor.model.named_parameters() if "embedding" in n or "output_layer" in n}
+    if comm.Get_rank() == 0:
+        result = Path(train["out"]) / "result.pkl"
+        tmp = result.with_name(result.name + ".tmp")
+        tmp.write_bytes(pickle.dumps({"logprobs": before, "stats": stats, "shapes": shapes, "build_s": build_s}))
+        os.replace(tmp, result)
 
 
 if __name__ == "__main__":

@@ -311,6 +311,21 @@ def test_receiver_wire_failure_is_raised_at_once():
     assert posted == [0, 1, 2, 3, 4]  # no drain: nothing posted after the failed wait
 
 
+def test_tied_weights_found_by_parameter_identity():
+    """The receiver's view of a tied LM head (reprocessed after every reload): the parameter
+    that a later module holds too, by name; untied look-alikes are not tied."""
+    from areal_hpc.rollout.vllm_ext import tied_weights
+
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.embed_tokens = torch.nn.Embedding(10, 4)
+    model.model.norm = torch.nn.LayerNorm(4)
+    model.lm_head = torch.nn.Linear(4, 10, bias=False)
+    assert tied_weights(model) == {}
+    model.lm_head.weight = model.model.embed_tokens.weight
+    assert tied_weights(model) == {"model.embed_tokens.weight": ["lm_head.weight"]}
+
+
 # ------------------------------------------------------------ gloo round trip
 
 
