@@ -39,6 +39,7 @@ GiB = 2**30
 
 
 def _status(key: str) -> int:
+    """A /proc/self/status field (VmRSS, VmHWM) in bytes."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
@@ -55,8 +56,13 @@ def _trim() -> None:
         pass
 
 
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
+def _reset_peak() -> bool:
+    """Reset VmHWM to the current RSS; False where the kernel does not allow it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
 
 
 def make_model(out: Path, hidden: int, layers: int, vocab: int, max_pos: int) -> dict:

@@ -53,19 +53,19 @@ Prints markdown tables. Nothing is downloaded.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import os
 import resource
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
+sys.path.insert(0, str(ROOT / "tools"))
+from bench_memory import _reset_peak, _status, _trim  # noqa: E402
+from bench_weights import in_thread  # noqa: E402
 
 GiB = 2**30
 QWEN_EOS = 151_643  # <|endoftext|>
@@ -82,31 +82,6 @@ SHAPES = {
 
 
 # ------------------------------------------------------------------------------ memory
-
-def _status(key: str) -> int:
-    """A /proc/self/status field (VmRSS, VmHWM) in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def _trim() -> None:
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-
-
-def _reset_peak() -> bool:
-    """Reset VmHWM to the current RSS; False where the kernel does not allow it."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
 
 def _maxrss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
@@ -160,27 +135,6 @@ def make_seqs(pack: int, n_seqs: int, vocab: int, seed: int = 0) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------ helpers
-
-def in_thread(fn, *args):
-    """Run fn(*args) beside the caller; returns a join() that gives its result."""
-    box = {}
-
-    def run():
-        try:
-            box["out"] = fn(*args)
-        except BaseException as e:  # surfaced by join()
-            box["err"] = e
-
-    t = threading.Thread(target=run)
-    t.start()
-
-    def join():
-        t.join()
-        if "err" in box:
-            raise box["err"]
-        return box["out"]
-    return join
-
 
 def run_config(model_dir: str, args):
     """The run config of this benchmark (the Actor's train section and the memory model's input)."""

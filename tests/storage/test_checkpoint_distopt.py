@@ -23,6 +23,7 @@ import torch
 from areal_hpc.config import TrainConfig
 from areal_hpc.storage import checkpoint as ck
 from areal_hpc.topology import free_port
+from tests.storage.test_checkpoint import _batch
 
 WORKER = Path(__file__).with_name("distopt_worker.py")
 WORLD = 2
@@ -33,17 +34,6 @@ CFG = TrainConfig(lr=1e-3, max_tokens_per_mb=64, distributed_optimizer=True, ppo
                   lr_warmup_steps=1, lr_decay_style="linear", total_steps=STEPS + 1,
                   weight_decay=0.01)
 ACTOR = dict(group_size=2)
-
-
-def _batch(seed: int) -> list[dict]:
-    rng = np.random.default_rng(seed)
-    seqs = []
-    for i in range(4):
-        out = rng.integers(0, 64, 6).astype(np.int32)
-        seqs.append({"prompt_tokens": rng.integers(0, 64, 4).astype(np.int32), "output_tokens": out,
-                     "behav_logprobs": np.full(6, -4.0, np.float32), "reward": float(i % 2),
-                     "versions": np.zeros(6, np.int32)})
-    return seqs
 
 
 def _model_dir(path: Path) -> str:
