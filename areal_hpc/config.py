@@ -2,15 +2,23 @@
 
 Every field has a simple type so the whole tree serialises (into the rollout HDF5 attributes and
 checkpoint manifests) and back. Unknown keys and wrong types are errors that name the key; they
-are raised by `load()` before any rank starts work.
+are raised by `load()` before any rank starts work. Every numeric key has a range (`RANGES`),
+checked by `validate()`; `check_paths()` checks the model directory and the datasets. Every
+refusal is one `ConfigError` line naming the key, file or row.
 """
 from __future__ import annotations
 
+import io
+import json
+import math
 import os
+import signal as _signal
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -77,6 +85,18 @@ class RolloutConfig:
     # bounded by weights.timeout_s instead. Keep it above the longest single engine step.
     heartbeat_s: float = 5.0
     generator_timeout_s: float = 600.0
+    # The other way round: the controller sends each generator a heartbeat at least every
+    # heartbeat_s; a generator that hears nothing from it for generator_timeout_s (before the
+    # first message: weights.join_timeout_s, the trainer's start-up and checkpoint load) ends
+    # itself, naming the controller, and its reaper kills its vLLM engine and reward workers.
+    # Bounds every MPI collective (bcast, gather, barrier) among the trainer ranks and over the
+    # whole job (start-up, the end-of-job barrier); past it the rank fails naming the operation
+    # and communicator instead of hanging on a rank that is gone. A collective waits for its
+    # slowest rank, so this must exceed the longest legitimate skew between ranks: a batch wait
+    # (sync mode: a whole batch generated), a training step, a weight update with its
+    # acknowledgements (up to weights.timeout_s), a checkpoint save or load and its CRC pass
+    # (the end-of-job barrier waits for the final checkpoint; minutes for a 32B model).
+    collective_timeout_s: float = 1800.0
     # vLLM tensor parallelism inside one generator rank: workers per engine (GPUs on a GPU node;
     # on CPU, this rank's allowed CPUs split among them). Each worker joins the weight group, so
     # it has pp + n_generators * engine_tp members.
@@ -87,6 +107,10 @@ class RolloutConfig:
 class RewardConfig:
     workers: int = 1                    # reward processes beside each generator
     math_timeout_s: float = 10.0        # per call; a timeout or crash scores 0 and is counted
+    # Code rewards run every test in a bubblewrap sandbox (reward/sandbox.py); a data.kind=code
+    # job refuses to start where it cannot be set up. true: run model-written code WITHOUT
+    # isolation (it can read answers, files, the environment, signal the job); warns at start.
+    unsafe_no_sandbox: bool = False
 
 
 @dataclass
@@ -196,8 +220,70 @@ class RunConfig:
 
 def _explain(exc: OmegaConfBaseException) -> str:
     key = getattr(exc, "full_key", None)
-    msg = str(exc).splitlines()[0]
+    lines = str(exc).splitlines()
+    msg = lines[0] if lines else type(exc).__name__
     return f"config key '{key}': {msg}" if key else msg
+
+
+def _yaml_problem(exc: yaml.YAMLError, context_line: bool = True) -> tuple[int | None, str]:
+    """(1-based line, one-line description) of a PyYAML error."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None)
+    context = getattr(exc, "context", None)
+    if problem:
+        what = problem
+        cmark = getattr(exc, "context_mark", None)
+        if context:
+            where = (f" at line {cmark.line + 1}" if context_line and cmark is not None
+                     and cmark is not mark else "")
+            what += f" ({context}{where})"
+    else:
+        lines = str(exc).splitlines()
+        what = lines[0] if lines else type(exc).__name__
+    return (mark.line + 1 if mark is not None else None), " ".join(what.split())
+
+
+def _read_yaml(path: Path):
+    """A YAML file as an OmegaConf node; syntax errors, duplicate keys (OmegaConf's loader refuses
+    them), text that is not UTF-8 and a top level that is not a mapping are one ConfigError line
+    naming the file and line."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x}: "
+                          f"{exc.reason})") from None
+    try:
+        node = OmegaConf.load(io.StringIO(text))
+    except yaml.YAMLError as exc:
+        line, what = _yaml_problem(exc)
+        raise ConfigError(f"{path}:{line}: bad YAML: {what}" if line else
+                          f"{path}: bad YAML: {what}") from None
+    if not OmegaConf.is_dict(node):
+        raise ConfigError(f"{path}: expected a mapping of config keys at the top level, "
+                          f"got a {type(OmegaConf.to_container(node)).__name__}")
+    return node
+
+
+def _read_overrides(overrides: list[str]):
+    bad = [o for o in overrides if "=" not in o or not o.split("=", 1)[0].strip()]
+    if bad:
+        raise ConfigError(f"override must be key=value, got: {bad[0]!r}")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except yaml.YAMLError:
+        for o in overrides:     # name the one that is bad
+            try:
+                OmegaConf.from_dotlist([o])
+            except yaml.YAMLError as exc:
+                key = o.split("=", 1)[0]
+                raise ConfigError(f"config key '{key}': override {o!r} is not a valid YAML "
+                                  f"value: {_yaml_problem(exc, False)[1]}") from None
+        raise
 
 
 def load(yaml_path: str | os.PathLike | None, overrides: list[str] = ()) -> RunConfig:
@@ -209,11 +295,13 @@ def load(yaml_path: str | os.PathLike | None, overrides: list[str] = ()) -> RunC
             path = Path(yaml_path)
             if not path.is_file():
                 raise ConfigError(f"config file not found: {path}")
-            layers.append(OmegaConf.load(path))
-        bad = [o for o in overrides if "=" not in o]
-        if bad:
-            raise ConfigError(f"override must be key=value, got: {bad[0]!r}")
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
+            layers.append(_read_yaml(path))
+        layers.append(_read_overrides(list(overrides)))
+        for layer in layers[1:]:    # OmegaConf's merge error for these names no key
+            for key, value in OmegaConf.to_container(layer, resolve=False).items():
+                if key in schema and OmegaConf.is_dict(schema[key]) and not isinstance(value, dict):
+                    raise ConfigError(f"config key '{key}': must be a mapping of {key}.* keys, "
+                                      f"got {value!r}")
         merged = OmegaConf.merge(*layers)
         missing = sorted(OmegaConf.missing_keys(merged))
         if missing:
@@ -230,9 +318,164 @@ def _check(cond: bool, key: str, msg: str) -> None:
         raise ConfigError(f"config key '{key}': {msg}")
 
 
+INT_MAX = 2**31 - 1          # counts end up in int32 tensors, vLLM / torch arguments
+MAX_RANKS = 65536            # ranks of one role (the launcher and Slurm bound the real number)
+SEED_MAX = 2**31 - 1         # + rank offsets stays below numpy's 2**32
+MAX_TIMEOUT_S = 30 * 86400.0  # torch.distributed / threading timeouts must be finite
+
+
+@dataclass(frozen=True)
+class Range:
+    """Allowed values of one numeric key; None = unbounded on that side (floats must be finite)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    why: str = ""
+
+    def problem(self, value) -> str | None:
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"must be a finite number, got {value}"
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return f"must be {'>' if self.lo_open else '>='} {_num(self.lo)}, got {_num(value)}" + self.why
+        if self.hi is not None and (value >= self.hi if self.hi_open else value > self.hi):
+            return f"must be {'<' if self.hi_open else '<='} {_num(self.hi)}, got {_num(value)}" + self.why
+        return None
+
+
+def _num(x) -> str:
+    if isinstance(x, int):
+        return str(x)
+    return str(int(x)) if x.is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+
+_COUNT = Range(1, INT_MAX)
+_NONNEG = Range(0, INT_MAX)
+_TIMEOUT = Range(0.001, MAX_TIMEOUT_S, why=" (seconds)")
+_RANKS = Range(1, MAX_RANKS)
+
+# Every int / float key of the schema (reward.* is checked in `validate` itself); optional keys
+# are checked when set. tests/config checks that no numeric key is missing here.
+RANGES: dict[str, Range] = {
+    "log_every": _COUNT,
+    "data.eval_limit": Range(0, INT_MAX, why=" (0 = all)"),
+    "data.eval_samples": Range(1, 65536),
+    "data.seed": Range(0, SEED_MAX),
+    "topology.n_trainers": _RANKS,
+    "topology.n_generators": _RANKS,
+    "topology.tp": _RANKS,
+    "topology.pp": _RANKS,
+    "topology.gpu_mem_gib": Range(0, 65536, why=" (0 = no memory preflight)"),
+    "rollout.group_size": Range(1, 65536),
+    "rollout.max_new_tokens": _COUNT,
+    # vLLM refuses temperatures above 2 and raises those below 0.01 to 0.01, which would no
+    # longer be the temperature the trainer scores the behaviour log-probs with.
+    "rollout.temperature": Range(0.01, 2.0, why=" (vLLM samples at temperatures in [0.01, 2])"),
+    "rollout.top_p": Range(0, 1, lo_open=True),
+    "rollout.max_staleness": _NONNEG,
+    "rollout.max_concurrent_prompts": _COUNT,
+    "rollout.max_model_len": Range(2, INT_MAX),
+    "rollout.kv_cache_gib": Range(1, 65536, why=" (or null: vLLM's default)"),
+    "rollout.gpu_memory_utilization": Range(0, 1, lo_open=True),
+    "rollout.heartbeat_s": _TIMEOUT,
+    "rollout.generator_timeout_s": _TIMEOUT,
+    "rollout.collective_timeout_s": _TIMEOUT,
+    "rollout.engine_tp": _RANKS,
+    "train.total_steps": _COUNT,
+    "train.batch_prompts": _COUNT,
+    "train.lr": Range(0, 1, lo_open=True),
+    "train.lr_warmup_steps": _NONNEG,
+    "train.lr_decay_steps": _COUNT,
+    "train.min_lr": Range(0, 1),
+    "train.weight_decay": Range(0),
+    "train.adam_beta1": Range(0, 1, hi_open=True),
+    "train.adam_beta2": Range(0, 1, hi_open=True),
+    "train.adam_eps": Range(0, 1, lo_open=True),
+    "train.clip_grad": Range(0, why=" (0 = no clipping)"),
+    "train.ppo_minibatches": _COUNT,
+    "train.eps_clip": Range(0, 1, lo_open=True, hi_open=True),
+    "train.eps_clip_high": Range(0, lo_open=True),
+    "train.dual_clip": Range(1, lo_open=True, why=" (or null: off)"),
+    "train.behav_imp_weight_cap": Range(1, why=" (or null: no cap)"),
+    "train.reward_bias": Range(),
+    "train.reward_scaling": Range(0, lo_open=True),
+    "train.reward_clip": Range(0, lo_open=True),
+    "train.max_tokens_per_mb": _COUNT,
+    "train.logprob_chunk_tokens": _COUNT,
+    "train.recompute_num_layers": _COUNT,
+    "train.seed": Range(0, SEED_MAX),
+    "weights.bucket_mb": Range(1, 65536),
+    "weights.timeout_s": _TIMEOUT,
+    "weights.join_timeout_s": _TIMEOUT,
+    "checkpoint.every_steps": Range(0, INT_MAX, why=" (0 = none on a timer)"),
+    "checkpoint.keep": _COUNT,
+}
+
+# Preemption signals must be catchable (KILL, STOP are not), not synchronous faults (a handler
+# that returns re-runs the faulting instruction) and not CHLD (every child process exit sends it).
+UNUSABLE_SIGNALS = ("KILL", "STOP", "SEGV", "BUS", "FPE", "ILL", "CHLD")
+
+
+def _get(cfg: RunConfig, key: str):
+    node = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def check_ranges(cfg: RunConfig) -> None:
+    for key, rng in RANGES.items():
+        value = _get(cfg, key)
+        if value is None:
+            continue
+        problem = rng.problem(value)
+        if problem:
+            raise ConfigError(f"config key '{key}': {problem}")
+
+
+def check_signals(names: list) -> None:
+    for name in names:
+        _check(isinstance(name, str) and f"SIG{name}" in _signal.Signals.__members__,
+               "checkpoint.signals", f"unknown signal {name!r} (names without SIG, e.g. USR1, TERM)")
+        why = "cannot be caught" if name in ("KILL", "STOP") else "not a notification signal"
+        _check(name not in UNUSABLE_SIGNALS, "checkpoint.signals",
+               f"SIG{name} cannot announce a preemption ({why}); use e.g. USR1 or TERM")
+
+
+def check_template(template: str, kind: str, key: str = "data.prompt_template") -> None:
+    """The fields of `template` (str.format syntax) must be ones the data kind fills in."""
+    from .data.prompts import TEMPLATE_FIELDS
+    fields = TEMPLATE_FIELDS.get(kind, ())
+    names = ", ".join("{" + f + "}" for f in fields)
+    try:
+        parts = list(string.Formatter().parse(template))
+    except ValueError as exc:   # "Single '}' encountered", "expected '}' before end of string"
+        raise ConfigError(f"config key '{key}': {exc} in {template!r} (write literal braces as "
+                          f"{{{{ and }}}})") from None
+    used = set()
+    for _, name, spec, conversion in parts:
+        if name is None:
+            continue
+        _check(name in fields, key,
+               f"unknown field {{{name}}} in {template!r}: data.kind={kind} fills in {names} "
+               f"(write literal braces as {{{{ and }}}})" if name else
+               f"positional field {{}} in {template!r}: name it, one of {names}")
+        _check(conversion in (None, "s", "r", "a"), key, f"bad conversion !{conversion} in {{{name}}}")
+        _check("{" not in (spec or ""), key, f"nested field in the format spec of {{{name}}}")
+        try:
+            format("x", spec or "")
+        except ValueError as exc:
+            raise ConfigError(f"config key '{key}': bad format spec {{{name}:{spec}}}: {exc}") from None
+        used.add(name)
+    _check(bool(used), key, f"{template!r} has no field: every prompt would be the same text "
+           f"(use {names})")
+
+
 def validate(cfg: RunConfig) -> None:
     """Semantic checks that types alone cannot express."""
     t, r, tr = cfg.topology, cfg.rollout, cfg.train
+    check_ranges(cfg)       # first: the checks below may divide by these
     _check(t.n_generators >= 1, "topology.n_generators", "need at least one generator rank")
     _check(t.n_trainers >= 1, "topology.n_trainers", "need at least one trainer rank")
     _check(t.tp >= 1 and t.pp >= 1, "topology.tp", "tp and pp must be >= 1")
@@ -306,9 +549,8 @@ def validate(cfg: RunConfig) -> None:
     _check(ck.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
     _check(ck.keep >= 1, "checkpoint.keep", "must be >= 1")
     _check(ck.resume in ("auto", "never"), "checkpoint.resume", f"must be auto or never, got {ck.resume!r}")
-    import signal as _signal
-    for name in ck.signals:
-        _check(hasattr(_signal, f"SIG{name}"), "checkpoint.signals", f"unknown signal {name!r} (e.g. USR1, TERM)")
+    check_signals(ck.signals)
+    check_template(cfg.data.prompt_template, cfg.data.kind)
 
 
 def to_yaml(cfg: RunConfig) -> str:
@@ -330,6 +572,7 @@ def check_paths(cfg: RunConfig) -> None:
         raise ConfigError(f"config key 'name': run {cfg.name!r} already has {log}; choose another "
                           f"name=..., remove {cfg.run_dir}, or resume it with checkpoint.resume=auto")
     from .data.prompts import load_prompts
+    sample = None
     for key, value in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
         if value is None:
             continue
@@ -337,7 +580,147 @@ def check_paths(cfg: RunConfig) -> None:
             raise ConfigError(f"config key '{key}': file not found: {value}")
         try:    # every row parsed now, so a bad line stops the job before any rank starts
             rows = load_prompts(value, cfg.data.kind, cfg.data.question_key, cfg.data.answer_key)
-        except ValueError as exc:
-            raise ConfigError(f"config key '{key}': {exc}") from None
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"config key '{key}': {_one_line(exc)}") from None
         if not rows:
             raise ConfigError(f"config key '{key}': {value} holds no rows")
+        if key == "data.train_path":
+            sample = rows[0]
+    check_model_dir(cfg, sample)
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+# What the trainer converts (train/hf_convert.py: Qwen2 <-> Megatron GPTModel).
+SUPPORTED_MODEL_TYPES = ("qwen2",)
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file; unreadable, non-UTF-8 or bad JSON is one ConfigError line naming file and line."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text ({exc.reason})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}:{exc.lineno}:{exc.colno}: bad JSON: {exc.msg}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: bad JSON: nested too deeply") from None
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_model_config(cfg: RunConfig, hf: Any, source: str) -> None:
+    """`hf` (a config.json) describes a model the trainer converts and vLLM serves with this
+    config's parallelism and lengths."""
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{source}: expected a JSON object, got {type(hf).__name__}")
+    mt, archs = hf.get("model_type"), hf.get("architectures")
+    supported = (f"supported: model_type {', '.join(SUPPORTED_MODEL_TYPES)} "
+                 f"({', '.join(SUPPORTED_ARCHITECTURES)})")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"{source}: model_type {mt!r} is not supported ({supported})")
+    if archs is not None and not (isinstance(archs, list)
+                                  and any(a in SUPPORTED_ARCHITECTURES for a in archs)):
+        raise ConfigError(f"{source}: architectures {archs!r} is not supported ({supported})")
+    from .plan import Arch     # hidden_size, heads, layers, intermediate_size, vocab_size, kv heads
+    arch = Arch.from_hf(hf, source)
+    mpe = hf.get("max_position_embeddings")
+    if not _positive_int(mpe):
+        raise ConfigError(f"{source}: key 'max_position_embeddings' "
+                          + ("missing" if mpe is None else f"must be a positive integer, got {mpe!r}"))
+    eps = hf.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < 1):
+        raise ConfigError(f"{source}: key 'rms_norm_eps' must be a number in (0, 1), got {eps!r}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (silu only)")
+    if hf.get("use_sliding_window", False):
+        raise ConfigError(f"{source}: use_sliding_window is not supported")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{source}: rope_parameters / rope_scaling must be an object, got {rope!r}")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ConfigError(f"{source}: rope scaling {rope_type!r} is not supported (default only)")
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (0 < theta < math.inf):
+        raise ConfigError(f"{source}: key 'rope_theta' must be a positive number, got {theta!r}")
+    if not isinstance(hf.get("tie_word_embeddings", False), bool):
+        raise ConfigError(f"{source}: key 'tie_word_embeddings' must be true or false")
+    t, r, tr = cfg.topology, cfg.rollout, cfg.train
+    _check(r.max_model_len <= mpe, "rollout.max_model_len",
+           f"{r.max_model_len} exceeds max_position_embeddings = {mpe} of {source} (vLLM refuses it)")
+    _check(arch.layers % t.pp == 0, "topology.pp",
+           f"num_hidden_layers = {arch.layers} of {source} do not split over pp = {t.pp} stages")
+    for what, n in (("num_attention_heads", arch.heads), ("num_key_value_heads", arch.kv_heads),
+                    ("vocab_size", arch.vocab)):
+        _check(n % t.tp == 0, "topology.tp", f"{what} = {n} of {source} is not divisible by tp = {t.tp}")
+    etp = r.engine_tp
+    _check(arch.heads % etp == 0 and (arch.kv_heads % etp == 0 or etp % arch.kv_heads == 0),
+           "rollout.engine_tp", f"vLLM splits num_attention_heads = {arch.heads} and "
+           f"num_key_value_heads = {arch.kv_heads} of {source} over engine_tp = {etp}: they must divide")
+    if tr.recompute_num_layers is not None:
+        per_stage = arch.layers // t.pp
+        _check(tr.recompute_num_layers <= per_stage, "train.recompute_num_layers",
+               f"{tr.recompute_num_layers} exceeds the {per_stage} layers of a pipeline stage")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
+
+
+def check_model_dir(cfg: RunConfig, sample: dict | None = None) -> None:
+    """The model directory, cheaply (no weights read): config.json, weight files, tokenizer (which
+    must turn `sample`, a dataset row in `data.prompt_template`, into at least one token)."""
+    model = Path(cfg.model.path)
+    path = model / "config.json"
+    hf = read_json(path)
+    check_model_config(cfg, hf, str(path))
+    index = model / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ConfigError(f"{index}: no 'weight_map' object")
+        for shard in sorted(set(map(str, weight_map.values()))):
+            if not (model / shard).is_file():
+                raise ConfigError(f"config key 'model.path': {index} names {shard}, which is missing")
+    elif not any(model.glob("*.safetensors")):
+        raise ConfigError(f"config key 'model.path': no *.safetensors weights in {model}")
+    if not any((model / f).is_file() for f in TOKENIZER_FILES):
+        # (transformers 5 would build an empty Qwen2 tokenizer without complaint)
+        raise ConfigError(f"config key 'model.path': no tokenizer in {model} (none of "
+                          f"{', '.join(TOKENIZER_FILES)})")
+    try:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
+    except Exception as exc:    # noqa: BLE001 - whatever transformers raises, one line
+        raise ConfigError(f"config key 'model.path': the tokenizer in {model} does not load: "
+                          f"{type(exc).__name__}: {_one_line(exc)}") from None
+    if len(tokenizer) > hf["vocab_size"]:
+        raise ConfigError(f"config key 'model.path': the tokenizer in {model} has {len(tokenizer)} "
+                          f"tokens but {path} vocab_size = {hf['vocab_size']}")
+    if sample is not None:
+        text = cfg.data.prompt_template.format(question=sample["question"])
+        try:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        except Exception as exc:    # noqa: BLE001
+            raise ConfigError(f"config key 'model.path': the tokenizer in {model} fails on the "
+                              f"first prompt: {type(exc).__name__}: {_one_line(exc)}") from None
+        if not ids:
+            raise ConfigError(f"config key 'model.path': the tokenizer in {model} turns the first "
+                              f"prompt {text[:60]!r} into no tokens")
+        if len(ids) >= cfg.rollout.max_model_len:
+            raise ConfigError(f"config key 'rollout.max_model_len': the first prompt is {len(ids)} "
+                              f"tokens, no room to generate in {cfg.rollout.max_model_len}")

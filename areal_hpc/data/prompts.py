@@ -11,6 +11,9 @@ from .code_jsonl import load_code_jsonl
 from .jsonl import load_jsonl
 
 KINDS = ("math", "code")
+# The fields `data.prompt_template` may use, per kind: the controller fills the template with
+# `template.format(question=row["question"])` (for code, the row's prompt is its "question").
+TEMPLATE_FIELDS = {"math": ("question",), "code": ("question",)}
 
 
 def load_prompts(path: str, kind: str = "math", question_key: str = "question",
