@@ -52,6 +52,7 @@ class EvalSettings:
     seed: int = 0
     reward_workers: int = 1
     math_timeout_s: float = 10.0
+    unsafe_no_sandbox: bool = False
 
     @classmethod
     def from_config(cls, cfg) -> EvalSettings:
@@ -64,7 +65,8 @@ class EvalSettings:
                    kv_cache_gib=r.kv_cache_gib,
                    gpu_memory_utilization=r.gpu_memory_utilization, engine_tp=r.engine_tp,
                    enforce_eager=r.enforce_eager, seed=cfg.train.seed,
-                   reward_workers=cfg.reward.workers, math_timeout_s=cfg.reward.math_timeout_s)
+                   reward_workers=cfg.reward.workers, math_timeout_s=cfg.reward.math_timeout_s,
+                   unsafe_no_sandbox=cfg.reward.unsafe_no_sandbox)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -119,7 +121,8 @@ def evaluate(model: str | Path, rows: list[dict], s: EvalSettings, *, ks: list[i
             errors += res.error is not None
         bar.update(len(results))
 
-    with RewardPool(s.reward_workers, math_timeout_s=s.math_timeout_s) as pool, \
+    with RewardPool(s.reward_workers, math_timeout_s=s.math_timeout_s,
+                    unsafe_no_sandbox=s.unsafe_no_sandbox) as pool, \
             VLLMEngine(str(model), dtype=s.dtype, max_model_len=s.max_model_len, seed=s.seed,
                        kv_cache_gib=s.kv_cache_gib, enforce_eager=s.enforce_eager,
                        gpu_memory_utilization=s.gpu_memory_utilization,

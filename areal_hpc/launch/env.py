@@ -74,6 +74,8 @@ def prepare(config: str, overrides: list[str]) -> RunConfig:
     check_versions(cfg.topology.device)
     ensure_tiny_model(cfg)
     check_paths(cfg)
+    from ..reward.sandbox import check_available
+    check_available(cfg)  # data.kind=code: refuse where code cannot be sandboxed (or warn if unsafe)
     return cfg
 
 

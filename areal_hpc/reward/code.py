@@ -1,25 +1,27 @@
 """Code reward: run a completion's Python program against stdin/stdout tests.
 
-Each test runs the program in its own subprocess (``python -I``) in a fresh scratch directory that
-is removed afterwards, with no inherited environment (``PATH`` and ``LANG`` only), stdin read from
-a file, stdout and stderr written to files, and these limits:
+Each test runs the program in a fresh bubblewrap sandbox of its own (reward/sandbox.py: own PID,
+network, IPC, UTS namespaces, an unprivileged uid, a read-only file system holding only the Python
+installation, a private tmpfs as cwd, ``PATH``/``LANG`` only, limits on processes, memory, CPU,
+output, wall clock). The program gets its source and the test's stdin, nothing else: the expected
+output stays in this process, which compares it; grader code, datasets, other tests and the
+host's processes are out of its reach, and whatever it started dies with its test.
 
-- wall clock: ``timeout_s`` per test; on expiry the test's whole process group is killed
-  (the program runs in a new session, so its own children go with it);
-- CPU time: ``RLIMIT_CPU`` a little above ``timeout_s``, a backstop should the parent die;
-- memory: ``RLIMIT_AS = memory_mb`` (a memory bomb gets ``MemoryError``, not the OOM killer);
-- output: ``RLIMIT_FSIZE = MAX_OUTPUT_BYTES`` per file (an endless ``print`` loop gets SIGXFSZ
-  instead of filling the disk or the parent's memory); no core files;
-- parent death (Linux): ``PR_SET_PDEATHSIG`` kills the program if the process running the test
-  dies (e.g. reward/pool.py kills a stuck worker).
+Two kinds of failure:
 
-This bounds accidents, not attacks: the program can still read the file system and use the
-network. Run untrusted code in a container or a remote sandbox.
+- the program failed (wrong answer, exception, non-zero exit, memory or output limit): the test
+  fails, reward 0.0, no error for the caller;
+- the test could not be judged (the sandbox could not be set up or failed, or the test passed its
+  wall-clock limit): the test fails *and* ``run_tests`` returns the reason as ``error``, which
+  reward/pool.py reports as the call's error (the ``reward_error`` column, the ``reward_errors``
+  metric): a broken node is never silently a row of wrong answers.
 
-The limits are set in ``preexec_fn``, which CPython documents as unsafe in a process with threads
-(a lock held by another thread at fork time stays held in the child). The function below only
-calls already-imported C functions, and reward/pool.py calls ``run_tests`` from single-threaded
-worker processes.
+``unsafe_no_sandbox=True`` (config ``reward.unsafe_no_sandbox``) runs the program the old way, a
+plain subprocess with rlimits in a scratch directory: that bounds accidents, not attacks (the
+program can read the file system and the environment, use the network, signal the job). Its
+limits are set in ``preexec_fn``, which CPython documents as unsafe in a process with threads;
+the function only calls already-imported C functions, and reward/pool.py calls ``run_tests`` from
+single-threaded worker processes.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ import subprocess
 import sys
 import tempfile
 
-MAX_OUTPUT_BYTES = 32 << 20  # per written file, stdout included
+from areal_hpc.reward.sandbox import MAX_OUTPUT_BYTES, Sandbox
+
 MAX_ERROR_CHARS = 200
 CPU_LIMIT_SLACK_S = 1  # RLIMIT_CPU = ceil(timeout_s) + this; the wall clock normally fires first
 CHILD_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
@@ -122,8 +125,35 @@ def _tail(path: str) -> str:
     return lines[-1][:MAX_ERROR_CHARS] if lines else ""
 
 
-def _run_one(program: str, stdin_text: str, expected: str, timeout_s: float,
-             memory_mb: int, scratch_root: str | None) -> str | None:
+def _run_sandboxed(program: str, stdin_text: str, expected: str, timeout_s: float,
+                   memory_mb: int, scratch_root: str | None) -> tuple[str | None, bool]:
+    """(None if the program passes this test else a short reason, whether the reason is an
+    error of the grader rather than of the program)."""
+    res = Sandbox(tmp_dir=scratch_root).run(program, stdin_text, timeout_s=timeout_s,
+                                            memory_mb=memory_mb)
+    if res.sandbox_error is not None:
+        return res.sandbox_error[:MAX_ERROR_CHARS], True
+    if res.timed_out:
+        return f"timeout after {timeout_s:g} s", True
+    if res.returncode < 0:
+        return _SIGNAL_REASONS.get(-res.returncode, f"killed by signal {-res.returncode}"), False
+    if res.returncode != 0:
+        return (res.stderr_tail or f"exit code {res.returncode}"), False
+    got = res.stdout.decode("utf-8", "replace")
+    if _normalise_output(got) != _normalise_output(expected):
+        return "wrong answer", False
+    return None, False
+
+
+def _run_unsandboxed(program: str, stdin_text: str, expected: str, timeout_s: float,
+                     memory_mb: int, scratch_root: str | None) -> tuple[str | None, bool]:
+    """As _run_sandboxed, without isolation (reward.unsafe_no_sandbox)."""
+    error = _run_one_unsafe(program, stdin_text, expected, timeout_s, memory_mb, scratch_root)
+    return error, error is not None and error.startswith("timeout")
+
+
+def _run_one_unsafe(program: str, stdin_text: str, expected: str, timeout_s: float,
+                    memory_mb: int, scratch_root: str | None) -> str | None:
     """None if the program passes this test, else a short reason."""
     scratch = tempfile.mkdtemp(prefix="areal_code_", dir=scratch_root)
     try:
@@ -165,7 +195,8 @@ def _run_one(program: str, stdin_text: str, expected: str, timeout_s: float,
 
 
 def run_tests(code: str, tests: list[dict], timeout_s: float = 5.0, memory_mb: int = 512,
-              stop_on_first_failure: bool = False, scratch_root: str | None = None) -> dict:
+              stop_on_first_failure: bool = False, scratch_root: str | None = None,
+              unsafe_no_sandbox: bool = False) -> dict:
     """Run a program against stdin/stdout tests ``[{"input": str, "output": str}, ...]``.
 
     ``code`` is a completion or bare source; ``extract_code`` picks the program out of it.
@@ -173,34 +204,43 @@ def run_tests(code: str, tests: list[dict], timeout_s: float = 5.0, memory_mb: i
     Outputs match if they agree after stripping trailing whitespace per line (and trailing blank
     lines). With ``stop_on_first_failure`` the tests after a failure are not run (error
     ``"skipped"``): the reward is 0 either way, and a program that loops forever would otherwise
-    cost ``timeout_s`` per test. Scratch directories are made in ``scratch_root`` (default: the
-    system's temporary directory); a caller that may be killed mid-test passes a directory it
-    cleans up itself.
+    cost ``timeout_s`` per test. The parent's files for a test (unlinked: the program's source,
+    stdin, stdout, stderr; unsandboxed: a scratch directory) are made in ``scratch_root``
+    (default: the system's temporary directory); a caller that may be killed mid-test passes a
+    directory it cleans up itself.
 
     Returns ``{"passed": [bool per test], "errors": [None or a short reason per test],
-    "reward": 1.0 if every test passed (and there is at least one) else 0.0}``. Never raises.
+    "reward": 1.0 if every test passed (and there is at least one) else 0.0, "error": None, or
+    "test <i>: <reason>" for the first test that could not be judged (sandbox failure, timeout;
+    see the module docstring)}``. Never raises.
     """
     try:
         tests = list(tests)
     except TypeError:
-        return {"passed": [], "errors": [], "reward": 0.0}
+        return {"passed": [], "errors": [], "reward": 0.0, "error": None}
     passed, errors = [], []
+    first_error = None
+    run_one = _run_unsandboxed if unsafe_no_sandbox else _run_sandboxed
     program = extract_code(code) if isinstance(code, str) else None
     for test in tests:
+        grader_error = False
         if errors and stop_on_first_failure and not passed[-1]:
             error = "skipped"
-        elif program is None:
-            error = f"code must be a string, got {type(code).__name__}"
+        elif program is None:  # a caller's bug, not the model's: an error
+            error, grader_error = f"code must be a string, got {type(code).__name__}", True
         elif (not isinstance(test, dict) or not isinstance(test.get("input"), str)
-              or not isinstance(test.get("output"), str)):
-            error = "malformed test: expected {'input': str, 'output': str}"
+              or not isinstance(test.get("output"), str)):  # a dataset bug: an error
+            error, grader_error = "malformed test: expected {'input': str, 'output': str}", True
         else:
             try:
-                error = _run_one(program, test["input"], test["output"], timeout_s, memory_mb,
-                                 scratch_root)
+                error, grader_error = run_one(program, test["input"], test["output"],
+                                              timeout_s, memory_mb, scratch_root)
             except Exception as e:  # e.g. no disk space, too many processes
                 error = f"sandbox error: {type(e).__name__}: {e}"[:MAX_ERROR_CHARS]
+                grader_error = True
+        if grader_error and first_error is None:
+            first_error = f"test {len(passed)}: {error}"[:MAX_ERROR_CHARS]
         passed.append(error is None)
         errors.append(error)
     reward = 1.0 if passed and all(passed) else 0.0
-    return {"passed": passed, "errors": errors, "reward": reward}
+    return {"passed": passed, "errors": errors, "reward": reward, "error": first_error}

@@ -37,8 +37,12 @@ math_verify's own SIGALRM bound (reward/math.py, 3 s) works too and normally ans
 (code_test_timeout_s + CODE_TEST_OVERHEAD_S) + CODE_CALL_SLACK_S``; run_tests enforces the
 per-test limit itself and stops at the first failing test.
 
-Code tests run in scratch directories under a directory of the pool's own, emptied whenever
-workers are killed and removed by ``close``.
+Code tests run in bubblewrap sandboxes (reward/code.py, reward/sandbox.py); the parent-side files
+of a test (source, stdin, stdout, stderr) are unlinked files in a directory of the pool's own,
+emptied whenever workers are killed and removed by ``close``. A code call whose tests could not
+be judged (the sandbox failed, a test timed out) yields 0.0 *with* run_tests' error, like a call
+past its deadline; a wrong answer is 0.0 with no error. ``unsafe_no_sandbox=True`` runs code
+unisolated (and warns).
 
 Each worker's address space is limited to ``worker_memory_mb`` (a sympy blow-up gets a
 MemoryError instead of waking the node's OOM killer next to vLLM).
@@ -70,6 +74,7 @@ import psutil
 
 from areal_hpc.reward.code import run_tests
 from areal_hpc.reward.math import math_reward
+from areal_hpc.reward.sandbox import warn_unsafe
 
 log = logging.getLogger(__name__)
 
@@ -120,12 +125,16 @@ def _worker_pid() -> int:
 
 
 def _score(kind: str, completion: str, reference, code_test_timeout_s: float,
-           code_memory_mb: int, scratch_root: str) -> float:
+           code_memory_mb: int, scratch_root: str,
+           unsafe_no_sandbox: bool = False) -> tuple[float, str | None]:
+    """(reward, error): error is None when the reward was computed (a wrong answer included),
+    else why it could not be (a code test's sandbox failure or timeout; reward 0.0)."""
     if kind == "math":
-        return math_reward(completion, reference)
-    return run_tests(completion, reference, timeout_s=code_test_timeout_s,
-                     memory_mb=code_memory_mb, stop_on_first_failure=True,
-                     scratch_root=scratch_root)["reward"]
+        return math_reward(completion, reference), None
+    res = run_tests(completion, reference, timeout_s=code_test_timeout_s,
+                    memory_mb=code_memory_mb, stop_on_first_failure=True,
+                    scratch_root=scratch_root, unsafe_no_sandbox=unsafe_no_sandbox)
+    return res["reward"], res["error"]
 
 
 # ---- parent side ----
@@ -139,7 +148,7 @@ class RewardPool:
 
     def __init__(self, max_workers: int = 2, *, math_timeout_s: float = 10.0,
                  code_test_timeout_s: float = 5.0, code_memory_mb: int = 512,
-                 worker_memory_mb: int = 4096):
+                 worker_memory_mb: int = 4096, unsafe_no_sandbox: bool = False):
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
         self.max_workers = max_workers
@@ -147,6 +156,9 @@ class RewardPool:
         self.code_test_timeout_s = code_test_timeout_s
         self.code_memory_mb = code_memory_mb
         self.worker_memory_mb = worker_memory_mb
+        self.unsafe_no_sandbox = unsafe_no_sandbox
+        if unsafe_no_sandbox:
+            warn_unsafe()
 
         # Shared with callers, behind _lock.
         self._lock = threading.Condition()
@@ -311,7 +323,8 @@ class RewardPool:
             elif fut.exception() is not None:  # e.g. a reference that does not pickle
                 error = f"{type(fut.exception()).__name__}: {fut.exception()}"[:MAX_ERROR_CHARS]
             else:
-                self._finish(call, float(fut.result()), None)
+                reward, error = fut.result()
+                self._finish(call, float(reward), error)
                 continue
             self._finish(call, 0.0, error)
 
@@ -341,7 +354,7 @@ class RewardPool:
             try:
                 fut = self._executor.submit(_score, call.kind, call.completion, call.reference,
                                             self.code_test_timeout_s, self.code_memory_mb,
-                                            self._scratch_root)
+                                            self._scratch_root, self.unsafe_no_sandbox)
             except BrokenProcessPool:  # a worker died while idle
                 self._pending.appendleft(call)
                 self._restart()

@@ -5,27 +5,35 @@ import psutil
 import pytest
 
 from areal_hpc.reward.code import extract_code, run_tests
+from areal_hpc.reward.sandbox import Sandbox
+
+SANDBOX_OK, SANDBOX_WHY = Sandbox.available()
+needs_sandbox = pytest.mark.skipif(not SANDBOX_OK, reason=f"no code sandbox here: {SANDBOX_WHY}")
 
 ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
 TESTS = [{"input": "1 2\n", "output": "3\n"}, {"input": "5 7", "output": "12"}]
 
 
+@needs_sandbox
 def test_correct_program_passes():
     assert run_tests(ADD, TESTS) == {"passed": [True, True], "errors": [None, None],
-                                     "reward": 1.0}
+                                     "reward": 1.0, "error": None}
 
 
+@needs_sandbox
 def test_program_in_a_fenced_block_of_a_completion():
     completion = f"Read two numbers.\n```python\n{ADD}```\nThat is all."
     assert run_tests(completion, TESTS)["reward"] == 1.0
 
 
+@needs_sandbox
 def test_wrong_output_fails_only_where_wrong():
     code = "a, b = map(int, input().split())\nprint(3)\n"
     assert run_tests(code, TESTS) == {"passed": [True, False], "errors": [None, "wrong answer"],
-                                      "reward": 0.0}
+                                      "reward": 0.0, "error": None}
 
 
+@needs_sandbox
 def test_trailing_whitespace_per_line_and_trailing_blank_lines_do_not_count():
     code = "print('1 2   ')\nprint('3\\t')\nprint()\nprint()\n"
     assert run_tests(code, [{"input": "", "output": "1 2\n3"}])["reward"] == 1.0
@@ -34,59 +42,83 @@ def test_trailing_whitespace_per_line_and_trailing_blank_lines_do_not_count():
     assert run_tests(code, [{"input": "", "output": "1 2\n\n3"}])["reward"] == 0.0
 
 
+@needs_sandbox
 def test_infinite_loop_fails_within_the_timeout():
     start = time.monotonic()
     result = run_tests("while True:\n    pass\n", TESTS[:1], timeout_s=0.5)
     assert time.monotonic() - start < 3.0
-    assert result == {"passed": [False], "errors": ["timeout after 0.5 s"], "reward": 0.0}
+    # A timeout is an error (the test could not be judged), not only a failed test.
+    assert result == {"passed": [False], "errors": ["timeout after 0.5 s"], "reward": 0.0,
+                      "error": "test 0: timeout after 0.5 s"}
 
 
+@needs_sandbox
 def test_memory_bomb_fails_with_memory_error():
     code = "chunks = []\nwhile True:\n    chunks.append(bytearray(10**7))\n"
     result = run_tests(code, TESTS[:1], timeout_s=5.0, memory_mb=256)
-    assert result == {"passed": [False], "errors": ["MemoryError"], "reward": 0.0}
+    assert result == {"passed": [False], "errors": ["MemoryError"], "reward": 0.0, "error": None}
 
 
+@needs_sandbox
 def test_exception_gives_its_last_traceback_line():
     result = run_tests("print(1 // 0)", TESTS[:1])
     assert result == {"passed": [False],
                       "errors": ["ZeroDivisionError: integer division or modulo by zero"],
-                      "reward": 0.0}
+                      "reward": 0.0, "error": None}
 
 
+@needs_sandbox
 def test_syntax_error():
     result = run_tests("def f(:\n    pass\n", TESTS[:1])
     assert result == {"passed": [False], "errors": ["SyntaxError: invalid syntax"],
-                      "reward": 0.0}
+                      "reward": 0.0, "error": None}
 
 
+@needs_sandbox
 def test_nonzero_exit_without_stderr_fails():
     result = run_tests("import sys\nprint(3)\nsys.exit(2)\n", TESTS[:1])
-    assert result == {"passed": [False], "errors": ["exit code 2"], "reward": 0.0}
+    assert result == {"passed": [False], "errors": ["exit code 2"], "reward": 0.0, "error": None}
 
 
+@needs_sandbox
 def test_endless_output_is_cut_by_the_file_size_limit():
     result = run_tests("while True:\n    print('x' * 100000)\n", TESTS[:1], timeout_s=10.0)
     assert result == {"passed": [False], "errors": ["OSError: [Errno 27] File too large"],
-                      "reward": 0.0}
+                      "reward": 0.0, "error": None}
 
 
+@needs_sandbox
 def test_stop_on_first_failure_skips_the_rest():
     tests = [TESTS[1], TESTS[0], TESTS[1]]  # the program prints 3: wrong, right, wrong
     result = run_tests("input()\nprint(3)", tests, stop_on_first_failure=True)
     assert result == {"passed": [False, False, False],
-                      "errors": ["wrong answer", "skipped", "skipped"], "reward": 0.0}
+                      "errors": ["wrong answer", "skipped", "skipped"], "reward": 0.0, "error": None}
 
 
+@needs_sandbox
 def test_runs_isolated_in_a_scratch_directory_with_a_minimal_environment():
     probe = ("import os, sys\n"
-             "print(os.path.basename(os.getcwd())[:11])\n"
+             "print(os.getcwd())\n"
              "print(sorted(os.environ))\n"
              "print(sys.flags.isolated)\n")
-    expected = "areal_code_\n['LANG', 'PATH']\n1\n"
+    expected = "/tmp\n['LANG', 'PATH']\n1\n"
     assert run_tests(probe, [{"input": "", "output": expected}])["reward"] == 1.0
 
 
+def test_unsafe_no_sandbox_runs_without_isolation():
+    probe = ("import os\n"
+             "print(os.path.basename(os.getcwd())[:11])\n"
+             "print(sorted(os.environ))\n")
+    expected = "areal_code_\n['LANG', 'PATH']\n"
+    assert run_tests(probe, [{"input": "", "output": expected}],
+                     unsafe_no_sandbox=True) == {"passed": [True], "errors": [None],
+                                                 "reward": 1.0, "error": None}
+    result = run_tests("while True:\n    pass\n", TESTS[:1], timeout_s=0.5,
+                       unsafe_no_sandbox=True)
+    assert result["error"] == "test 0: timeout after 0.5 s"
+
+
+@needs_sandbox
 def test_scratch_directory_is_removed(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     probe = "open('out.txt', 'w').write('x' * 1000)\nprint('ok')"
@@ -94,6 +126,7 @@ def test_scratch_directory_is_removed(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@needs_sandbox
 def test_children_left_by_the_program_are_killed():
     # The program starts a sleeping child and exits; the child is killed with its group.
     code = ("import subprocess, sys\n"
@@ -115,11 +148,13 @@ def test_children_left_by_the_program_are_killed():
 
 def test_malformed_inputs_never_raise():
     assert run_tests(None, TESTS[:1]) == {
-        "passed": [False], "errors": ["code must be a string, got NoneType"], "reward": 0.0}
-    assert run_tests(ADD, [{"input": 1, "output": "3"}])["errors"] == [
-        "malformed test: expected {'input': str, 'output': str}"]
-    assert run_tests(ADD, None) == {"passed": [], "errors": [], "reward": 0.0}
-    assert run_tests(ADD, []) == {"passed": [], "errors": [], "reward": 0.0}  # no tests: no reward
+        "passed": [False], "errors": ["code must be a string, got NoneType"], "reward": 0.0,
+        "error": "test 0: code must be a string, got NoneType"}
+    malformed = run_tests(ADD, [{"input": 1, "output": "3"}])
+    assert malformed["errors"] == ["malformed test: expected {'input': str, 'output': str}"]
+    assert malformed["error"] == "test 0: malformed test: expected {'input': str, 'output': str}"
+    assert run_tests(ADD, None) == {"passed": [], "errors": [], "reward": 0.0, "error": None}
+    assert run_tests(ADD, []) == {"passed": [], "errors": [], "reward": 0.0, "error": None}  # no tests: no reward
 
 
 @pytest.mark.parametrize("completion, code", [
