@@ -20,7 +20,8 @@ import pandas as pd
 import yaml
 from tqdm import tqdm
 
-from ..storage.rollout_log import FINISH_REASONS, RolloutLogError, RolloutReader
+from ..storage.rollout_log import (FINISH_REASONS, RolloutLogError, RolloutReader,
+                                   damage_is_an_error)
 
 BLOCK_TOKENS = 1 << 24     # int32 versions: 64 MiB per block
 
@@ -88,8 +89,9 @@ def _reduce_versions(reader: RolloutReader, ends: np.ndarray, consumed: np.ndarr
     first, last, oldest = (np.full(n, -1, dtype=np.int64) for _ in range(3))
     changes = np.zeros(n, dtype=np.int64)
     hist: collections.Counter = collections.Counter()
-    ds = reader.f["tokens/versions"]
-    ds.refresh()
+    with damage_is_an_error(reader.path, "/tokens/versions"):
+        ds = reader.f["tokens/versions"]
+        ds.refresh()
     total = int(ends[-1]) if n else 0
     if ds.shape[0] < total:
         raise RolloutLogError(f"{reader.path}: damaged rollout log (/tokens/versions has "
@@ -98,7 +100,14 @@ def _reduce_versions(reader: RolloutReader, ends: np.ndarray, consumed: np.ndarr
                delay=2.0, disable=not progress, file=sys.stderr, leave=False)
     for r0, r1 in _row_blocks(ends, block_tokens):
         t0 = int(ends[r0 - 1]) if r0 else 0
-        v = ds[t0: int(ends[r1 - 1])].astype(np.int64)
+        with damage_is_an_error(reader.path, "/tokens/versions"):
+            v = ds[t0: int(ends[r1 - 1])].astype(np.int64)
+        if (v < 0).any():               # a policy version is a training step
+            bar.close()
+            k = int(np.argmax(v < 0))
+            row = r0 + int(np.searchsorted(ends[r0:r1] - t0, k, side="right"))
+            raise RolloutLogError(f"{reader.path}: damaged rollout log (row {row}: versions is "
+                                  f"negative: {int(v[k])})")
         stop = ends[r0:r1] - t0
         start = np.concatenate([[0], stop[:-1]])
         has = stop > start

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
-import pickle
 import random
 import shutil
 import time
 import zlib
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import h5py
@@ -93,37 +93,103 @@ def _files(ckpt: Path) -> list[str]:
                   if p.is_file() and p.name != MANIFEST and not p.name.endswith(".tmp"))
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_manifest(ckpt: Path, manifest) -> None:
+    """CheckpointError unless `manifest` has the schema `save` writes: format, step (the
+    folder's), created, files {relative path inside the folder: {size, crc32}}, bytes."""
+    bad = lambda why: CheckpointError(f"{ckpt}: malformed {MANIFEST} ({why})")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{ckpt}: {MANIFEST} is not an areal_hpc checkpoint manifest")
+    step = manifest.get("step")
+    if not _is_int(step) or step < 0 or step != step_of(ckpt):
+        raise bad(f"step {step!r}, the folder is step {step_of(ckpt)}")
+    created = manifest.get("created")
+    if not isinstance(created, (int, float)) or isinstance(created, bool) \
+            or not math.isfinite(created):
+        raise bad(f"created {created!r} is not a time")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or STATE not in files:
+        raise bad(f"files is not a table of files with {STATE} in it")
+    root = ckpt.resolve()
+    for rel, meta in files.items():
+        pure = PurePosixPath(rel) if isinstance(rel, str) else None
+        if pure is None or not rel or "\0" in rel or "\\" in rel or pure.is_absolute() \
+                or str(pure) != rel or any(part in ("..", ".") for part in pure.parts) \
+                or rel == MANIFEST:
+            raise bad(f"file name {rel!r} is not a path inside the checkpoint folder")
+        if not (ckpt / rel).resolve().is_relative_to(root):
+            raise bad(f"{rel} leads out of the checkpoint folder")
+        if not isinstance(meta, dict) or set(meta) != {"size", "crc32"} \
+                or not _is_int(meta["size"]) or meta["size"] < 0 \
+                or not _is_int(meta["crc32"]) or not 0 <= meta["crc32"] < 1 << 32:
+            raise bad(f"{rel}: {meta!r} is not {{size, crc32}} as non-negative ints")
+    total = manifest.get("bytes")
+    if not _is_int(total) or total != sum(m["size"] for m in files.values()):
+        raise bad(f"bytes {total!r} is not the sum of the file sizes")
+
+
 def validate(ckpt: Path, check_crc: bool = True) -> dict:
-    """The manifest of a complete checkpoint; CheckpointError naming what is wrong otherwise."""
+    """The manifest of a complete checkpoint; CheckpointError naming what is wrong otherwise
+    (no manifest, a manifest that is not JSON or not of the schema `save` writes, a file
+    name that leads out of the folder, a file missing, of another size or CRC-32, a file on
+    disk that the manifest does not list)."""
     mpath = ckpt / MANIFEST
     if not mpath.is_file():
         raise CheckpointError(f"{ckpt}: no {MANIFEST} (the save did not finish)")
     try:
-        manifest = json.loads(mpath.read_text())
-    except (OSError, ValueError) as exc:
+        manifest = json.loads(mpath.read_text(), parse_constant=_no_constant)
+    except (OSError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{ckpt}: unreadable {MANIFEST} ({exc})") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{ckpt}: {MANIFEST} is not an areal_hpc checkpoint manifest")
-    for rel, meta in manifest["files"].items():
-        p = ckpt / rel
-        if not p.is_file():
-            raise CheckpointError(f"{ckpt}: {rel} is missing")
-        size = p.stat().st_size
-        if size != meta["size"]:
-            raise CheckpointError(f"{ckpt}: {rel} has {size} bytes, the manifest says {meta['size']}")
-        if check_crc and crc32_file(p) != meta["crc32"]:
-            raise CheckpointError(f"{ckpt}: {rel} fails its CRC-32 check (corrupted)")
+    _check_manifest(ckpt, manifest)
+    try:
+        for rel, meta in manifest["files"].items():
+            p = ckpt / rel
+            if not p.is_file():
+                raise CheckpointError(f"{ckpt}: {rel} is missing")
+            size = p.stat().st_size
+            if size != meta["size"]:
+                raise CheckpointError(f"{ckpt}: {rel} has {size} bytes, the manifest says "
+                                      f"{meta['size']}")
+            if check_crc and crc32_file(p) != meta["crc32"]:
+                raise CheckpointError(f"{ckpt}: {rel} fails its CRC-32 check (corrupted)")
+        extra = sorted(set(_files(ckpt)) - set(manifest["files"]))
+    except OSError as exc:
+        raise CheckpointError(f"{ckpt}: unreadable ({exc})") from None
+    if extra:
+        raise CheckpointError(f"{ckpt}: {extra[0]} is not in the {MANIFEST} "
+                              f"({len(extra)} unlisted file(s))")
     return manifest
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number here")
 
 
 def find_latest(run_dir: str | os.PathLike, check_crc: bool = True) -> tuple[Path, dict] | None:
     """The newest valid checkpoint and its manifest, or None. Every newer folder that is not
-    valid is reported (a warning naming it and why) and passed over."""
-    for ckpt in list_checkpoints(run_dir):
+    valid (`validate`, and a state.h5 that `read_state` accepts, of the manifest's step) is
+    reported (a warning naming it and why) and passed over; this never raises."""
+    try:
+        folders = list_checkpoints(run_dir)
+    except OSError as exc:
+        log.warning("cannot list the checkpoints of %s: %s", run_dir, exc)
+        return None
+    for ckpt in folders:
         try:
-            return ckpt, validate(ckpt, check_crc)
+            manifest = validate(ckpt, check_crc)
+            state = read_state(ckpt / STATE)
+            if state["step"] != manifest["step"]:
+                raise CheckpointError(f"{ckpt}: {STATE} is of step {state['step']}, the "
+                                      f"{MANIFEST} of step {manifest['step']}")
+            return ckpt, manifest
         except CheckpointError as exc:
             log.warning("skipping checkpoint: %s; trying the previous one", exc)
+        except Exception as exc:        # noqa: BLE001 -- a bad checkpoint must not stop a resume
+            log.warning("skipping checkpoint: %s: %s: %s; trying the previous one", ckpt,
+                        type(exc).__name__, exc)
     return None
 
 
@@ -143,30 +209,145 @@ def _write_atomic(path: Path, text: str) -> None:
 
 # ---------------------------------------------------------------------------- run state
 
-def rng_state() -> bytes:
-    """This process's RNG states (python, numpy, torch CPU and, where present, CUDA)."""
+# RNG states are stored as plain arrays and numbers (group rng/trainer_rank_<r> of state.h5),
+# never as serialized Python objects: a checkpoint file must not be able to run code on load.
+# Checkpoints written before this stored each rank's states as one opaque byte blob (a Python
+# pickle); those blobs are never decoded: such a checkpoint resumes without its RNG states
+# (warning), since everything else in it is still good.
+_MT_WORDS = 624                 # Mersenne Twister state (python `random`, numpy legacy)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states (python, numpy, torch CPU and, where present, CUDA) as arrays
+    and numbers (what `write_state` stores)."""
     import torch
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state()}
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state = {"python_version": int(version), "python_state": np.asarray(internal, np.int64),
+             "python_gauss": float("nan") if gauss is None else float(gauss),
+             "python_has_gauss": gauss is not None,
+             "numpy_keys": np.asarray(keys, np.uint32), "numpy_pos": int(pos),
+             "numpy_has_gauss": int(has_gauss), "numpy_gauss": float(cached),
+             "torch": torch.get_rng_state().numpy().copy()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return pickle.dumps(state)
+        state["cuda"] = np.stack([t.numpy() for t in torch.cuda.get_rng_state_all()])
+    return state
 
 
-def set_rng_state(blob: bytes) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` returned (as `read_state` checked it)."""
     import torch
-    state = pickle.loads(blob)
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    gauss = state["python_gauss"] if state["python_has_gauss"] else None
+    random.setstate((state["python_version"], tuple(int(x) for x in state["python_state"]), gauss))
+    np.random.set_state(("MT19937", state["numpy_keys"], state["numpy_pos"],
+                         state["numpy_has_gauss"], state["numpy_gauss"]))
+    cpu = torch.get_rng_state()
+    if state["torch"].shape != tuple(cpu.shape):
+        raise CheckpointError(f"torch RNG state of {state['torch'].shape[0]} bytes, this torch "
+                              f"uses {cpu.shape[0]}")
+    torch.set_rng_state(torch.from_numpy(state["torch"].copy()))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([torch.from_numpy(r.copy()) for r in state["cuda"]])
+
+
+def _write_rng(g: h5py.Group, state: dict[str, Any]) -> None:
+    for key, value in state.items():
+        if isinstance(value, np.ndarray):
+            g.create_dataset(key, data=value)
+        else:
+            g.attrs[key] = value
+
+
+def _read_rng(where: str, g) -> dict[str, Any] | None:
+    """One rank's RNG states, checked; None for an old checkpoint's opaque blob (not decoded)."""
+    if isinstance(g, h5py.Dataset):
+        return None
+    if not isinstance(g, h5py.Group):
+        raise CheckpointError(f"{where}: not an RNG state")
+
+    def array(key, dtype, shape):
+        ds = g.get(key)
+        if not isinstance(ds, h5py.Dataset) or ds.dtype != np.dtype(dtype) \
+                or len(ds.shape) != len(shape) \
+                or any(w is not None and w != n for w, n in zip(shape, ds.shape)):
+            raise CheckpointError(f"{where}/{key}: not a {dtype} array of shape {shape}")
+        return ds[()]
+
+    def number(key, kind, lo=None, hi=None):
+        v = g.attrs.get(key)
+        if isinstance(v, np.generic):
+            v = v.item()
+        ok = (isinstance(v, bool) if kind is bool else
+              _is_int(v) if kind is int else
+              isinstance(v, float) and (math.isfinite(v) or key == "python_gauss"))
+        if not ok or (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise CheckpointError(f"{where}: {key} = {v!r} is not a valid {kind.__name__}")
+        return v
+
+    out = {"python_version": number("python_version", int, 3, 3),
+           "python_state": array("python_state", "i8", (_MT_WORDS + 1,)),
+           "python_has_gauss": number("python_has_gauss", bool),
+           "python_gauss": number("python_gauss", float),
+           "numpy_keys": array("numpy_keys", "u4", (_MT_WORDS,)),
+           "numpy_pos": number("numpy_pos", int, 0, _MT_WORDS),
+           "numpy_has_gauss": number("numpy_has_gauss", int, 0, 1),
+           "numpy_gauss": number("numpy_gauss", float),
+           "torch": array("torch", "u1", (None,))}
+    words = out["python_state"]
+    if (words[:-1] < 0).any() or (words[:-1] >= 1 << 32).any() \
+            or not 0 <= words[-1] <= _MT_WORDS:
+        raise CheckpointError(f"{where}/python_state: not a Mersenne Twister state")
+    if out["python_has_gauss"] and not math.isfinite(out["python_gauss"]):
+        raise CheckpointError(f"{where}: python_gauss is not a finite number")
+    if "cuda" in g:
+        out["cuda"] = array("cuda", "u1", (None, None))
+    return out
+
+
+# The controller's state (Controller.state): what a resumed controller reads, and its bounds.
+_CONTROLLER_INTS = ("version", "cursor_consumed", "accepted", "rejected", "dropped_stale",
+                    "generated_tokens", "rollout_rows")
+_CONTROLLER_ARRAYS = ("buffer_rows", "buffer_group_ends", "inflight_prompt_ids",
+                      "inflight_dataset_index")
+
+
+def _read_controller(where: str, c: h5py.Group) -> dict[str, Any]:
+    """The controller's state, checked: counters are non-negative ints, the buffered rows are
+    rows of the log (< rollout_rows) cut into groups by non-decreasing ends that add up, the
+    prompts in flight are pairs of non-negative ids and dataset indices."""
+    out = {}
+    for key in _CONTROLLER_INTS:
+        v = c.attrs.get(key)
+        v = v.item() if isinstance(v, np.generic) else v
+        if not _is_int(v) or v < 0:
+            raise CheckpointError(f"{where}: controller {key} = {v!r} is not a count")
+        out[key] = v
+    for key in _CONTROLLER_ARRAYS:
+        ds = c.get(key)
+        if not isinstance(ds, h5py.Dataset) or ds.dtype.kind not in "iu" or len(ds.shape) != 1:
+            raise CheckpointError(f"{where}: controller {key} is not a 1-D integer array")
+        v = ds[()].astype(np.int64)
+        if (v < 0).any():
+            raise CheckpointError(f"{where}: controller {key} has negative entries")
+        out[key] = v
+    rows, ends = out["buffer_rows"], out["buffer_group_ends"]
+    if (rows >= out["rollout_rows"]).any():
+        raise CheckpointError(f"{where}: controller buffer_rows beyond its rollout_rows "
+                              f"({out['rollout_rows']})")
+    if (np.diff(ends) < 0).any() or (int(ends[-1]) if len(ends) else 0) != len(rows):
+        raise CheckpointError(f"{where}: controller buffer_group_ends do not cut buffer_rows "
+                              f"({len(rows)}) into groups")
+    if len(out["inflight_prompt_ids"]) != len(out["inflight_dataset_index"]):
+        raise CheckpointError(f"{where}: controller inflight_prompt_ids and "
+                              f"inflight_dataset_index differ in length")
+    return out
 
 
 def write_state(path: Path, *, step: int, config_yaml: str, scheduler: dict | None,
-                rng: list[bytes], controller: dict | None, optimizer_format: str = PLAIN,
+                rng: list[dict], controller: dict | None, optimizer_format: str = PLAIN,
                 optimizer_state: bool = True) -> None:
     """state.h5: scalars as attributes, arrays as datasets (see the module docstring).
+    `rng`: every trainer rank's `rng_state()`.
     `optimizer_format`: PLAIN or DISTRIBUTED (how the optimizer shards are laid out);
     `optimizer_state`: False when the optimizer had no state yet (saved before its first step:
     only the model shards were written)."""
@@ -179,8 +360,8 @@ def write_state(path: Path, *, step: int, config_yaml: str, scheduler: dict | No
         f.attrs["config_yaml"] = config_yaml
         f.attrs["scheduler_json"] = json.dumps(scheduler) if scheduler is not None else ""
         g = f.create_group("rng")
-        for rank, blob in enumerate(rng):
-            g.create_dataset(f"trainer_rank_{rank}", data=np.frombuffer(blob, dtype=np.uint8))
+        for rank, state in enumerate(rng):
+            _write_rng(g.create_group(f"trainer_rank_{rank}"), state)
         if controller is not None:
             c = f.create_group("controller")
             for key, value in controller.items():
@@ -193,24 +374,73 @@ def write_state(path: Path, *, step: int, config_yaml: str, scheduler: dict | No
 
 
 def read_state(path: Path) -> dict[str, Any]:
-    """What `write_state` wrote: step, config_yaml, scheduler, rng (list), controller (dict|None),
-    optimizer_format and optimizer_state (None in checkpoints older than these attributes)."""
-    with h5py.File(path, "r") as f:
-        sched = f.attrs["scheduler_json"]
-        opt_state = f.attrs.get("optimizer_state")
-        opt_format = f.attrs.get("optimizer_format")
-        out = {"step": int(f.attrs["step"]), "created": float(f.attrs["created"]),
-               "optimizer_format": str(opt_format) if opt_format is not None else None,
-               "optimizer_state": bool(opt_state) if opt_state is not None else None,
-               "config_yaml": str(f.attrs["config_yaml"]),
-               "scheduler": json.loads(sched) if sched else None,
-               "rng": [f["rng"][k][()].tobytes() for k in sorted(f["rng"], key=lambda k: int(k.rsplit("_", 1)[1]))],
-               "controller": None}
-        if "controller" in f:
-            c = f["controller"]
-            ctrl = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in c.attrs.items()}
-            ctrl.update({k: c[k][()] for k in c})
-            out["controller"] = ctrl
+    """What `write_state` wrote: step, config_yaml, scheduler, rng (list: one dict per trainer
+    rank; None for a rank whose states an older version stored as a pickle, which is never
+    decoded), controller (dict|None), optimizer_format and optimizer_state (None in checkpoints
+    older than these attributes). Every value is checked (types, ranges); a state.h5 that is
+    damaged or not of this schema is a CheckpointError naming the file and what is wrong."""
+    try:
+        with h5py.File(path, "r") as f:
+            return _read_state(path, f)
+    except CheckpointError:
+        raise
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError, AttributeError) as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(f"{path}: unreadable run state ({first})") from None
+
+
+def _attr(f, key, kinds, where, optional=False):
+    v = f.attrs.get(key)
+    if v is None and optional:
+        return None
+    v = v.item() if isinstance(v, np.generic) else v
+    v = v.decode("utf-8") if isinstance(v, bytes) else v
+    if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
+        raise CheckpointError(f"{where}: attribute {key} = {str(v)[:80]!r} is not "
+                              f"{' or '.join(k.__name__ for k in kinds)}")
+    return v
+
+
+def _read_state(path: Path, f: h5py.File) -> dict[str, Any]:
+    fmt = _attr(f, "format", (str,), path, optional=True)
+    if fmt is not None and fmt != FORMAT:
+        raise CheckpointError(f"{path}: not an areal_hpc run state (format {fmt!r})")
+    step = _attr(f, "step", (int,), path)
+    created = _attr(f, "created", (float, int), path)
+    if step < 0 or not math.isfinite(created):
+        raise CheckpointError(f"{path}: step {step} / created {created} out of range")
+    opt_format = _attr(f, "optimizer_format", (str,), path, optional=True)
+    if opt_format is not None and opt_format not in (PLAIN, DISTRIBUTED):
+        raise CheckpointError(f"{path}: unknown optimizer_format {opt_format!r}")
+    opt_state = _attr(f, "optimizer_state", (bool,), path, optional=True)
+    sched = _attr(f, "scheduler_json", (str,), path)
+    try:
+        scheduler = json.loads(sched, parse_constant=_no_constant) if sched else None
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: scheduler_json is not JSON ({exc})") from None
+    if scheduler is not None and not isinstance(scheduler, dict):
+        raise CheckpointError(f"{path}: scheduler_json is not a JSON object")
+    g = f.get("rng")
+    if not isinstance(g, h5py.Group):
+        raise CheckpointError(f"{path}: no rng group")
+    ranks = {}
+    for key in g:
+        prefix, _, num = key.rpartition("_")
+        if prefix != "trainer_rank" or not num.isdigit():
+            raise CheckpointError(f"{path}: unexpected /rng/{key}")
+        ranks[int(num)] = key
+    if sorted(ranks) != list(range(len(ranks))):
+        raise CheckpointError(f"{path}: RNG states of trainer ranks {sorted(ranks)}")
+    out = {"step": step, "created": float(created), "optimizer_format": opt_format,
+           "optimizer_state": opt_state,
+           "config_yaml": _attr(f, "config_yaml", (str,), path),
+           "scheduler": scheduler,
+           "rng": [_read_rng(f"{path}:/rng/{ranks[r]}", g[ranks[r]]) for r in sorted(ranks)],
+           "controller": None}
+    if "controller" in f:
+        if not isinstance(f["controller"], h5py.Group):
+            raise CheckpointError(f"{path}: /controller is not a group")
+        out["controller"] = _read_controller(str(path), f["controller"])
     return out
 
 
@@ -396,7 +626,13 @@ def load(ckpt: Path, *, model, optimizer, scheduler=None, comm=None) -> dict[str
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
     if rank < len(state["rng"]):
-        set_rng_state(state["rng"][rank])
+        if state["rng"][rank] is None:
+            log.warning("%s: the RNG states were saved by an older version as a Python pickle, "
+                        "which is never unpickled (a checkpoint must not be able to run code): "
+                        "resuming without restoring them (training continues correctly, but "
+                        "not bit-identically to an uninterrupted run)", ckpt)
+        else:
+            set_rng_state(state["rng"][rank])
     return state
 
 

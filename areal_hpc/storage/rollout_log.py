@@ -22,12 +22,18 @@ job loses at most the batch being written.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
+import logging
 import os
 from pathlib import Path
 from typing import Any, Sequence
 
 import h5py
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 FORMAT = "areal_hpc rollout log"        # attrs["format"] from schema 2 on
 SCHEMA_VERSION = 2
@@ -100,31 +106,46 @@ class RolloutWriter:
         path = Path(path)
         self = cls.__new__(cls)
         self.path = path
+        with damage_is_an_error(path):
+            try:
+                self.f = h5py.File(path, "a", libver="latest")
+            except OSError as exc:  # the writer was killed: its SWMR-write flag is still set
+                if "consistency flags" not in str(exc):
+                    raise
+                _rewrite_committed(path)
+                self.f = h5py.File(path, "a", libver="latest")
         try:
-            self.f = h5py.File(path, "a", libver="latest")
-        except OSError as exc:      # the writer was killed: its SWMR-write flag is still set
-            if "consistency flags" not in str(exc):
-                raise
-            _rewrite_committed(path)
-            self.f = h5py.File(path, "a", libver="latest")
-        t, tok = self.f["traj"], self.f["tokens"]
+            with damage_is_an_error(path):
+                self._continue(keep_rows)
+        except BaseException:
+            self.f.close()
+            raise
+        return self
+
+    def _continue(self, keep_rows: int) -> None:
+        path, t, tok = self.path, self.f["traj"], self.f["tokens"]
         n = t[_COMMIT].shape[0]
         if n < keep_rows:
-            self.f.close()
             raise RolloutLogError(f"{path}: {n} committed rows, but the checkpoint saw {keep_rows}")
         for name in _ROW_FIELDS:
             if name in t and t[name].shape[0] != n:
+                if t[name].shape[0] < n:
+                    raise RolloutLogError(f"{path}: damaged rollout log (/traj/{name} has "
+                                          f"{t[name].shape[0]} rows, /traj/{_COMMIT} {n})")
                 t[name].resize((n,))
         self._prompt_end = int(t["prompt_end"][n - 1]) if n else 0
         self._output_end = int(t[_COMMIT][n - 1]) if n else 0
         for name, ds in tok.items():
-            ds.resize((self._prompt_end if name == "prompt" else self._output_end,))
+            end = self._prompt_end if name == "prompt" else self._output_end
+            if not 0 <= end <= ds.shape[0]:
+                raise RolloutLogError(f"{path}: damaged rollout log (/tokens/{name} has "
+                                      f"{ds.shape[0]} entries, the offsets need {end})")
+            ds.resize((end,))
         if n > keep_rows:
             t["consumed_step"][keep_rows:n] = ROLLED_BACK
         self.f.swmr_mode = True
         self.f.flush()
         self.n_rows = n
-        return self
 
     def append(self, trajs: Sequence[dict[str, Any]]) -> list[int]:
         """Append trajectories (DESIGN data contract dicts, plus an optional `reward_error`
@@ -190,8 +211,7 @@ def _rewrite_committed(path: Path) -> None:
     HDF5 refuses to open such a file for writing until its status flags are cleared (h5clear);
     reading it in SWMR mode works, and every row up to the last flush is intact."""
     tmp = path.with_name(path.name + ".recover")
-    with h5py.File(path, "r", libver="latest", swmr=True) as src, \
-            h5py.File(tmp, "w", libver="latest") as dst:
+    with _open_swmr(path) as src, h5py.File(tmp, "w", libver="latest") as dst:
         for key, value in src.attrs.items():
             dst.attrs[key] = value
         n = src["traj"][_COMMIT].shape[0]
@@ -209,47 +229,140 @@ def _text(value) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-def _superblock_eof(path: Path) -> int | None:
-    """End-of-file address a closed HDF5 file's superblock (at offset 0) records, or None when
-    unknown or not binding: a writer still has it open, or crashed, in SWMR mode (the flags say
-    so), where the address may run ahead of the bytes on disk."""
+def _superblock(path: Path) -> tuple[int | None, int]:
+    """(end-of-file address, status flags) of an HDF5 file's superblock (at offset 0).
+
+    The address is None when unknown or not binding: a writer still has the file open, or
+    crashed, in SWMR mode (the flags say so), where it may run ahead of the bytes on disk. The
+    flags (superblock v2 on; 0 in older ones) are non-zero while a writer has the file open, and
+    stay so after a writer crashed."""
     with open(path, "rb") as fh:
         head = fh.read(64)
     if not head.startswith(_HDF5_SIGNATURE) or len(head) < 64:
-        return None
+        return None, 0
     version = head[8]
     if version >= 2:                # signature, version, offset/length sizes, flags, addresses
         size, flags, start = head[9], head[11], 12
     else:                           # v0/v1: versions of sub-structures, K values, then addresses
         size, flags, start = head[13], int.from_bytes(head[20:24], "little"), 24 + 4 * version
     if flags or size not in (2, 4, 8):
-        return None
+        return None, flags
     addr = lambda k: int.from_bytes(head[start + k * size: start + (k + 1) * size], "little")
-    return addr(0) + addr(2)        # base address + end-of-file address
+    return addr(0) + addr(2), 0     # base address + end-of-file address
+
+
+# A reader in SWMR mode retries a metadata read that fails its checksum (the writer may be
+# halfway through a flush), waiting twice as long each time, from 1 ns. HDF5's default of 100
+# attempts makes a damaged file hang its reader for hours; measured with HDF5 2.0: 24 attempts
+# give up after 0.02 s, 28 after 0.27 s, 32 after 4.3 s. A live writer's flush is over in far
+# less than the 0.27 s that 28 attempts wait in all.
+SWMR_READ_ATTEMPTS = 28
+
+
+@functools.lru_cache(maxsize=1)
+def _set_read_attempts():
+    """HDF5's H5Pset_metadata_read_attempts (h5py does not wrap it), from the very library h5py
+    has loaded (found in this process's memory map), or None where that cannot be done."""
+    try:
+        with open("/proc/self/maps") as fh:
+            libs = {line.split()[-1] for line in fh if "/libhdf5" in line}
+        names = {p: os.path.basename(p) for p in libs}
+        lib = next(p for p in sorted(libs)
+                   if names[p].startswith("libhdf5") and "_hl" not in names[p])
+        fn = ctypes.CDLL(lib).H5Pset_metadata_read_attempts
+    except (OSError, StopIteration, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int64, ctypes.c_uint], ctypes.c_int
+    return fn
+
+
+def _open_swmr(path: Path) -> h5py.File:
+    """Open for SWMR reading with at most SWMR_READ_ATTEMPTS attempts per metadata read."""
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(h5py.h5f.LIBVER_LATEST, h5py.h5f.LIBVER_LATEST)
+    setter = _set_read_attempts()
+    if setter is None or setter(fapl.id, SWMR_READ_ATTEMPTS) < 0:
+        log.warning("%s: cannot bound HDF5's SWMR read retries (H5Pset_metadata_read_attempts "
+                    "not found); a damaged file may make this read hang", path)
+    fid = h5py.h5f.open(os.fsencode(path), h5py.h5f.ACC_RDONLY | h5py.h5f.ACC_SWMR_READ,
+                        fapl=fapl)
+    return h5py.File(fid)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = _text(exc.args[0]) if exc.args else ""
+    return (text.splitlines() or [type(exc).__name__])[0]
 
 
 def _open_for_reading(path: Path) -> h5py.File:
-    """Open for SWMR reading; a file that is not HDF5, or is cut short, is a RolloutLogError.
+    """Open a rollout log for reading; a file that is not HDF5, is cut short or damaged is a
+    RolloutLogError (at once: never a hang).
 
-    HDF5 itself does not notice a truncated file opened for SWMR reading, so a closed file's
-    size is checked against the end-of-file address its superblock records."""
+    A closed file (no writer has it open: the superblock's status flags are clear) is opened
+    normally, where HDF5 reports a failed checksum at once. Only a file that a writer has open
+    (a live job), or had when it crashed, is opened in SWMR mode, with bounded retries
+    (SWMR_READ_ATTEMPTS). HDF5 itself does not notice a truncated file opened for SWMR
+    reading, so a closed file's size is checked against the end-of-file address its superblock
+    records."""
     if not h5py.is_hdf5(path):
         raise RolloutLogError(f"{path}: not an HDF5 file")
-    eof, size = _superblock_eof(path), path.stat().st_size
+    (eof, flags), size = _superblock(path), path.stat().st_size
     if eof is not None and size < eof:
         raise RolloutLogError(f"{path}: truncated HDF5 file ({size} bytes, the file says {eof})")
-    try:
-        return h5py.File(path, "r", libver="latest", swmr=True)
-    except OSError as e:
-        first = _text(e.args[0] if e.args else e).splitlines()[0]
-        try:        # an HDF5 file not written for SWMR (older superblock): another program's
+    if not flags:
+        try:
             return h5py.File(path, "r")
-        except OSError:
-            raise RolloutLogError(f"{path}: damaged HDF5 file ({first})") from None
+        except OSError as e:
+            first = _first_line(e)
+            # a writer opened it since the flags were read: read it as a live file
+            if "already open for write" not in first and "consistency flags" not in first:
+                raise RolloutLogError(f"{path}: damaged HDF5 file ({first})") from None
+    try:
+        return _open_swmr(path)
+    except (OSError, RuntimeError, KeyError, ValueError) as e:
+        raise RolloutLogError(f"{path}: damaged HDF5 file ({_first_line(e)})") from None
+
+
+@contextlib.contextmanager
+def damage_is_an_error(path: Path, what: str = ""):
+    """Turn what h5py raises on a damaged file (checksum failures, unreadable objects: OSError,
+    KeyError, RuntimeError, TypeError, ...) into a RolloutLogError naming the file."""
+    try:
+        yield
+    except (RolloutLogError, IndexError):
+        raise
+    except (OSError, KeyError, RuntimeError, TypeError, ValueError, AttributeError) as e:
+        where = f" ({what})" if what else ""
+        raise RolloutLogError(f"{path}: damaged rollout log{where}: {_first_line(e)}") from None
+
+
+_LOGPROB_SLACK = 1e-3       # a log-probability above this is not one (rounding aside)
+
+
+def _invalid(name: str, v: np.ndarray) -> tuple[np.ndarray, str]:
+    """Which values of a row field or token array a rollout log cannot hold, and why not."""
+    if v.dtype.kind == "f" and name != "behav_logprobs":
+        return ~np.isfinite(v), "not a finite number"
+    if name == "behav_logprobs":
+        with np.errstate(invalid="ignore"):
+            return ~(np.isfinite(v) & (v <= _LOGPROB_SLACK)), "not a log-probability"
+    if name == "finish_reason":
+        return v >= len(FINISH_REASONS), "an unknown finish_reason code"
+    if name == "consumed_step":
+        return v < ROLLED_BACK, "not a training step"
+    if name in ("prompt_end", _COMMIT):
+        return v < np.concatenate([[0], v[:-1]]), "an offset that goes backwards"
+    if v.dtype.kind in "iu":        # ids, ranks, token ids, policy versions
+        return v < 0, "negative"
+    return np.zeros(v.shape, dtype=bool), ""
 
 
 class RolloutReader:
-    """Reads a rollout log, also while the job is still writing it (SWMR)."""
+    """Reads a rollout log, also while the job is still writing it (SWMR).
+
+    Every value that is read is checked (finite times, rewards and log-probabilities, known
+    finish codes, offsets that never go backwards, token arrays as long as the offsets say):
+    a damaged or hostile file is a RolloutLogError naming the file and the row."""
 
     def __init__(self, path: str | Path):
         path = Path(path)
@@ -258,13 +371,15 @@ class RolloutReader:
         self.path = path
         self.f = _open_for_reading(path)
         try:
-            self._check_layout()
+            with damage_is_an_error(path):
+                self._check_layout()
         except BaseException:
             self.f.close()
             raise
 
     def _check_layout(self) -> None:
-        """Raise RolloutLogError unless the groups, datasets and schema are a rollout log's."""
+        """Raise RolloutLogError unless the groups, datasets (1-D, of the writer's dtypes, as
+        long as the committed rows need) and schema are a rollout log's."""
         f, path = self.f, self.path
         fmt = f.attrs.get("format")
         if fmt is not None and _text(fmt) != FORMAT:
@@ -273,68 +388,134 @@ class RolloutReader:
         if schema is None:
             raise RolloutLogError(f"{path}: not a rollout log (HDF5, but no schema_version "
                                   "attribute: another program's file?)")
-        if int(schema) not in READABLE_SCHEMAS:
+        if not isinstance(schema, (int, np.integer)) or int(schema) not in READABLE_SCHEMAS:
+            shown = int(schema) if isinstance(schema, (int, np.integer)) else repr(schema)
             raise RolloutLogError(f"{path}: not a rollout log this code can read (schema_version "
-                                  f"{schema}, readable: {READABLE_SCHEMAS})")
-        rows = [n for n in (*_ROW_FIELDS, _COMMIT) if n not in _OPTIONAL_FIELDS]
-        for grp, names in (("traj", rows), ("tokens", _TOKEN_FIELDS)):
-            for name in names:
-                if not isinstance(f.get(f"{grp}/{name}"), h5py.Dataset):
+                                  f"{shown}, readable: {READABLE_SCHEMAS})")
+        if not isinstance(f.attrs.get("config_yaml", ""), (str, bytes)):
+            raise RolloutLogError(f"{path}: damaged rollout log (config_yaml is not text)")
+        dtypes = {"traj": {**_ROW_FIELDS, _COMMIT: "i8"}, "tokens": _TOKEN_FIELDS}
+        for grp, fields in dtypes.items():
+            if not isinstance(f.get(grp), h5py.Group):
+                raise RolloutLogError(f"{path}: not a rollout log, or a damaged one "
+                                      f"(no group /{grp})")
+            present = set(f[grp].keys())
+            for name, dt in fields.items():
+                if name in _OPTIONAL_FIELDS and name not in present:
+                    continue
+                if name not in present:
                     raise RolloutLogError(f"{path}: not a rollout log (no dataset /{grp}/{name})")
+                ds = f[grp][name]
+                if not isinstance(ds, h5py.Dataset) or len(ds.shape) != 1 \
+                        or ds.dtype != np.dtype(dt):
+                    what = (f"{ds.dtype} {ds.shape}" if isinstance(ds, h5py.Dataset)
+                            else type(ds).__name__)
+                    raise RolloutLogError(f"{path}: damaged rollout log (/{grp}/{name} is {what},"
+                                          f" not a 1-D {np.dtype(dt)} dataset)")
+        n = f["traj"][_COMMIT].shape[0]
+        for name, ds in f["traj"].items():
+            if name in dtypes["traj"] and ds.shape[0] < n:
+                raise RolloutLogError(f"{path}: damaged rollout log (/traj/{name} has "
+                                      f"{ds.shape[0]} rows, /traj/{_COMMIT} {n})")
+        if n:
+            for name, ds in f["tokens"].items():
+                end = f["traj"]["prompt_end" if name == "prompt" else _COMMIT][n - 1]
+                if ds.shape[0] < end:
+                    raise RolloutLogError(f"{path}: damaged rollout log (/tokens/{name} has "
+                                          f"{ds.shape[0]} entries, the offsets need {end})")
+
+    def _check(self, name: str, values: np.ndarray, row_of=None) -> np.ndarray:
+        """`values` of a field (row i is values[i]) or a token array (`row_of`: the row of an
+        entry), unless one cannot be: then a RolloutLogError naming the file and the row."""
+        bad, why = _invalid(name, values)
+        if bad.any():
+            k = int(np.argmax(bad))
+            row = row_of(k) if row_of is not None else k
+            value = values[k].item() if isinstance(values[k], np.generic) else values[k]
+            raise RolloutLogError(f"{self.path}: damaged rollout log (row {row}: {name} is {why}:"
+                                  f" {value!r})")
+        return values
 
     @property
     def config_yaml(self) -> str:
-        return str(self.f.attrs["config_yaml"])
+        with damage_is_an_error(self.path, "config_yaml"):
+            return _text(self.f.attrs["config_yaml"])
 
     def __len__(self) -> int:
-        ds = self.f["traj"][_COMMIT]
-        ds.refresh()
-        return ds.shape[0]
+        with damage_is_an_error(self.path):
+            ds = self.f["traj"][_COMMIT]
+            ds.refresh()
+            return ds.shape[0]
 
     def refresh(self) -> None:
-        for grp in ("traj", "tokens"):
-            for ds in self.f[grp].values():
-                ds.refresh()
+        with damage_is_an_error(self.path):
+            for grp in ("traj", "tokens"):
+                for ds in self.f[grp].values():
+                    ds.refresh()
 
     def column(self, name: str) -> np.ndarray:
-        """One per-row field over all committed rows (`reward_error`: bytes, b"" = none)."""
+        """One per-row field over all committed rows (`reward_error`: bytes, b"" = none),
+        checked (see the class)."""
         n = len(self)
-        if name in _OPTIONAL_FIELDS and name not in self.f["traj"]:
-            return np.zeros(n, dtype=_ROW_FIELDS[name])
-        ds = self.f["traj"][name]
-        ds.refresh()
-        return ds[:n]
+        with damage_is_an_error(self.path, f"/traj/{name}"):
+            if name in _OPTIONAL_FIELDS and name not in self.f["traj"]:
+                return np.zeros(n, dtype=_ROW_FIELDS[name])
+            ds = self.f["traj"][name]
+            ds.refresh()
+            values = ds[:n]
+        if len(values) < n:
+            raise RolloutLogError(f"{self.path}: damaged rollout log (/traj/{name} has "
+                                  f"{len(values)} rows, /traj/{_COMMIT} {n})")
+        return self._check(name, values)
 
     def tokens(self, name: str) -> np.ndarray:
         """One flat token array ("prompt", "output", "behav_logprobs", "versions") over all
         committed rows, [sum of lengths]; row i is [end[i-1]:end[i]] with end = column
-        "prompt_end" (prompt) or "output_end" (the others)."""
+        "prompt_end" (prompt) or "output_end" (the others). Checked (see the class)."""
         ends = self.column("prompt_end" if name == "prompt" else _COMMIT)
-        ds = self.f["tokens"][name]
-        ds.refresh()
-        end = int(ends[-1]) if len(ends) else 0
-        if ds.shape[0] < end:
-            raise RolloutLogError(f"{self.path}: damaged rollout log (/tokens/{name} has "
-                                  f"{ds.shape[0]} entries, the offsets need {end})")
-        return ds[:end]
+        with damage_is_an_error(self.path, f"/tokens/{name}"):
+            ds = self.f["tokens"][name]
+            ds.refresh()
+            end = int(ends[-1]) if len(ends) else 0
+            if ds.shape[0] < end:
+                raise RolloutLogError(f"{self.path}: damaged rollout log (/tokens/{name} has "
+                                      f"{ds.shape[0]} entries, the offsets need {end})")
+            values = ds[:end]
+        return self._check(name, values,
+                           lambda k: int(np.searchsorted(ends, k, side="right")))
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         n = len(self)
         if not 0 <= i < n:
             raise IndexError(f"row {i} out of range ({n} rows)")
         self.refresh()
-        t, tok = self.f["traj"], self.f["tokens"]
-        p0 = int(t["prompt_end"][i - 1]) if i else 0
-        o0 = int(t[_COMMIT][i - 1]) if i else 0
-        p1, o1 = int(t["prompt_end"][i]), int(t[_COMMIT][i])
-        row = {name: t[name][i].item() for name in _ROW_FIELDS
-               if name != "prompt_end" and name in t}
+        with damage_is_an_error(self.path, f"row {i}"):
+            t, tok = self.f["traj"], self.f["tokens"]
+            lo = max(i - 1, 0)
+            pe, oe = t["prompt_end"][lo:i + 1], t[_COMMIT][lo:i + 1]
+            row = {name: t[name][i] for name in _ROW_FIELDS
+                   if name != "prompt_end" and name in t}
+        p0, p1 = (int(pe[0]), int(pe[-1])) if i else (0, int(pe[-1]))
+        o0, o1 = (int(oe[0]), int(oe[-1])) if i else (0, int(oe[-1]))
+        if not (0 <= p0 <= p1 and 0 <= o0 <= o1):
+            raise RolloutLogError(f"{self.path}: damaged rollout log (row {i}: its token offsets "
+                                  f"[{p0}, {p1}) / [{o0}, {o1}) go backwards)")
+        for name, value in row.items():
+            self._check(name, np.asarray([value]), lambda k: i)
+            row[name] = value.item()
         row["finish_reason"] = FINISH_REASONS[row["finish_reason"]]
-        row["reward_error"] = row.get("reward_error", b"").decode("utf-8")
-        row["prompt_tokens"] = tok["prompt"][p0:p1]
-        row["output_tokens"] = tok["output"][o0:o1]
-        row["behav_logprobs"] = tok["behav_logprobs"][o0:o1]
-        row["versions"] = tok["versions"][o0:o1]
+        row["reward_error"] = row.get("reward_error", b"").decode("utf-8", "replace")
+        with damage_is_an_error(self.path, f"row {i}"):
+            arrays = {"prompt_tokens": ("prompt", tok["prompt"][p0:p1]),
+                      "output_tokens": ("output", tok["output"][o0:o1]),
+                      "behav_logprobs": ("behav_logprobs", tok["behav_logprobs"][o0:o1]),
+                      "versions": ("versions", tok["versions"][o0:o1])}
+        for key, (name, values) in arrays.items():
+            want = p1 - p0 if name == "prompt" else o1 - o0
+            if len(values) != want:
+                raise RolloutLogError(f"{self.path}: damaged rollout log (row {i}: {len(values)} "
+                                      f"{key}, its offsets say {want})")
+            row[key] = self._check(name, values, lambda k: i)
         return row
 
     def close(self) -> None:
