@@ -108,9 +108,11 @@ def test_load_raises_only_config_errors(overrides):
 
 @pytest.fixture(scope="module")
 def sampling_params():
-    import os
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    from vllm import SamplingParams     # slow (~10 s): once per module
+    # Quiet while importing only: vLLM processes started later in this session (other tests'
+    # engines) read the variable at their own start.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_LOGGING_LEVEL", "ERROR")
+        from vllm import SamplingParams     # slow (~10 s): once per module
     return SamplingParams
 
 

@@ -22,6 +22,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -140,6 +141,7 @@ def engine(qwen_dir, trainer, engine_log, tmp_path_factory):
     log to `engine_log`, where the tests look for vLLM's warnings."""
     with pytest.MonkeyPatch.context() as mp_env:
         mp_env.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        mp_env.setenv("VLLM_LOGGING_LEVEL", "INFO")  # the update's own log lines are checked
         mp_env.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm_cache")))
         try:
             with _output_to(engine_log):
@@ -241,6 +243,11 @@ def test_update_reaches_engine_and_tied_head(trainer, engine, engine_log, qwen_d
               f"{d_initial:.3f}; vs trained with the initial head {d_stale:.3f}; "
               f"paused {paused_s:.2f} s")
         assert d_trained < ATOL and d_initial > 0.05 and d_stale > 0.02, (rid, d_trained, d_initial, d_stale)
-    log = engine_log.read_bytes()[log_start:].decode(errors="replace")
+    deadline = time.monotonic() + 30  # the worker's output reaches the file asynchronously
+    while True:
+        log = engine_log.read_bytes()[log_start:].decode(errors="replace")
+        if "Reloading weights inplace" in log or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert "Reloading weights inplace" in log, _tail(engine_log)  # the update's own lines are here
     assert "Failed to load weights" not in log, log[-4000:]
