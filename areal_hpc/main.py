@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from .preemption import EXIT_PREEMPTED  # 3: checkpoint written after a preemption signal
+from .preemption import EXIT_PREEMPTED  # 3: stopped for a requeue after a preemption signal
 
 
 def _parse(argv):
@@ -51,6 +51,8 @@ def main(argv=None) -> int:
 
     from . import preemption, reaper
     from .topology import TRAINER, Topology
+    from .transport import mpi as coll
+    coll.set_default_timeout(cfg.rollout.collective_timeout_s)     # bounds every MPI collective
     world = MPI.COMM_WORLD
     logging.basicConfig(level=logging.WARNING, datefmt="%H:%M:%S",
                         format=f"%(asctime)s [rank {world.Get_rank()}] %(name)s: %(message)s")
@@ -77,10 +79,12 @@ def main(argv=None) -> int:
     else:
         from .rollout.generator import run_generator
         code = run_generator(cfg, topo)
-    world.Barrier()
+    # Generators wait here for the trainer's final checkpoint: rollout.collective_timeout_s.
+    coll.barrier(world, what=f"end of job ({topo.role} rank {topo.role_rank} finished, code {code})")
     if code == EXIT_PREEMPTED and world.Get_rank() == 0:
-        print(f"run {cfg.name}: preempted, checkpoint written; rerun the same command (or let "
-              f"Slurm requeue) to resume", flush=True)
+        print(f"run {cfg.name}: preempted; rerun the same command (or let Slurm requeue) to "
+              f"resume from the newest checkpoint (or from the start if none was written)",
+              flush=True)
     if code:
         # Every rank agreed on this code: finalize, or `python -m mpi4py` turns the non-zero
         # exit into MPI_Abort and srun reports the step as killed (137) instead of 3.

@@ -83,13 +83,21 @@ class Topology:
                                 # joins the weight group
 
     @classmethod
-    def build(cls, cfg: TopologyConfig, world, engine_tp: int = 1) -> "Topology":
+    def build(cls, cfg: TopologyConfig, world, engine_tp: int = 1,
+              timeout_s: float | None = None) -> "Topology":
+        """Collective over `world`. The first collective, the rendezvous broadcast, is bounded by
+        `timeout_s` (default: rollout.collective_timeout_s via transport.mpi): a rank that never
+        starts (or hangs importing) fails the others with a message instead of hanging them;
+        the few collectives after it follow at once."""
+        from .transport.mpi import bcast
         check_world(cfg, world.Get_size())
         rank = world.Get_rank()
         role = TRAINER if rank < cfg.n_trainers else GENERATOR
-        role_comm = world.Split(0 if role == TRAINER else 1, rank)
         rendezvous = (host_address(), free_port(), free_port()) if rank == CONTROLLER_RANK else None
-        addr, tport, wport = world.bcast(rendezvous, root=CONTROLLER_RANK)
+        addr, tport, wport = bcast(world, rendezvous, root=CONTROLLER_RANK, timeout_s=timeout_s,
+                                   what="start-up: the rendezvous from rank 0 (did every rank start?)")
+        role_comm = world.Split(0 if role == TRAINER else 1, rank)
+        role_comm.Set_name(f"{role} communicator")       # named in collective timeouts
         from mpi4py import MPI
         node_comm = role_comm.Split_type(MPI.COMM_TYPE_SHARED)
         local_rank = node_comm.Get_rank()

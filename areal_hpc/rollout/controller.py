@@ -10,15 +10,24 @@ in the log, their slots freed); see `staleness.ReadyBuffer`.
 From the first batch on, a service thread does the receiving, logging and prompt dispatch, so the
 generators are refilled while the trainer computes (the training step never stalls them, and HDF5
 writes stay off the training critical path). Every MPI call and every state change happens under
-one lock; the trainer's thread only waits on the condition for its batch or eval result.
+one lock; the trainer's thread only waits on the condition for its batch or eval result. Receives
+never block under the lock: a message is completed in the background (`Channel.poll`), so a large
+one still arriving does not stall the trainer's thread.
+
+Liveness both ways: generators report (HEARTBEAT) and the controller names one silent for
+rollout.generator_timeout_s; the controller sends CONTROLLER_HEARTBEAT to every generator at least
+every rollout.heartbeat_s (service thread, or whichever thread waits), and a generator that hears
+nothing for that long ends itself (the trainer is gone).
 """
 from __future__ import annotations
 
 import json
 import logging
 import random
+import sys
 import threading
 import time
+import traceback
 
 import numpy as np
 
@@ -54,6 +63,12 @@ class GeneratorLostError(RuntimeError):
     """A generator stopped reporting while the trainer waited on it; the job must stop."""
 
 
+# How long `stop` waits for the service thread to end: one of its iterations is a non-blocking
+# poll, an HDF5 append and a few non-blocking sends (well under a second); a thread still running
+# after this is stuck (reported with its stack) rather than slow.
+SERVICE_JOIN_S = 60.0
+
+
 class Controller:
     def __init__(self, cfg: RunConfig, topo: Topology, train_rows: list[dict], tokenizer,
                  resume: dict | None = None):
@@ -87,6 +102,7 @@ class Controller:
         self._t_start = time.monotonic()
         self.last_heard: dict[int, float] = {}          # generator rank → monotonic time
         self.last_report: dict[int, dict] = {}          # generator rank → its newest heartbeat
+        self._last_beat = 0.0                           # CONTROLLER_HEARTBEAT last sent
         if resume is not None:
             self._restore(resume, log_path)
 
@@ -106,6 +122,7 @@ class Controller:
         try:
             while not self._service_stop.is_set():
                 with self._cond:
+                    self._beat()
                     got = self.receive()
                     self.submit()
                     if got:
@@ -117,12 +134,28 @@ class Controller:
             with self._cond:
                 self._cond.notify_all()
 
-    def _stop_service(self) -> None:
+    def _stop_service(self, join_s: float = SERVICE_JOIN_S) -> None:
+        """Stop the service thread and wait for it, at most `join_s`; one that does not end is
+        reported with where it is stuck (RuntimeError)."""
         if self._service is not None:
             self._service_stop.set()
-            self._service.join()
+            self._service.join(timeout=join_s)
+            if self._service.is_alive():
+                frame = sys._current_frames().get(self._service.ident)
+                where = "".join(traceback.format_stack(frame)[-6:]) if frame else "(no stack)\n"
+                raise RuntimeError(f"the controller service thread did not end within {join_s:g} s "
+                                   f"of being asked to stop; it is stuck at:\n{where}")
             self._service = None
             self._check_service()
+
+    def _beat(self, now: float | None = None) -> None:
+        """CONTROLLER_HEARTBEAT to every generator, at most every rollout.heartbeat_s (call with
+        the lock held): generators end themselves when the controller falls silent."""
+        now = time.monotonic() if now is None else now
+        if now - self._last_beat >= self.cfg.rollout.heartbeat_s:
+            self._last_beat = now
+            for g in self.topo.generator_ranks:
+                self.chan.send({"version": self.version}, g, Tag.CONTROLLER_HEARTBEAT)
 
     def _check_service(self) -> None:
         if self._service_error is not None:
@@ -138,8 +171,10 @@ class Controller:
                 self.check_generators()
             if self._service is not None:
                 self._cond.wait(timeout=0.1)
-            elif not self.receive():
-                self.chan.idle(timeout=0.05)
+            else:
+                self._beat()
+                if not self.receive():
+                    self.chan.idle(timeout=0.05)
             if on_wait:
                 on_wait(len(self.buffer))
 
@@ -165,6 +200,12 @@ class Controller:
                              f"{self.in_flight[g]} prompt(s) in flight; last report: version "
                              f"{last.get('version', '?')}, {last.get('running', '?')} request(s) "
                              f"running; its vLLM engine or process is hung or gone")
+        chan = getattr(self, "chan", None)
+        for src, tag, age in (chan.incomplete() if chan is not None else []):
+            if age > r.generator_timeout_s:
+                lines.append(f"a {tag.name} message from generator rank {src} (host "
+                             f"{self.topo.hosts[src]}) has been arriving for {age:.0f} s "
+                             f"(rollout.generator_timeout_s = {r.generator_timeout_s:g})")
         if lines:
             raise GeneratorLostError("; ".join(lines))
 

@@ -8,6 +8,10 @@
                       cache, resume (later tokens carry the new version); acknowledge "loaded"
             EVAL    → run the held-out prompts to completion at the current version
             STOP    → finish
+            CONTROLLER_HEARTBEAT → (liveness only)
+        nothing from the controller for rollout.generator_timeout_s (before its first message:
+            weights.join_timeout_s) → the trainer is gone: `ControllerLostError`, the rank ends
+            and its reaper kills the vLLM engine and reward workers
         step vLLM; hand every finished sample to the reward pool (processes beside the
         engine, so scoring overlaps generation); send each group once all its samples are scored
 """
@@ -28,6 +32,10 @@ from ..transport.mpi import Channel, Tag
 from .vllm_engine import VLLMEngine
 
 log = logging.getLogger(__name__)
+
+
+class ControllerLostError(RuntimeError):
+    """The controller (trainer rank 0) fell silent: the trainer is gone or hung; this rank ends."""
 
 
 @dataclass
@@ -74,8 +82,12 @@ class Generator:
         self._last_heartbeat = 0.0
         self.preempted = False
         self._engine_lost = False
+        self._t_loop = None             # when the loop started (monotonic)
+        self._heard = None              # when the controller was last heard from (monotonic)
 
     def _start_children(self, cfg: RunConfig, topo: Topology) -> None:
+        from ..reward.sandbox import check_available
+        check_available(cfg)  # on this node: code rewards need the sandbox (or the unsafe opt-out)
         r = cfg.rollout
         self.engine = VLLMEngine(
             cfg.model.path, dtype=cfg.model.dtype, max_model_len=r.max_model_len,
@@ -87,14 +99,20 @@ class Generator:
                                           topo.weight_group_rank, topo.weight_group_size,
                                           topo.cfg.weight_backend, cfg.weights.timeout_s,
                                           cfg.weights.join_timeout_s)
-        self.rewards = RewardPool(cfg.reward.workers, math_timeout_s=cfg.reward.math_timeout_s)
+        self.rewards = RewardPool(cfg.reward.workers, math_timeout_s=cfg.reward.math_timeout_s,
+                                  unsafe_no_sandbox=cfg.reward.unsafe_no_sandbox)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
         running = True
+        self._t_loop = time.monotonic()
         while running:
             self._heartbeat()
+            self._check_controller()
             for _, tag, msg in self.chan.poll(source=CONTROLLER_RANK):
+                self._heard = time.monotonic()
+                if tag == Tag.CONTROLLER_HEARTBEAT:
+                    continue
                 if tag == Tag.PROMPTS:
                     self._started = True
                     for p in msg:
@@ -108,6 +126,8 @@ class Generator:
                     self.preempted = bool(msg and msg.get("preempted"))
                     running = False
                     break
+                # This rank's own work on the message (a weight load, an eval) is not silence.
+                self._heard = time.monotonic()
             if not running:
                 break
             for _, group in self._collect_rewards():     # eval groups never reach this loop
@@ -150,6 +170,26 @@ class Generator:
         self.seconds["pause"] += paused_s
         self.chan.send({"version": self.engine.version, "phase": "loaded", "paused_s": paused_s},
                        CONTROLLER_RANK, Tag.WEIGHTS_ACK)
+
+    def _check_controller(self, now: float | None = None) -> None:
+        """Raise `ControllerLostError` when the controller has sent nothing (it sends a heartbeat
+        at least every rollout.heartbeat_s) for rollout.generator_timeout_s; before its first
+        message the allowance is weights.join_timeout_s (the trainer builds its model and may
+        load a checkpoint first)."""
+        now = time.monotonic() if now is None else now
+        r, w = self.cfg.rollout, self.cfg.weights
+        if self._heard is None:
+            silent, bound, key = now - self._t_loop, w.join_timeout_s, "weights.join_timeout_s"
+        else:
+            silent, bound, key = now - self._heard, r.generator_timeout_s, "rollout.generator_timeout_s"
+        if silent > bound:
+            host = self.topo.hosts[CONTROLLER_RANK]
+            what = "since this generator started " if self._heard is None else ""
+            msg = (f"generator rank {self.topo.rank} (host {self.topo.hosts[self.topo.rank]}): "
+                   f"controller (rank {CONTROLLER_RANK}, host {host}) silent for {silent:.0f} s "
+                   f"{what}({key} = {bound:g}): the trainer is gone; exiting")
+            log.error(msg)
+            raise ControllerLostError(msg)
 
     def _heartbeat(self) -> None:
         """Tell the controller this loop still turns (at most every rollout.heartbeat_s): a

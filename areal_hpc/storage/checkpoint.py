@@ -38,6 +38,7 @@ import h5py
 import numpy as np
 
 from .. import preemption
+from ..transport import mpi as coll
 
 log = logging.getLogger(__name__)
 
@@ -472,8 +473,9 @@ def _has_state(optimizer, comm=None) -> bool:
     mine = any(len(o.optimizer.state) > 0 for o in _inner(optimizer))
     if comm is None or comm.Get_size() == 1:
         return mine
-    flags = comm.gather(mine, root=0)
-    n = comm.bcast(sum(flags) if comm.Get_rank() == 0 else None, root=0)
+    flags = coll.gather(comm, mine, root=0, what="checkpoint: optimizer state on each rank")
+    n = coll.bcast(comm, sum(flags) if comm.Get_rank() == 0 else None, root=0,
+                   what="checkpoint: ranks with optimizer state")
     if 0 < n < comm.Get_size():
         raise CheckpointError(f"{n} of {comm.Get_size()} trainer ranks have optimizer state, the "
                               "others none: cannot write a consistent checkpoint")
@@ -536,7 +538,8 @@ def save(run_dir: str | os.PathLike, step: int, *, model, optimizer, scheduler=N
     with CudaToCpuMode(), preemption.shield_children():     # its writer processes
         dist_checkpointing.save(_sharded_state(model, optimizer, with_optimizer=with_opt),
                                 str(ckpt / SHARDS))
-    rngs = comm.gather(rng_state(), root=0) if comm is not None else [rng_state()]
+    rngs = (coll.gather(comm, rng_state(), root=0, what=f"checkpoint step {step}: RNG states")
+            if comm is not None else [rng_state()])
     if rank == 0:
         write_state(ckpt / STATE, step=step, config_yaml=config_yaml,
                     scheduler=scheduler.state_dict() if scheduler is not None else None,
@@ -546,13 +549,14 @@ def save(run_dir: str | os.PathLike, step: int, *, model, optimizer, scheduler=N
     # CRC-32 of every file, split over the trainer ranks (a 32B checkpoint is hundreds of GB).
     files = _files(ckpt) if rank == 0 else None
     if comm is not None:
-        files = comm.bcast(files, root=0)
+        files = coll.bcast(comm, files, root=0, what=f"checkpoint step {step}: the file list")
         size = comm.Get_size()
     else:
         size = 1
     mine = {rel: {"size": (ckpt / rel).stat().st_size, "crc32": crc32_file(ckpt / rel)}
             for rel in files[rank::size]}
-    parts = comm.gather(mine, root=0) if comm is not None else [mine]
+    parts = (coll.gather(comm, mine, root=0, what=f"checkpoint step {step}: CRC-32 of the files")
+             if comm is not None else [mine])
     if rank == 0:
         entries = {k: v for part in parts for k, v in sorted(part.items())}
         manifest = {"format": FORMAT, "step": step, "created": time.time(),
@@ -695,6 +699,6 @@ def load_model(ckpt: Path, model) -> None:
         _module(model).load_state_dict(loaded["model"])
 
 
-def _barrier(comm) -> None:
+def _barrier(comm, what: str = "checkpoint: all trainer ranks") -> None:
     if comm is not None:
-        comm.Barrier()
+        coll.barrier(comm, what=what)

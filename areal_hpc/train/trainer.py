@@ -20,6 +20,7 @@ from ..data.prompts import load_prompts
 from ..topology import Topology
 from .. import preemption
 from ..storage import checkpoint
+from ..transport import mpi as coll
 from ..transport import weights as wsync
 from .actor import Actor
 
@@ -77,7 +78,8 @@ class Trainer:
                         old.rename(cfg.run_dir / name.replace(".", f".attempt-{k}.", 1))
                 log.warning("run dir %s has no usable checkpoint: starting afresh (the previous "
                             "attempt's files are kept as *.attempt-%d.*)", cfg.run_dir, k)
-        found = comm.bcast(found, root=0)
+        found = coll.bcast(comm, found, root=0, timeout_s=cfg.rollout.collective_timeout_s,
+                           what="resume: the checkpoint to load (trainer rank 0 validates it)")
         if found is None:
             return None
         a = self.actor
@@ -122,13 +124,15 @@ class Trainer:
         specs = None
         if a.weight_stage is not None:      # TP peers gather along with their sender
             specs = [(k, tuple(v.shape), wsync.dtype_to_str(v.dtype)) for k, v in a.iter_hf_weights()]
-        sent = comm.gather((a.weight_stage, specs) if a.is_weight_sender else None, root=0)
+        bound = self.cfg.rollout.collective_timeout_s
+        sent = coll.gather(comm, (a.weight_stage, specs) if a.is_weight_sender else None, root=0,
+                           timeout_s=bound, what="weight plan: each stage's tensor list")
         plan = None
         if comm.Get_rank() == 0:
             by_stage = dict(x for x in sent if x is not None)
             plan = wsync.plan_stages([by_stage[s] for s in range(self.cfg.topology.pp)],
                                      self.cfg.weights.bucket_mb << 20)
-        return comm.bcast(plan, root=0)
+        return coll.bcast(comm, plan, root=0, timeout_s=bound, what="weight plan")
 
     def _publish_weights(self) -> float:
         """Send version `self.version` to every generator (collective over the trainer ranks).
@@ -160,7 +164,8 @@ class Trainer:
                 elif stage is not None:
                     for _ in a.iter_hf_weights():
                         pass
-                comm.Barrier()                  # every stage's files are in place
+                coll.barrier(comm, w.timeout_s,  # every stage's files are in place
+                             what=f"weight update to version {self.version}: files written")
                 if self.controller is not None:
                     path = wsync.version_dir(self.weight_dir, self.version)
                     self.controller.send_weights_notice(self.version, path=str(path))
@@ -175,7 +180,11 @@ class Trainer:
                 failure = exc
             if failure is None and w.mode == "disk":
                 wsync.prune_versions(self.weight_dir, keep=self.version)
-        message = comm.bcast(None if failure is None else str(failure), root=0)
+        # Rank 0 arrives after the broadcast and the acknowledgements (each bounded by
+        # weights.timeout_s); rollout.collective_timeout_s bounds the whole wait of the others.
+        message = coll.bcast(comm, None if failure is None else str(failure), root=0,
+                             timeout_s=self.cfg.rollout.collective_timeout_s,
+                             what=f"weight update to version {self.version}: its outcome")
         if failure is not None:
             raise failure
         if message is not None:
@@ -193,7 +202,9 @@ class Trainer:
                                                       should_stop=preemption.requested)
         else:
             trajs, stats = None, None
-        return self.topo.role_comm.bcast((trajs, stats), root=0)
+        return coll.bcast(self.topo.role_comm, (trajs, stats), root=0,
+                          timeout_s=self.cfg.rollout.collective_timeout_s,
+                          what=f"the batch of step {self.version} (trainer rank 0 waits for it)")
 
     def _record(self, step: int, stats: dict, train_stats: dict, weight_sync_s: float) -> dict:
         """One line of metrics.jsonl (rank 0): batch, update and generation statistics."""
@@ -210,7 +221,9 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> int:
         """Train to `total_steps` (from a checkpoint when resumed); returns the exit code: 0, or
-        EXIT_PREEMPTED after a preemption signal (checkpoint written, generators stopped)."""
+        EXIT_PREEMPTED after a preemption signal (generators stopped; a checkpoint written if
+        this attempt trained a step: otherwise the rerun resumes from the checkpoint this attempt
+        started from, or starts afresh if there is none)."""
         from ..progress import Progress
         cfg, ck = self.cfg, self.cfg.checkpoint
         start = self.version
@@ -229,11 +242,21 @@ class Trainer:
                 progress.close()
                 if self.controller is not None:
                     self.controller.stop(preempted=True)    # in-flight groups land in the buffer
-                self._checkpoint()
+                # Before this attempt's first step there is nothing new to save: the rerun starts
+                # from the checkpoint this attempt resumed from (its rollout-log rows after it
+                # rolled back), or, with none, afresh (`_resume` sets this attempt's files aside).
+                trained = self.version > start
+                if trained:
+                    self._checkpoint()
                 if self.controller is not None:
                     self.controller.close()
-                log.warning("preempted after %d steps: checkpoint written; exiting with %d for "
-                            "a requeue", self.version, preemption.EXIT_PREEMPTED)
+                if trained:
+                    log.warning("preempted after %d steps: checkpoint written; exiting with %d "
+                                "for a requeue", self.version, preemption.EXIT_PREEMPTED)
+                else:
+                    log.warning("preempted before this attempt's first training step (%d steps "
+                                "done): no checkpoint written; exiting with %d for a requeue",
+                                self.version, preemption.EXIT_PREEMPTED)
                 return preemption.EXIT_PREEMPTED
             train_stats = self.actor.train_step(trajs, self.version)  # decoupled PPO
             self.version = step + 1

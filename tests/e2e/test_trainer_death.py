@@ -1,0 +1,122 @@
+"""The trainer side fails and the real job (mpiexec, vLLM, Megatron) still ends within its bounds,
+leaving no process behind; and a preemption before the first training step requeues cleanly.
+
+- kill: the trainer rank (rank 0, the controller's host) is SIGKILLed after 2 steps, as when its
+  node is lost. mpiexec (hydra) tears the job down itself (under Slurm: srun
+  --kill-on-bad-exit=1, slurm/job.sh); every generator, its vLLM engine and reward workers must
+  be gone within the bound.
+- stall: the trainer rank is stopped (SIGSTOP): no launcher notices, the generators must. Each
+  hears nothing from the controller for rollout.generator_timeout_s, ends itself naming the
+  controller, and its reaper kills its vLLM engine and reward workers.
+- preempt_first_step: SIGUSR1 before the first training step (while vLLM starts): exit 3, no
+  checkpoint written; the same command again starts afresh (the aborted attempt's files set
+  aside) and completes.
+"""
+import re
+import signal
+import time
+
+import psutil
+import pytest
+
+from areal_hpc.storage import checkpoint as ck
+from areal_hpc.storage.rollout_log import RolloutReader
+from tests.e2e.test_generator_failure import _find, _no_leftovers, _run_until, _steps_done
+from tests.e2e.test_preempt_resume import _check_log, _finish, _wait_for
+
+BOUND_S = 20
+ARGS = ["train.total_steps=40", "train.batch_prompts=3", "rollout.group_size=2",
+        "rollout.max_new_tokens=24", "data.eval_limit=4", "data.eval_samples=1",
+        "checkpoint.every_steps=100", f"rollout.generator_timeout_s={BOUND_S}",
+        "rollout.heartbeat_s=2", f"weights.timeout_s={BOUND_S}"]
+
+
+def _trainer_rank(jobs) -> psutil.Process:
+    for p in jobs.processes(ranks_only=True):
+        try:
+            if p.environ().get("PMI_RANK") == "0":
+                return p
+        except psutil.Error:
+            pass
+    raise AssertionError("no trainer rank (PMI_RANK=0) found")
+
+
+@pytest.mark.parametrize("how", ["kill", "stall"])
+def test_trainer_loss_ends_the_job(jobs, tiny_model, tmp_path, how):
+    run_dir = tmp_path / how
+    proc = jobs.start(jobs.args(tiny_model, tmp_path, how, *ARGS))
+    victim = None
+    try:
+        _run_until(jobs, proc, run_dir, 2)
+        victim = _trainer_rank(jobs)
+        jobs.processes()                     # notes the whole tree (engines) before the loss
+        victim.send_signal(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        t0 = time.monotonic()
+        out, _ = proc.communicate(timeout=BOUND_S + 180)
+        ended_s = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if victim is not None and how == "stall":
+            try:
+                victim.kill()
+            except psutil.Error:
+                pass
+    steps = _steps_done(run_dir)
+    print(f"\n{how}: job ended {ended_s:.1f} s after the trainer's {how} (exit "
+          f"{proc.returncode}, {steps} steps done)")
+    assert proc.returncode != 0, out[-4000:]
+    assert steps < 40
+    if how == "stall":
+        lost = re.findall(r"generator rank 1 \(host \S+\): controller \(rank 0, host \S+\) "
+                          r"silent for (\d+) s \(rollout.generator_timeout_s = 20\): the trainer "
+                          r"is gone; exiting", out)
+        assert lost, out[-4000:]
+        print(f"generator: controller silent for {lost[0]} s")
+        assert BOUND_S <= int(lost[0]) < BOUND_S + 10
+        assert ended_s < BOUND_S + 60, ended_s
+    else:
+        # the launcher or the rank's reaper names the rank that was lost
+        named = re.search(r"rank 0 \(trainer, host \S+\) ended without a clean exit"
+                          r"|RANK 0 PID \d+ RUNNING AT \S+", out)
+        assert named, out[-4000:]
+        print(f"named: {named.group(0)}")
+        assert ended_s < 60, ended_s
+    _no_leftovers(jobs)
+
+
+def test_preempt_before_first_step_writes_nothing_and_reruns(jobs, tiny_model, tmp_path):
+    steps = 2
+    args = jobs.args(tiny_model, tmp_path, "p0", *ARGS[1:6], f"train.total_steps={steps}",
+                     "checkpoint.every_steps=1")
+    run_dir = tmp_path / "p0"
+    proc = jobs.start(args)
+    # As soon as the generator's vLLM engine exists, every rank has its signal handlers
+    # (installed before the trainer builds its model and before the generator starts vLLM);
+    # the trainer has not asked for its first batch yet (initial eval first).
+    _wait_for(lambda: _find(jobs, "EngineCore") is not None, proc)
+    assert _steps_done(run_dir) == 0
+    for p in jobs.processes(ranks_only=False):     # as Slurm does: every process of the step
+        try:
+            if not any(x in " ".join(p.cmdline()) for x in ("mpiexec", "hydra", "areal_hpc.launch")):
+                p.send_signal(signal.SIGUSR1)
+        except psutil.Error:
+            pass
+    code, out = _finish(proc)
+    assert code == 3, out[-4000:]
+    assert "preempted before this attempt's first training step" in out, out[-4000:]
+    assert _steps_done(run_dir) == 0
+    assert ck.list_checkpoints(run_dir) == [], ck.list_checkpoints(run_dir)
+    with RolloutReader(run_dir / "rollouts.h5") as r:         # closed properly, readable
+        first_rows = len(r.column("consumed_step"))
+    assert not jobs.leftovers(), "processes of the job are still running"
+
+    code, out = _finish(jobs.start(args))
+    assert code == 0, out[-4000:]
+    assert "has no usable checkpoint: starting afresh" in out, out[-4000:]
+    assert (run_dir / "rollouts.attempt-1.h5").exists()
+    with RolloutReader(run_dir / "rollouts.attempt-1.h5") as r:
+        assert len(r.column("consumed_step")) == first_rows
+    _check_log(run_dir, steps)     # each step B groups once, metrics once per step
+    assert not jobs.leftovers(), "processes of the job are still running"
