@@ -243,20 +243,25 @@ def _yaml_problem(exc: yaml.YAMLError, context_line: bool = True) -> tuple[int |
     return (mark.line + 1 if mark is not None else None), " ".join(what.split())
 
 
-def _read_yaml(path: Path):
-    """A YAML file as an OmegaConf node; syntax errors, duplicate keys (OmegaConf's loader refuses
-    them), text that is not UTF-8 and a top level that is not a mapping are one ConfigError line
-    naming the file and line."""
+def _read_utf8(path: Path, what: str) -> str:
+    """A file's text; unreadable or non-UTF-8 is one ConfigError line naming file and line."""
     try:
         raw = path.read_bytes()
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror})") from None
+        raise ConfigError(f"{path}: cannot read {what} ({exc.strerror})") from None
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
         raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x}: "
                           f"{exc.reason})") from None
+
+
+def _read_yaml(path: Path):
+    """A YAML file as an OmegaConf node; syntax errors, duplicate keys (OmegaConf's loader refuses
+    them), text that is not UTF-8 and a top level that is not a mapping are one ConfigError line
+    naming the file and line."""
+    text = _read_utf8(path, "the config file")
     try:
         node = OmegaConf.load(io.StringIO(text))
     except yaml.YAMLError as exc:
@@ -601,15 +606,7 @@ SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
 
 def read_json(path: Path) -> Any:
     """A JSON file; unreadable, non-UTF-8 or bad JSON is one ConfigError line naming file and line."""
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise ConfigError(f"{path}:{line}: not UTF-8 text ({exc.reason})") from None
+    text = _read_utf8(path, "it")
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
