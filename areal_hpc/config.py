@@ -43,6 +43,7 @@ class DataConfig:
     prompt_template: str = "{question}"  # how a question becomes the prompt text
     eval_limit: int = 200               # held-out problems evaluated (0 = all)
     eval_samples: int = 4               # samples per held-out problem (accuracy = mean over them)
+    eval_every_steps: int = 0           # also evaluate every this many steps (0 = start and end)
     seed: int = 0
 
 
@@ -59,6 +60,13 @@ class TopologyConfig:
     # Memory of one GPU, for the preflight (`python -m areal_hpc.plan memory`): every launcher
     # refuses a config whose per-GPU estimate exceeds it before any rank starts. 0 = no check.
     gpu_mem_gib: float = 80.0
+    # CPU placement on each node (areal_hpc.launch.cpus), as taskset writes a list: "0", "0-3",
+    # "0,2-5". A role's ranks on one node share its cores in equal parts; each rank runs as many
+    # compute threads as it has cores. Disjoint lists: the roles compute side by side (async);
+    # the same list: each phase gets every core in turn (the synchronous baseline). "" = keep the
+    # launcher's placement (GPU nodes: leave both empty).
+    trainer_cpus: str = ""
+    generator_cpus: str = ""
 
 
 @dataclass
@@ -73,6 +81,13 @@ class RolloutConfig:
     top_p: float = 1.0
     max_staleness: int = 1              # η: trajectories at most η versions behind the policy
     max_concurrent_prompts: int = 16    # prompts (groups) in flight over all generators
+    # A group that finishes more than η versions behind the policy (long-tailed lengths: the
+    # long, hard prompts) is, by `stale_policy`: "reissue" dropped and its prompt issued again
+    # first, at most `max_reissues` times, then dropped for good (counted); "drop" dropped at
+    # once; "keep" trained anyway (η then bounds submission only). Dropped groups stay in the
+    # rollout log, marked dropped-stale.
+    stale_policy: str = "reissue"
+    max_reissues: int = 2
     max_model_len: int = 512
     kv_cache_gib: Optional[int] = None  # fixed KV cache size (CPU: VLLM_CPU_KVCACHE_SPACE);
                                         # None = vLLM's default / gpu_memory_utilization
@@ -366,6 +381,7 @@ RANGES: dict[str, Range] = {
     "log_every": _COUNT,
     "data.eval_limit": Range(0, INT_MAX, why=" (0 = all)"),
     "data.eval_samples": Range(1, 65536),
+    "data.eval_every_steps": _NONNEG,
     "data.seed": Range(0, SEED_MAX),
     "topology.n_trainers": _RANKS,
     "topology.n_generators": _RANKS,
@@ -380,6 +396,7 @@ RANGES: dict[str, Range] = {
     "rollout.top_p": Range(0, 1, lo_open=True),
     "rollout.max_staleness": _NONNEG,
     "rollout.max_concurrent_prompts": _COUNT,
+    "rollout.max_reissues": _NONNEG,
     "rollout.max_model_len": Range(2, INT_MAX),
     "rollout.kv_cache_gib": Range(1, 65536, why=" (or null: vLLM's default)"),
     "rollout.gpu_memory_utilization": Range(0, 1, lo_open=True),
@@ -490,6 +507,12 @@ def validate(cfg: RunConfig) -> None:
     for key in ("trainer_backend", "weight_backend"):
         _check(getattr(t, key) in ("gloo", "nccl"), f"topology.{key}",
                f"must be gloo or nccl, got {getattr(t, key)!r}")
+    from .launch.cpus import parse_cpus
+    for key in ("trainer_cpus", "generator_cpus"):
+        try:
+            parse_cpus(getattr(t, key), f"topology.{key}")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     _check(cfg.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype",
            f"must be float32, bfloat16 or float16, got {cfg.model.dtype!r}")
     _check(r.mode in ("async", "sync"), "rollout.mode", f"must be async or sync, got {r.mode!r}")
@@ -498,6 +521,8 @@ def validate(cfg: RunConfig) -> None:
     _check(r.temperature > 0, "rollout.temperature", "must be > 0 (behaviour log-probs need sampling)")
     _check(r.max_staleness >= 0, "rollout.max_staleness", "η must be >= 0")
     _check(r.max_concurrent_prompts >= 1, "rollout.max_concurrent_prompts", "must be >= 1")
+    _check(r.stale_policy in ("reissue", "drop", "keep"), "rollout.stale_policy",
+           f"must be reissue, drop or keep, got {r.stale_policy!r}")
     _check(r.heartbeat_s > 0, "rollout.heartbeat_s", "must be > 0")
     _check(r.generator_timeout_s > 2 * r.heartbeat_s, "rollout.generator_timeout_s",
            f"must exceed two heartbeats (2 * rollout.heartbeat_s = {2 * r.heartbeat_s})")

@@ -63,6 +63,16 @@ def main(argv=None) -> int:
         if world.Get_rank() == 0:
             print(f"error: {exc}", file=sys.stderr)
         return 2
+    from .launch.cpus import bind_rank, check_cpus, format_cpus
+    try:
+        check_cpus(cfg.topology)
+        cpus = bind_rank(cfg.topology, topo.role, topo.local_rank, topo.local_size)
+    except ValueError as exc:
+        print(f"error: rank {world.Get_rank()} on {topo.hosts[world.Get_rank()]}: {exc}", file=sys.stderr)
+        return 2
+    if cpus is not None:
+        print(f"rank {world.Get_rank()} ({topo.role}): CPUs {format_cpus(cpus)}, {len(cpus)} "
+              f"compute thread(s)", flush=True)
     if topo.is_controller:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         (cfg.run_dir / "config.yaml").write_text(to_yaml(cfg))

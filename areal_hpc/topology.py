@@ -81,6 +81,7 @@ class Topology:
     hosts: list                 # host name of every world rank (names a rank in error messages)
     engine_tp: int = 1          # vLLM workers per generator engine (rollout.engine_tp); each
                                 # joins the weight group
+    local_size: int = 1         # ranks of this role on this node
 
     @classmethod
     def build(cls, cfg: TopologyConfig, world, engine_tp: int = 1,
@@ -100,12 +101,13 @@ class Topology:
         role_comm.Set_name(f"{role} communicator")       # named in collective timeouts
         from mpi4py import MPI
         node_comm = role_comm.Split_type(MPI.COMM_TYPE_SHARED)
-        local_rank = node_comm.Get_rank()
+        local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
         node_comm.Free()
         hosts = world.allgather(socket.gethostname())
         return cls(cfg=cfg, world=world, role_comm=role_comm, rank=rank, role=role,
                    role_rank=role_comm.Get_rank(), controller_addr=addr, trainer_port=tport,
-                   weight_port=wport, local_rank=local_rank, hosts=hosts, engine_tp=engine_tp)
+                   weight_port=wport, local_rank=local_rank, hosts=hosts, engine_tp=engine_tp,
+                   local_size=local_size)
 
     @property
     def is_controller(self) -> bool:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError
+from .cpus import check_cpus, describe
 from .env import merged_env, prepare
 
 
@@ -27,14 +28,17 @@ def main(argv: list[str] | None = None) -> int:
     config, overrides = argv[0], argv[1:]
     try:
         cfg = prepare(config, overrides)
-    except ConfigError as exc:
+        check_cpus(cfg.topology)
+    except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     n = cfg.topology.n_trainers + cfg.topology.n_generators
     cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "areal_hpc.main",
            config, *overrides]
+    env = merged_env(cfg)
     print(f"[launch] {' '.join(cmd)}", flush=True)
-    return subprocess.run(cmd, env=merged_env(cfg)).returncode
+    print(f"[launch] {describe(cfg.topology, env)}", flush=True)
+    return subprocess.run(cmd, env=env).returncode
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ It hands prompts to the least-loaded generator while the η bound allows, receiv
 groups until a training step takes them, oldest policy version first.
 
 Groups that finished more than η versions late are dropped at batch time (marked `DROPPED_STALE`
-in the log, their slots freed); see `staleness.ReadyBuffer`.
+in the log, their slots freed; `staleness.ReadyBuffer`) and, by rollout.stale_policy, their
+prompts issued again (`staleness.StaleGroups`).
 
 From the first batch on, a service thread does the receiving, logging and prompt dispatch, so the
 generators are refilled while the trainer computes (the training step never stalls them, and HDF5
@@ -36,7 +37,7 @@ from ..storage.rollout_log import DROPPED_STALE, RolloutWriter
 from ..topology import Topology
 from ..transport.mpi import Channel, Tag
 from ..transport.weights import AckTracker
-from .staleness import ReadyBuffer, StalenessManager, staleness_of
+from .staleness import ReadyBuffer, StaleGroups, StalenessManager, staleness_of
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +50,22 @@ class PromptCursor:
         self.consumed = 0               # prompts handed out so far (the resume position)
         self._epoch, self._order = -1, []
 
-    def next(self) -> int:
-        epoch, pos = divmod(self.consumed, self.n)
+    def _order_of(self, epoch: int) -> list[int]:
         if epoch != self._epoch:        # one shuffle per epoch, derived from (seed, epoch)
             self._order = list(range(self.n))
             random.Random(self.seed + epoch).shuffle(self._order)
             self._epoch = epoch
+        return self._order
+
+    def next(self) -> int:
+        idx = self.index_of(self.consumed)
         self.consumed += 1
-        return self._order[pos]
+        return idx
+
+    def index_of(self, position: int) -> int:
+        """The dataset index handed out as prompt number `position` (a prompt id)."""
+        epoch, pos = divmod(position, self.n)
+        return self._order_of(epoch)[pos]
 
 
 class GeneratorLostError(RuntimeError):
@@ -88,6 +97,7 @@ class Controller:
         self.reissue: list[tuple[int, int]] = []         # (prompt_id, dataset index), from a resume
         self.buffer = ReadyBuffer()
         self.dropped_stale = 0          # groups dropped for exceeding η, over the run
+        self.stale_groups = StaleGroups(r.stale_policy, r.max_reissues)   # dropped: again or lost
         log_path = cfg.run_dir / "rollouts.h5"
         # A resumed run reopens its log in `restore`.
         self.writer = RolloutWriter(log_path, to_yaml(cfg)) if resume is None else None
@@ -261,12 +271,19 @@ class Controller:
         return got
 
     def _drop_stale(self) -> int:
-        """Drop buffered groups whose oldest token is more than η versions behind the policy."""
+        """Groups whose oldest token is more than η versions behind the policy, by
+        rollout.stale_policy: `reissue` drops them (marked DROPPED_STALE in the log) and issues
+        their prompts again, first; `drop` drops them for good; `keep` trains them anyway."""
+        if not self.stale_groups.drops:
+            return 0
         stale = self.buffer.drop_older_than(self.version - self.max_staleness)
         if stale:
             self.writer.mark_consumed([r for g in stale for r in g.rows], DROPPED_STALE)
-            for _ in stale:
+            for g in stale:
                 self.staleness.on_rollout_dropped()
+                pid = int(g.trajectories[0]["prompt_id"])
+                if self.stale_groups.on_dropped(pid):   # the same prompt id: its log rows tell
+                    self.reissue.append((pid, self.cursor.index_of(pid)))   # the story
             self.dropped_stale += len(stale)
         return len(stale)
 
@@ -289,13 +306,15 @@ class Controller:
             if should_stop and should_stop():
                 return None, None
             groups = self.buffer.take(B)                  # oldest first
+            for g in groups:
+                self.stale_groups.on_trained(int(g.trajectories[0]["prompt_id"]))
         trajs = [t for g in groups for t in g.trajectories]
         stale = [staleness_of(self.version, t["versions"]) for t in trajs]
         rewards = np.array([t["reward"] for t in trajs], dtype=np.float64)
         stats = {"wait_s": time.monotonic() - t0, "reward": float(rewards.mean()),
                  "accuracy": float((rewards > 0.5).mean()),
                  "staleness_max": max(stale), "staleness_mean": float(np.mean(stale)),
-                 "dropped_stale": dropped,
+                 "dropped_stale": dropped, "lost_stale": self.stale_groups.lost,
                  "reward_errors": sum(1 for t in trajs if t.get("reward_error")),
                  "response_len": float(np.mean([len(t["output_tokens"]) for t in trajs])),
                  "rows": [r for g in groups for r in g.rows]}
@@ -390,7 +409,8 @@ class Controller:
             return {
                 "version": self.version, "cursor_consumed": self.cursor.consumed,
                 "accepted": self.staleness.accepted, "rejected": self.staleness.rejected,
-                "dropped_stale": self.dropped_stale, "generated_tokens": self.generated_tokens,
+                "dropped_stale": self.dropped_stale, "lost_stale": self.stale_groups.lost,
+                "generated_tokens": self.generated_tokens,
                 "rollout_rows": self.writer.n_rows,
                 "buffer_rows": np.asarray(rows, dtype=np.int64),
                 "buffer_group_ends": np.cumsum([len(g.rows) for g in groups], dtype=np.int64),
@@ -419,6 +439,7 @@ class Controller:
         self.staleness.accepted = int(state["accepted"])
         self.staleness.rejected = int(state["rejected"])
         self.dropped_stale = int(state["dropped_stale"])
+        self.stale_groups.lost = int(state.get("lost_stale", 0))   # absent before stale_policy
         self.generated_tokens = int(state["generated_tokens"])
         self.reissue = list(zip(map(int, state["inflight_prompt_ids"]),
                                 map(int, state["inflight_dataset_index"])))

@@ -108,6 +108,39 @@ class ReadyBuffer:
         return taken
 
 
+class StaleGroups:
+    """What becomes of groups dropped as too stale (rollout.stale_policy), pure bookkeeping.
+
+    `reissue`: each dropped prompt is issued again, at most `max_reissues` times, then given up
+    (counted in `lost`); `drop`: given up at once; `keep`: nothing is dropped (the caller does
+    not ask). Dropping biases training towards short, easy prompts (the long-tailed ones are
+    the stale ones); reissuing keeps them in the training distribution."""
+
+    def __init__(self, policy: str, max_reissues: int):
+        if policy not in ("reissue", "drop", "keep") or max_reissues < 0:
+            raise ValueError(f"stale policy {policy!r}, max_reissues {max_reissues}")
+        self.policy, self.max_reissues = policy, max_reissues
+        self.times: dict[int, int] = {}     # prompt id → times issued again (until trained)
+        self.lost = 0                       # prompts given up, over the run
+
+    @property
+    def drops(self) -> bool:
+        return self.policy != "keep"
+
+    def on_dropped(self, prompt_id: int) -> bool:
+        """A group of `prompt_id` was dropped: True = issue the prompt again."""
+        n = self.times.get(prompt_id, 0)
+        if self.policy == "reissue" and n < self.max_reissues:
+            self.times[prompt_id] = n + 1
+            return True
+        self.times.pop(prompt_id, None)
+        self.lost += 1
+        return False
+
+    def on_trained(self, prompt_id: int) -> None:
+        self.times.pop(prompt_id, None)
+
+
 def staleness_of(consume_version: int, token_versions) -> int:
     """How many versions behind the consuming policy the oldest token of a trajectory is."""
     return int(consume_version - min(token_versions)) if len(token_versions) else 0

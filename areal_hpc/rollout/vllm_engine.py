@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from areal_hpc.launch.cpus import split_cpus
 from areal_hpc.transport.weights import Bucket
 
 logger = logging.getLogger(__name__)
@@ -100,24 +101,6 @@ def _child_process_environment() -> Iterator[None]:
         # vLLM's CPU platform sets spawn itself; leave spawn in place in that case too.
         if method is not None:
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = method
-
-
-def split_cpus(cpus: Iterable[int], n: int) -> list[list[int]]:
-    """`cpus` (sorted) cut into `n` contiguous lists, sizes differing by at most one, the longer
-    lists first. With fewer CPUs than lists, list i is [cpus[i % len(cpus)]]: workers share
-    CPUs rather than fail to start."""
-    ids = sorted(cpus)
-    if n < 1 or not ids:
-        raise ValueError(f"need n >= 1 and at least one CPU, got n={n}, cpus={ids}")
-    if len(ids) < n:
-        return [[ids[i % len(ids)]] for i in range(n)]
-    size, extra = divmod(len(ids), n)
-    out, start = [], 0
-    for i in range(n):
-        end = start + size + (i < extra)
-        out.append(ids[start:end])
-        start = end
-    return out
 
 
 def omp_threads_bind(cpus: Iterable[int], n: int) -> str:

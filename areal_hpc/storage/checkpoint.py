@@ -308,6 +308,7 @@ def _read_rng(where: str, g) -> dict[str, Any] | None:
 # The controller's state (Controller.state): what a resumed controller reads, and its bounds.
 _CONTROLLER_INTS = ("version", "cursor_consumed", "accepted", "rejected", "dropped_stale",
                     "generated_tokens", "rollout_rows")
+_CONTROLLER_OPTIONAL_INTS = ("lost_stale",)         # absent in checkpoints of older releases
 _CONTROLLER_ARRAYS = ("buffer_rows", "buffer_group_ends", "inflight_prompt_ids",
                       "inflight_dataset_index")
 
@@ -317,7 +318,7 @@ def _read_controller(where: str, c: h5py.Group) -> dict[str, Any]:
     rows of the log (< rollout_rows) cut into groups by non-decreasing ends that add up, the
     prompts in flight are pairs of non-negative ids and dataset indices."""
     out = {}
-    for key in _CONTROLLER_INTS:
+    for key in _CONTROLLER_INTS + tuple(k for k in _CONTROLLER_OPTIONAL_INTS if k in c.attrs):
         v = c.attrs.get(key)
         v = v.item() if isinstance(v, np.generic) else v
         if not _is_int(v) or v < 0:

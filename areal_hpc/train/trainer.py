@@ -110,9 +110,11 @@ class Trainer:
     def _evaluate(self, label: str) -> dict | None:
         if self.controller is None or not self.eval_rows:
             return None
+        t0 = time.monotonic()
         self.controller.request_eval(self.eval_rows, self.cfg.data.eval_samples)
         res = self.controller.eval_result()
-        res["label"] = label
+        self._eval_s += time.monotonic() - t0
+        res["label"], res["step"], res["time"] = label, self.version, time.time()
         log.info("held-out accuracy (%s, version %d): %.3f over %d samples in %.1fs",
                  label, res["version"], res["accuracy"], res["samples"], res["seconds"])
         return res
@@ -212,7 +214,10 @@ class Trainer:
         gen_tokens = self.controller.generated_tokens
         record = {"step": step, "version": self.version, **stats, **train_stats,
                   "weight_sync_s": weight_sync_s,
-                  "gen_tok_per_s": (gen_tokens - self._gen_tokens) / (now - self._t_record)}
+                  "gen_tok_per_s": (gen_tokens - self._gen_tokens) / (now - self._t_record),
+                  # wall clock, and this attempt's seconds since its first step began, held-out
+                  # evaluations excluded (a clock for time-to-accuracy)
+                  "time": time.time(), "elapsed_s": now - self._t_loop - self._eval_s}
         self._gen_tokens, self._t_record = gen_tokens, now
         with open(self.cfg.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -227,6 +232,7 @@ class Trainer:
         from ..progress import Progress
         cfg, ck = self.cfg, self.cfg.checkpoint
         start = self.version
+        self._eval_s = 0.0
         if self.resumed:
             self._publish_weights()     # generators start from the checkpoint's weights
             evals = self._previous_evals()
@@ -235,7 +241,8 @@ class Trainer:
             self._save_evals(evals)     # kept by a resume
         progress = Progress(cfg.train.total_steps, enabled=self.controller is not None, initial=start)
         self._gen_tokens = self.controller.generated_tokens if self.controller else 0
-        self._t_record = time.monotonic()
+        self._t_record = self._t_loop = time.monotonic()
+        self._eval_s = 0.0
         for step in range(start, cfg.train.total_steps):
             trajs, stats = self._batch(progress)            # B groups, none older than η
             if trajs is None:                               # preempted: stop, checkpoint, requeue
@@ -267,6 +274,10 @@ class Trainer:
             if ck.every_steps and self.version % ck.every_steps == 0 \
                     and self.version < cfg.train.total_steps:
                 self._checkpoint()
+            every = cfg.data.eval_every_steps
+            if every and self.version % every == 0 and self.version < cfg.train.total_steps:
+                evals.append(self._evaluate(f"step {self.version}"))
+                self._save_evals([e for e in evals if e])
         progress.close()
         complete_before = start >= cfg.train.total_steps
         if complete_before:
@@ -293,7 +304,9 @@ class Trainer:
         path = self.cfg.run_dir / "eval.json"
         if self.controller is None or not path.exists():
             return []
-        return [e for e in json.loads(path.read_text()) if e.get("label") != "final"]
+        # evaluations after the checkpoint resumed from are of steps trained again
+        return [e for e in json.loads(path.read_text())
+                if e.get("label") != "final" and e.get("step", 0) <= self.version]
 
 
 def run_trainer(cfg: RunConfig, topo: Topology) -> int:

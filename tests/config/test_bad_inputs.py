@@ -73,6 +73,8 @@ OVERRIDES = [
     (["log_every=0"], r"'log_every': must be >= 1"),
     (["checkpoint.keep=0"], r"'checkpoint\.keep': must be >= 1"),
     (["topology.gpu_mem_gib=-1"], r"'topology\.gpu_mem_gib': must be >= 0"),
+    (["topology.trainer_cpus=0-x"], r"topology\.trainer_cpus: '0-x' is not a CPU number or range"),
+    (["topology.generator_cpus=3-1"], r"topology\.generator_cpus: '3-1' is not a CPU range"),
     # override syntax
     (["train.lr=[1"], r"'train\.lr': override 'train\.lr=\[1' is not a valid YAML value"),
     (["train.lr={"], r"'train\.lr': override"),

@@ -52,6 +52,12 @@ def _model_args(model, out_dir, name):
             f"data.eval_path={model}/heldout.jsonl", f"output_dir={out_dir}", f"name={name}"]
 
 
+def _ranks_log_tail(run_dir, job, n: int = 3000) -> str:
+    """The end of what the ranks of `job` printed (what explains a failed job)."""
+    logs = sorted(Path(run_dir).glob(f"logs/job-{job}/attempt-*/ranks.log"))
+    return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-n:]}" for p in logs) or "no ranks.log"
+
+
 def _steps(run_dir) -> list[int]:
     import json
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -171,8 +177,10 @@ def test_sbatch_tiny_hetjob(slurm_env, jobs, tiny_model, tmp_path):
     r = _sh("sbatch", "--wait", "--parsable", f"--output={out}", "slurm/areal_tiny.sh", *SMALL,
             *_model_args(tiny_model, tmp_path, "sb"), env=jobs.env(slurm_env), timeout=900, check=False)
     log = out.read_text() if out.exists() else ""
-    assert r.returncode == 0, (r.stderr, log)
     job = r.stdout.strip().split(";")[0]
+    if r.returncode != 0:   # pytest.fail: a plain message is shown whole, a repr is cut short
+        pytest.fail(f"sbatch exit {r.returncode}\n{r.stderr[-1000:]}\n{log[-1500:]}\n"
+                    f"{_ranks_log_tail(tmp_path / 'sb', job)}")
     assert "2 het component(s)" in log and "ranks ended with exit code 0" in log, log
     states = _sacct(slurm_env, job)
     assert states[f"{job}+0"] == states[f"{job}+1"] == "COMPLETED", states

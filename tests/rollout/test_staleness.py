@@ -2,7 +2,8 @@ import threading
 
 import pytest
 
-from areal_hpc.rollout.staleness import StalenessManager, staleness_of
+from areal_hpc.rollout.controller import PromptCursor
+from areal_hpc.rollout.staleness import StaleGroups, StalenessManager, staleness_of
 
 
 def test_initial_capacity_is_eta_plus_one_batches_capped_by_concurrency():
@@ -109,3 +110,34 @@ def test_ready_buffer_drops_late_groups_and_serves_oldest_first():
     assert [g.rows for g in stale] == [[2, 3]] and len(buf) == 3
     assert [g.rows for g in buf.take(2)] == [[4, 5], [6, 7]]   # oldest first, FIFO among equals
     assert [g.oldest_version for g in buf.take(5)] == [3] and len(buf) == 0
+
+
+def test_reissue_gives_a_dropped_prompt_max_reissues_more_tries_then_counts_it_lost():
+    s = StaleGroups("reissue", max_reissues=2)
+    assert s.drops
+    assert s.on_dropped(7) and s.on_dropped(7)          # two more tries
+    assert not s.on_dropped(7) and s.lost == 1          # the third drop gives it up
+    assert s.on_dropped(7) and s.lost == 1              # a fresh start after giving up
+    s.on_trained(7)                                     # trained: its count is forgotten
+    assert s.on_dropped(7) and s.on_dropped(7) and not s.on_dropped(7) and s.lost == 2
+    assert s.on_dropped(8) and s.times == {8: 1}
+
+
+def test_drop_and_keep_policies():
+    d = StaleGroups("drop", max_reissues=5)
+    assert d.drops and not d.on_dropped(1) and not d.on_dropped(2) and d.lost == 2
+    assert not StaleGroups("keep", 0).drops
+    with pytest.raises(ValueError):
+        StaleGroups("sometimes", 1)
+    with pytest.raises(ValueError):
+        StaleGroups("reissue", -1)
+
+
+def test_cursor_index_of_is_what_next_handed_out():
+    """A reissued prompt id maps back to its dataset row, also ids from earlier epochs."""
+    c = PromptCursor(5, seed=3)
+    handed = [c.next() for _ in range(13)]
+    assert sorted(handed[:5]) == list(range(5)) and sorted(handed[5:10]) == list(range(5))
+    assert [PromptCursor(5, seed=3).index_of(i) for i in range(13)] == handed
+    assert [c.index_of(i) for i in (12, 0, 7)] == [handed[12], handed[0], handed[7]]
+    assert c.next() == PromptCursor(5, seed=3).index_of(13)

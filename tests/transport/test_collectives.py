@@ -28,7 +28,9 @@ def test_bounded_collectives_and_channel_work():
 @pytest.mark.parametrize("op", ["barrier", "bcast", "gather"])
 def test_a_missing_rank_times_out_with_a_message(op):
     out = _run(op)
-    hits = re.findall(r"rank (\d) TIMEOUT ([\d.]+) (.*)", out)
+    # mpiexec forwards each rank's output in chunks, so one rank's line may run into another's:
+    # a report ends where the next one starts, not at a newline
+    hits = re.findall(r"rank (\d) TIMEOUT ([\d.]+) (.*?)(?=rank \d (?:TIMEOUT|LATE|COMPLETED)|\n|$)", out)
     # every rank that arrived waits in vain (bcast: the late rank is the root), except that a
     # non-root's part of a gather may complete without the late rank
     ranks = sorted(r for r, _, _ in hits)

@@ -1,0 +1,259 @@
+"""Asynchronous vs synchronous RL at equal hardware, and the η × π_prox ablation, on this machine.
+
+    python tools/bench_async_vs_sync.py --seeds 0,1,2 --steps 40                 # item 1, tiny task
+    python tools/bench_async_vs_sync.py --task longtail --seeds 0,1,2            # long-tailed lengths
+    python tools/bench_async_vs_sync.py --ablation --etas 0,1,2,4,8 --seeds 0,1  # η × π_prox
+
+Every setting is the tiny recipe (configs/tiny_cpu.yaml) through the real launcher (mpiexec,
+Megatron-core, vLLM), one run after another, the settings interleaved within each seed so that
+load drifting on a shared box hits them alike. The CPU placement is the launcher's
+(`topology.trainer_cpus` / `generator_cpus`, printed by it):
+
+- `sync`: rollout.mode=sync with both roles on every core: each phase (generate a whole batch,
+  then train on it) has all cores in turn: the colocated synchronous baseline.
+- `async-T/G`: rollout.mode=async with the trainer on T cores and the generator on the other G.
+- `sync-split`: rollout.mode=sync on disjoint cores (what a plain sync run did before).
+
+Per run (from its metrics.jsonl, generators.json, eval.json and rollouts.h5): training wall time
+(the trainer's clock from its first step, held-out evaluations excluded), steps/hour, trained
+tokens/s, generator busy share (generating / (generating + pauses + idle)), trainer idle share
+(waiting for rollouts / wall), staleness mean / p95 of trained samples, dropped-stale groups,
+final held-out accuracy, and the time to a target accuracy (held-out, every --eval-every steps;
+and on the training batches' accuracy, a 5-step moving mean).
+
+The **ideal bound** of a run is computed from its own measured component rates: generation
+tokens/s while busy, training seconds per step, the update's blocking seconds, tokens generated
+per step. Async on disjoint cores: steps × max(generation per step / its rate, train + update);
+sync: steps × (generation per step / rate + train + update). No schedule of the same work at the
+same rates does better. Results go to --out (JSON, one record per run) and a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout
+
+from areal_hpc.launch.cpus import format_cpus  # noqa: E402
+
+WINDOW = 5      # training-accuracy moving mean, in steps
+
+
+def settings(cpus: list[int], splits: list[int]) -> dict[str, list[str]]:
+    """name → overrides. `splits`: trainer core counts for the async runs."""
+    every = format_cpus(cpus)
+    out = {"sync": ["rollout.mode=sync", f"topology.trainer_cpus={every}",
+                    f"topology.generator_cpus={every}"]}
+    for t in splits:
+        tr, gen = cpus[:t], cpus[t:]
+        out[f"async-{t}/{len(gen)}"] = ["rollout.mode=async", f"topology.trainer_cpus={format_cpus(tr)}",
+                                        f"topology.generator_cpus={format_cpus(gen)}"]
+    if len(cpus) >= 2:
+        out["sync-split"] = ["rollout.mode=sync", f"topology.trainer_cpus={format_cpus(cpus[:1])}",
+                             f"topology.generator_cpus={format_cpus(cpus[1:])}"]
+    return out
+
+
+def longtail_data(out: Path, seed: int = 1, n: int = 2000) -> tuple[Path, Path]:
+    """The tiny task with a longer tail of term counts (2..24 terms): a few problems take many
+    times the median's tokens, as reasoning traces do."""
+    from areal_hpc.data.tiny_task import make_problems
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, s, count in (("train", seed, n), ("heldout", seed + 1000, 200)):
+        rows = make_problems(count, s, max_terms=24, tail_exponent=1.0)
+        p = out / f"{name}.jsonl"
+        p.write_text("".join(json.dumps({"question": r["question"], "answer": r["answer"]}) + "\n"
+                             for r in rows))
+        paths.append(p)
+    return paths[0], paths[1]
+
+
+def run_job(overrides: list[str], out_dir: Path, name: str, timeout: float) -> tuple[int, float, str]:
+    cmd = [sys.executable, "-m", "areal_hpc.launch.local", "configs/tiny_cpu.yaml",
+           f"name={name}", f"output_dir={out_dir}", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    placement = next((ln for ln in r.stdout.splitlines() if "rank(s)" in ln and "[launch]" in ln), "")
+    if r.returncode != 0:
+        sys.stderr.write(r.stdout[-3000:] + r.stderr[-3000:])
+    return r.returncode, time.monotonic() - t0, placement
+
+
+def first_time_at(points: list[tuple[float, float]], target: float) -> float | None:
+    """The first time (of (time, value) points in order) the value reaches `target`."""
+    return next((t for t, v in points if v >= target), None)
+
+
+def analyse(run: Path, mode: str, target: float) -> dict:
+    from areal_hpc.analysis.load import load_run
+    steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    gens = json.loads((run / "generators.json").read_text())
+    evals = json.loads((run / "eval.json").read_text())
+    wall = steps[-1]["elapsed_s"]
+    n = len(steps)
+    busy = sum(g["seconds"]["busy"] for g in gens)
+    pause = sum(g["seconds"]["pause"] for g in gens)
+    idle = sum(g["seconds"]["idle"] + g["seconds"].get("idle_scoring", 0.0) for g in gens)
+    gen_tokens = sum(g["tokens"] for g in gens)
+    train_s = float(np.mean([s["seconds"] for s in steps]))
+    sync_s = float(np.mean([s["weight_sync_s"] for s in steps]))
+    wait = sum(s["wait_s"] for s in steps)
+    trained_tokens = sum(s["n_tokens"] for s in steps)
+    gen_rate = gen_tokens / busy if busy else float("nan")       # tokens/s while generating
+    per_step = gen_tokens / n
+    if mode == "sync":
+        ideal = n * (per_step / gen_rate + train_s + sync_s)
+    else:
+        ideal = n * max(per_step / gen_rate, train_s + sync_s)
+    data = load_run(run / "rollouts.h5")
+    t = data.traj
+    trained = t[t["consumed_step"] >= 0]
+    dropped = t[t["consumed_step"] == -2]
+    st = trained["staleness"].to_numpy(dtype=float)
+    elapsed = {s["version"]: s["elapsed_s"] for s in steps}
+    held = [(elapsed[e["step"]], e["accuracy"]) for e in evals if e.get("step") in elapsed]
+    acc = np.array([s["accuracy"] for s in steps])
+    moving = np.convolve(acc, np.ones(WINDOW) / WINDOW, mode="valid")
+    train_curve = [(steps[i + WINDOW - 1]["elapsed_s"], float(v)) for i, v in enumerate(moving)]
+    final = next((e for e in evals if e.get("label") == "final"), {})
+    return {
+        "steps": n, "wall_s": wall, "steps_per_h": 3600 * n / wall,
+        "trained_tok_s": trained_tokens / wall, "gen_busy": busy / (busy + pause + idle),
+        "gen_seconds": {"busy": busy, "pause": pause, "idle": idle},
+        "trainer_idle": wait / wall, "train_s": train_s, "sync_s": sync_s,
+        "gen_tok_s_busy": gen_rate, "gen_tokens_per_step": per_step,
+        "ideal_s": ideal, "of_ideal": ideal / wall,
+        "stale_mean": float(st.mean()) if len(st) else 0.0,
+        "stale_p95": float(np.percentile(st, 95)) if len(st) else 0.0,
+        "dropped_groups": int(len(dropped) // max(1, int(data.config["rollout"]["group_size"]))),
+        "dropped_len": float(dropped["output_len"].mean()) if len(dropped) else None,
+        "dropped_reward": float(dropped["reward"].mean()) if len(dropped) else None,
+        "trained_len": float(trained["output_len"].mean()),
+        "trained_reward": float(trained["reward"].mean()),
+        "len_median": float(t["output_len"].median()), "len_p99": float(t["output_len"].quantile(0.99)),
+        "final_acc": final.get("accuracy"), "initial_acc": evals[0].get("accuracy") if evals else None,
+        "held_curve": held, "train_curve": train_curve,
+        "t_target_heldout": first_time_at(held, target),
+        "t_target_train": first_time_at(train_curve, target),
+        "clip_frac": float(np.mean([s.get("clip_frac", 0.0) for s in steps])),
+        "imp_weight_mean": float(np.mean([s.get("imp_weight_mean", 1.0) for s in steps])),
+        "behav_dropped_frac": float(np.mean([s.get("dropped_frac", 0.0) for s in steps])),
+        "reward_curve": [s["reward"] for s in steps],
+    }
+
+
+def _fmt(x, spec="{:.3g}") -> str:
+    return "–" if x is None or (isinstance(x, float) and not np.isfinite(x)) else spec.format(x)
+
+
+def _ms(values: list, spec="{:.3g}") -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "–"
+    if len(values) == 1:
+        return spec.format(values[0])
+    return f"{spec.format(statistics.mean(values))} ± {spec.format(statistics.stdev(values))}"
+
+
+def table(records: list[dict], keys: list[str]) -> str:
+    """Mean ± sd over seeds per setting."""
+    cols = [("wall s", "wall_s", "{:.1f}"), ("ideal s", "ideal_s", "{:.1f}"),
+            ("of ideal", "of_ideal", "{:.2f}"), ("steps/h", "steps_per_h", "{:.0f}"),
+            ("trained tok/s", "trained_tok_s", "{:.0f}"), ("gen busy", "gen_busy", "{:.2f}"),
+            ("trainer idle", "trainer_idle", "{:.2f}"), ("stale mean", "stale_mean", "{:.2f}"),
+            ("stale p95", "stale_p95", "{:.1f}"), ("dropped", "dropped_groups", "{:.0f}"),
+            ("final acc", "final_acc", "{:.3f}"), ("t→target held-out s", "t_target_heldout", "{:.1f}"),
+            ("t→target train s", "t_target_train", "{:.1f}")]
+    lines = ["| setting | seeds | " + " | ".join(c[0] for c in cols) + " |",
+             "|---" * (len(cols) + 2) + "|"]
+    for key in keys:
+        rs = [r for r in records if r["setting"] == key and r.get("ok")]
+        if not rs:
+            lines.append(f"| {key} | 0 (failed) |" + " |" * len(cols))
+            continue
+        lines.append(f"| {key} | {len(rs)} | " + " | ".join(_ms([r[c[1]] for r in rs], c[2]) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--task", choices=("tiny", "longtail"), default="tiny")
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--eta", type=int, default=1, help="η of the async runs (item 1)")
+    ap.add_argument("--splits", default="1", help="trainer core counts of the async runs")
+    ap.add_argument("--only", default="", help="comma-separated setting names to run")
+    ap.add_argument("--ablation", action="store_true", help="η × π_prox instead (async-1/1)")
+    ap.add_argument("--etas", default="0,1,2,4,8")
+    ap.add_argument("--prox", default="recompute,loglinear,behaviour")
+    ap.add_argument("--target", type=float, default=0.3, help="accuracy for time-to-target")
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--eval-limit", type=int, default=100)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--out", type=Path, default=None, help="JSON results (default: print only)")
+    ap.add_argument("overrides", nargs="*", help="key=value for every run")
+    args = ap.parse_args()
+    cpus = sorted(os.sched_getaffinity(0))
+    base = [f"train.total_steps={args.steps}", f"data.eval_every_steps={args.eval_every}",
+            f"data.eval_limit={args.eval_limit}", "data.eval_samples=2", "checkpoint.every_steps=0"]
+    work = Path(tempfile.mkdtemp(prefix="bench_avs_"))
+    if args.task == "longtail":
+        train, held = longtail_data(work / "data")
+        base += [f"data.train_path={train}", f"data.eval_path={held}", "rollout.max_new_tokens=256",
+                 "rollout.max_model_len=512", "train.max_tokens_per_mb=2048"]
+    if args.ablation:
+        split = settings(cpus, [1])["async-1/1"]
+        runs = {f"eta{e}-{p}": [*split, f"rollout.max_staleness={e}", f"train.prox={p}"]
+                for e in map(int, args.etas.split(",")) for p in args.prox.split(",")}
+    else:
+        runs = {k: [*v, f"rollout.max_staleness={args.eta}"] if k.startswith("async") else v
+                for k, v in settings(cpus, [int(x) for x in args.splits.split(",")]).items()}
+    if args.only:
+        runs = {k: v for k, v in runs.items() if k in args.only.split(",")}
+    records = []
+    for seed in map(int, args.seeds.split(",")):
+        for key, over in runs.items():
+            name = f"{key.replace('/', '_')}-s{seed}"
+            ov = [*base, *over, f"train.seed={seed}", f"data.seed={seed}", *args.overrides]
+            code, total_s, placement = run_job(ov, work, name, args.timeout)
+            rec = {"setting": key, "seed": seed, "task": args.task, "overrides": ov, "ok": code == 0,
+                   "process_s": total_s, "placement": placement}
+            if code == 0:
+                rec.update(analyse(work / name, "sync" if "mode=sync" in " ".join(over) else "async",
+                                   args.target))
+            records.append(rec)
+            print(f"[bench] {name}: exit {code}, {total_s:.0f}s; "
+                  + (f"wall {rec['wall_s']:.1f}s (ideal {rec['ideal_s']:.1f}s), busy {rec['gen_busy']:.2f}, "
+                     f"final acc {_fmt(rec['final_acc'])}, stale {rec['stale_mean']:.2f}, "
+                     f"dropped {rec['dropped_groups']}" if code == 0 else "FAILED"), flush=True)
+            if args.out:
+                args.out.write_text(json.dumps({"cpus": cpus, "args": vars(args) | {"out": str(args.out)},
+                                                "records": records}, indent=1, default=str))
+    print()
+    print(f"task {args.task}, {args.steps} steps, CPUs {format_cpus(cpus)}; "
+          f"command: python tools/bench_async_vs_sync.py {' '.join(sys.argv[1:])}")
+    print(table(records, list(runs)))
+    if not args.ablation:
+        by = {k: [r for r in records if r["setting"] == k and r.get("ok")] for k in runs}
+        if by.get("sync"):
+            sync_wall = statistics.mean(r["wall_s"] for r in by["sync"])
+            for k, rs in by.items():
+                if rs and k != "sync":
+                    print(f"speedup {k} vs sync: {sync_wall / statistics.mean(r['wall_s'] for r in rs):.2f}×")
+    return 0 if all(r["ok"] for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
