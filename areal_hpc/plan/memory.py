@@ -82,7 +82,6 @@ On CPU (tools/bench_memory.py) there is no CUDA context or NCCL and the fragment
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -90,11 +89,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import ConfigError, RunConfig, load
+from ..config import ConfigError, RunConfig, load
 
 GiB = 2**30
 MiB = 2**20
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODELS_DIR = REPO / "configs" / "models"
 
 CUDA_CONTEXT_GIB = 0.75
@@ -561,21 +560,15 @@ def parse_mem(text: str) -> float:
     return value * 1e9 / GiB if m.group(2) == "gb" else value
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog="python -m areal_hpc.plan", description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
+def add_memory_parser(sub) -> None:
     mp = sub.add_parser("memory", help="per-GPU memory estimate of a config; exit 2 if it cannot fit")
     mp.add_argument("config")
     mp.add_argument("overrides", nargs="*", help="key=value")
     mp.add_argument("--gpu-mem", default=None, help="GPU memory (default topology.gpu_mem_gib)")
-    args, extra = ap.parse_known_args(argv)     # key=value overrides may follow --gpu-mem
-    if any(e.startswith("-") for e in extra):
-        ap.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.overrides += extra
-    from rich.console import Console
 
-    console = Console(width=max(Console().width, 120))
+
+def memory_command(args, console) -> int:
+    """`python -m areal_hpc.plan memory`: the table, exit 0 when it fits, else 2."""
     try:
         cfg = load(args.config, args.overrides)
         gpu = parse_mem(args.gpu_mem) if args.gpu_mem is not None else None
@@ -593,7 +586,3 @@ def main(argv: list[str] | None = None) -> int:
     else:
         console.print("no GPU memory to compare with (device cpu; pass --gpu-mem)")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,29 @@
+"""Planning models of a run, without running it.
+
+- `memory` (re-exported here, as the module `areal_hpc.plan` was before): the per-GPU memory
+  model and the preflight `check_fits` every launcher calls.
+- `throughput`: a discrete-event simulation of the asynchronous RL pipeline (generators, the
+  controller's staleness bound, the trainer and its weight updates): steps/hour, busy and idle
+  fractions, staleness, the async/sync speedup and a search over device splits and η.
+
+    python -m areal_hpc.plan memory CONFIG [key=value ...] [--gpu-mem 80GiB]
+    python -m areal_hpc.plan throughput CONFIG [key=value ...] [--from-run DIR] [--search]
+"""
+from __future__ import annotations
+
+from .memory import *  # noqa: F401,F403
+from .memory import (  # noqa: F401  (the names before the package split, private ones included)
+    BWD_FFN, BWD_H, CPU_FRAGMENTATION, CUDA_CONTEXT_GIB, CUDA_GRAPHS_GIB, FRAGMENTATION, GiB, MiB,
+    MODELS_DIR, NCCL_GIB, REPO, VLLM_MAX_BATCHED_TOKENS, VLLM_MAX_NUM_SEQS, Arch, Plan,
+    RankEstimate, Term, _BYTES, _REQUIRED, _headroom, _hint, _layers_per_stage, _num,
+    check_fits, estimate, generator_estimate, layer_activation_bytes, mask_score_bytes,
+    model_config_path, parse_mem, read_arch, render, trainer_estimates, varlen_kernel)
+
+
+def __getattr__(name: str):
+    # The CLI lives in __main__.py; imported lazily so `python -m areal_hpc.plan` does not find
+    # it already imported (runpy would warn).
+    if name == "main":
+        from .__main__ import main
+        return main
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,38 @@
+"""The planner's CLI.
+
+    python -m areal_hpc.plan memory CONFIG [key=value ...] [--gpu-mem 80GiB]
+    python -m areal_hpc.plan throughput CONFIG [key=value ...] [--from-run DIR] [--search] ...
+
+`memory`: per-GPU memory estimate (exit 2 when a rank does not fit; `memory.py`).
+`throughput`: simulated steps/hour, async vs the sync baseline (`throughput.py`).
+Bad input: one line `error: ...` on stderr, exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import memory, throughput
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog="python -m areal_hpc.plan",
+                                 description="memory and throughput models of a run")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    memory.add_memory_parser(sub)
+    throughput.add_parser(sub)
+    args, extra = ap.parse_known_args(argv)     # key=value overrides may follow the options
+    if any(e.startswith("-") for e in extra):
+        ap.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides += extra
+    from rich.console import Console
+
+    console = Console(width=max(Console().width, 120))
+    if args.cmd == "memory":
+        return memory.memory_command(args, console)
+    return throughput.throughput_command(args, console)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

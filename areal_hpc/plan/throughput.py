@@ -1,0 +1,734 @@
+"""Throughput model of a run: a discrete-event simulation of the asynchronous RL pipeline.
+
+    python -m areal_hpc.plan throughput CONFIG [key=value ...] [--from-run RUN_DIR]
+        [--gen-tok-s X] [--train-tok-s X] [--update-s X] [--lengths RUN_DIR|rollouts.h5]
+        [--median-len N --p99-len N] [--steps S] [--search] [--devices D]
+
+Pure Python + numpy; it reuses the controller's own bookkeeping (`StalenessManager`,
+`ReadyBuffer`, `StaleGroups`, `staleness_of` of `areal_hpc.rollout.staleness`), so submission,
+dropping and reissuing follow the running code exactly.
+
+Model
+-----
+- G generator engines (topology.n_generators). The controller hands each prompt (a group of
+  n = rollout.group_size samples) to the engine with the fewest prompts in flight, whenever
+
+      capacity = min(max_concurrent_prompts - running, (η + v + 1) B - (accepted + running)) > 0
+
+  (`StalenessManager.get_capacity`; B = train.batch_prompts, v = the policy version, η =
+  rollout.max_staleness, forced to 0 by rollout.mode=sync).
+- An engine runs at most C sequences at once, C = min(max_concurrent_prompts n / G,
+  VLLM_MAX_NUM_SEQS, kv_tokens / (prompt_len + mean output len)) (the KV budget, when the
+  memory model can tell it); the rest wait in its queue (vLLM's scheduler).
+- Decode with c running sequences: engine tokens/s T(c) = peak c / (c + c_half), every running
+  sequence advancing at T(c) / c = peak / (c + c_half). `Rates.gen_tok_s` is T(C), the rate of
+  a full engine (what a run measures), so peak = gen_tok_s (C + c_half) / C. c_half = 0: the
+  engine's rate does not depend on how many sequences it runs (a CPU engine is close to that).
+- Output lengths: drawn once per prompt (n samples; a reissued prompt keeps its lengths: long,
+  hard prompts stay long), from an empirical list (a rollout log) or a lognormal of given median
+  and p99 (sigma = ln(p99 / median) / 2.326), clipped to [1, rollout.max_new_tokens].
+- A sample's oldest token carries the version its engine ran when it started decoding (tokens
+  after a weight update carry later versions: interruptible generation); a group's is the
+  minimum over its samples; scoring takes no time.
+- Trainer: when idle, it drops groups more than η versions behind (`ReadyBuffer.drop_older_than`,
+  unless stale_policy=keep; their prompts reissued first by `StaleGroups`), waits for B groups,
+  takes the oldest B, trains for train_overhead_s + tokens / train_tok_s (tokens = output
+  tokens of the batch, as metrics.jsonl's n_tokens), then updates the weights for update_s:
+  every engine pauses (in-flight sequences keep their progress) and at its end the version
+  increments on every side.
+- Schedules: `async` runs generators and trainer on disjoint devices at once; `sync` is the
+  colocated baseline: η = 0, and each phase gets every device in turn (generation rates and the
+  KV budget scaled by `sync_gen_scale`, training by `sync_train_scale`; by default the ratio of
+  all devices to the phase's own, i.e. linear scaling, an assumption).
+- Ideal bound (async, full overlap) for S steps: wall >= max(S (step + update_s),
+  gen_tokens / (G T(C)) + S update_s): the trainer is sequential, and no engine generates faster
+  than T(C) nor during an update. `SimResult.ideal_wall_s` uses the run's own generated tokens,
+  so a simulated (or measured) run never beats it.
+
+Rates: measured ones come from a finished run (`calibrate`: metrics.jsonl, generators.json,
+rollouts.h5, config.yaml) or from flags. Without either, `ASSUMED_RATES` holds per-model-size
+defaults that are ASSUMPTIONS (orders of magnitude for bf16 on one H100-class GPU per engine and
+the recipes' 32 trainer GPUs), to be replaced by measured numbers.
+"""
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import sys
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from ..config import ConfigError, RunConfig
+from ..launch.cpus import parse_cpus
+from ..rollout.staleness import ReadyBuffer, StaleGroups, StalenessManager, staleness_of
+from .memory import VLLM_MAX_NUM_SEQS, generator_estimate, read_arch
+
+Z99 = 2.3263478740408408            # standard normal quantile of 0.99
+ETAS = (0, 1, 2, 4, 8)
+DEFAULT_C_HALF = 8.0                # assumed: an engine reaches half its peak at 8 sequences
+
+# ASSUMED per-model-size rates (no measurement behind them): gen_tok_s = decode tokens/s of one
+# full vLLM engine (engine_tp GPUs), train_tok_s = trained tokens/s of the recipe's whole trainer
+# (32 GPUs), update_s = one weight update. For scale only: a published vLLM baseline for a
+# 32B model (Qwen3-32B) on H100 reports ~2.35k total tokens/s on ShareGPT
+# (https://docs.gpustack.ai/2.0/performance-lab/qwen3-32b/h100). Replace with `--from-run` or flags.
+ASSUMED_RATES = {   # params (B) upper bound -> (gen_tok_s, train_tok_s, update_s)
+    3.0: (4000.0, 60000.0, 10.0),       # ~1.5B
+    12.0: (2000.0, 15000.0, 20.0),      # ~7B
+    80.0: (2500.0, 4000.0, 60.0),       # ~32B (engine_tp 8)
+}
+
+
+# ------------------------------------------------------------------------------ inputs
+
+@dataclass
+class Lengths:
+    """Output-length distribution: `values` (empirical) or a lognormal of `median` and `p99`."""
+
+    values: np.ndarray | None = None
+    median: float | None = None
+    p99: float | None = None
+    prompt_len: float = 0.0
+    source: str = ""
+
+    def __post_init__(self):
+        if self.values is not None:
+            self.values = np.asarray(self.values, dtype=np.float64)
+            if self.values.size == 0 or not np.all(self.values > 0):
+                raise ValueError(f"{self.source or 'lengths'}: need positive output lengths")
+        elif not (self.median and self.p99 and 0 < self.median <= self.p99):
+            raise ValueError(f"need 0 < median ({self.median}) <= p99 ({self.p99})")
+
+    @classmethod
+    def constant(cls, n: int, prompt_len: float = 0.0) -> "Lengths":
+        return cls(values=np.array([float(n)]), prompt_len=prompt_len, source=f"constant {n}")
+
+    def sample(self, rng: np.random.Generator, k: int, cap: int) -> np.ndarray:
+        if self.values is not None:
+            out = rng.choice(self.values, size=k)
+        else:
+            sigma = math.log(self.p99 / self.median) / Z99
+            out = rng.lognormal(math.log(self.median), sigma, size=k)
+        return np.clip(np.rint(out), 1, cap)
+
+    def mean(self, cap: int = 10**9) -> float:
+        if self.values is not None:
+            return float(np.clip(self.values, 1, cap).mean())
+        sigma = math.log(self.p99 / self.median) / Z99
+        return min(float(self.median * math.exp(sigma * sigma / 2)), cap)
+
+    def describe(self) -> str:
+        if self.values is not None:
+            v = self.values
+            return (f"{self.source}: {v.size} lengths, mean {v.mean():.1f}, median "
+                    f"{np.median(v):.0f}, p99 {np.percentile(v, 99):.0f}")
+        return f"{self.source or 'lognormal'}: median {self.median:g}, p99 {self.p99:g}"
+
+
+@dataclass
+class Rates:
+    """What the simulation needs to know about the hardware (see the module docstring)."""
+
+    gen_tok_s: float                # one engine, decode tokens/s while busy and full
+    train_tok_s: float              # the whole trainer, trained (output) tokens/s
+    update_s: float                 # one weight update (generators paused)
+    lengths: Lengths
+    train_overhead_s: float = 0.0   # per training step, on top of tokens / train_tok_s
+    c_half: float = DEFAULT_C_HALF
+    source: str = "flags"
+
+    def check(self) -> None:
+        for name, flag in (("gen_tok_s", "--gen-tok-s"), ("train_tok_s", "--train-tok-s")):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ConfigError(f"{flag}: must be a positive rate, got {v!r}")
+        for name, flag in (("update_s", "--update-s"), ("train_overhead_s", "--train-overhead-s"),
+                           ("c_half", "--c-half")):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ConfigError(f"{flag}: must be >= 0, got {v!r}")
+
+
+@dataclass
+class Setup:
+    """The schedule's shape: what the config says, plus the per-engine concurrency limit."""
+
+    n_generators: int
+    batch_prompts: int
+    group_size: int
+    max_staleness: int
+    max_concurrent_prompts: int
+    seq_limit: int                  # C: sequences one engine runs at once
+    max_new_tokens: int
+    stale_policy: str = "reissue"
+    max_reissues: int = 2
+    colocated: bool = False         # generation pauses while the trainer trains (sync baseline)
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, lengths: Lengths, kv_tokens: float | None = None,
+                    n_generators: int | None = None, kv_scale: float = 1.0) -> "Setup":
+        r, t = cfg.rollout, cfg.topology
+        g = n_generators or t.n_generators
+        limit = min(math.ceil(r.max_concurrent_prompts * r.group_size / g), VLLM_MAX_NUM_SEQS)
+        if kv_tokens is None:
+            kv_tokens = kv_budget_tokens(cfg)
+        if kv_tokens:
+            per_seq = lengths.prompt_len + lengths.mean(r.max_new_tokens)
+            limit = min(limit, max(1, int(kv_tokens * kv_scale // per_seq)))
+        return cls(n_generators=g, batch_prompts=cfg.train.batch_prompts, group_size=r.group_size,
+                   max_staleness=0 if r.mode == "sync" else r.max_staleness,
+                   max_concurrent_prompts=r.max_concurrent_prompts, seq_limit=max(1, limit),
+                   max_new_tokens=r.max_new_tokens, stale_policy=r.stale_policy,
+                   max_reissues=r.max_reissues)
+
+
+def kv_budget_tokens(cfg: RunConfig) -> float | None:
+    """Tokens the KV cache of one engine holds, from the memory model; None when unknown (no
+    architecture to read, or no GPU memory to size vLLM's budget from)."""
+    try:
+        arch = read_arch(cfg)
+    except ConfigError:
+        return None
+    b = 4 if cfg.model.dtype == "float32" else 2
+    etp = cfg.rollout.engine_tp
+    per_token = 2 * arch.layers * max(1, arch.kv_heads // etp) * arch.head_dim * b
+    gpu = cfg.topology.gpu_mem_gib if cfg.topology.device == "cuda" else None
+    if cfg.rollout.kv_cache_gib is None and not gpu:
+        return None
+    kv = generator_estimate(cfg, arch, gpu or None).term("KV cache").bytes
+    return kv / per_token if kv > 0 else None
+
+
+# ------------------------------------------------------------------------------ the simulation
+
+@dataclass
+class SimResult:
+    steps: int
+    wall_s: float
+    gen_busy_frac: float            # mean over engines of generating time / wall
+    trainer_idle_frac: float        # trainer waiting for a batch / wall
+    staleness_mean: float           # over trained samples
+    staleness_p95: float
+    staleness_max: int
+    dropped_share: float            # dropped groups / (trained + dropped)
+    lost: int                       # prompts given up (StaleGroups.lost)
+    gen_tokens: float               # generated, trained or not (finished samples)
+    trained_tokens: float
+    ideal_wall_s: float             # the bound of the module docstring, for this run's tokens
+    step_s: list[float] = field(default_factory=list)   # each step's end time
+
+    @property
+    def steps_per_hour(self) -> float:
+        return 3600.0 * self.steps / self.wall_s if self.wall_s > 0 else float("inf")
+
+    @property
+    def ideal_steps_per_hour(self) -> float:
+        return 3600.0 * self.steps / self.ideal_wall_s if self.ideal_wall_s > 0 else float("inf")
+
+
+class _Engine:
+    """All running sequences advance alike: `progress` counts the tokens each has emitted since
+    the engine started; a sequence started at progress p with L tokens ends at p + L."""
+
+    __slots__ = ("progress", "t_last", "running", "queue", "busy_s", "stamp", "version_of")
+
+    def __init__(self):
+        self.progress, self.t_last, self.busy_s, self.stamp = 0.0, 0.0, 0.0, 0
+        self.running: list = []         # heap of (end progress, seq key)
+        self.queue: deque = deque()     # (seq key, length) waiting for a slot
+
+
+def simulate(setup: Setup, rates: Rates, steps: int, seed: int = 0) -> SimResult:
+    """Run the pipeline of `setup` at `rates` for `steps` training steps (see the module)."""
+    rates.check()
+    if steps < 1:
+        raise ValueError("steps must be >= 1")
+    rng = np.random.default_rng(seed)
+    G, B, n, C = setup.n_generators, setup.batch_prompts, setup.group_size, setup.seq_limit
+    eta = setup.max_staleness
+    peak = rates.gen_tok_s * (C + rates.c_half) / C
+    manager = StalenessManager(setup.max_concurrent_prompts, B, eta)
+    buffer = ReadyBuffer()
+    stale = StaleGroups(setup.stale_policy, setup.max_reissues)
+    engines = [_Engine() for _ in range(G)]
+    in_flight = [0] * G
+    reissue: deque = deque()
+    lengths_of: dict[int, np.ndarray] = {}
+    pending: dict[int, list] = {}        # prompt id -> [samples left, oldest versions...]
+    next_pid = 0
+    version = 0
+    paused = False                       # engines stopped (weight update; colocated training)
+    events: list = []                    # (time, kind, engine, stamp)
+    now = 0.0
+    gen_tokens = 0.0
+    trained_tokens = 0.0
+    stal: list[int] = []
+    dropped = trained_groups = 0
+    trainer = "wait"                     # wait | train | update
+    wait_since, wait_s = 0.0, 0.0
+    step_end: list[float] = []
+
+    def seq_rate(e: _Engine) -> float:
+        return peak / (len(e.running) + rates.c_half) if e.running else 0.0
+
+    def advance(e: _Engine) -> None:
+        dt = now - e.t_last
+        if dt > 0 and e.running and not paused:
+            e.progress += seq_rate(e) * dt
+            e.busy_s += dt
+        e.t_last = now
+
+    def schedule(i: int) -> None:
+        e = engines[i]
+        e.stamp += 1
+        if e.running and not paused:
+            end = e.running[0][0]
+            heapq.heappush(events, (now + max(end - e.progress, 0.0) / seq_rate(e), 1, i, e.stamp))
+
+    def fill(i: int) -> None:
+        e = engines[i]
+        while e.queue and len(e.running) < C and not paused:
+            key, length = e.queue.popleft()
+            pending[key[0]][1] = min(pending[key[0]][1], version)   # first token's version
+            heapq.heappush(e.running, (e.progress + length, key))
+
+    def submit() -> None:
+        nonlocal next_pid
+        cap = manager.get_capacity(version)
+        touched = set()
+        for _ in range(max(cap, 0)):
+            i = min(range(G), key=in_flight.__getitem__)
+            if reissue:
+                pid = reissue.popleft()
+            else:
+                pid, next_pid = next_pid, next_pid + 1
+                lengths_of[pid] = rates.lengths.sample(rng, n, setup.max_new_tokens)
+            pending[pid] = [n, 10**9, i]
+            for k, length in enumerate(lengths_of[pid]):
+                engines[i].queue.append(((pid, k), float(length)))
+            in_flight[i] += 1
+            manager.on_rollout_submitted()
+            touched.add(i)
+        for i in touched:
+            advance(engines[i])
+            fill(i)
+            schedule(i)
+
+    def drop_stale() -> None:
+        nonlocal dropped
+        if not stale.drops:
+            return
+        for g in buffer.drop_older_than(version - eta):
+            manager.on_rollout_dropped()
+            pid = g.trajectories[0]["prompt_id"]
+            dropped += 1
+            if stale.on_dropped(pid):
+                reissue.append(pid)
+            else:
+                lengths_of.pop(pid, None)
+
+    def try_train() -> None:
+        nonlocal trainer, wait_s, trained_tokens, trained_groups
+        drop_stale()
+        if len(buffer) < B:
+            return
+        groups = buffer.take(B)
+        wait_s += now - wait_since
+        tokens = 0.0
+        for g in groups:
+            pid = g.trajectories[0]["prompt_id"]
+            stale.on_trained(pid)
+            tokens += float(lengths_of.pop(pid).sum())
+            stal.extend(staleness_of(version, t["versions"]) for t in g.trajectories)
+        trained_tokens += tokens
+        trained_groups += B
+        trainer = "train"
+        if setup.colocated:
+            set_paused(True)
+        heapq.heappush(events, (now + rates.train_overhead_s + tokens / rates.train_tok_s, 0, -1, 0))
+
+    def set_paused(value: bool) -> None:
+        nonlocal paused
+        for e in engines:
+            advance(e)
+        paused = value
+        for i in range(G):
+            if not paused:
+                fill(i)
+            schedule(i)
+
+    def finish(i: int) -> None:
+        nonlocal gen_tokens
+        e = engines[i]
+        while e.running and e.running[0][0] <= e.progress + 1e-9:
+            end, (pid, k) = heapq.heappop(e.running)
+            gen_tokens += lengths_of[pid][k]
+            p = pending[pid]
+            p[0] -= 1
+            if p[0] == 0:                # the group is complete: to the controller
+                del pending[pid]
+                in_flight[i] -= 1
+                manager.on_rollout_accepted()
+                oldest = p[1]
+                buffer.add([{"prompt_id": pid, "versions": [oldest]} for _ in range(n)], [])
+
+    submit()
+    try_train()
+    while len(step_end) < steps:
+        if not events:
+            raise RuntimeError("simulation stalled (no events): check the setup")
+        t, kind, i, stamp = heapq.heappop(events)
+        if kind == 1 and stamp != engines[i].stamp:
+            continue
+        now = t
+        if kind == 1:                    # a sequence (or several) ended on engine i
+            e = engines[i]
+            advance(e)
+            finish(i)
+            fill(i)
+            schedule(i)
+            submit()
+            if trainer == "wait":
+                try_train()
+        elif trainer == "train":         # training step done: weight update, engines pause
+            trainer = "update"
+            if not setup.colocated:
+                set_paused(True)
+            heapq.heappush(events, (now + rates.update_s, 0, -1, 0))
+        else:                            # update done: next version everywhere
+            version += 1
+            step_end.append(now)
+            trainer, wait_since = "wait", now
+            if len(step_end) == steps:  # done: no step beyond the last is counted
+                break
+            set_paused(False)
+            submit()
+            try_train()
+    wall = step_end[-1]
+    for e in engines:
+        advance(e)
+    busy = sum(min(e.busy_s, wall) for e in engines) / (G * wall) if wall > 0 else 0.0
+    total_train = steps * rates.update_s + rates.train_overhead_s * steps + trained_tokens / rates.train_tok_s
+    ideal = max(total_train, gen_tokens / (G * rates.gen_tok_s) + steps * rates.update_s)
+    arr = np.asarray(stal, dtype=np.float64)
+    return SimResult(steps=steps, wall_s=wall, gen_busy_frac=busy, trainer_idle_frac=wait_s / wall,
+                     staleness_mean=float(arr.mean()), staleness_p95=float(np.percentile(arr, 95)),
+                     staleness_max=int(arr.max()), dropped_share=dropped / max(dropped + trained_groups, 1),
+                     lost=stale.lost, gen_tokens=gen_tokens, trained_tokens=trained_tokens,
+                     ideal_wall_s=ideal, step_s=step_end)
+
+
+# ------------------------------------------------------------------------------ schedules
+
+@dataclass
+class Prediction:
+    async_: SimResult
+    sync: SimResult
+    setup: Setup
+    sync_setup: Setup
+
+    @property
+    def speedup(self) -> float:
+        return self.async_.steps_per_hour / self.sync.steps_per_hour
+
+
+def device_units(cfg: RunConfig) -> tuple[int, int]:
+    """(generator, trainer) devices: GPUs on CUDA; on CPU the cores of generator_cpus and
+    trainer_cpus when set (`areal_hpc.launch.cpus` lists), else one per rank."""
+    t = cfg.topology
+    if t.device == "cuda":
+        return t.n_generators * cfg.rollout.engine_tp, t.n_trainers
+    return (_count_cpus(t.generator_cpus) or t.n_generators, _count_cpus(t.trainer_cpus) or t.n_trainers)
+
+
+def _count_cpus(spec: str) -> int:
+    return len(parse_cpus(spec))
+
+
+def sync_variant(setup: Setup, rates: Rates, gen_scale: float, train_scale: float) -> tuple[Setup, Rates]:
+    """The colocated synchronous baseline: η = 0, each phase on every device (rates and the
+    engines' concurrency limit scaled)."""
+    s = replace(setup, max_staleness=0, colocated=True,
+                seq_limit=max(1, int(setup.seq_limit * gen_scale)))
+    return s, replace(rates, gen_tok_s=rates.gen_tok_s * gen_scale,
+                      train_tok_s=rates.train_tok_s * train_scale)
+
+
+def predict(cfg: RunConfig, rates: Rates, steps: int | None = None, seed: int = 0,
+            sync_gen_scale: float | None = None, sync_train_scale: float | None = None,
+            kv_tokens: float | None = None) -> Prediction:
+    """Async (the config as it is; rollout.mode=sync gives η = 0) and the colocated sync baseline
+    for `steps` (default train.total_steps) at `rates`."""
+    steps = steps or cfg.train.total_steps
+    gu, tu = device_units(cfg)
+    setup = Setup.from_config(cfg, rates.lengths, kv_tokens)
+    sg = sync_gen_scale if sync_gen_scale is not None else (gu + tu) / gu
+    st = sync_train_scale if sync_train_scale is not None else (gu + tu) / tu
+    s_setup, s_rates = sync_variant(setup, rates, sg, st)
+    return Prediction(simulate(setup, rates, steps, seed), simulate(s_setup, s_rates, steps, seed),
+                      setup, s_setup)
+
+
+@dataclass
+class SearchRow:
+    gen_devices: int
+    train_devices: int
+    eta: int
+    result: SimResult
+    schedule: str = "async"
+
+
+def search(cfg: RunConfig, rates: Rates, devices: int | None = None, etas=ETAS, steps: int = 8,
+           seed: int = 0, max_splits: int = 7) -> list[SearchRow]:
+    """Every split of `devices` (default: the config's) between generators and trainer (at most
+    `max_splits` of them, evenly spaced), times every η, plus the sync baseline on all devices;
+    sorted by predicted steps/hour. Rates scale linearly with devices (an assumption): an
+    engine's rate stays (GPU; more engines) or grows with its cores (CPU; n_generators kept)."""
+    gu, tu = device_units(cfg)
+    D = devices or gu + tu
+    gpu = cfg.topology.device == "cuda"
+    etp = cfg.rollout.engine_tp if gpu else 1
+    tmult = cfg.topology.tp * cfg.topology.pp if gpu else 1
+    splits = [g for g in range(etp, D, etp) if (D - g) % tmult == 0 and D - g >= tmult]
+    if gpu:
+        splits = [g for g in splits if g // etp >= 1]
+    if len(splits) > max_splits:
+        idx = np.linspace(0, len(splits) - 1, max_splits).round().astype(int)
+        splits = [splits[k] for k in sorted(set(idx))]
+    rows = []
+    for g in splits:
+        r = replace(rates, train_tok_s=rates.train_tok_s * (D - g) / tu)
+        if gpu:
+            n_gen = g // etp
+        else:
+            n_gen = cfg.topology.n_generators
+            r = replace(r, gen_tok_s=rates.gen_tok_s * g / gu)
+        base = Setup.from_config(cfg, rates.lengths, n_generators=n_gen,
+                                 kv_scale=1.0 if gpu else g / gu)
+        for eta in etas:
+            rows.append(SearchRow(g, D - g, eta, simulate(replace(base, max_staleness=eta), r, steps, seed)))
+    base = Setup.from_config(cfg, rates.lengths)
+    s_setup, s_rates = sync_variant(base, rates, D / gu, D / tu)
+    rows.append(SearchRow(D, D, 0, simulate(s_setup, s_rates, steps, seed), "sync"))
+    rows.sort(key=lambda row: -row.result.steps_per_hour)
+    return rows
+
+
+# ------------------------------------------------------------------------------ calibration
+
+def load_lengths(path: str | Path, metrics: list[dict] | None = None) -> Lengths:
+    """Output lengths of a rollout log (a file, or a run directory's rollouts.h5). A run
+    directory without one falls back to metrics.jsonl's per-step mean response_len."""
+    p = Path(path)
+    h5 = p / "rollouts.h5" if p.is_dir() else p
+    if h5.is_file():
+        from ..storage.rollout_log import RolloutReader
+        try:
+            with RolloutReader(h5) as reader:
+                out = np.diff(np.r_[0, reader.column("output_end")])
+                prompt = np.diff(np.r_[0, reader.column("prompt_end")])
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{h5}: not a readable rollout log ({str(exc).splitlines()[0]})") from None
+        if out.size == 0 or not np.any(out > 0):
+            raise ConfigError(f"{h5}: no trajectories with output tokens")
+        out = out[out > 0]
+        return Lengths(values=out, prompt_len=float(prompt.mean()), source=str(h5))
+    if p.is_dir():
+        if metrics is None:
+            metrics = read_metrics(p)
+        lens = [m["response_len"] for m in metrics if m.get("response_len", 0) > 0]
+        if lens:
+            return Lengths(values=np.array(lens), source=f"{p / 'metrics.jsonl'} (response_len)")
+        raise ConfigError(f"{p}: no rollouts.h5 and no response_len in metrics.jsonl")
+    raise ConfigError(f"{p}: no such run directory or rollout log")
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    try:
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        recs = [json.loads(ln) for ln in lines]
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: not a readable metrics file ({str(exc).splitlines()[0]})") from None
+    if not recs or not all(isinstance(r, dict) for r in recs):
+        raise ConfigError(f"{path}: no step records")
+    return recs
+
+
+def calibrate(run_dir: str | Path, c_half: float = 0.0) -> Rates:
+    """Rates measured by a finished run: generation tokens/s while busy (rollout-log output
+    tokens, else generators.json tokens, over the generators' busy seconds, per engine),
+    training tokens/s (sum n_tokens / sum seconds; with >= 4 steps and a positive intercept,
+    a least-squares fit gives train_overhead_s too), update_s (mean weight_sync_s) and the
+    output lengths. c_half is not measurable from the files (default 0)."""
+    d = Path(run_dir)
+    if not d.is_dir():
+        raise ConfigError(f"--from-run: no run directory at {d}")
+    metrics = read_metrics(d)
+    try:
+        secs = np.array([float(m["seconds"]) for m in metrics])
+        toks = np.array([float(m["n_tokens"]) for m in metrics])
+        upd = np.array([float(m.get("weight_sync_s", 0.0)) for m in metrics])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{d / 'metrics.jsonl'}: a step lacks 'seconds' or 'n_tokens' ({exc})") from None
+    gpath = d / "generators.json"
+    try:
+        gens = json.loads(gpath.read_text())
+        busy = sum(float(g["seconds"]["busy"]) for g in gens)
+        gen_tokens = sum(float(g["tokens"]) for g in gens)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{gpath}: not a readable generators file ({str(exc).splitlines()[0]})") from None
+    lengths = load_lengths(d, metrics)
+    if lengths.values is not None and lengths.source.endswith("rollouts.h5"):
+        gen_tokens = float(lengths.values.sum())      # training samples only (no eval tokens)
+    if busy <= 0 or gen_tokens <= 0 or secs.sum() <= 0 or toks.sum() <= 0:
+        raise ConfigError(f"{d}: no generation or training time recorded")
+    train_tok_s, overhead = toks.sum() / secs.sum(), 0.0
+    if len(secs) >= 4 and np.ptp(toks) > 0:
+        slope, icpt = np.polyfit(toks, secs, 1)
+        if slope > 0 and icpt > 0:
+            train_tok_s, overhead = 1.0 / slope, float(icpt)
+    return Rates(gen_tok_s=gen_tokens / busy, train_tok_s=float(train_tok_s),
+                 update_s=float(upd.mean()), lengths=lengths, train_overhead_s=overhead,
+                 c_half=c_half, source=str(d))
+
+
+def assumed_rates(cfg: RunConfig) -> tuple[float, float, float]:
+    """ASSUMED (gen_tok_s, train_tok_s, update_s) by model size; ConfigError when unknown."""
+    try:
+        params = read_arch(cfg).total_params / 1e9
+    except ConfigError:
+        raise ConfigError("no rates: pass --from-run RUN_DIR or --gen-tok-s, --train-tok-s, "
+                          "--update-s (the model's config.json is not readable for assumed "
+                          "defaults)") from None
+    for bound, vals in sorted(ASSUMED_RATES.items()):
+        if params <= bound:
+            return vals
+    raise ConfigError(f"no assumed rates for a {params:.0f}B model: pass --gen-tok-s, "
+                      "--train-tok-s, --update-s")
+
+
+# ------------------------------------------------------------------------------ CLI
+
+def add_parser(sub) -> None:
+    tp = sub.add_parser("throughput", help="simulated steps/hour of a config: async vs sync, search")
+    tp.add_argument("config")
+    tp.add_argument("overrides", nargs="*", help="key=value")
+    tp.add_argument("--from-run", default=None, help="calibrate the rates from a finished run directory")
+    tp.add_argument("--gen-tok-s", type=float, default=None, help="one engine's decode tokens/s, full")
+    tp.add_argument("--train-tok-s", type=float, default=None, help="the trainer's tokens/s")
+    tp.add_argument("--update-s", type=float, default=None, help="seconds per weight update")
+    tp.add_argument("--train-overhead-s", type=float, default=None, help="fixed seconds per step")
+    tp.add_argument("--c-half", type=float, default=None, help="engine half-saturation concurrency")
+    tp.add_argument("--lengths", default=None, help="RUN_DIR or rollouts.h5: output lengths")
+    tp.add_argument("--median-len", type=float, default=None)
+    tp.add_argument("--p99-len", type=float, default=None)
+    tp.add_argument("--kv-tokens", type=float, default=None, help="KV tokens per engine")
+    tp.add_argument("--steps", type=int, default=None, help="steps to simulate (default total_steps)")
+    tp.add_argument("--seed", type=int, default=0)
+    tp.add_argument("--search", action="store_true", help="search device splits and η")
+    tp.add_argument("--devices", type=int, default=None, help="devices (CPU: cores) to split")
+
+
+def _positive(value, flag: str, zero_ok: bool = False) -> None:
+    if value is not None and not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
+        raise ConfigError(f"{flag}: must be {'>= 0' if zero_ok else 'positive'}, got {value:g}")
+
+
+def rates_from_args(args, cfg: RunConfig) -> Rates:
+    for flag in ("gen_tok_s", "train_tok_s", "median_len", "p99_len", "kv_tokens"):
+        _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
+    for flag in ("update_s", "train_overhead_s", "c_half"):
+        _positive(getattr(args, flag), "--" + flag.replace("_", "-"), zero_ok=True)
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError(f"--steps: must be >= 1, got {args.steps}")
+    if args.devices is not None and args.devices < 2:
+        raise ConfigError(f"--devices: need at least 2, got {args.devices}")
+    base = calibrate(args.from_run) if args.from_run else None
+    if args.lengths:
+        if not Path(args.lengths).exists():
+            raise ConfigError(f"--lengths: no run directory or rollout log at {args.lengths}")
+        lengths = load_lengths(args.lengths)
+    elif args.median_len or args.p99_len:
+        if not (args.median_len and args.p99_len) or args.p99_len < args.median_len:
+            raise ConfigError("--median-len/--p99-len: give both, with p99 >= median")
+        lengths = Lengths(median=args.median_len, p99=args.p99_len, source="lognormal (flags)")
+    elif base is not None:
+        lengths = base.lengths
+    else:
+        raise ConfigError("no output lengths: pass --from-run, --lengths or --median-len/--p99-len")
+    if base is None:
+        need = [args.gen_tok_s, args.train_tok_s, args.update_s]
+        vals = need if all(v is not None for v in need) else \
+            [v if v is not None else a for v, a in zip(need, assumed_rates(cfg))]
+        source = "flags" if all(v is not None for v in need) else "ASSUMED defaults (+ flags)"
+        base = Rates(vals[0], vals[1], vals[2], lengths, source=source)
+    r = replace(base, lengths=lengths)
+    for name in ("gen_tok_s", "train_tok_s", "update_s", "train_overhead_s", "c_half"):
+        if getattr(args, name) is not None:
+            r = replace(r, **{name: getattr(args, name)})
+            if base.source not in ("flags",) and "flags" not in r.source:
+                r = replace(r, source=r.source + " + flags")
+    r.check()
+    return r
+
+
+def _result_cells(res: SimResult) -> list[str]:
+    return [f"{res.steps_per_hour:.1f}", f"{res.wall_s:.1f}", f"{100 * res.gen_busy_frac:.0f}%",
+            f"{100 * res.trainer_idle_frac:.0f}%", f"{res.staleness_mean:.2f}",
+            f"{res.staleness_p95:.0f}", f"{100 * res.dropped_share:.1f}%",
+            f"{res.ideal_steps_per_hour:.1f}"]
+
+
+_COLUMNS = ("steps/h", "wall s", "gen busy", "tr idle", "stale", "p95", "dropped", "ideal/h")
+
+
+def throughput_command(args, console) -> int:
+    """`python -m areal_hpc.plan throughput`: exit 0 with the tables, 2 with `error: ...`."""
+    from rich.table import Table
+
+    from ..config import load
+    try:
+        cfg = load(args.config, args.overrides)
+        rates = rates_from_args(args, cfg)
+        steps = args.steps or cfg.train.total_steps
+        pred = predict(cfg, rates, steps, args.seed, kv_tokens=args.kv_tokens)
+        rows = search(cfg, rates, args.devices, steps=min(steps, 8), seed=args.seed) if args.search else []
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    gu, tu = device_units(cfg)
+    s = pred.setup
+    console.print(f"[bold]{cfg.name}[/]: {s.n_generators} generator engine(s) ({gu} device(s)), "
+                  f"trainer {tu} device(s); B {s.batch_prompts} x n {s.group_size}, η "
+                  f"{s.max_staleness}, {s.seq_limit} sequences per engine, {steps} steps")
+    console.print(f"rates ({rates.source}): gen {rates.gen_tok_s:.1f} tok/s per engine, train "
+                  f"{rates.train_tok_s:.1f} tok/s + {rates.train_overhead_s:.2f} s/step, update "
+                  f"{rates.update_s:.2f} s, c_half {rates.c_half:g}")
+    console.print(f"lengths: {rates.lengths.describe()}")
+    tab = Table(title="predicted throughput (simulation)")
+    tab.add_column("schedule")
+    for c in _COLUMNS:
+        tab.add_column(c, justify="right")
+    tab.add_row(f"async (η {s.max_staleness})", *_result_cells(pred.async_))
+    tab.add_row("sync colocated (η 0)", *_result_cells(pred.sync))
+    console.print(tab)
+    console.print(f"async/sync speedup: [bold]{pred.speedup:.2f}x[/]  (stale: mean staleness of "
+                  "trained samples; ideal/h: the full-overlap bound)")
+    if rows:
+        st = Table(title=f"search: device split x η ({min(steps, 8)} steps each), by steps/hour")
+        st.add_column("gen dev", justify="right")
+        st.add_column("train dev", justify="right")
+        st.add_column("schedule")
+        for c in _COLUMNS:
+            st.add_column(c, justify="right")
+        for row in rows:
+            sched = "sync" if row.schedule == "sync" else f"async η{row.eta}"
+            st.add_row(str(row.gen_devices), str(row.train_devices), sched, *_result_cells(row.result))
+        console.print(st)
+    return 0
+

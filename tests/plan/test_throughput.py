@@ -1,0 +1,154 @@
+"""The throughput planner (areal_hpc.plan.throughput): simulation invariants, calibration, CLI."""
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from areal_hpc.plan import main
+from areal_hpc.plan.throughput import Lengths, Rates, Setup, calibrate, predict, simulate, sync_variant
+from areal_hpc.config import load
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs/tiny_cpu.yaml"
+
+
+def _setup(**kw):
+    base = dict(n_generators=2, batch_prompts=8, group_size=4, max_staleness=1,
+                max_concurrent_prompts=16, seq_limit=32, max_new_tokens=4096)
+    base.update(kw)
+    return Setup(**base)
+
+
+def _rates(**kw):
+    base = dict(gen_tok_s=1000.0, train_tok_s=4000.0, update_s=0.5, c_half=0.0,
+                lengths=Lengths.constant(100))
+    base.update(kw)
+    return Rates(**base)
+
+
+LONG = Lengths(median=100, p99=1000, source="long tail")
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+@pytest.mark.parametrize("policy", ["reissue", "drop"])
+def test_staleness_bounded_unless_keep(eta, policy):
+    res = simulate(_setup(max_staleness=eta, stale_policy=policy), _rates(lengths=LONG), 15, seed=1)
+    assert res.staleness_max <= eta
+    keep = simulate(_setup(max_staleness=1, stale_policy="keep"), _rates(lengths=LONG), 15, seed=1)
+    assert keep.dropped_share == 0
+
+
+def test_eta0_is_on_policy_like_sync():
+    res = simulate(_setup(max_staleness=0), _rates(lengths=LONG), 10)
+    assert res.staleness_max == 0 and res.dropped_share == 0
+    s, r = sync_variant(_setup(), _rates(lengths=LONG), 1.0, 1.0)
+    sync = simulate(s, r, 10)
+    assert sync.staleness_max == 0
+    # η = 0 on disjoint devices with the same rates: the same alternation, training hidden by nothing
+    assert sync.wall_s == pytest.approx(res.wall_s, rel=0.02)
+
+
+def test_generation_bound_matches_analytic_rate():
+    setup = _setup(max_staleness=4, max_concurrent_prompts=64)
+    rates = _rates(gen_tok_s=1000.0, train_tok_s=1e7, update_s=0.01)
+    res = simulate(setup, rates, 30)
+    per_step = 8 * 4 * 100 / (2 * 1000.0) + 0.01       # B n L / (G T(C)) + update
+    assert res.steps_per_hour == pytest.approx(3600 / per_step, rel=0.04)
+    assert res.gen_busy_frac > 0.95
+    assert res.trained_tokens == 30 * 8 * 4 * 100           # exactly the S steps' batches
+
+
+def test_training_bound():
+    rates = _rates(gen_tok_s=1e6, train_tok_s=1000.0, update_s=0.5, train_overhead_s=0.2)
+    res = simulate(_setup(max_staleness=2), rates, 20)
+    step = 0.2 + 8 * 4 * 100 / 1000.0 + 0.5
+    assert res.steps_per_hour == pytest.approx(3600 / step, rel=0.03)
+
+
+@pytest.mark.parametrize("lengths", [Lengths.constant(100), LONG])
+def test_async_at_least_sync_and_ideal_never_beaten(lengths):
+    rates = _rates(lengths=lengths)
+    for eta in (0, 1, 2, 4, 8):
+        setup = _setup(max_staleness=eta)
+        res = simulate(setup, rates, 12, seed=3)
+        assert res.wall_s >= res.ideal_wall_s * (1 - 1e-9)
+        s, r = sync_variant(setup, rates, 1.0, 1.0)
+        sync = simulate(s, r, 12, seed=3)
+        assert sync.wall_s >= sync.ideal_wall_s * (1 - 1e-9)
+        if eta >= 1:
+            assert res.steps_per_hour >= sync.steps_per_hour * 0.999
+
+
+def test_deterministic_for_a_seed():
+    a = simulate(_setup(), _rates(lengths=LONG), 10, seed=7)
+    b = simulate(_setup(), _rates(lengths=LONG), 10, seed=7)
+    c = simulate(_setup(), _rates(lengths=LONG), 10, seed=8)
+    assert a == b and a.step_s != c.step_s
+
+
+def test_long_tail_raises_staleness_and_drops():
+    short = simulate(_setup(max_staleness=1), _rates(lengths=Lengths(median=100, p99=150)), 20)
+    long = simulate(_setup(max_staleness=1), _rates(lengths=Lengths(median=100, p99=1000)), 20)
+    assert long.dropped_share > short.dropped_share
+    # kept instead of dropped, the late groups show up as staleness beyond η
+    keep = dict(max_staleness=1, stale_policy="keep")
+    short = simulate(_setup(**keep), _rates(lengths=Lengths(median=100, p99=150)), 20)
+    long = simulate(_setup(**keep), _rates(lengths=Lengths(median=100, p99=1000)), 20)
+    assert long.staleness_max > short.staleness_max > 1
+    assert long.staleness_p95 > short.staleness_p95
+
+
+def _fake_run(d: Path, with_log: bool) -> Path:
+    d.mkdir()
+    steps = [{"step": i, "seconds": 2.0, "weight_sync_s": 0.5, "wait_s": 0.1, "n_tokens": 4000,
+              "response_len": 40.0 + i, "staleness_mean": 0.5} for i in range(3)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    (d / "generators.json").write_text(json.dumps([
+        {"tokens": 10000, "seconds": {"busy": 10.0, "pause": 1, "idle": 1, "eval": 0, "idle_scoring": 0}},
+        {"tokens": 10000, "seconds": {"busy": 10.0, "pause": 1, "idle": 1, "eval": 0, "idle_scoring": 0}}]))
+    (d / "config.yaml").write_text(TINY.read_text())
+    if with_log:
+        from areal_hpc.storage.rollout_log import RolloutWriter
+        w = RolloutWriter(d / "rollouts.h5", "")
+        trajs = [{"prompt_id": 0, "sample_idx": k, "prompt_tokens": np.arange(5, dtype=np.int32),
+                  "output_tokens": np.arange(n, dtype=np.int32),
+                  "behav_logprobs": np.zeros(n, dtype=np.float32),
+                  "versions": np.zeros(n, dtype=np.int32), "reward": 0.0, "finish_reason": "stop",
+                  "generator_rank": 1, "t_submit": 0.0, "t_first_token": 0.0, "t_end": 1.0}
+                 for k, n in enumerate([10, 20, 30, 40])]
+        w.append(trajs)
+        w.close()
+    return d
+
+
+def test_calibration(tmp_path):
+    r = calibrate(_fake_run(tmp_path / "a", with_log=False))
+    assert r.gen_tok_s == pytest.approx(1000.0) and r.train_tok_s == pytest.approx(2000.0)
+    assert r.update_s == pytest.approx(0.5)
+    assert sorted(r.lengths.values) == [40.0, 41.0, 42.0]
+    r = calibrate(_fake_run(tmp_path / "b", with_log=True))
+    assert sorted(r.lengths.values) == [10, 20, 30, 40] and r.lengths.prompt_len == 5
+    assert r.gen_tok_s == pytest.approx(100 / 20)       # log tokens / busy seconds of all engines
+    pred = predict(load(TINY), replace(r, gen_tok_s=500.0), steps=3)
+    assert pred.speedup > 0 and pred.async_.steps == 3
+
+
+def test_cli(tmp_path, capsys):
+    run = _fake_run(tmp_path / "run", with_log=False)
+    assert main(["throughput", str(TINY), "--from-run", str(run), "--steps", "4", "--search"]) == 0
+    out = capsys.readouterr().out
+    assert "steps/h" in out and "speedup" in out and "search" in out
+    assert main(["throughput", str(TINY), "--gen-tok-s", "500", "--train-tok-s", "900",
+                 "--update-s", "0.1", "--median-len", "30", "--p99-len", "90", "--steps", "3",
+                 "train.batch_prompts=4"]) == 0
+    assert main(["throughput", str(TINY), "--from-run", str(run), "--gen-tok-s", "-1"]) == 2
+    assert "error: --gen-tok-s" in capsys.readouterr().err
+    assert main(["throughput", str(TINY), "--from-run", str(tmp_path / "none")]) == 2
+    assert "error: --from-run" in capsys.readouterr().err
+    bad = tmp_path / "bad.h5"
+    bad.write_text("not hdf5")
+    assert main(["throughput", str(TINY), "--from-run", str(run), "--lengths", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and str(bad) in err and "Traceback" not in err
