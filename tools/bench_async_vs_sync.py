@@ -3,6 +3,8 @@
     python tools/bench_async_vs_sync.py --seeds 0,1,2 --steps 40                 # item 1, tiny task
     python tools/bench_async_vs_sync.py --task longtail --seeds 0,1,2            # long-tailed lengths
     python tools/bench_async_vs_sync.py --ablation --etas 0,1,2,4,8 --seeds 0,1  # η × π_prox
+    python tools/bench_async_vs_sync.py --compare results.json      # the planner beside the runs
+    python tools/bench_async_vs_sync.py --plot results.json docs/x.png
 
 Every setting is the tiny recipe (configs/tiny_cpu.yaml) through the real launcher (mpiexec,
 Megatron-core, vLLM), one run after another, the settings interleaved within each seed so that
@@ -79,16 +81,22 @@ def longtail_data(out: Path, seed: int = 1, n: int = 2000) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
-def run_job(overrides: list[str], out_dir: Path, name: str, timeout: float) -> tuple[int, float, str]:
+def run_job(overrides: list[str], out_dir: Path, name: str, timeout: float) -> tuple[int, float, str, float]:
+    """Run one job; returns (exit code, seconds, the launcher's placement line, CPU seconds of
+    the whole job: every process of it, reaped through mpiexec)."""
+    import resource
     cmd = [sys.executable, "-m", "areal_hpc.launch.local", "configs/tiny_cpu.yaml",
            f"name={name}", f"output_dir={out_dir}", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     placement = next((ln for ln in r.stdout.splitlines() if "rank(s)" in ln and "[launch]" in ln), "")
     if r.returncode != 0:
         sys.stderr.write(r.stdout[-3000:] + r.stderr[-3000:])
-    return r.returncode, time.monotonic() - t0, placement
+    return r.returncode, time.monotonic() - t0, placement, cpu
 
 
 def first_time_at(points: list[tuple[float, float]], target: float) -> float | None:
@@ -154,6 +162,77 @@ def analyse(run: Path, mode: str, target: float) -> dict:
     }
 
 
+def compare(path: Path) -> None:
+    """The throughput planner (areal_hpc.plan.throughput) beside the measured runs of a results
+    file: each run replayed from its own measured rates (`calibrate`), and the speedup predicted
+    from the async runs alone (the sync baseline at linearly scaled rates, the planner's default)."""
+    from areal_hpc.config import load
+    from areal_hpc.plan.throughput import calibrate, predict
+    data = json.loads(path.read_text())
+    rows, by = [], {}
+    for rec in (r for r in data["records"] if r.get("ok")):
+        run = Path(rec["run_dir"])
+        cfg = load(str(run / "config.yaml"))
+        rates = calibrate(run)
+        sync = cfg.rollout.mode == "sync"
+        pred = predict(cfg, rates, steps=rec["steps"], sync_gen_scale=1.0, sync_train_scale=1.0)
+        mine = pred.sync if sync else pred.async_
+        cross = None if sync else predict(cfg, rates, steps=rec["steps"])
+        by.setdefault(rec["setting"], []).append((rec, mine, cross))
+        rows.append(f"| {rec['setting']} | {rec['seed']} | {rec['wall_s']:.1f} | {mine.wall_s:.1f} | "
+                    f"{rec['gen_busy']:.2f} | {mine.gen_busy_frac:.2f} | {rec['stale_mean']:.2f} | "
+                    f"{mine.staleness_mean:.2f} |")
+    print("| setting | seed | measured wall s | predicted wall s | measured gen busy | predicted | "
+          "measured stale mean | predicted |")
+    print("|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    if "sync" in by:
+        m_sync = statistics.mean(r["wall_s"] for r, _, _ in by["sync"])
+        p_sync = statistics.mean(p.wall_s for _, p, _ in by["sync"])
+        for key, items in by.items():
+            if key.startswith("async"):
+                m = m_sync / statistics.mean(r["wall_s"] for r, _, _ in items)
+                p = p_sync / statistics.mean(p.wall_s for _, p, _ in items)
+                c = statistics.mean(x.speedup for _, _, x in items)
+                print(f"speedup {key} vs sync: measured {m:.2f}×, planner from each run's rates "
+                      f"{p:.2f}× ({100 * (p / m - 1):+.0f}%), planner from the async runs alone "
+                      f"(sync at linearly scaled rates) {c:.2f}× ({100 * (c / m - 1):+.0f}%)")
+
+
+def plot(path: Path, out: Path) -> None:
+    """Held-out accuracy against the training clock (async/sync results) or the batches' reward
+    per step (ablation results), one line per run, to a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    data = json.loads(path.read_text())
+    recs = [r for r in data["records"] if r.get("ok")]
+    keys = list(dict.fromkeys(r["setting"] for r in recs))
+    colours = {k: plt.cm.tab10(i % 10) for i, k in enumerate(keys)}
+    ablation = any(k.startswith("eta") for k in keys)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in recs:
+        label = r["setting"] if r["seed"] == min(x["seed"] for x in recs if x["setting"] == r["setting"]) else None
+        if ablation:
+            y = np.convolve(r["reward_curve"], np.ones(WINDOW) / WINDOW, mode="valid")
+            ax.plot(np.arange(len(y)) + WINDOW, y, color=colours[r["setting"]], label=label, lw=1)
+        else:
+            curve = [(0.0, r["initial_acc"]), *r["held_curve"]]
+            if r.get("final_acc") is not None:
+                curve.append((r["wall_s"], r["final_acc"]))
+            ax.plot(*zip(*curve), marker="o", color=colours[r["setting"]], label=label, lw=1)
+    ax.set_xlabel("training step" if ablation else "training wall time, s (held-out evaluations excluded)")
+    ax.set_ylabel(f"batch reward ({WINDOW}-step mean)" if ablation else "held-out accuracy")
+    ax.set_title(f"{data['records'][0]['task']} task, {data['args']['steps']} steps, "
+                 f"{len({r['seed'] for r in recs})} seed(s)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
 def _fmt(x, spec="{:.3g}") -> str:
     return "–" if x is None or (isinstance(x, float) and not np.isfinite(x)) else spec.format(x)
 
@@ -203,8 +282,18 @@ def main() -> int:
     ap.add_argument("--eval-limit", type=int, default=100)
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", type=Path, default=None, help="JSON results (default: print only)")
+    ap.add_argument("--compare", type=Path, default=None,
+                    help="print the throughput planner beside the runs of this results file")
+    ap.add_argument("--plot", type=Path, nargs=2, metavar=("RESULTS", "PNG"), default=None,
+                    help="plot the runs of a results file")
     ap.add_argument("overrides", nargs="*", help="key=value for every run")
     args = ap.parse_args()
+    if args.compare:
+        compare(args.compare)
+        return 0
+    if args.plot:
+        plot(*args.plot)
+        return 0
     cpus = sorted(os.sched_getaffinity(0))
     base = [f"train.total_steps={args.steps}", f"data.eval_every_steps={args.eval_every}",
             f"data.eval_limit={args.eval_limit}", "data.eval_samples=2", "checkpoint.every_steps=0"]
@@ -227,9 +316,10 @@ def main() -> int:
         for key, over in runs.items():
             name = f"{key.replace('/', '_')}-s{seed}"
             ov = [*base, *over, f"train.seed={seed}", f"data.seed={seed}", *args.overrides]
-            code, total_s, placement = run_job(ov, work, name, args.timeout)
+            code, total_s, placement, cpu_s = run_job(ov, work, name, args.timeout)
             rec = {"setting": key, "seed": seed, "task": args.task, "overrides": ov, "ok": code == 0,
-                   "process_s": total_s, "placement": placement}
+                   "process_s": total_s, "placement": placement, "run_dir": str(work / name),
+                   "cpu_s": cpu_s, "cpu_per_wall": cpu_s / total_s}
             if code == 0:
                 rec.update(analyse(work / name, "sync" if "mode=sync" in " ".join(over) else "async",
                                    args.target))

@@ -46,9 +46,9 @@ Model
   so a simulated (or measured) run never beats it.
 
 Rates: measured ones come from a finished run (`calibrate`: metrics.jsonl, generators.json,
-rollouts.h5, config.yaml) or from flags. Without either, `ASSUMED_RATES` holds per-model-size
-defaults that are ASSUMPTIONS (orders of magnitude for bf16 on one H100-class GPU per engine and
-the recipes' 32 trainer GPUs), to be replaced by measured numbers.
+rollouts.h5, config.yaml) or from flags. Without either, `assumed_rates` derives them from a
+roofline of the model on H100-class GPUs (datasheet peaks times assumed efficiencies): these
+are ASSUMPTIONS, to be replaced by measured numbers.
 """
 from __future__ import annotations
 
@@ -71,16 +71,15 @@ Z99 = 2.3263478740408408            # standard normal quantile of 0.99
 ETAS = (0, 1, 2, 4, 8)
 DEFAULT_C_HALF = 8.0                # assumed: an engine reaches half its peak at 8 sequences
 
-# ASSUMED per-model-size rates (no measurement behind them): gen_tok_s = decode tokens/s of one
-# full vLLM engine (engine_tp GPUs), train_tok_s = trained tokens/s of the recipe's whole trainer
-# (32 GPUs), update_s = one weight update. For scale only: a published vLLM baseline for a
-# 32B model (Qwen3-32B) on H100 reports ~2.35k total tokens/s on ShareGPT
-# (https://docs.gpustack.ai/2.0/performance-lab/qwen3-32b/h100). Replace with `--from-run` or flags.
-ASSUMED_RATES = {   # params (B) upper bound -> (gen_tok_s, train_tok_s, update_s)
-    3.0: (4000.0, 60000.0, 10.0),       # ~1.5B
-    12.0: (2000.0, 15000.0, 20.0),      # ~7B
-    80.0: (2500.0, 4000.0, 60.0),       # ~32B (engine_tp 8)
-}
+# Without measured rates: a roofline on H100-class GPUs. ASSUMPTIONS, to be replaced by measured
+# numbers (--from-run, or the flags). Peaks from NVIDIA's H100 SXM datasheet: 989 TFLOP/s dense
+# bf16, 3.35 TB/s HBM3; the efficiencies are guesses of the usual order, not measurements.
+GPU_BF16_FLOPS = 989e12
+GPU_HBM_BYTES_S = 3.35e12
+TRAIN_MFU = 0.35                    # Megatron model-FLOPs utilisation
+DECODE_BW_EFFICIENCY = 0.5          # share of HBM bandwidth a decode step achieves
+WEIGHT_BCAST_BYTES_S = 20e9         # NCCL broadcast trainer → engines, per byte of bf16 weights
+UPDATE_FIXED_S = 2.0                # per update: pause, load into vLLM, resume
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -597,19 +596,40 @@ def calibrate(run_dir: str | Path, c_half: float = 0.0) -> Rates:
                  c_half=c_half, source=str(d))
 
 
-def assumed_rates(cfg: RunConfig) -> tuple[float, float, float]:
-    """ASSUMED (gen_tok_s, train_tok_s, update_s) by model size; ConfigError when unknown."""
+def assumed_rates(cfg: RunConfig, lengths: "Lengths | None" = None) -> tuple[float, float, float, float]:
+    """ASSUMED (gen_tok_s, train_tok_s, update_s, c_half) from a roofline of the model on
+    H100-class GPUs (the constants above); ConfigError when the model's config.json is unknown.
+
+    train: FLOPs per trained token = 6 P (forward + backward) + 2 P with full recompute + 2 P
+    for the recompute π_prox forward, at TRAIN_MFU of every trainer GPU's peak.
+    decode: one step of C sequences reads the bf16 weights once (2 P bytes) and every sequence's
+    KV cache (2 layers kv_heads head_dim 2 bytes per token, at the mean context prompt + L/2),
+    at DECODE_BW_EFFICIENCY of the engine's GPUs' bandwidth; C as the simulation's seq_limit.
+    That step time (2 P + c kv ctx) / bandwidth is the simulation's T(c) = peak c / (c + c_half)
+    with c_half = 2 P / (kv ctx): a lone long sequence decodes at its latency bound, not at the
+    full engine's rate (the sync baseline's long tail).
+    update: 2 P bytes at WEIGHT_BCAST_BYTES_S plus UPDATE_FIXED_S."""
     try:
-        params = read_arch(cfg).total_params / 1e9
+        arch = read_arch(cfg)
     except ConfigError:
         raise ConfigError("no rates: pass --from-run RUN_DIR or --gen-tok-s, --train-tok-s, "
                           "--update-s (the model's config.json is not readable for assumed "
                           "defaults)") from None
-    for bound, vals in sorted(ASSUMED_RATES.items()):
-        if params <= bound:
-            return vals
-    raise ConfigError(f"no assumed rates for a {params:.0f}B model: pass --gen-tok-s, "
-                      "--train-tok-s, --update-s")
+    p = float(arch.total_params)
+    tr = cfg.train
+    flops = (6 + 2 * (tr.recompute_granularity == "full") + 2 * (tr.prox == "recompute")) * p
+    train_tok_s = cfg.topology.n_trainers * GPU_BF16_FLOPS * TRAIN_MFU / flops
+    r = cfg.rollout
+    c = max(1, min(math.ceil(r.max_concurrent_prompts * r.group_size / cfg.topology.n_generators),
+                   VLLM_MAX_NUM_SEQS))
+    mean_len = lengths.mean(r.max_new_tokens) if lengths is not None else r.max_new_tokens / 2
+    prompt = lengths.prompt_len if lengths is not None else 0.0
+    kv_per_token = 2 * arch.layers * arch.kv_heads * arch.head_dim * 2
+    bytes_per_token = 2 * p / c + kv_per_token * (prompt + mean_len / 2)
+    gen_tok_s = r.engine_tp * GPU_HBM_BYTES_S * DECODE_BW_EFFICIENCY / bytes_per_token
+    update_s = 2 * p / WEIGHT_BCAST_BYTES_S + UPDATE_FIXED_S
+    c_half = 2 * p / (kv_per_token * max(1.0, prompt + mean_len / 2))
+    return gen_tok_s, train_tok_s, update_s, c_half
 
 
 # ------------------------------------------------------------------------------ CLI
@@ -663,10 +683,12 @@ def rates_from_args(args, cfg: RunConfig) -> Rates:
         raise ConfigError("no output lengths: pass --from-run, --lengths or --median-len/--p99-len")
     if base is None:
         need = [args.gen_tok_s, args.train_tok_s, args.update_s]
-        vals = need if all(v is not None for v in need) else \
-            [v if v is not None else a for v, a in zip(need, assumed_rates(cfg))]
-        source = "flags" if all(v is not None for v in need) else "ASSUMED defaults (+ flags)"
-        base = Rates(vals[0], vals[1], vals[2], lengths, source=source)
+        if all(v is not None for v in need):
+            base = Rates(*need, lengths, source="flags")
+        else:
+            *assumed, c_half = assumed_rates(cfg, lengths)
+            vals = [v if v is not None else a for v, a in zip(need, assumed)]
+            base = Rates(*vals, lengths, c_half=c_half, source="ASSUMED H100 roofline (+ flags)")
     r = replace(base, lengths=lengths)
     for name in ("gen_tok_s", "train_tok_s", "update_s", "train_overhead_s", "c_half"):
         if getattr(args, name) is not None:
