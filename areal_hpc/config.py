@@ -64,9 +64,9 @@ class TopologyConfig:
     # "0,2-5". A role's ranks on one node share its cores in equal parts; each rank runs as many
     # compute threads as it has cores. Disjoint lists: the roles compute side by side (async);
     # the same list: each phase gets every core in turn (the synchronous baseline). "" = keep the
-    # launcher's placement (GPU nodes: leave both empty).
-    trainer_cpus: str = ""
-    generator_cpus: str = ""
+    # launcher's placement (GPU nodes: leave both empty). "" or null = not bound.
+    trainer_cpus: Optional[str] = None
+    generator_cpus: Optional[str] = None
 
 
 @dataclass

@@ -17,10 +17,10 @@ import os
 from typing import Iterable
 
 
-def parse_cpus(text: str, key: str = "cpus") -> list[int]:
-    """'0,2-4' → [0, 2, 3, 4]; '' → []. A ValueError names `key` for anything else."""
+def parse_cpus(text: str | None, key: str = "cpus") -> list[int]:
+    """'0,2-4' → [0, 2, 3, 4]; '' or None → []. A ValueError names `key` for anything else."""
     out: set[int] = set()
-    for part in (p.strip() for p in str(text).split(",")):
+    for part in (p.strip() for p in str(text or "").split(",")):
         if not part:
             continue
         lo, sep, hi = part.partition("-")
@@ -79,10 +79,24 @@ def check_cpus(topology, allowed: Iterable[int] | None = None) -> None:
                              f"available here (allowed: {format_cpus(allowed)})")
 
 
+# A generator that shares cores with the trainer runs at this nice value (its vLLM processes
+# inherit it). vLLM's workers keep polling while the engine is idle (a reader of its shared-memory
+# queue spins for a second after each message; measured on the tiny sync recipe: the worker at
+# ~50% of a core while the trainer trained), which took the trainer's cores in the synchronous
+# baseline; at nice 10 the trainer gets ~90% of a shared core whenever both want it, and the
+# generator still has every core while the trainer waits for rollouts.
+SHARED_GENERATOR_NICE = 10
+
+
+def shares_cores(topology) -> bool:
+    return bool(set(role_cpus(topology, "trainer")) & set(role_cpus(topology, "generator")))
+
+
 def bind_rank(topology, role: str, index_on_node: int, ranks_on_node: int) -> list[int] | None:
     """Confine this process to its share of its role's cores and size its compute threads to
-    it. Returns the share, or None when the role is not bound. Call before torch or vLLM
-    start their thread pools (the trainer's torch.set_num_threads also works later)."""
+    it (a generator sharing cores with the trainer also yields to it: SHARED_GENERATOR_NICE).
+    Returns the share, or None when the role is not bound. Call before torch or vLLM start
+    their thread pools (the trainer's torch.set_num_threads also works later)."""
     cpus = role_cpus(topology, role)
     if not cpus:
         return None
@@ -92,6 +106,8 @@ def bind_rank(topology, role: str, index_on_node: int, ranks_on_node: int) -> li
     if role == "trainer":
         import torch
         torch.set_num_threads(len(mine))
+    elif shares_cores(topology):
+        os.nice(SHARED_GENERATOR_NICE)
     return mine
 
 
@@ -111,4 +127,5 @@ def describe(topology, env: dict | None = None) -> str:
             parts.append(f"{n} {role} rank(s) unbound, OMP_NUM_THREADS="
                          f"{env.get('OMP_NUM_THREADS', 'unset')}")
     shared = set(role_cpus(topology, "trainer")) & set(role_cpus(topology, "generator"))
-    return "; ".join(parts) + (f"; CPUs {format_cpus(shared)} shared by both roles" if shared else "")
+    return "; ".join(parts) + (f"; CPUs {format_cpus(shared)} shared by both roles (generators at "
+                               f"nice {SHARED_GENERATOR_NICE})" if shared else "")

@@ -48,7 +48,7 @@ def test_describe_says_where_each_role_runs():
     line = cpus.describe(topo, {})
     assert "1 trainer rank(s) on CPUs 0, 1 thread(s) each" in line
     assert "1 generator rank(s) on CPUs 0-1, 2 thread(s) each" in line
-    assert "CPUs 0 shared by both roles" in line
+    assert "CPUs 0 shared by both roles (generators at nice 10)" in line
     plain = cpus.describe(load(CONFIG).topology, {"OMP_NUM_THREADS": "1"})
     assert plain == ("1 trainer rank(s) unbound, OMP_NUM_THREADS=1; "
                      "1 generator rank(s) unbound, OMP_NUM_THREADS=1")
@@ -71,3 +71,20 @@ def test_bind_sets_affinity_and_threads_then_restore():
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = omp
+
+
+def test_a_generator_sharing_the_trainers_cores_yields_to_it():
+    """In a child process (a nice value cannot be taken back): shared cores → nice raised by
+    SHARED_GENERATOR_NICE; disjoint cores → unchanged."""
+    import subprocess
+    import sys
+    first = min(os.sched_getaffinity(0))
+    code = ("import os, sys; from areal_hpc.config import load; from areal_hpc.launch import cpus; "
+            "t = load('configs/tiny_cpu.yaml', sys.argv[1:]).topology; before = os.nice(0); "
+            "cpus.bind_rank(t, 'generator', 0, 1); print(os.nice(0) - before)")
+    for gen, want in ((str(first), cpus.SHARED_GENERATOR_NICE), ("", 0)):
+        r = subprocess.run([sys.executable, "-c", code, f"topology.trainer_cpus={first}",
+                            f"topology.generator_cpus={gen}"], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert int(r.stdout.split()[-1]) == want
