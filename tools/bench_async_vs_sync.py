@@ -186,17 +186,20 @@ def compare(path: Path) -> None:
           "measured stale mean | predicted |")
     print("|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
-    if "sync" in by:
-        m_sync = statistics.mean(r["wall_s"] for r, _, _ in by["sync"])
-        p_sync = statistics.mean(p.wall_s for _, p, _ in by["sync"])
+    for base in (k for k in by if k.startswith("sync")):
+        m_sync = statistics.mean(r["wall_s"] for r, _, _ in by[base])
+        p_sync = statistics.mean(p.wall_s for _, p, _ in by[base])
         for key, items in by.items():
             if key.startswith("async"):
                 m = m_sync / statistics.mean(r["wall_s"] for r, _, _ in items)
                 p = p_sync / statistics.mean(p.wall_s for _, p, _ in items)
-                c = statistics.mean(x.speedup for _, _, x in items)
-                print(f"speedup {key} vs sync: measured {m:.2f}×, planner from each run's rates "
-                      f"{p:.2f}× ({100 * (p / m - 1):+.0f}%), planner from the async runs alone "
-                      f"(sync at linearly scaled rates) {c:.2f}× ({100 * (c / m - 1):+.0f}%)")
+                line = (f"speedup {key} vs {base}: measured {m:.2f}×, planner from each run's "
+                        f"rates {p:.2f}× ({100 * (p / m - 1):+.0f}%)")
+                if base == "sync":
+                    c = statistics.mean(x.speedup for _, _, x in items)
+                    line += (f", planner from the async runs alone (sync at linearly scaled "
+                             f"rates) {c:.2f}× ({100 * (c / m - 1):+.0f}%)")
+                print(line)
 
 
 def plot(path: Path, out: Path) -> None:
@@ -286,6 +289,8 @@ def main() -> int:
                     help="print the throughput planner beside the runs of this results file")
     ap.add_argument("--plot", type=Path, nargs=2, metavar=("RESULTS", "PNG"), default=None,
                     help="plot the runs of a results file")
+    ap.add_argument("--table", type=Path, default=None,
+                    help="print the table of a results file (with this --target)")
     ap.add_argument("overrides", nargs="*", help="key=value for every run")
     args = ap.parse_args()
     if args.compare:
@@ -293,6 +298,15 @@ def main() -> int:
         return 0
     if args.plot:
         plot(*args.plot)
+        return 0
+    if args.table:      # a results file again, with this --target
+        data = json.loads(args.table.read_text())
+        recs = data["records"]
+        for r in (r for r in recs if r.get("ok")):
+            r["t_target_heldout"] = first_time_at(r["held_curve"], args.target)
+            r["t_target_train"] = first_time_at(r["train_curve"], args.target)
+        print(f"{args.table}: target accuracy {args.target}")
+        print(table(recs, list(dict.fromkeys(r["setting"] for r in recs))))
         return 0
     cpus = sorted(os.sched_getaffinity(0))
     base = [f"train.total_steps={args.steps}", f"data.eval_every_steps={args.eval_every}",
