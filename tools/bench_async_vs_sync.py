@@ -269,6 +269,26 @@ def table(records: list[dict], keys: list[str]) -> str:
     return "\n".join(lines)
 
 
+def ablation_table(records: list[dict]) -> str:
+    """η × π_prox: accuracy, the last steps' batch reward, and the off-policy statistics."""
+    cols = [("final held-out acc", lambda r: r["final_acc"], "{:.3f}"),
+            ("batch reward, last 10 steps", lambda r: float(np.mean(r["reward_curve"][-10:])), "{:.3f}"),
+            ("clip frac", lambda r: r["clip_frac"], "{:.4f}"),
+            ("w = π_prox/π_behav, mean", lambda r: r["imp_weight_mean"], "{:.3f}"),
+            ("tokens masked (w > cap)", lambda r: r["behav_dropped_frac"], "{:.5f}"),
+            ("stale mean", lambda r: r["stale_mean"], "{:.2f}"),
+            ("dropped groups", lambda r: r["dropped_groups"], "{:.0f}"),
+            ("wall s", lambda r: r["wall_s"], "{:.1f}")]
+    lines = ["| η | π_prox | seeds | " + " | ".join(c[0] for c in cols) + " |",
+             "|---" * (len(cols) + 3) + "|"]
+    for key in dict.fromkeys(r["setting"] for r in records):
+        rs = [r for r in records if r["setting"] == key and r.get("ok")]
+        eta, prox = key[3:].split("-", 1)
+        lines.append(f"| {eta} | {prox} | {len(rs)} | "
+                     + " | ".join(_ms([c[1](r) for r in rs], c[2]) for c in cols) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--task", choices=("tiny", "longtail"), default="tiny")
@@ -306,7 +326,10 @@ def main() -> int:
             r["t_target_heldout"] = first_time_at(r["held_curve"], args.target)
             r["t_target_train"] = first_time_at(r["train_curve"], args.target)
         print(f"{args.table}: target accuracy {args.target}")
-        print(table(recs, list(dict.fromkeys(r["setting"] for r in recs))))
+        if any(r["setting"].startswith("eta") for r in recs):
+            print(ablation_table(recs))
+        else:
+            print(table(recs, list(dict.fromkeys(r["setting"] for r in recs))))
         return 0
     cpus = sorted(os.sched_getaffinity(0))
     base = [f"train.total_steps={args.steps}", f"data.eval_every_steps={args.eval_every}",
@@ -348,7 +371,7 @@ def main() -> int:
     print()
     print(f"task {args.task}, {args.steps} steps, CPUs {format_cpus(cpus)}; "
           f"command: python tools/bench_async_vs_sync.py {' '.join(sys.argv[1:])}")
-    print(table(records, list(runs)))
+    print(ablation_table(records) if args.ablation else table(records, list(runs)))
     if not args.ablation:
         by = {k: [r for r in records if r["setting"] == k and r.get("ok")] for k in runs}
         if by.get("sync"):

@@ -1,5 +1,6 @@
 """End to end on the real stack: mpiexec → trainer rank (Megatron-core) + generator rank (vLLM),
 trajectories over MPI, weights over a gloo group, rollouts in HDF5."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +19,16 @@ def test_short_run(jobs, tiny_model, tmp_path, mode, eta, generators):
                        f"train.batch_prompts={B}", f"rollout.group_size={n}",
                        "rollout.max_new_tokens=24", f"rollout.mode={mode}",
                        f"rollout.max_staleness={eta}", f"topology.n_generators={generators}",
-                       "data.eval_limit=6", "data.eval_samples=1"), timeout=900)
+                       "data.eval_limit=6", "data.eval_samples=1", "data.eval_every_steps=2"),
+                 timeout=900)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
     assert "held-out accuracy" in r.stdout
     run = tmp_path / "e2e"
+    evals = json.loads((run / "eval.json").read_text())
+    assert [(e["label"], e["step"]) for e in evals] == [("initial", 0), ("step 2", 2), ("final", steps)]
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    clock = [m["elapsed_s"] for m in metrics]
+    assert clock == sorted(clock) and clock[0] > 0 and all(m["time"] > 1.7e9 for m in metrics)
     with RolloutReader(run / "rollouts.h5") as log:
         rows = [log[i] for i in range(len(log))]
         consumed = log.column("consumed_step")
