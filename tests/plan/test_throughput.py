@@ -152,3 +152,26 @@ def test_cli(tmp_path, capsys):
     assert main(["throughput", str(TINY), "--from-run", str(run), "--lengths", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and str(bad) in err and "Traceback" not in err
+
+
+def test_assumed_rates_follow_the_stated_roofline():
+    """Without measured rates: the H100 roofline of the docstring, from the recipe's model."""
+    from areal_hpc.plan import throughput as T
+    from areal_hpc.plan.memory import read_arch
+    cfg = load(str(ROOT / "configs/qwen2_5_1_5b_math.yaml"))
+    lengths = Lengths(median=6000, p99=27648)
+    gen, train, update, c_half = T.assumed_rates(cfg, lengths)
+    arch = read_arch(cfg)
+    p = arch.total_params
+    per_token = (6 + 2 * (cfg.train.recompute_granularity == "full") + 2 * (cfg.train.prox == "recompute")) * p
+    assert train == pytest.approx(cfg.topology.n_trainers * T.GPU_BF16_FLOPS * T.TRAIN_MFU / per_token)
+    assert update == pytest.approx(2 * p / T.WEIGHT_BCAST_BYTES_S + T.UPDATE_FIXED_S)
+    kv = 2 * arch.layers * arch.kv_heads * arch.head_dim * 2
+    ctx = lengths.prompt_len + lengths.mean(cfg.rollout.max_new_tokens) / 2
+    assert c_half == pytest.approx(2 * p / (kv * ctx))
+    # the saturating decode model at c_half reproduces the roofline's step time at any c
+    c = 7
+    step = (2 * p + c * kv * ctx) / (T.GPU_HBM_BYTES_S * T.DECODE_BW_EFFICIENCY * cfg.rollout.engine_tp)
+    peak = T.GPU_HBM_BYTES_S * T.DECODE_BW_EFFICIENCY * cfg.rollout.engine_tp / (kv * ctx)
+    assert c / step == pytest.approx(peak * c / (c + c_half))
+    assert 0 < gen < peak
