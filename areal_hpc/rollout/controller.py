@@ -94,7 +94,8 @@ class Controller:
         self.version = 0                # policy version the generators have (training steps done)
         self.in_flight = {g: 0 for g in topo.generator_ranks}
         self.prompts_in_flight: dict[int, int] = {}     # prompt_id → dataset index
-        self.reissue: list[tuple[int, int]] = []  # (prompt_id, dataset index): in flight at a resume, or stale
+        # (prompt_id, dataset index) to issue first: in flight at a resume, or dropped as stale
+        self.reissue: list[tuple[int, int]] = []
         self.buffer = ReadyBuffer()
         self.dropped_stale = 0          # groups dropped for exceeding η, over the run
         self.stale_groups = StaleGroups(r.stale_policy, r.max_reissues)   # dropped: again or lost
