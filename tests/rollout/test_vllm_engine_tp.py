@@ -13,7 +13,7 @@ import psutil
 import pytest
 import torch
 
-from areal_hpc.launch import cpus
+from areal_hpc.launch.cpus import split_cpus
 from areal_hpc.rollout import vllm_engine
 from areal_hpc.topology import free_port
 
@@ -39,16 +39,16 @@ BIND = "VLLM_CPU_OMP_THREADS_BIND"
     ([0], 2, [[0], [0]]),
 ])
 def test_split_cpus(cpus, n, want):
-    assert cpus.split_cpus(cpus, n) == want
+    assert split_cpus(cpus, n) == want
 
 
 def test_omp_threads_bind_format():
     assert vllm_engine.omp_threads_bind({0, 1, 2, 3}, 2) == "0,1|2,3"
     assert vllm_engine.omp_threads_bind([7], 2) == "7|7"
     with pytest.raises(ValueError):
-        cpus.split_cpus([], 2)
+        split_cpus([], 2)
     with pytest.raises(ValueError):
-        cpus.split_cpus([0, 1], 0)
+        split_cpus([0, 1], 0)
 
 
 def test_cpu_worker_binding_window(monkeypatch):
