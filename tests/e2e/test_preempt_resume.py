@@ -63,7 +63,9 @@ def _check_log(run_dir, steps=STEPS):
     return consumed, keys
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+# One seed (the kill step it draws): a second one cost two minutes of a suite near its 45-minute
+# budget; the hard-kill test below preempts at another step.
+@pytest.mark.parametrize("seed", [1])
 def test_preempt_at_a_random_step_then_resume(jobs, tiny_model, tmp_path, seed):
     kill_after = random.Random(seed).randint(1, STEPS - 2)
     args = jobs.args(tiny_model, tmp_path, "p", *SMALL)
