@@ -63,8 +63,8 @@ class TopologyConfig:
     # CPU placement on each node (areal_hpc.launch.cpus), as taskset writes a list: "0", "0-3",
     # "0,2-5". A role's ranks on one node share its cores in equal parts; each rank runs as many
     # compute threads as it has cores. Disjoint lists: the roles compute side by side (async);
-    # the same list: each phase gets every core in turn (the synchronous baseline). "" = keep the
-    # launcher's placement (GPU nodes: leave both empty). "" or null = not bound.
+    # the same list: each phase gets every core in turn (the synchronous baseline). "" or null =
+    # not bound: the launcher's placement (GPU nodes: leave both so).
     trainer_cpus: Optional[str] = None
     generator_cpus: Optional[str] = None
 

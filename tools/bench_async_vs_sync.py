@@ -106,7 +106,8 @@ def first_time_at(points: list[tuple[float, float]], target: float) -> float | N
 
 def analyse(run: Path, mode: str, target: float) -> dict:
     from areal_hpc.analysis.load import load_run
-    steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    from areal_hpc.plan.throughput import read_metrics
+    steps = read_metrics(run)
     gens = json.loads((run / "generators.json").read_text())
     evals = json.loads((run / "eval.json").read_text())
     wall = steps[-1]["elapsed_s"]

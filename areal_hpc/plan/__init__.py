@@ -11,13 +11,10 @@
 """
 from __future__ import annotations
 
-from .memory import *  # noqa: F401,F403
-from .memory import (  # noqa: F401  (the names before the package split, private ones included)
-    BWD_FFN, BWD_H, CPU_FRAGMENTATION, CUDA_CONTEXT_GIB, CUDA_GRAPHS_GIB, FRAGMENTATION, GiB, MiB,
-    MODELS_DIR, NCCL_GIB, REPO, VLLM_MAX_BATCHED_TOKENS, VLLM_MAX_NUM_SEQS, Arch, Plan,
-    RankEstimate, Term, _BYTES, _REQUIRED, _headroom, _hint, _layers_per_stage, _num,
-    check_fits, estimate, generator_estimate, layer_activation_bytes, mask_score_bytes,
-    model_config_path, parse_mem, read_arch, render, trainer_estimates, varlen_kernel)
+from .memory import (  # noqa: F401  (the API of `areal_hpc.plan` before the package split)
+    Arch, Plan, RankEstimate, Term, check_fits, estimate, generator_estimate,
+    kv_bytes_per_token, layer_activation_bytes, mask_score_bytes, model_config_path, parse_mem,
+    read_arch, render, trainer_estimates, varlen_kernel)
 
 
 def __getattr__(name: str):

@@ -423,13 +423,19 @@ def trainer_estimates(cfg: RunConfig, arch: Arch, weight_sync: bool = True) -> l
     return stages
 
 
+def kv_bytes_per_token(arch: Arch, dtype_bytes: int, engine_tp: int = 1) -> int:
+    """KV-cache bytes one token takes on one vLLM worker of an engine over `engine_tp` GPUs
+    (K and V of every layer; kv heads split over the workers, at least one each)."""
+    return 2 * arch.layers * max(1, arch.kv_heads // engine_tp) * arch.head_dim * dtype_bytes
+
+
 def generator_estimate(cfg: RunConfig, arch: Arch, gpu_mem_gib: float | None) -> RankEstimate:
     t, r = cfg.topology, cfg.rollout
     etp = r.engine_tp
     b = _BYTES[cfg.model.dtype]
     on_cuda = t.device == "cuda"
     weights = arch.total_params * b / etp
-    kv_per_token = 2 * arch.layers * max(1, arch.kv_heads // etp) * arch.head_dim * b
+    kv_per_token = kv_bytes_per_token(arch, b, etp)
     h, hd, ffn = arch.hidden, arch.head_dim, arch.ffn
     qkv = (arch.heads + 2 * arch.kv_heads) * hd
     act = VLLM_MAX_BATCHED_TOKENS * b * (2 * qkv / etp + 6 * ffn / etp + 6 * h) \

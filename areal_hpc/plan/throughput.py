@@ -65,7 +65,7 @@ import numpy as np
 from ..config import ConfigError, RunConfig
 from ..launch.cpus import parse_cpus
 from ..rollout.staleness import ReadyBuffer, StaleGroups, StalenessManager, staleness_of
-from .memory import VLLM_MAX_NUM_SEQS, generator_estimate, read_arch
+from .memory import _BYTES, VLLM_MAX_NUM_SEQS, generator_estimate, kv_bytes_per_token, read_arch
 
 Z99 = 2.3263478740408408            # standard normal quantile of 0.99
 ETAS = (0, 1, 2, 4, 8)
@@ -192,13 +192,11 @@ def kv_budget_tokens(cfg: RunConfig) -> float | None:
         arch = read_arch(cfg)
     except ConfigError:
         return None
-    b = 4 if cfg.model.dtype == "float32" else 2
-    etp = cfg.rollout.engine_tp
-    per_token = 2 * arch.layers * max(1, arch.kv_heads // etp) * arch.head_dim * b
     gpu = cfg.topology.gpu_mem_gib if cfg.topology.device == "cuda" else None
     if cfg.rollout.kv_cache_gib is None and not gpu:
         return None
     kv = generator_estimate(cfg, arch, gpu or None).term("KV cache").bytes
+    per_token = kv_bytes_per_token(arch, _BYTES[cfg.model.dtype], cfg.rollout.engine_tp)
     return kv / per_token if kv > 0 else None
 
 
@@ -441,11 +439,8 @@ def device_units(cfg: RunConfig) -> tuple[int, int]:
     t = cfg.topology
     if t.device == "cuda":
         return t.n_generators * cfg.rollout.engine_tp, t.n_trainers
-    return (_count_cpus(t.generator_cpus) or t.n_generators, _count_cpus(t.trainer_cpus) or t.n_trainers)
-
-
-def _count_cpus(spec: str) -> int:
-    return len(parse_cpus(spec))
+    return (len(parse_cpus(t.generator_cpus)) or t.n_generators,
+            len(parse_cpus(t.trainer_cpus)) or t.n_trainers)
 
 
 def sync_variant(setup: Setup, rates: Rates, gen_scale: float, train_scale: float) -> tuple[Setup, Rates]:
@@ -624,7 +619,7 @@ def assumed_rates(cfg: RunConfig, lengths: "Lengths | None" = None) -> tuple[flo
                    VLLM_MAX_NUM_SEQS))
     mean_len = lengths.mean(r.max_new_tokens) if lengths is not None else r.max_new_tokens / 2
     prompt = lengths.prompt_len if lengths is not None else 0.0
-    kv_per_token = 2 * arch.layers * arch.kv_heads * arch.head_dim * 2
+    kv_per_token = kv_bytes_per_token(arch, 2)      # bf16, the whole engine
     bytes_per_token = 2 * p / c + kv_per_token * (prompt + mean_len / 2)
     gen_tok_s = r.engine_tp * GPU_HBM_BYTES_S * DECODE_BW_EFFICIENCY / bytes_per_token
     update_s = 2 * p / WEIGHT_BCAST_BYTES_S + UPDATE_FIXED_S

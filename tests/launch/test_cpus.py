@@ -30,10 +30,26 @@ def test_bad_lists_name_the_key(bad):
 
 
 @pytest.mark.parametrize("ids, n, want", [
-    ([0, 1, 2, 3], 2, [[0, 1], [2, 3]]), ([0, 1, 2], 2, [[0, 1], [2]]), ([5], 3, [[5], [5], [5]]),
+    ([0, 1], 2, [[0], [1]]),
+    ([3, 0, 2, 1], 2, [[0, 1], [2, 3]]),           # sorted first
+    ([0, 1, 2, 3], 2, [[0, 1], [2, 3]]),
+    ([0, 1, 2], 2, [[0, 1], [2]]),
+    (range(5), 2, [[0, 1, 2], [3, 4]]),             # the longer lists first
+    (range(10), 4, [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]),
+    ([4, 5, 6, 7], 1, [[4, 5, 6, 7]]),
+    ([2, 9], 3, [[2], [9], [2]]),                   # fewer CPUs than workers: shared
+    ([0], 2, [[0], [0]]),
+    ([5], 3, [[5], [5], [5]]),
 ])
 def test_split(ids, n, want):
     assert cpus.split_cpus(ids, n) == want
+
+
+def test_split_needs_cpus_and_a_positive_count():
+    with pytest.raises(ValueError):
+        cpus.split_cpus([], 2)
+    with pytest.raises(ValueError):
+        cpus.split_cpus([0, 1], 0)
 
 
 def test_check_refuses_cpus_not_available():

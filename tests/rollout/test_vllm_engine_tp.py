@@ -13,7 +13,6 @@ import psutil
 import pytest
 import torch
 
-from areal_hpc.launch.cpus import split_cpus
 from areal_hpc.rollout import vllm_engine
 from areal_hpc.topology import free_port
 
@@ -29,26 +28,9 @@ BIND = "VLLM_CPU_OMP_THREADS_BIND"
 # ------------------------------------------------------------ no engine needed
 
 
-@pytest.mark.parametrize("cpus,n,want", [
-    ([0, 1], 2, [[0], [1]]),
-    ([3, 0, 2, 1], 2, [[0, 1], [2, 3]]),           # sorted first
-    (range(5), 2, [[0, 1, 2], [3, 4]]),             # the longer lists first
-    (range(10), 4, [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]),
-    ([4, 5, 6, 7], 1, [[4, 5, 6, 7]]),
-    ([2, 9], 3, [[2], [9], [2]]),                   # fewer CPUs than workers: shared
-    ([0], 2, [[0], [0]]),
-])
-def test_split_cpus(cpus, n, want):
-    assert split_cpus(cpus, n) == want
-
-
 def test_omp_threads_bind_format():
     assert vllm_engine.omp_threads_bind({0, 1, 2, 3}, 2) == "0,1|2,3"
     assert vllm_engine.omp_threads_bind([7], 2) == "7|7"
-    with pytest.raises(ValueError):
-        split_cpus([], 2)
-    with pytest.raises(ValueError):
-        split_cpus([0, 1], 0)
 
 
 def test_cpu_worker_binding_window(monkeypatch):
