@@ -10,8 +10,9 @@
             STOP    → finish
             CONTROLLER_HEARTBEAT → (liveness only)
         nothing from the controller for rollout.generator_timeout_s (before its first message:
-            weights.join_timeout_s) → the trainer is gone: `ControllerLostError`, the rank ends
-            and its reaper kills the vLLM engine and reward workers
+            weights.join_timeout_s), or a weight broadcast that stops arriving for
+            weights.timeout_s → the trainer is gone: `ControllerLostError`, the rank ends and
+            its reaper kills the vLLM engine and reward workers
         step vLLM; hand every finished sample to the reward pool (processes beside the
         engine, so scoring overlaps generation); send each group once all its samples are scored
 """
@@ -163,13 +164,33 @@ class Generator:
         model). The trainer fails the job if either does not arrive in time."""
         version = msg["version"]
         self.chan.send({"version": version, "phase": "started"}, CONTROLLER_RANK, Tag.WEIGHTS_ACK)
-        if "path" in msg:
-            paused_s = self.engine.update_weights_from_file(version, msg["path"])
-        else:
-            paused_s = self.engine.update_weights(version, msg["plan"])
+        t0 = time.monotonic()
+        try:
+            if "path" in msg:
+                paused_s = self.engine.update_weights_from_file(version, msg["path"])
+            else:
+                paused_s = self.engine.update_weights(version, msg["plan"])
+        except Exception as exc:
+            self._weights_failed(version, "path" in msg, time.monotonic() - t0, exc)
+            raise
         self.seconds["pause"] += paused_s
         self.chan.send({"version": self.engine.version, "phase": "loaded", "paused_s": paused_s},
                        CONTROLLER_RANK, Tag.WEIGHTS_ACK)
+
+    def _weights_failed(self, version: int, from_file: bool, waited_s: float, exc: Exception) -> None:
+        """Name a failed weight load in one line. A broadcast receive that timed out means the
+        trainer stopped sending mid-update (it is gone or hung, as when the controller falls
+        silent): `ControllerLostError`. Anything else is logged and re-raised by the caller."""
+        me = f"generator rank {self.topo.rank} (host {self.topo.hosts[self.topo.rank]})"
+        if not from_file and "timed out" in str(exc).lower():
+            msg = (f"{me}: weights v{version} from the trainer (rank {CONTROLLER_RANK}, host "
+                   f"{self.topo.hosts[CONTROLLER_RANK]}) not received in {waited_s:.0f} s "
+                   f"(weights.timeout_s = {self.cfg.weights.timeout_s:g}): the trainer is gone; "
+                   f"exiting")
+            log.error(msg)
+            raise ControllerLostError(msg) from exc
+        log.error("%s: loading weights v%d %s failed after %.1f s: %s", me, version,
+                  "from disk" if from_file else "from the trainer", waited_s, exc)
 
     def _check_controller(self, now: float | None = None) -> None:
         """Raise `ControllerLostError` when the controller has sent nothing (it sends a heartbeat

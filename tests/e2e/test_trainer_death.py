@@ -6,8 +6,9 @@ leaving no process behind; and a preemption before the first training step reque
   --kill-on-bad-exit=1, slurm/job.sh); every generator, its vLLM engine and reward workers must
   be gone within the bound.
 - stall: the trainer rank is stopped (SIGSTOP): no launcher notices, the generators must. Each
-  hears nothing from the controller for rollout.generator_timeout_s, ends itself naming the
-  controller, and its reaper kills its vLLM engine and reward workers.
+  hears nothing from the controller for rollout.generator_timeout_s (or, stopped mid-broadcast,
+  receives no weights for weights.timeout_s), ends itself naming the controller, and its reaper
+  kills its vLLM engine and reward workers.
 - preempt_first_step: SIGUSR1 before the first training step (while vLLM starts): exit 3, no
   checkpoint written; the same command again starts afresh (the aborted attempt's files set
   aside) and completes.
@@ -69,11 +70,15 @@ def test_trainer_loss_ends_the_job(jobs, tiny_model, tmp_path, how):
     assert proc.returncode != 0, out[-4000:]
     assert steps < 40
     if how == "stall":
-        lost = re.findall(r"generator rank 1 \(host \S+\): controller \(rank 0, host \S+\) "
-                          r"silent for (\d+) s \(rollout.generator_timeout_s = 20\): the trainer "
-                          r"is gone; exiting", out)
+        # Stopped between messages, the controller falls silent; stopped during a weight
+        # broadcast, the generator's receive times out. Either way the generator names it.
+        lost = re.findall(r"generator rank 1 \(host \S+\): (?:controller \(rank 0, host \S+\) "
+                          r"silent for (\d+) s \(rollout.generator_timeout_s = 20\)|weights v\d+ "
+                          r"from the trainer \(rank 0, host \S+\) not received in (\d+) s "
+                          r"\(weights.timeout_s = 20\)): the trainer is gone; exiting", out)
         assert lost, out[-4000:]
-        print(f"generator: controller silent for {lost[0]} s")
+        lost = [a or b for a, b in lost]
+        print(f"generator: the trainer silent for {lost[0]} s")
         assert BOUND_S <= int(lost[0]) < BOUND_S + 10
         assert ended_s < BOUND_S + 60, ended_s
     else:

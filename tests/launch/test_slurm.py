@@ -58,6 +58,18 @@ def _ranks_log_tail(run_dir, job, n: int = 3000) -> str:
     return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-n:]}" for p in logs) or "no ranks.log"
 
 
+def _oom_kills() -> int | None:
+    """The kernel's count of OOM kills (/proc/vmstat), to tell a rank killed for memory from
+    one that failed by itself when a job dies."""
+    try:
+        for line in Path("/proc/vmstat").read_text().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def _steps(run_dir) -> list[int]:
     import json
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -174,13 +186,14 @@ def test_sbatch_tiny_hetjob(slurm_env, jobs, tiny_model, tmp_path):
     """slurm/areal_tiny.sh: one trainer + one generator rank in a two-component hetjob, one MPI
     world over both; the run completes 3 steps and logs its rollouts."""
     out = tmp_path / "batch.out"
+    oom = _oom_kills()
     r = _sh("sbatch", "--wait", "--parsable", f"--output={out}", "slurm/areal_tiny.sh", *SMALL,
             *_model_args(tiny_model, tmp_path, "sb"), env=jobs.env(slurm_env), timeout=900, check=False)
     log = out.read_text() if out.exists() else ""
     job = r.stdout.strip().split(";")[0]
     if r.returncode != 0:   # pytest.fail: a plain message is shown whole, a repr is cut short
-        pytest.fail(f"sbatch exit {r.returncode}\n{r.stderr[-1000:]}\n{log[-1500:]}\n"
-                    f"{_ranks_log_tail(tmp_path / 'sb', job)}")
+        pytest.fail(f"sbatch exit {r.returncode}; kernel OOM kills {oom} -> {_oom_kills()}\n"
+                    f"{r.stderr[-1000:]}\n{log[-1500:]}\n{_ranks_log_tail(tmp_path / 'sb', job)}")
     assert "2 het component(s)" in log and "ranks ended with exit code 0" in log, log
     states = _sacct(slurm_env, job)
     assert states[f"{job}+0"] == states[f"{job}+1"] == "COMPLETED", states
@@ -193,12 +206,16 @@ def test_sbatch_tiny_hetjob(slurm_env, jobs, tiny_model, tmp_path):
 
 def test_submitit_tiny_hetjob(slurm_env, jobs, tiny_model, tmp_path):
     """The same job through `python -m areal_hpc.launch.submit` (submitit + the hetjob splice)."""
+    oom = _oom_kills()
     r = _sh(sys.executable, "-m", "areal_hpc.launch.submit", "configs/tiny_cpu.yaml", *SMALL,
             *_model_args(tiny_model, tmp_path, "si"), env=jobs.env(slurm_env), timeout=900, check=False)
-    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    run = tmp_path / "si"
+    if r.returncode != 0:   # every component's log: the one that failed first explains the rest
+        logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+                         for p in sorted((run / "submitit").glob("*_log.*")))
+        pytest.fail(f"submit exit {r.returncode}; kernel OOM kills {oom} -> {_oom_kills()}\n{r.stdout[-1000:]}\n{r.stderr[-1000:]}\n{logs}")
     job = re.search(r"\[submit\] job (\d+):", r.stdout).group(1)
     assert "exit code 0, 3 step(s)" in r.stdout, r.stdout
-    run = tmp_path / "si"
     folder = run / "submitit"
     assert "#SBATCH hetjob" in (folder / f"{job}_submission.sh").read_text()
     assert (folder / f"{job}_0_result.pkl").exists() and (folder / f"{job}_1_result.pkl").exists()

@@ -41,6 +41,22 @@ def test_generator_ends_when_the_controller_falls_silent():
                           "trainer-node) silent for 21 s (rollout.generator_timeout_s = 20)")
 
 
+def test_a_weight_broadcast_that_stops_arriving_means_the_trainer_is_gone():
+    gen = _generator()
+    gen.cfg.weights.timeout_s = 20.0
+    gloo = RuntimeError("Call to collective_rpc method failed: Worker failed with error '[...] "
+                        "Timed out waiting 20000ms for recv operation to complete'")
+    with pytest.raises(ControllerLostError) as e:
+        Generator._weights_failed(gen, 4, False, 20.3, gloo)
+    assert str(e.value) == ("generator rank 1 (host gen-node): weights v4 from the trainer (rank 0, "
+                            "host trainer-node) not received in 20 s (weights.timeout_s = 20): the "
+                            "trainer is gone; exiting")
+    assert e.value.__cause__ is gloo
+    # Any other failure (a bad file, a shape mismatch) is the caller's to re-raise as it is.
+    Generator._weights_failed(gen, 4, True, 0.2, RuntimeError("timed out reading the file"))
+    Generator._weights_failed(gen, 4, False, 0.2, RuntimeError("size mismatch for layer 3"))
+
+
 class _Chan:
     def __init__(self, incomplete=()):
         self.sent, self._incomplete = [], list(incomplete)
