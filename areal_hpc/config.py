@@ -119,6 +119,12 @@ class RolloutConfig:
 
 
 @dataclass
+class RewardFnConfig:
+    fn: str = MISSING                   # "package.module:function" or "path/to/file.py:function"
+    weight: float = 1.0
+
+
+@dataclass
 class RewardConfig:
     workers: int = 1                    # reward processes beside each generator
     math_timeout_s: float = 10.0        # per call; a timeout or crash scores 0 and is counted
@@ -126,6 +132,16 @@ class RewardConfig:
     # job refuses to start where it cannot be set up. true: run model-written code WITHOUT
     # isolation (it can read answers, files, the environment, signal the job); warns at start.
     unsafe_no_sandbox: bool = False
+    # The built-in math reward: how the answer is read from a completion: boxed (the last
+    # \boxed{}), gsm8k ("#### N"), answer ("Answer: N"), last_number.
+    extractor: str = "boxed"
+    # Reward functions of your own, in place of the built-in reward of data.kind
+    # (areal_hpc/reward/custom.py: fn(completion, reference, row) -> float or {"reward": ...}).
+    # fn: one function; functions: several, [{fn: ..., weight: ...}], the reward their weighted
+    # sum. Checked (imported) before any rank starts.
+    fn: Optional[str] = None
+    functions: list[RewardFnConfig] = field(default_factory=list)
+    fn_timeout_s: float = 10.0          # per call of the functions; past it: 0 and counted
 
 
 @dataclass
@@ -531,6 +547,15 @@ def validate(cfg: RunConfig) -> None:
     _check(cfg.data.kind in ("math", "code"), "data.kind", f"must be math or code, got {cfg.data.kind!r}")
     _check(cfg.reward.workers >= 1, "reward.workers", "must be >= 1")
     _check(cfg.reward.math_timeout_s > 0, "reward.math_timeout_s", "must be > 0")
+    _check(cfg.reward.fn_timeout_s > 0, "reward.fn_timeout_s", "must be > 0")
+    from .reward.math import EXTRACTORS
+    _check(cfg.reward.extractor in EXTRACTORS, "reward.extractor",
+           f"must be one of {', '.join(EXTRACTORS)}, got {cfg.reward.extractor!r}")
+    from .reward.custom import RewardFnError, specs_of
+    try:
+        specs_of(cfg)
+    except RewardFnError as exc:
+        raise ConfigError(str(exc)) from None
     _check(tr.total_steps >= 1, "train.total_steps", "must be >= 1")
     _check(tr.batch_prompts >= 1, "train.batch_prompts", "must be >= 1")
     _check(tr.dual_clip is None or tr.dual_clip > 1, "train.dual_clip", "must be > 1 (or null)")
@@ -601,7 +626,12 @@ def check_paths(cfg: RunConfig) -> None:
     if log.exists() and cfg.checkpoint.resume == "never":
         raise ConfigError(f"config key 'name': run {cfg.name!r} already has {log}; choose another "
                           f"name=..., remove {cfg.run_dir}, or resume it with checkpoint.resume=auto")
-    from .data.prompts import load_prompts
+    from .reward.custom import RewardFnError, check
+    try:        # the user's reward functions import, and take (completion, reference, row)
+        check(cfg)
+    except RewardFnError as exc:
+        raise ConfigError(str(exc)) from None
+    from .data.prompts import load_prompts_of
     sample = None
     for key, value in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
         if value is None:
@@ -609,7 +639,7 @@ def check_paths(cfg: RunConfig) -> None:
         if not Path(value).is_file():
             raise ConfigError(f"config key '{key}': file not found: {value}")
         try:    # every row parsed now, so a bad line stops the job before any rank starts
-            rows = load_prompts(value, cfg.data.kind, cfg.data.question_key, cfg.data.answer_key)
+            rows = load_prompts_of(cfg, value)
         except (ValueError, OSError) as exc:
             raise ConfigError(f"config key '{key}': {_one_line(exc)}") from None
         if not rows:

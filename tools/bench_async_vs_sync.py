@@ -18,7 +18,8 @@ load drifting on a shared box hits them alike. The CPU placement is the launcher
 
 Per run (from its metrics.jsonl, generators.json, eval.json and rollouts.h5): training wall time
 (the trainer's clock from its first step, held-out evaluations excluded), steps/hour, trained
-tokens/s, generator busy share (generating / (generating + pauses + idle)), trainer idle share
+tokens/s, generator busy share (generating over its span from the first prompt to the stop:
+generating + weight-update pauses + idle + loop work, held-out evaluations set apart), trainer idle share
 (waiting for rollouts / wall), staleness mean / p95 of trained samples, dropped-stale groups,
 final held-out accuracy, and the time to a target accuracy (held-out, every --eval-every steps;
 and on the training batches' accuracy, a 5-step moving mean).
@@ -66,14 +67,14 @@ def settings(cpus: list[int], splits: list[int]) -> dict[str, list[str]]:
     return out
 
 
-def longtail_data(out: Path, seed: int = 1, n: int = 2000) -> tuple[Path, Path]:
-    """The tiny task with a longer tail of term counts (2..24 terms): a few problems take many
-    times the median's tokens, as reasoning traces do."""
+def longtail_data(out: Path, seed: int = 1, n: int = 2000, max_terms: int = 40) -> tuple[Path, Path]:
+    """The tiny task with a longer tail of term counts (2..max_terms terms, P(k) ∝ 1/k): a few
+    problems take many times the median's tokens, as reasoning traces do."""
     from areal_hpc.data.tiny_task import make_problems
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, s, count in (("train", seed, n), ("heldout", seed + 1000, 200)):
-        rows = make_problems(count, s, max_terms=24, tail_exponent=1.0)
+        rows = make_problems(count, s, max_terms=max_terms, tail_exponent=1.0)
         p = out / f"{name}.jsonl"
         p.write_text("".join(json.dumps({"question": r["question"], "answer": r["answer"]}) + "\n"
                              for r in rows))
@@ -107,6 +108,7 @@ def first_time_at(points: list[tuple[float, float]], target: float) -> float | N
 def analyse(run: Path, mode: str, target: float) -> dict:
     from areal_hpc.analysis.load import load_run
     from areal_hpc.plan.throughput import read_metrics
+    from areal_hpc.rollout.controller import busy_share
     steps = read_metrics(run)
     gens = json.loads((run / "generators.json").read_text())
     evals = json.loads((run / "eval.json").read_text())
@@ -115,6 +117,7 @@ def analyse(run: Path, mode: str, target: float) -> dict:
     busy = sum(g["seconds"]["busy"] for g in gens)
     pause = sum(g["seconds"]["pause"] for g in gens)
     idle = sum(g["seconds"]["idle"] + g["seconds"].get("idle_scoring", 0.0) for g in gens)
+    other = sum(g["seconds"].get("other", 0.0) for g in gens)
     gen_tokens = sum(g["tokens"] for g in gens)
     train_s = float(np.mean([s["seconds"] for s in steps]))
     sync_s = float(np.mean([s["weight_sync_s"] for s in steps]))
@@ -139,8 +142,9 @@ def analyse(run: Path, mode: str, target: float) -> dict:
     final = next((e for e in evals if e.get("label") == "final"), {})
     return {
         "steps": n, "wall_s": wall, "steps_per_h": 3600 * n / wall,
-        "trained_tok_s": trained_tokens / wall, "gen_busy": busy / (busy + pause + idle),
-        "gen_seconds": {"busy": busy, "pause": pause, "idle": idle},
+        "trained_tok_s": trained_tokens / wall,
+        "gen_busy": statistics.mean(busy_share(g["seconds"]) for g in gens),
+        "gen_seconds": {"busy": busy, "pause": pause, "idle": idle, "other": other},
         "trainer_idle": wait / wall, "train_s": train_s, "sync_s": sync_s,
         "gen_tok_s_busy": gen_rate, "gen_tokens_per_step": per_step,
         "ideal_s": ideal, "of_ideal": ideal / wall,
@@ -293,6 +297,10 @@ def ablation_table(records: list[dict]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--task", choices=("tiny", "longtail"), default="tiny")
+    ap.add_argument("--max-terms", type=int, default=40, help="longtail: most terms of a problem")
+    ap.add_argument("--max-new-tokens", type=int, default=416,
+                    help="longtail: rollout.max_new_tokens (the tiny model's context is 512; prompts "
+                         "of 40 terms are 81 tokens)")
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--eta", type=int, default=1, help="η of the async runs (item 1)")
@@ -337,9 +345,10 @@ def main() -> int:
             f"data.eval_limit={args.eval_limit}", "data.eval_samples=2", "checkpoint.every_steps=0"]
     work = Path(tempfile.mkdtemp(prefix="bench_avs_"))
     if args.task == "longtail":
-        train, held = longtail_data(work / "data")
-        base += [f"data.train_path={train}", f"data.eval_path={held}", "rollout.max_new_tokens=256",
-                 "rollout.max_model_len=512", "train.max_tokens_per_mb=2048"]
+        train, held = longtail_data(work / "data", max_terms=args.max_terms)
+        n_new = args.max_new_tokens
+        base += [f"data.train_path={train}", f"data.eval_path={held}", f"rollout.max_new_tokens={n_new}",
+                 f"rollout.max_model_len={n_new + 96}", "train.max_tokens_per_mb=2048"]
     if args.ablation:
         split = settings(cpus, [1])["async-1/1"]
         runs = {f"eta{e}-{p}": [*split, f"rollout.max_staleness={e}", f"train.prox={p}"]

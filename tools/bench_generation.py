@@ -9,8 +9,8 @@ generator's own path: one request per sample, a per-token version and behaviour 
 bookkeeping, `step()` driven from Python. Prints tokens/s per repetition and the median ratio.
 
 `--busy` instead runs the tiny async job (configs/tiny_cpu.yaml plus overrides) and reports each
-generator's busy fraction: time generating / (generating + weight-update pauses + idle), from the
-first training prompt to the stop; held-out evaluation time is excluded.
+generator's busy fraction: time generating / (generating + weight-update pauses + idle + loop
+work), from the first training prompt to the stop; held-out evaluation time is excluded.
 """
 from __future__ import annotations
 
@@ -36,13 +36,14 @@ def busy_fraction(overrides: list[str]) -> None:
         run = Path(out) / "bench-busy"
         gens = json.loads((run / "generators.json").read_text())
         steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    from areal_hpc.rollout.controller import busy_share
     for g in gens:
         sec = g["seconds"]
         idle = sec["idle"] + sec.get("idle_scoring", 0.0)
-        busy = sec["busy"] / (sec["busy"] + sec["pause"] + idle)
-        print(f"generator rank {g['rank']}: busy {100 * busy:.1f}% (generating {sec['busy']:.1f}s, "
-              f"pauses {sec['pause']:.1f}s, idle {idle:.1f}s of which waiting on scores "
-              f"{sec.get('idle_scoring', 0.0):.1f}s), {g['tokens']} tokens")
+        print(f"generator rank {g['rank']}: busy {100 * busy_share(sec):.1f}% (generating "
+              f"{sec['busy']:.1f}s, pauses {sec['pause']:.1f}s, idle {idle:.1f}s of which waiting on "
+              f"scores {sec.get('idle_scoring', 0.0):.1f}s, loop work {sec.get('other', 0.0):.1f}s), "
+              f"{g['tokens']} tokens")
     wait = sum(s["wait_s"] for s in steps)
     train = sum(s["seconds"] + s["weight_sync_s"] for s in steps)
     print(f"trainer: waited for rollouts {wait:.1f}s, trained + synced {train:.1f}s "

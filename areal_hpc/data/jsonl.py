@@ -14,7 +14,8 @@ from collections.abc import Iterator
 GSM8K_ANSWER_MARK = "####"
 
 
-def _final_answer(answer: str) -> str:
+def final_answer(answer: str) -> str:
+    """A GSM8K answer (worked solution, then ``#### N``) cut to N; any other answer as it is."""
     if GSM8K_ANSWER_MARK in answer:
         return answer.rsplit(GSM8K_ANSWER_MARK, 1)[1].strip()
     return answer
@@ -76,5 +77,5 @@ def load_jsonl(path: str | os.PathLike, question_key: str = "question",
         for key in (question_key, answer_key):
             if not isinstance(obj[key], str):
                 raise ValueError(f"{where}: {key!r} must be a string, got {type(obj[key]).__name__}")
-        rows.append({"question": obj[question_key], "answer": _final_answer(obj[answer_key])})
+        rows.append({"question": obj[question_key], "answer": final_answer(obj[answer_key])})
     return rows

@@ -2,13 +2,14 @@
 
 Every row is ``{"question": str, "reward_kind": "math" | "code", "reference": ...}``: for math the
 reference is the answer string (checked with math_verify), for code the list of stdin/stdout tests
-(run in the sandbox). The controller sends the kind and reference with each prompt, so the
+(run in the sandbox); with reward functions of the user's own (reward.fn) the kind is "custom"
+and the row keeps every field of its line under "row". The controller sends the kind and reference with each prompt, so the
 generator's reward pool scores without knowing the dataset.
 """
 from __future__ import annotations
 
 from .code_jsonl import load_code_jsonl
-from .jsonl import load_jsonl
+from .jsonl import final_answer, iter_objects, load_jsonl
 
 KINDS = ("math", "code")
 # The fields `data.prompt_template` may use, per kind: the controller fills the template with
@@ -17,9 +18,24 @@ TEMPLATE_FIELDS = {"math": ("question",), "code": ("question",)}
 
 
 def load_prompts(path: str, kind: str = "math", question_key: str = "question",
-                 answer_key: str = "answer") -> list[dict]:
+                 answer_key: str = "answer", custom: bool = False) -> list[dict]:
     """Read a jsonl dataset; for code, `question_key`/`answer_key` name the prompt and tests
-    fields (e.g. "prompt" and "tests", or APPS's "question" and "input_output")."""
+    fields (e.g. "prompt" and "tests", or APPS's "question" and "input_output").
+
+    custom: the run scores with reward functions of its own (reward.fn): every row is
+    ``{"question", "reward_kind": "custom", "reference", "row"}``, ``row`` the whole line as
+    read; only the question field is required (the reference is the answer field when present,
+    a GSM8K answer cut to its final answer, else None)."""
+    if custom:
+        rows = []
+        for where, obj in iter_objects(path, (question_key,)):
+            if not isinstance(obj[question_key], str):
+                raise ValueError(f"{where}: {question_key!r} must be a string, got "
+                                 f"{type(obj[question_key]).__name__}")
+            ref = obj.get(answer_key)
+            rows.append({"question": obj[question_key], "reward_kind": "custom",
+                         "reference": final_answer(ref) if isinstance(ref, str) else ref, "row": obj})
+        return rows
     if kind == "math":
         return [{"question": r["question"], "reward_kind": "math", "reference": r["answer"]}
                 for r in load_jsonl(path, question_key, answer_key)]
@@ -27,3 +43,9 @@ def load_prompts(path: str, kind: str = "math", question_key: str = "question",
         return [{"question": r["prompt"], "reward_kind": "code", "reference": r["tests"]}
                 for r in load_code_jsonl(path, prompt_key=question_key, tests_key=answer_key)]
     raise ValueError(f"unknown dataset kind {kind!r} (one of {', '.join(KINDS)})")
+
+
+def load_prompts_of(cfg, path: str) -> list[dict]:
+    """`load_prompts` with the run's data keys (and reward.fn's custom mode)."""
+    d, r = cfg.data, cfg.reward
+    return load_prompts(path, d.kind, d.question_key, d.answer_key, custom=bool(r.fn or r.functions))

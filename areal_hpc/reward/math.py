@@ -48,6 +48,49 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+_GSM8K_MARK = "####"
+_ANSWER_LINE = re.compile(r"answer\s*:\s*([^\n]*)", re.IGNORECASE)
+_ANY_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[+-]?\.\d+")
+
+
+def _after_mark(text: str) -> str | None:
+    if _GSM8K_MARK not in text:
+        return None
+    return text.rsplit(_GSM8K_MARK, 1)[1].strip().split("\n", 1)[0]
+
+
+def _answer_line(text: str) -> str | None:
+    found = _ANSWER_LINE.findall(text)
+    return found[-1] if found else None
+
+
+def _last_number(text: str) -> str | None:
+    found = _ANY_NUMBER.findall(text)
+    return found[-1] if found else None
+
+
+# How the predicted answer is taken from a completion (reward.extractor; custom reward functions
+# may use them through `extract_answer`).
+EXTRACTORS = {
+    "boxed": last_boxed,            # the last \boxed{...} (MATH, AIME, DeepScaleR)
+    "gsm8k": _after_mark,           # the line after the last "#### " (GSM8K's format)
+    "answer": _answer_line,         # the rest of the last "Answer: ..." line
+    "last_number": _last_number,    # the last number anywhere in the text
+}
+
+
+def extract_answer(text: str, how: str = "boxed") -> str | None:
+    """The predicted answer of `text` by extractor `how` (one of EXTRACTORS), trimmed of spaces
+    and a final full stop; None when there is none."""
+    if how not in EXTRACTORS:
+        raise ValueError(f"unknown answer extractor {how!r} (one of {', '.join(EXTRACTORS)})")
+    found = EXTRACTORS[how](text)
+    if found is None:
+        return None
+    found = found.strip()
+    return found[:-1].rstrip() if found.endswith(".") and how != "boxed" else found
+
+
 def _plain_number(s: str) -> Decimal | None:
     if not _PLAIN_NUMBER.fullmatch(s):
         return None
@@ -66,16 +109,17 @@ def _math_verify_equal(pred: str, answer: str) -> bool:
     return verify(gold, target, timeout_seconds=timeout)
 
 
-def math_reward(completion_text: str, answer: str) -> float:
-    """1.0 if the last ``\\boxed{}`` in ``completion_text`` equals ``answer``, else 0.0.
+def math_reward(completion_text: str, answer: str, extractor: str = "boxed") -> float:
+    """1.0 if the answer of ``completion_text`` (by default its last ``\\boxed{}``; see
+    EXTRACTORS) equals ``answer``, else 0.0.
 
     ``answer`` is the bare reference (``"42"``, ``"\\frac{1}{2}"``), as data/jsonl.py loads it.
-    Never raises: no box, an empty box, unparsable text or a non-string input all give 0.0.
+    Never raises: no answer, an empty one, unparsable text or a non-string input all give 0.0.
     """
     try:
         if not isinstance(completion_text, str) or not isinstance(answer, str):
             return 0.0
-        pred = last_boxed(completion_text)
+        pred = extract_answer(completion_text, extractor)
         if pred is None:
             return 0.0
         pred, answer = pred.strip(), answer.strip()

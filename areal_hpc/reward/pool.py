@@ -44,6 +44,10 @@ be judged (the sandbox failed, a test timed out) yields 0.0 *with* run_tests' er
 past its deadline; a wrong answer is 0.0 with no error. ``unsafe_no_sandbox=True`` runs code
 unisolated (and warns).
 
+Custom reward functions (``kind="custom"``, reward/custom.py) are imported by every worker
+before it takes a call, and run like math calls: on the worker's main thread, bounded by
+``fn_timeout_s``; one that raises or returns no number yields 0.0 with the reason.
+
 Each worker's address space is limited to ``worker_memory_mb`` (a sympy blow-up gets a
 MemoryError instead of waking the node's OOM killer next to vLLM).
 
@@ -72,13 +76,14 @@ from typing import Hashable, NamedTuple
 
 import psutil
 
+from areal_hpc.reward import custom
 from areal_hpc.reward.code import run_tests
 from areal_hpc.reward.math import math_reward
 from areal_hpc.reward.sandbox import warn_unsafe
 
 log = logging.getLogger(__name__)
 
-KINDS = ("math", "code")
+KINDS = ("math", "code", "custom")
 CODE_TEST_OVERHEAD_S = 1.0  # interpreter start, scratch directory, on a loaded node
 CODE_CALL_SLACK_S = 5.0
 WORKER_START_TIMEOUT_S = 120.0
@@ -89,6 +94,7 @@ class RewardResult(NamedTuple):
     key: Hashable
     reward: float
     error: str | None  # None when the reward was computed; else why the call yielded 0.0
+    extras: dict | None = None  # a custom function's logged fields (reward/custom.py)
 
 
 @dataclass(slots=True)
@@ -98,6 +104,7 @@ class _Call:
     completion: str
     reference: object
     timeout_s: float
+    row: dict | None = None  # the dataset row, for custom functions
     deadline: float = 0.0  # time.monotonic() seconds; set when handed to the executor
 
 
@@ -107,7 +114,7 @@ _WAKE = object()
 
 # ---- worker side (module-level functions: spawn pickles them by name) ----
 
-def _init_worker(memory_mb: int, all_ready) -> None:
+def _init_worker(memory_mb: int, all_ready, functions=()) -> None:
     if memory_mb > 0:
         _, hard = resource.getrlimit(resource.RLIMIT_AS)
         limit = memory_mb << 20
@@ -116,6 +123,8 @@ def _init_worker(memory_mb: int, all_ready) -> None:
         # Soft limit only: run_tests' children set their own (lower or higher) limit.
         resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
     math_reward("\\boxed{\\frac{1}{2}}", "0.5")  # math_verify builds its parsers on first use
+    for spec in functions:  # imported before any deadline runs (checked at start-up already)
+        custom.load(spec.spec)
     # No worker takes a task before all are ready (see RewardPool._start_executor).
     all_ready.wait(WORKER_START_TIMEOUT_S)
 
@@ -125,22 +134,31 @@ def _worker_pid() -> int:
 
 
 def _score(kind: str, completion: str, reference, code_test_timeout_s: float,
-           code_memory_mb: int, scratch_root: str,
-           unsafe_no_sandbox: bool = False) -> tuple[float, str | None]:
-    """(reward, error): error is None when the reward was computed (a wrong answer included),
-    else why it could not be (a code test's sandbox failure or timeout; reward 0.0)."""
+           code_memory_mb: int, scratch_root: str, unsafe_no_sandbox: bool = False,
+           extractor: str = "boxed", functions=(), row: dict | None = None
+           ) -> tuple[float, str | None, dict | None]:
+    """(reward, error, extras): error is None when the reward was computed (a wrong answer
+    included), else why it could not be (a code test's sandbox failure or timeout, a custom
+    function that raised or returned no number; reward 0.0)."""
     if kind == "math":
-        return math_reward(completion, reference), None
+        return math_reward(completion, reference, extractor), None, None
+    if kind == "custom":
+        try:
+            reward, extras = custom.score(functions, completion, reference, row)
+        except Exception as e:  # the user's function: a counted error, never a dead worker
+            return 0.0, f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS], None
+        return reward, None, extras or None
     res = run_tests(completion, reference, timeout_s=code_test_timeout_s,
                     memory_mb=code_memory_mb, stop_on_first_failure=True,
                     scratch_root=scratch_root, unsafe_no_sandbox=unsafe_no_sandbox)
-    return res["reward"], res["error"]
+    return res["reward"], res["error"], None
 
 
 # ---- parent side ----
 
 class RewardPool:
-    """Scores ``math`` and ``code`` samples in ``max_workers`` processes; see the module docstring.
+    """Scores ``math``, ``code`` and ``custom`` samples in ``max_workers`` processes; see the
+    module docstring.
 
     Thread-safe: ``submit``, ``done``, ``drain``, ``stats`` and ``worker_pids`` may be called
     from any thread.
@@ -148,7 +166,8 @@ class RewardPool:
 
     def __init__(self, max_workers: int = 2, *, math_timeout_s: float = 10.0,
                  code_test_timeout_s: float = 5.0, code_memory_mb: int = 512,
-                 worker_memory_mb: int = 4096, unsafe_no_sandbox: bool = False):
+                 worker_memory_mb: int = 4096, unsafe_no_sandbox: bool = False,
+                 extractor: str = "boxed", functions=(), fn_timeout_s: float = 10.0):
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
         self.max_workers = max_workers
@@ -157,6 +176,9 @@ class RewardPool:
         self.code_memory_mb = code_memory_mb
         self.worker_memory_mb = worker_memory_mb
         self.unsafe_no_sandbox = unsafe_no_sandbox
+        self.extractor = extractor
+        self.functions = tuple(functions)  # custom.Spec of reward.fn / reward.functions
+        self.fn_timeout_s = fn_timeout_s
         if unsafe_no_sandbox:
             warn_unsafe()
 
@@ -182,18 +204,25 @@ class RewardPool:
 
     # ---- public API ----
 
-    def submit(self, key: Hashable, kind: str, completion: str, reference) -> None:
+    def submit(self, key: Hashable, kind: str, completion: str, reference,
+               row: dict | None = None) -> None:
         """Queue one sample; its result comes back from ``done()`` under ``key``.
 
         ``kind="math"``: ``reference`` is the answer string (reward/math.py).
         ``kind="code"``: ``reference`` is the list of ``{"input", "output"}`` tests
-        (reward/code.py). Never blocks; raises ValueError for an unknown kind and RuntimeError
-        after ``close()``.
+        (reward/code.py). ``kind="custom"``: the pool's ``functions`` score it, given
+        ``reference`` and the dataset ``row`` (reward/custom.py). Never blocks; raises
+        ValueError for an unknown kind (or custom without functions) and RuntimeError after
+        ``close()``.
         """
         if kind not in KINDS:
             raise ValueError(f"unknown reward kind {kind!r}, expected one of {KINDS}")
+        if kind == "custom" and not self.functions:
+            raise ValueError("reward kind 'custom' needs the pool's functions (reward.fn)")
         if kind == "math":
             timeout_s = self.math_timeout_s
+        elif kind == "custom":
+            timeout_s = self.fn_timeout_s
         else:
             n_tests = len(reference) if isinstance(reference, (list, tuple)) else 1
             timeout_s = (n_tests * (self.code_test_timeout_s + CODE_TEST_OVERHEAD_S)
@@ -204,7 +233,7 @@ class RewardPool:
             self._unfinished += 1
             self._stats["calls"] += 1
             # Under the lock, so that every accepted call is on the inbox before close's _CLOSE.
-            self._inbox.put(_Call(key, kind, completion, reference, timeout_s))
+            self._inbox.put(_Call(key, kind, completion, reference, timeout_s, row))
 
     def done(self, timeout: float = 0.0) -> list[RewardResult]:
         """Results finished since the last call, in finishing order.
@@ -299,9 +328,10 @@ class RewardPool:
             return None
         return max(0.0, min(c.deadline for c in self._running.values()) - time.monotonic())
 
-    def _finish(self, call: _Call, reward: float, error: str | None, timeout: bool = False):
+    def _finish(self, call: _Call, reward: float, error: str | None, timeout: bool = False,
+                extras: dict | None = None):
         with self._lock:
-            self._results.append(RewardResult(call.key, reward, error))
+            self._results.append(RewardResult(call.key, reward, error, extras))
             self._unfinished -= 1
             self._stats["errors"] += error is not None
             self._stats["timeouts"] += timeout
@@ -323,8 +353,8 @@ class RewardPool:
             elif fut.exception() is not None:  # e.g. a reference that does not pickle
                 error = f"{type(fut.exception()).__name__}: {fut.exception()}"[:MAX_ERROR_CHARS]
             else:
-                reward, error = fut.result()
-                self._finish(call, float(reward), error)
+                reward, error, extras = fut.result()
+                self._finish(call, float(reward), error, extras=extras)
                 continue
             self._finish(call, 0.0, error)
 
@@ -354,7 +384,8 @@ class RewardPool:
             try:
                 fut = self._executor.submit(_score, call.kind, call.completion, call.reference,
                                             self.code_test_timeout_s, self.code_memory_mb,
-                                            self._scratch_root, self.unsafe_no_sandbox)
+                                            self._scratch_root, self.unsafe_no_sandbox,
+                                            self.extractor, self.functions, call.row)
             except BrokenProcessPool:  # a worker died while idle
                 self._pending.appendleft(call)
                 self._restart()
@@ -372,7 +403,7 @@ class RewardPool:
         ctx = multiprocessing.get_context("spawn")
         executor = ProcessPoolExecutor(
             self.max_workers, mp_context=ctx, initializer=_init_worker,
-            initargs=(self.worker_memory_mb, ctx.Barrier(self.max_workers)))
+            initargs=(self.worker_memory_mb, ctx.Barrier(self.max_workers), self.functions))
         error = None
         try:
             # 3.11 spawns one worker per submit while none is idle: this starts all of them.

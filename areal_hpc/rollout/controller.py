@@ -42,6 +42,25 @@ from .staleness import ReadyBuffer, StaleGroups, StalenessManager, staleness_of
 log = logging.getLogger(__name__)
 
 
+def busy_share(seconds: dict) -> float:
+    """A generator's busy share (generators.json "seconds"): generating over its whole span
+    from the first training prompt to the stop, held-out evaluations set apart. Files written
+    before the "other" bucket (loop work) existed leave it out."""
+    idle = seconds["idle"] + seconds.get("idle_scoring", 0.0)
+    total = seconds["busy"] + seconds["pause"] + idle + seconds.get("other", 0.0)
+    return seconds["busy"] / total if total > 0 else 0.0
+
+
+def reward_extras(trajs: list[dict]) -> dict[str, float]:
+    """Per-step means of the fields user reward functions logged ("reward/<name>"), each over
+    the samples that carry it."""
+    values: dict[str, list[float]] = {}
+    for t in trajs:
+        for k, v in (t.get("reward_extra") or {}).items():
+            values.setdefault(k, []).append(v)
+    return {f"reward/{k}": float(np.mean(v)) for k, v in sorted(values.items())}
+
+
 class PromptCursor:
     """Endless, reproducibly shuffled pass over the training prompts (one epoch after another)."""
 
@@ -224,8 +243,11 @@ class Controller:
     def encode(self, prompt_id: int, row: dict, n: int) -> dict:
         text = self.cfg.data.prompt_template.format(question=row["question"])
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return {"prompt_id": prompt_id, "prompt_tokens": ids, "n": n,
-                "reward_kind": row["reward_kind"], "reference": row["reference"]}
+        msg = {"prompt_id": prompt_id, "prompt_tokens": ids, "n": n,
+               "reward_kind": row["reward_kind"], "reference": row["reference"]}
+        if "row" in row:            # reward functions of the user's own see the whole row
+            msg["row"] = row["row"]
+        return msg
 
     def submit(self) -> int:
         """Hand out as many prompts as the staleness bound allows; returns how many."""
@@ -318,6 +340,7 @@ class Controller:
                  "dropped_stale": dropped, "lost_stale": self.stale_groups.lost,
                  "reward_errors": sum(1 for t in trajs if t.get("reward_error")),
                  "response_len": float(np.mean([len(t["output_tokens"]) for t in trajs])),
+                 **reward_extras(trajs),
                  "rows": [r for g in groups for r in g.rows]}
         return trajs, stats
 
@@ -384,14 +407,12 @@ class Controller:
         self.chan.flush(timeout=60)
         for rank, st in sorted(self.gen_stats.items()):
             sec = st["seconds"]
-            idle = sec["idle"] + sec["idle_scoring"]
-            busy = sec["busy"] / max(sec["busy"] + sec["pause"] + idle, 1e-9)
             log.info("generator rank %d: %d tokens, busy %.1f%% of its time (generating %.1fs, "
                      "weight-update pauses %.1fs, idle %.1fs of which %.1fs waiting on scores, "
-                     "eval %.1fs); reward calls %d, errors %d, timeouts %d", rank, st["tokens"],
-                     100 * busy, sec["busy"], sec["pause"], idle, sec["idle_scoring"], sec["eval"],
-                     st["reward"]["calls"],
-                     st["reward"]["errors"], st["reward"]["timeouts"])
+                     "loop work %.1fs; eval %.1fs apart); reward calls %d, errors %d, timeouts %d",
+                     rank, st["tokens"], 100 * busy_share(sec), sec["busy"], sec["pause"],
+                     sec["idle"] + sec["idle_scoring"], sec["idle_scoring"], sec.get("other", 0.0),
+                     sec["eval"], st["reward"]["calls"], st["reward"]["errors"], st["reward"]["timeouts"])
         with open(self.cfg.run_dir / "generators.json", "w") as f:
             json.dump([self.gen_stats[r] for r in sorted(self.gen_stats)], f, indent=1)
 

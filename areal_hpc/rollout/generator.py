@@ -27,6 +27,7 @@ import numpy as np
 
 from .. import preemption
 from ..config import RunConfig
+from ..reward import custom
 from ..reward.pool import RewardPool
 from ..topology import CONTROLLER_RANK, Topology
 from ..transport.mpi import Channel, Tag
@@ -45,6 +46,7 @@ class _Group:
     samples: dict = field(default_factory=dict)   # sample_idx → finished sample
     rewards: dict = field(default_factory=dict)   # sample_idx → reward
     errors: dict = field(default_factory=dict)    # sample_idx → reward-service error, if any
+    extras: dict = field(default_factory=dict)    # sample_idx → a reward function's logged fields
 
     @property
     def generated(self) -> bool:
@@ -75,11 +77,15 @@ class Generator:
             self._start_children(cfg, topo)
         self.groups: dict[tuple[str, int], _Group] = {}
         self.tokens_generated = 0
-        # Where the time went, from the first training prompt on: generating (busy), paused for
-        # weight updates, evaluating, or idle with nothing to generate (η bound reached).
-        # idle_scoring: idle while the reward pool still scores finished samples.
-        self.seconds = {"busy": 0.0, "pause": 0.0, "eval": 0.0, "idle": 0.0, "idle_scoring": 0.0}
+        # Where the time went, from the first training prompt to the stop: generating (busy),
+        # paused for weight updates, evaluating, or idle with nothing to generate (η bound
+        # reached); idle_scoring: idle while the reward pool still scores finished samples;
+        # other: the rest of the loop (submitting prompts, sending groups, handing samples to
+        # the reward pool, messages), so that the buckets add up to the whole span.
+        self.seconds = {"busy": 0.0, "pause": 0.0, "eval": 0.0, "idle": 0.0, "idle_scoring": 0.0,
+                        "other": 0.0}
         self._started = False
+        self._t_started = 0.0
         self._last_heartbeat = 0.0
         self.preempted = False
         self._engine_lost = False
@@ -100,8 +106,10 @@ class Generator:
                                           topo.weight_group_rank, topo.weight_group_size,
                                           topo.cfg.weight_backend, cfg.weights.timeout_s,
                                           cfg.weights.join_timeout_s)
-        self.rewards = RewardPool(cfg.reward.workers, math_timeout_s=cfg.reward.math_timeout_s,
-                                  unsafe_no_sandbox=cfg.reward.unsafe_no_sandbox)
+        rw = cfg.reward
+        self.rewards = RewardPool(rw.workers, math_timeout_s=rw.math_timeout_s,
+                                  unsafe_no_sandbox=rw.unsafe_no_sandbox, extractor=rw.extractor,
+                                  functions=custom.specs_of(cfg), fn_timeout_s=rw.fn_timeout_s)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
@@ -115,7 +123,8 @@ class Generator:
                 if tag == Tag.CONTROLLER_HEARTBEAT:
                     continue
                 if tag == Tag.PROMPTS:
-                    self._started = True
+                    if not self._started:
+                        self._started, self._t_started = True, time.monotonic()
                     for p in msg:
                         self._submit("train", p)
                 elif tag == Tag.WEIGHTS:
@@ -150,6 +159,9 @@ class Generator:
                 scoring = bool(self.rewards.unfinished)
                 with self._timed("idle_scoring" if scoring else "idle"):
                     self.chan.idle(source=CONTROLLER_RANK, timeout=0.005 if scoring else 0.05)
+        if self._started:
+            span = time.monotonic() - self._t_started
+            self.seconds["other"] = max(0.0, span - sum(v for k, v in self.seconds.items() if k != "other"))
         self.chan.send({"rank": self.topo.rank, "tokens": self.tokens_generated,
                         "seconds": self.seconds, "version": self.engine.version,
                         "reward": self.rewards.stats()}, CONTROLLER_RANK, Tag.STATS)
@@ -246,7 +258,7 @@ class Generator:
             self.tokens_generated += len(smp.output_tokens)
             text = self.tokenizer.decode(smp.output_tokens, skip_special_tokens=True)
             self.rewards.submit((kind, pid, idx), group.prompt["reward_kind"], text,
-                                group.prompt["reference"])
+                                group.prompt["reference"], group.prompt.get("row"))
 
     def _collect_rewards(self, timeout: float = 0.0) -> list[tuple[str, _Group]]:
         """Scores that arrived; returns the groups now fully generated and scored."""
@@ -255,6 +267,8 @@ class Generator:
             kind, pid, idx = res.key
             group = self.groups[(kind, pid)]
             group.rewards[idx] = res.reward
+            if res.extras:
+                group.extras[idx] = res.extras
             if res.error:
                 group.errors[idx] = res.error
                 log.warning("reward for prompt %d sample %d: %s (scored 0)", pid, idx, res.error)
@@ -272,7 +286,7 @@ class Generator:
             "versions": s.versions, "reward": group.rewards[idx],
             "finish_reason": s.finish_reason, "generator_rank": self.topo.rank,
             "t_submit": s.t_submit, "t_first_token": s.t_first_token, "t_end": s.t_end,
-            "reward_error": group.errors.get(idx, ""),
+            "reward_error": group.errors.get(idx, ""), "reward_extra": group.extras.get(idx, {}),
         } for idx, s in sorted(group.samples.items())]
         self.chan.send(trajs, CONTROLLER_RANK, Tag.TRAJECTORIES)
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from ..config import RunConfig
-from ..data.prompts import load_prompts
+from ..data.prompts import load_prompts_of
 from ..topology import Topology
 from .. import preemption
 from ..storage import checkpoint
@@ -44,9 +44,8 @@ class Trainer:
 
             from ..rollout.controller import Controller
             d = cfg.data
-            keys = (d.kind, d.question_key, d.answer_key)
-            train_rows = load_prompts(d.train_path, *keys)
-            self.eval_rows = load_prompts(d.eval_path, *keys) if d.eval_path else []
+            train_rows = load_prompts_of(cfg, d.train_path)
+            self.eval_rows = load_prompts_of(cfg, d.eval_path) if d.eval_path else []
             if d.eval_limit:
                 self.eval_rows = self.eval_rows[: d.eval_limit]
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)

@@ -26,3 +26,15 @@ def test_wrong_format_names_the_line_and_unknown_kind(tmp_path):
         load_prompts(str(p), "code", "question", "answer")
     with pytest.raises(ValueError, match="unknown dataset kind"):
         load_prompts(str(p), "poetry")
+
+
+def test_custom_rewards_keep_the_whole_row_and_need_only_the_question(tmp_path):
+    p = tmp_path / "rows.jsonl"
+    p.write_text('{"question": "1+2=", "answer": "work\\n#### 3", "level": 2}\n{"question": "x?"}\n')
+    rows = load_prompts(str(p), custom=True)
+    assert rows == [{"question": "1+2=", "reward_kind": "custom", "reference": "3",
+                     "row": {"question": "1+2=", "answer": "work\n#### 3", "level": 2}},
+                    {"question": "x?", "reward_kind": "custom", "reference": None, "row": {"question": "x?"}}]
+    p.write_text('{"prompt": "x?"}\n')
+    with pytest.raises(ValueError, match=r"rows.jsonl:1: missing key 'question'"):
+        load_prompts(str(p), custom=True)

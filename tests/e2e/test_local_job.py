@@ -3,6 +3,7 @@ trajectories over MPI, weights over a gloo group, rollouts in HDF5."""
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +58,16 @@ def test_short_run(jobs, tiny_model, tmp_path, mode, eta, generators):
     if generators > 1:
         assert len(used) == generators
     assert (run / "policy" / "config.json").exists() and (run / "eval.json").exists()
+    # Each generator's time buckets add up to its whole span (first prompt to stop): at least
+    # from its first sample's submission to its last sample's end, at most until now.
+    stats = json.loads((run / "generators.json").read_text())
+    assert sorted(g["rank"] for g in stats) == list(range(1, 1 + generators))
+    for g in stats:
+        sec = g["seconds"]
+        assert set(sec) == {"busy", "pause", "eval", "idle", "idle_scoring", "other"} and min(sec.values()) >= 0
+        mine = [r for r in rows if r["generator_rank"] == g["rank"]]
+        first = min(r["t_submit"] for r in mine)
+        assert max(r["t_end"] for r in mine) - first - 0.5 <= sum(sec.values()) <= time.time() - first, sec
     assert not jobs.leftovers(), "processes of the job are still running"
 
 
@@ -78,6 +89,32 @@ def test_code_dataset_is_scored_in_the_sandbox(jobs, tiny_model, tmp_path):
     assert [m["reward_errors"] for m in metrics] == [0, 0]      # counted per step
     with RolloutReader(tmp_path / "code" / "rollouts.h5") as log:
         assert len(log) >= 8 and set(log.column("reward").tolist()) == {0.0}
+
+
+def test_a_user_reward_function_scores_the_samples(jobs, tiny_model, tmp_path):
+    """reward.fn from a file: the generators' reward pool calls it on every sample, with the
+    dataset row; rollouts.h5 holds its values and metrics.jsonl the fields it logged."""
+    from transformers import AutoTokenizer
+    fn = tmp_path / "my_reward.py"
+    fn.write_text("def by_length(completion, reference, row):\n"
+                  "    assert set(row) == {'question', 'answer'}  # the whole dataset row\n"
+                  "    return {'reward': len(completion) / 1000, 'chars': len(completion)}\n")
+    r = jobs.run(jobs.args(tiny_model, tmp_path, "fn", f"reward.fn={fn}:by_length",
+                           "train.total_steps=2", "train.batch_prompts=2", "rollout.group_size=2",
+                           "rollout.max_new_tokens=16", "data.eval_limit=4", "data.eval_samples=1"),
+                 timeout=600)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
+    assert "errors 0, timeouts 0" in r.stderr
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    with RolloutReader(tmp_path / "fn" / "rollouts.h5") as log:
+        rows = [log[i] for i in range(len(log))]
+    assert len(rows) >= 4
+    for row in rows:
+        text = tok.decode(row["output_tokens"], skip_special_tokens=True)
+        assert row["reward"] == pytest.approx(len(text) / 1000), (row["reward"], text)
+    metrics = [json.loads(x) for x in (tmp_path / "fn" / "metrics.jsonl").read_text().splitlines()]
+    for m in metrics:
+        assert m["reward/chars"] == pytest.approx(1000 * m["reward"])
 
 
 def test_world_too_small_is_a_clear_error(jobs, tiny_model, tmp_path):

@@ -47,3 +47,26 @@ def test_works_off_the_main_thread():
     worker.start()
     worker.join()
     assert results == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("how,text,expected", [
+    ("boxed", "so \\boxed{12} then \\boxed{13}", "13"),
+    ("gsm8k", "48/2 = 24 clips\n#### 72\n", "72"),
+    ("gsm8k", "no mark here 5", None),
+    ("answer", "3+4=7.\nAnswer: 7.", "7"),
+    ("answer", "answer:  -1,200\nthen nothing", "-1,200"),
+    ("last_number", "first 3, then 4.5 and finally 10", "10"),
+    ("last_number", "no digits", None),
+])
+def test_answer_extractors(how, text, expected):
+    from areal_hpc.reward.math import extract_answer
+    assert extract_answer(text, how) == expected
+
+
+def test_math_reward_with_another_extractor():
+    from areal_hpc.reward.math import extract_answer
+    assert math_reward("The total is 1,200.\n#### 1200", "1200", "gsm8k") == 1.0
+    assert math_reward("Answer: 1/2", "0.5", "answer") == 1.0
+    assert math_reward("\\boxed{7}", "7", "answer") == 0.0        # no Answer: line
+    with pytest.raises(ValueError, match="unknown answer extractor"):
+        extract_answer("x", "regex")

@@ -1,0 +1,193 @@
+"""User reward functions: `reward.fn` / `reward.functions` name Python functions that score a
+sample, in place of the built-in math and code rewards.
+
+A function is named ``package.module:function`` (importable where the job runs) or
+``path/to/file.py:function`` (a file; a relative path is resolved against the job's working
+directory, which its launcher and ranks share). Every launcher imports the functions before any
+rank starts. Its signature::
+
+    def my_reward(completion: str, reference, row: dict) -> float | dict
+
+- ``completion``: the sample's text (special tokens removed);
+- ``reference``: the row's reference (the answer string for math datasets; the list of
+  stdin/stdout tests for code datasets);
+- ``row``: the whole dataset row as it was read (every field of the jsonl line);
+- it returns a number (``bool`` counts as 0/1), or a dict with a number under ``"reward"`` and
+  other numeric fields, logged as per-step means in metrics.jsonl under ``reward/<name>``.
+
+A function of two parameters ``(completion, reference)`` is called without the row. With several
+functions (``reward.functions: [{fn: ..., weight: ...}, ...]``) the reward is the weighted sum and
+each one's value is logged as ``reward/<function name>``.
+
+Functions run in the reward pool's worker processes (reward/pool.py), under its timeout
+(``reward.fn_timeout_s`` per call), crash handling and error counting: a function that raises,
+returns something other than a number (or NaN / infinity), or runs past the timeout scores 0.0
+for that sample with the reason in the rollout log's ``reward_error``; the job goes on. A path
+that does not import, a name that is not a function, or a signature that does not take the
+arguments is an error at start-up naming the key.
+
+Model-written code must not run in the worker itself: call ``areal_hpc.reward.code.run_tests``
+(the bubblewrap sandbox) from the function. Building blocks for answers:
+``areal_hpc.reward.math.extract_answer(text, how)`` and ``math_reward(text, reference, how)``
+with ``how`` one of ``EXTRACTORS`` (the last ``\\boxed{}``, GSM8K's ``#### N``, ``Answer: N``, the
+last number).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import os
+import sys
+from typing import Callable, NamedTuple
+
+
+class RewardFnError(ValueError):
+    """A reward function that cannot be used (bad path, not a function, wrong signature)."""
+
+
+class Spec(NamedTuple):
+    spec: str           # as configured, a file path made absolute
+    weight: float
+    name: str           # the function's name, for the logged fields
+    key: str            # the config key it came from, for errors
+
+
+def split_spec(spec: str) -> tuple[str, str, bool]:
+    """(module or file, function name, is_file) of ``'pkg.mod:fn'`` / ``'path/file.py:fn'``."""
+    if not isinstance(spec, str) or ":" not in spec:
+        raise RewardFnError(f"{spec!r}: expected 'package.module:function' or 'path/to/file.py:function'")
+    where, name = spec.rsplit(":", 1)
+    if not where or not name.isidentifier():
+        raise RewardFnError(f"{spec!r}: expected 'package.module:function' or 'path/to/file.py:function'")
+    is_file = where.endswith(".py") or os.sep in where or "/" in where
+    return where, name, is_file
+
+
+def resolve(spec: str, base: str | os.PathLike | None = None) -> str:
+    """The spec with a relative file path made absolute against `base` (default: the cwd)."""
+    where, name, is_file = split_spec(spec)
+    if is_file and not os.path.isabs(where):
+        where = os.path.abspath(os.path.join(base or os.getcwd(), where))
+    return f"{where}:{name}"
+
+
+_LOADED: dict[str, Callable] = {}
+
+
+def load(spec: str) -> Callable:
+    """The function a spec names (imported once per process). Raises RewardFnError."""
+    if spec in _LOADED:
+        return _LOADED[spec]
+    where, name, is_file = split_spec(spec)
+    try:
+        if is_file:
+            if not os.path.isfile(where):
+                raise RewardFnError(f"{spec!r}: no such file {where!r}")
+            mod_name = "areal_user_reward_" + hashlib.sha1(where.encode()).hexdigest()[:12]
+            file_spec = importlib.util.spec_from_file_location(mod_name, where)
+            module = importlib.util.module_from_spec(file_spec)
+            sys.modules[mod_name] = module      # pickling and dataclasses need it there
+            file_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except RewardFnError:
+        raise
+    except BaseException as exc:    # a module that raises (or exits) while it is imported
+        sys.modules.pop(locals().get("mod_name", ""), None)
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise RewardFnError(f"{spec!r}: cannot import {where!r}: {type(exc).__name__}: {first}") from None
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise RewardFnError(f"{spec!r}: {where!r} has no {name!r}")
+    if not callable(fn) or inspect.isclass(fn):
+        raise RewardFnError(f"{spec!r}: {name!r} is a {type(fn).__name__}, not a function")
+    _arity(spec, fn)
+    _LOADED[spec] = fn
+    return fn
+
+
+def _arity(spec: str, fn: Callable) -> int:
+    """3 when fn takes (completion, reference, row), 2 for (completion, reference)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return 3                    # a builtin or C function: trust it
+    for n in (3, 2):
+        try:
+            sig.bind(*range(n))
+            return n
+        except TypeError:
+            continue
+    raise RewardFnError(f"{spec!r}: {getattr(fn, '__name__', fn)}{sig} cannot be called as "
+                        f"(completion, reference, row) or (completion, reference)")
+
+
+def specs_of(cfg) -> list[Spec]:
+    """The configured functions (`reward.fn`, then `reward.functions`), paths made absolute.
+    Raises RewardFnError naming the config key."""
+    r = cfg.reward
+    out = []
+    items = ([("reward.fn", r.fn, 1.0)] if r.fn else []) + [
+        (f"reward.functions[{i}]", f.fn, f.weight) for i, f in enumerate(r.functions)]
+    for key, spec, weight in items:
+        try:
+            full = resolve(spec)
+        except RewardFnError as exc:
+            raise RewardFnError(f"config key '{key}': {exc}") from None
+        if not (isinstance(weight, (int, float)) and math.isfinite(weight)):
+            raise RewardFnError(f"config key '{key}.weight': must be a finite number, got {weight!r}")
+        out.append(Spec(full, float(weight), split_spec(full)[1], key))
+    names = [s.name for s in out]
+    if len(set(names)) != len(names):
+        raise RewardFnError("config key 'reward.functions': two functions share a name "
+                            f"({', '.join(names)}); their logged fields would collide")
+    return out
+
+
+def check(cfg) -> list[Spec]:
+    """Import every configured function here, before any rank starts (RewardFnError names the
+    key); returns the specs."""
+    specs = specs_of(cfg)
+    for s in specs:
+        try:
+            load(s.spec)
+        except RewardFnError as exc:
+            raise RewardFnError(f"config key '{s.key}': {exc}") from None
+    return specs
+
+
+def _number(value, what: str) -> float:
+    if isinstance(value, numbers.Real):      # bool, int, float, numpy scalars
+        v = float(value)
+        if math.isfinite(v):
+            return v
+        raise ValueError(f"{what} is {v}")
+    raise ValueError(f"{what} is a {type(value).__name__}, not a number")
+
+
+def score(specs: list[Spec], completion: str, reference, row: dict | None
+          ) -> tuple[float, dict[str, float]]:
+    """(reward, logged extras) of one sample: the weighted sum of the functions' values.
+    Raises ValueError (a bad return value) or whatever a function raises."""
+    total, extras = 0.0, {}
+    for spec, weight, name, _ in specs:
+        fn = load(spec)
+        out = fn(completion, reference, row) if _arity(spec, fn) == 3 else fn(completion, reference)
+        if isinstance(out, dict):
+            if "reward" not in out:
+                raise ValueError(f"{name} returned a dict without 'reward' (keys: {sorted(map(str, out))})")
+            value = _number(out["reward"], f"{name}()['reward']")
+            for k, v in out.items():
+                if k != "reward":
+                    key = str(k) if len(specs) == 1 else f"{name}.{k}"
+                    extras[key] = _number(v, f"{name}()[{k!r}]")
+        else:
+            value = _number(out, f"{name}()")
+        if len(specs) > 1:
+            extras[name] = value
+        total += weight * value
+    return total, extras

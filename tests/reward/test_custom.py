@@ -1,0 +1,153 @@
+"""User reward functions (reward/custom.py): named by module path or by file path, checked at
+start-up, and run by the real reward pool's worker processes with its timeout and error
+counting."""
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from areal_hpc.config import ConfigError, load
+from areal_hpc.reward import custom
+from areal_hpc.reward.pool import RewardPool
+
+ROOT_CONFIG = Path(__file__).resolve().parents[2] / "configs/tiny_cpu.yaml"
+
+USER_MODULE = textwrap.dedent('''
+    import math
+    import time
+
+    def answer_n(completion, reference, row):
+        """1 when the completion ends in 'Answer: <reference>'; logs the length."""
+        ok = completion.strip().endswith(f"Answer: {reference}")
+        return {"reward": float(ok), "chars": len(completion), "has_id": float("id" in row)}
+
+    def two_args(completion, reference):
+        return 0.25
+
+    def raises(completion, reference, row):
+        raise KeyError("no such field")
+
+    def wrong_type(completion, reference, row):
+        return "1.0"
+
+    def nan(completion, reference, row):
+        return math.nan
+
+    def slow(completion, reference, row):
+        time.sleep(60)
+        return 1.0
+
+    def no_reward_key(completion, reference, row):
+        return {"score": 1}
+
+    NOT_A_FUNCTION = 3
+
+    def one_arg(completion):
+        return 1.0
+''')
+
+
+@pytest.fixture(scope="module")
+def user_module(tmp_path_factory):
+    """A module importable as `user_rewards` (its directory on sys.path, which spawned workers
+    inherit) and the same code as a file elsewhere."""
+    d = tmp_path_factory.mktemp("user")
+    (d / "user_rewards.py").write_text(USER_MODULE)
+    other = tmp_path_factory.mktemp("elsewhere") / "my_reward.py"
+    other.write_text(USER_MODULE)
+    sys.path.insert(0, str(d))
+    yield other
+    sys.path.remove(str(d))
+
+
+def _specs(*pairs):
+    return [custom.Spec(custom.resolve(s), w, custom.split_spec(s)[1], f"reward.functions[{i}]")
+            for i, (s, w) in enumerate(pairs)]
+
+
+def _score_all(pool, calls):
+    for key, (completion, reference, row) in calls.items():
+        pool.submit(key, "custom", completion, reference, row)
+    return {r.key: r for r in pool.drain(timeout=120)}
+
+
+def test_module_and_file_functions_score_in_the_pool_workers(user_module):
+    by_module = _specs(("user_rewards:answer_n", 1.0))
+    by_file = _specs((f"{user_module}:answer_n", 1.0))
+    for specs in (by_module, by_file):
+        with RewardPool(max_workers=1, functions=specs, fn_timeout_s=20) as pool:
+            res = _score_all(pool, {"right": ("so 3+4=7. Answer: 7", "7", {"id": 1}),
+                                    "wrong": ("Answer: 8", "7", {})})
+            assert res["right"].reward == 1.0 and res["right"].error is None
+            assert res["right"].extras == {"chars": 19, "has_id": 1.0}
+            assert res["wrong"].reward == 0.0 and res["wrong"].extras == {"chars": 9, "has_id": 0.0}
+            assert pool.stats()["errors"] == 0
+
+
+def test_several_functions_are_summed_with_weights_and_each_logged(user_module):
+    specs = _specs(("user_rewards:answer_n", 2.0), ("user_rewards:two_args", -1.0))
+    with RewardPool(max_workers=1, functions=specs) as pool:
+        res = _score_all(pool, {"k": ("Answer: 5", "5", {})})["k"]
+    assert res.reward == pytest.approx(2.0 * 1.0 - 0.25)
+    assert res.extras == {"answer_n.chars": 9, "answer_n.has_id": 0.0, "answer_n": 1.0, "two_args": 0.25}
+
+
+def test_bad_functions_are_counted_errors_and_the_pool_keeps_serving(user_module):
+    cases = {"raises": "KeyError: 'no such field'", "wrong_type": "is a str, not a number",
+             "nan": "is nan", "no_reward_key": "without 'reward'", "slow": "timeout after 3 s"}
+    for name, why in cases.items():
+        with RewardPool(max_workers=1, functions=_specs((f"user_rewards:{name}", 1.0)),
+                        fn_timeout_s=3) as pool:
+            res = _score_all(pool, {"k": ("Answer: 1", "1", {})})["k"]
+            assert res.reward == 0.0 and why in res.error, (name, res)
+            assert pool.stats()["errors"] == 1
+            if name == "slow":
+                assert pool.stats()["timeouts"] == 1
+
+
+@pytest.mark.parametrize("spec,why", [
+    ("user_rewards:missing", "has no 'missing'"),
+    ("user_rewards:NOT_A_FUNCTION", "is a int, not a function"),
+    ("user_rewards:one_arg", "cannot be called as (completion, reference, row)"),
+    ("no_such_package.mod:f", "cannot import 'no_such_package.mod': ModuleNotFoundError"),
+    ("does/not/exist.py:f", "no such file"),
+    ("no_colon_here", "expected 'package.module:function'"),
+])
+def test_an_unusable_function_is_a_config_error_naming_the_key(user_module, spec, why):
+    cfg = load(ROOT_CONFIG, [f"reward.fn={spec}"]) if ":" in spec else None
+    if cfg is None:
+        with pytest.raises(ConfigError, match="config key 'reward.fn'") as e:
+            load(ROOT_CONFIG, [f"reward.fn={spec}"])
+    else:
+        with pytest.raises(custom.RewardFnError, match="config key 'reward.fn'") as e:
+            custom.check(cfg)
+    assert why in str(e.value)
+
+
+def test_a_module_that_fails_on_import_is_named(tmp_path):
+    bad = tmp_path / "broken.py"
+    bad.write_text("raise RuntimeError('needs a GPU')\ndef f(c, r, row):\n    return 1\n")
+    cfg = load(ROOT_CONFIG, ["reward.functions=[{fn: " + f"{bad}:f" + ", weight: 1}]"])
+    with pytest.raises(custom.RewardFnError) as e:
+        custom.check(cfg)
+    assert str(e.value) == (f"config key 'reward.functions[0]': '{bad}:f': cannot import '{bad}': "
+                            "RuntimeError: needs a GPU")
+
+
+def test_relative_file_paths_are_resolved_against_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "r.py").write_text("def f(c, r, row):\n    return 1\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load(ROOT_CONFIG, ["reward.fn=r.py:f"])
+    [spec] = custom.check(cfg)
+    assert spec.spec == f"{tmp_path / 'r.py'}:f" and spec.name == "f" and spec.weight == 1.0
+
+
+def test_two_functions_of_one_name_are_refused():
+    with pytest.raises(ConfigError, match="two functions share a name"):
+        load(ROOT_CONFIG, ["reward.functions=[{fn: a.b:f}, {fn: c.d:f}]"])
+
+
+def test_the_custom_kind_needs_functions():
+    with RewardPool(max_workers=1) as pool, pytest.raises(ValueError, match="needs the pool's functions"):
+        pool.submit("k", "custom", "x", "1")
