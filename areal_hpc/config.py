@@ -41,6 +41,14 @@ class DataConfig:
     question_key: str = "question"
     answer_key: str = "answer"
     prompt_template: str = "{question}"  # how a question becomes the prompt text
+    # Chat models: the prompt text above is the user message of the tokenizer's chat template
+    # (with the generation prompt), after system_prompt when set, followed by assistant_prefix
+    # (a reasoning model's "<think>\n"). chat_template: a Jinja template or a file holding one,
+    # for a tokenizer without its own (or to replace it). Rendered for one row at start-up.
+    chat: bool = False
+    system_prompt: Optional[str] = None
+    chat_template: Optional[str] = None
+    assistant_prefix: str = ""
     eval_limit: int = 200               # held-out problems evaluated (0 = all)
     eval_samples: int = 4               # samples per held-out problem (accuracy = mean over them)
     eval_every_steps: int = 0           # also evaluate every this many steps (0 = start and end)
@@ -763,13 +771,18 @@ def check_model_dir(cfg: RunConfig, sample: dict | None = None) -> None:
     if len(tokenizer) > hf["vocab_size"]:
         raise ConfigError(f"config key 'model.path': the tokenizer in {model} has {len(tokenizer)} "
                           f"tokens but {path} vocab_size = {hf['vocab_size']}")
+    if cfg.data.chat and not (cfg.data.chat_template or getattr(tokenizer, "chat_template", None)):
+        raise ConfigError(f"config key 'data.chat': the tokenizer in {model} has no chat template; "
+                          f"give one in data.chat_template (a Jinja template or its file)")
     if sample is not None:
+        from .data.prompts import prompt_ids
         text = cfg.data.prompt_template.format(question=sample["question"])
         try:
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = prompt_ids(tokenizer, cfg.data, sample["question"])
         except Exception as exc:    # noqa: BLE001
-            raise ConfigError(f"config key 'model.path': the tokenizer in {model} fails on the "
-                              f"first prompt: {type(exc).__name__}: {_one_line(exc)}") from None
+            key = "data.chat_template" if cfg.data.chat else "model.path"
+            raise ConfigError(f"config key '{key}': the tokenizer in {model} fails on the first "
+                              f"prompt: {type(exc).__name__}: {_one_line(exc)}") from None
         if not ids:
             raise ConfigError(f"config key 'model.path': the tokenizer in {model} turns the first "
                               f"prompt {text[:60]!r} into no tokens")

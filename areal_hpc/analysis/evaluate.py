@@ -40,6 +40,10 @@ class EvalSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     prompt_template: str = "{question}"
+    chat: bool = False              # the data.chat settings (data/prompts.py: prompt_ids)
+    system_prompt: str | None = None
+    chat_template: str | None = None
+    assistant_prefix: str = ""
     kind: str = "math"              # dataset kind (data/prompts.py)
     question_key: str = "question"
     answer_key: str = "answer"
@@ -60,6 +64,8 @@ class EvalSettings:
         d, r = cfg.data, cfg.rollout
         return cls(samples=d.eval_samples, limit=d.eval_limit, max_new_tokens=r.max_new_tokens,
                    temperature=r.temperature, top_p=r.top_p, prompt_template=d.prompt_template,
+                   chat=d.chat, system_prompt=d.system_prompt, chat_template=d.chat_template,
+                   assistant_prefix=d.assistant_prefix,
                    kind=d.kind, question_key=d.question_key, answer_key=d.answer_key,
                    dtype=cfg.model.dtype, max_model_len=r.max_model_len,
                    kv_cache_gib=r.kv_cache_gib,
@@ -99,6 +105,7 @@ def evaluate(model: str | Path, rows: list[dict], s: EvalSettings, *, ks: list[i
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
+    from ..data.prompts import prompt_ids
     from ..reward.pool import RewardPool
     from ..rollout.vllm_engine import VLLMEngine
 
@@ -106,8 +113,7 @@ def evaluate(model: str | Path, rows: list[dict], s: EvalSettings, *, ks: list[i
     n = s.samples
     ks = sorted({k for k in (ks or [1, n]) if 1 <= k <= n})
     tok = AutoTokenizer.from_pretrained(str(model))
-    prompts = [tok(s.prompt_template.format(question=r["question"]), add_special_tokens=False)
-               ["input_ids"] for r in rows]
+    prompts = [prompt_ids(tok, s, r["question"]) for r in rows]
     correct = [0] * len(rows)
     errors = 0
     # One bar for the whole pipeline: a sample counts once generated and scored.

@@ -8,6 +8,8 @@ generator's reward pool scores without knowing the dataset.
 """
 from __future__ import annotations
 
+import os
+
 from .code_jsonl import load_code_jsonl
 from .jsonl import final_answer, iter_objects, load_jsonl
 
@@ -49,3 +51,30 @@ def load_prompts_of(cfg, path: str) -> list[dict]:
     """`load_prompts` with the run's data keys (and reward.fn's custom mode)."""
     d, r = cfg.data, cfg.reward
     return load_prompts(path, d.kind, d.question_key, d.answer_key, custom=bool(r.fn or r.functions))
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """`data.chat_template`: a Jinja template itself, or the path of a file holding one."""
+    if not value:
+        return None
+    if "{" not in value and os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
+def prompt_ids(tokenizer, d, question: str) -> list[int]:
+    """The prompt tokens of `question` under data settings `d` (`DataConfig`, or anything with
+    its prompt fields): `d.prompt_template` filled in; with `d.chat`, that text is the user
+    message of the tokenizer's chat template (or `d.chat_template`), after `d.system_prompt`
+    when set, with the generation prompt, then `d.assistant_prefix` (e.g. a reasoning model's
+    "<think>\\n"). Tokens as the tokenizer renders them: no special tokens added beyond the
+    template's own."""
+    text = d.prompt_template.format(question=question)
+    if not d.chat:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    messages = ([{"role": "system", "content": d.system_prompt}] if d.system_prompt else []) + [
+        {"role": "user", "content": text}]
+    rendered = tokenizer.apply_chat_template(messages, chat_template=read_chat_template(d.chat_template),
+                                             add_generation_prompt=True, tokenize=False)
+    return tokenizer(rendered + (d.assistant_prefix or ""), add_special_tokens=False)["input_ids"]

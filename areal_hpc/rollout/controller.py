@@ -33,6 +33,7 @@ import traceback
 import numpy as np
 
 from ..config import RunConfig, to_yaml
+from ..data.prompts import prompt_ids
 from ..storage.rollout_log import DROPPED_STALE, RolloutWriter
 from ..topology import Topology
 from ..transport.mpi import Channel, Tag
@@ -241,8 +242,7 @@ class Controller:
 
     # -- prompts out, groups in ----------------------------------------------------------------
     def encode(self, prompt_id: int, row: dict, n: int) -> dict:
-        text = self.cfg.data.prompt_template.format(question=row["question"])
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = prompt_ids(self.tokenizer, self.cfg.data, row["question"])
         msg = {"prompt_id": prompt_id, "prompt_tokens": ids, "n": n,
                "reward_kind": row["reward_kind"], "reference": row["reference"]}
         if "row" in row:            # reward functions of the user's own see the whole row

@@ -38,3 +38,52 @@ def test_custom_rewards_keep_the_whole_row_and_need_only_the_question(tmp_path):
     p.write_text('{"prompt": "x?"}\n')
     with pytest.raises(ValueError, match=r"rows.jsonl:1: missing key 'question'"):
         load_prompts(str(p), custom=True)
+
+
+CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def _data(**kw):
+    from areal_hpc.config import DataConfig
+    d = DataConfig(train_path="unused")
+    for k, v in kw.items():
+        setattr(d, k, v)
+    return d
+
+
+def test_chat_prompts_are_the_tokenizers_own_rendering(tiny_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    from areal_hpc.data.prompts import prompt_ids
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    plain = prompt_ids(tok, _data(prompt_template="Q: {question}"), "1+2=")
+    assert plain == tok("Q: 1+2=", add_special_tokens=False)["input_ids"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q: 1+2="}]
+    own = tok.apply_chat_template(messages, chat_template=CHAT, add_generation_prompt=True, tokenize=True)
+    own = own["input_ids"] if hasattr(own, "keys") else own
+    template_file = tmp_path / "chat.jinja"
+    template_file.write_text(CHAT)
+    for template in (CHAT, str(template_file)):      # the template, or its file
+        d = _data(prompt_template="Q: {question}", chat=True, system_prompt="Be brief.",
+                  chat_template=template)
+        assert prompt_ids(tok, d, "1+2=") == list(own)
+    d.assistant_prefix = "<think>\n"
+    text = tok.apply_chat_template(messages, chat_template=CHAT, add_generation_prompt=True, tokenize=False)
+    assert prompt_ids(tok, d, "1+2=") == tok(text + "<think>\n", add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("template,key", [
+    (None, "data.chat"),                                                  # no template anywhere
+    ("{% for m in messages %}{{ m.content }", "data.chat_template"),     # not valid Jinja
+])
+def test_a_chat_prompt_that_cannot_render_stops_the_job_at_start_up(tiny_model, template, key):
+    from pathlib import Path
+
+    from areal_hpc.config import ConfigError, check_paths, load
+    root = Path(__file__).resolve().parents[2]
+    cfg = load(root / "configs/tiny_cpu.yaml", [f"model.path={tiny_model}", "data.chat=true",
+                                                f"data.train_path={tiny_model}/train.jsonl", "data.eval_path=null"])
+    cfg.data.chat_template = template
+    with pytest.raises(ConfigError, match=f"config key '{key}'"):
+        check_paths(cfg)
