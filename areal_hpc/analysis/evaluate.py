@@ -57,10 +57,14 @@ class EvalSettings:
     reward_workers: int = 1
     math_timeout_s: float = 10.0
     unsafe_no_sandbox: bool = False
+    extractor: str = "boxed"        # reward.extractor
+    reward_fns: tuple = ()          # reward.fn / reward.functions (reward/custom.py Spec)
+    fn_timeout_s: float = 10.0
 
     @classmethod
     def from_config(cls, cfg) -> EvalSettings:
         """The training job's held-out evaluation settings (a config.RunConfig)."""
+        from ..reward import custom
         d, r = cfg.data, cfg.rollout
         return cls(samples=d.eval_samples, limit=d.eval_limit, max_new_tokens=r.max_new_tokens,
                    temperature=r.temperature, top_p=r.top_p, prompt_template=d.prompt_template,
@@ -72,7 +76,8 @@ class EvalSettings:
                    gpu_memory_utilization=r.gpu_memory_utilization, engine_tp=r.engine_tp,
                    enforce_eager=r.enforce_eager, seed=cfg.train.seed,
                    reward_workers=cfg.reward.workers, math_timeout_s=cfg.reward.math_timeout_s,
-                   unsafe_no_sandbox=cfg.reward.unsafe_no_sandbox)
+                   unsafe_no_sandbox=cfg.reward.unsafe_no_sandbox, extractor=cfg.reward.extractor,
+                   reward_fns=tuple(custom.specs_of(cfg)), fn_timeout_s=cfg.reward.fn_timeout_s)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -128,7 +133,8 @@ def evaluate(model: str | Path, rows: list[dict], s: EvalSettings, *, ks: list[i
         bar.update(len(results))
 
     with RewardPool(s.reward_workers, math_timeout_s=s.math_timeout_s,
-                    unsafe_no_sandbox=s.unsafe_no_sandbox) as pool, \
+                    unsafe_no_sandbox=s.unsafe_no_sandbox, extractor=s.extractor,
+                    functions=s.reward_fns, fn_timeout_s=s.fn_timeout_s) as pool, \
             VLLMEngine(str(model), dtype=s.dtype, max_model_len=s.max_model_len, seed=s.seed,
                        kv_cache_gib=s.kv_cache_gib, enforce_eager=s.enforce_eager,
                        gpu_memory_utilization=s.gpu_memory_utilization,
@@ -142,7 +148,7 @@ def evaluate(model: str | Path, rows: list[dict], s: EvalSettings, *, ks: list[i
                 _, i, j = smp.request_id.split(":")
                 row = rows[int(i)]
                 text = tok.decode(smp.output_tokens, skip_special_tokens=True)
-                pool.submit((int(i), int(j)), row["reward_kind"], text, row["reference"])
+                pool.submit((int(i), int(j)), row["reward_kind"], text, row["reference"], row.get("row"))
             collect(pool.done())
         while pool.unfinished:
             collect(pool.done(timeout=0.5))
@@ -217,13 +223,18 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load(config_path)
         except ConfigError as e:
             return fail(f"{config_path}: {e}")
+        from ..reward.custom import RewardFnError, check
+        try:        # the run's own reward functions, imported here before any engine starts
+            check(cfg)
+        except RewardFnError as e:
+            return fail(f"{config_path}: {e}")
         settings = EvalSettings.from_config(cfg)
     for key in ("samples", "limit", "temperature", "top_p", "max_new_tokens", "seed"):
         if getattr(args, key) is not None:
             setattr(settings, key, getattr(args, key))
     try:
         rows = load_prompts(str(args.dataset), settings.kind, settings.question_key,
-                            settings.answer_key)
+                            settings.answer_key, custom=bool(settings.reward_fns))
     except (FileNotFoundError, ValueError) as e:
         return fail(str(e))
     if settings.limit:

@@ -6,7 +6,7 @@ work overlaps generation::
     with RewardPool(max_workers=2) as pool:
         pool.submit((prompt_id, sample_idx), "math", text, answer)
         ...
-        for key, reward, error in pool.done():   # never blocks
+        for key, reward, error, extras in pool.done():   # never blocks
             ...
 
 Shape. One supervisor thread owns a ``ProcessPoolExecutor`` (spawn context) and is the only
