@@ -3,8 +3,9 @@
 Every row is ``{"question": str, "reward_kind": "math" | "code", "reference": ...}``: for math the
 reference is the answer string (checked with math_verify), for code the list of stdin/stdout tests
 (run in the sandbox); with reward functions of the user's own (reward.fn) the kind is "custom"
-and the row keeps every field of its line under "row". The controller sends the kind and reference with each prompt, so the
-generator's reward pool scores without knowing the dataset.
+and the row keeps every field of its line under "row". The controller sends the kind and
+reference with each prompt, so the generator's reward pool scores without knowing the dataset.
+`prompt_ids` turns a question into prompt tokens (the format string, or the chat template).
 """
 from __future__ import annotations
 
