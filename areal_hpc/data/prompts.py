@@ -9,6 +9,7 @@ reference with each prompt, so the generator's reward pool scores without knowin
 """
 from __future__ import annotations
 
+import functools
 import os
 
 from .code_jsonl import load_code_jsonl
@@ -54,8 +55,10 @@ def load_prompts_of(cfg, path: str) -> list[dict]:
     return load_prompts(path, d.kind, d.question_key, d.answer_key, custom=bool(r.fn or r.functions))
 
 
+@functools.lru_cache(maxsize=8)
 def read_chat_template(value: str | None) -> str | None:
-    """`data.chat_template`: a Jinja template itself, or the path of a file holding one."""
+    """`data.chat_template`: a Jinja template itself, or the path of a file holding one (read
+    once per process: the controller renders every prompt with it)."""
     if not value:
         return None
     if "{" not in value and os.path.isfile(value):

@@ -75,14 +75,19 @@ def resolve(spec: str, base: str | os.PathLike | None = None) -> str:
     return f"{where}:{name}"
 
 
-_LOADED: dict[str, Callable] = {}
+_LOADED: dict[str, tuple[Callable, int]] = {}     # spec -> (function, its arity: 3 or 2)
 
 
 def load(spec: str) -> Callable:
     """The function a spec names (imported once per process). Raises RewardFnError."""
+    return _load(spec)[0]
+
+
+def _load(spec: str) -> tuple[Callable, int]:
     if spec in _LOADED:
         return _LOADED[spec]
     where, name, is_file = split_spec(spec)
+    mod_name = None
     try:
         if is_file:
             if not os.path.isfile(where):
@@ -97,7 +102,8 @@ def load(spec: str) -> Callable:
     except RewardFnError:
         raise
     except BaseException as exc:    # a module that raises (or exits) while it is imported
-        sys.modules.pop(locals().get("mod_name", ""), None)
+        if mod_name:
+            sys.modules.pop(mod_name, None)
         first = (str(exc).strip().splitlines() or [""])[0]
         raise RewardFnError(f"{spec!r}: cannot import {where!r}: {type(exc).__name__}: {first}") from None
     fn = getattr(module, name, None)
@@ -105,9 +111,8 @@ def load(spec: str) -> Callable:
         raise RewardFnError(f"{spec!r}: {where!r} has no {name!r}")
     if not callable(fn) or inspect.isclass(fn):
         raise RewardFnError(f"{spec!r}: {name!r} is a {type(fn).__name__}, not a function")
-    _arity(spec, fn)
-    _LOADED[spec] = fn
-    return fn
+    _LOADED[spec] = (fn, _arity(spec, fn))
+    return _LOADED[spec]
 
 
 def _arity(spec: str, fn: Callable) -> int:
@@ -175,8 +180,8 @@ def score(specs: list[Spec], completion: str, reference, row: dict | None
     Raises ValueError (a bad return value) or whatever a function raises."""
     total, extras = 0.0, {}
     for spec, weight, name, _ in specs:
-        fn = load(spec)
-        out = fn(completion, reference, row) if _arity(spec, fn) == 3 else fn(completion, reference)
+        fn, arity = _load(spec)
+        out = fn(completion, reference, row) if arity == 3 else fn(completion, reference)
         if isinstance(out, dict):
             if "reward" not in out:
                 raise ValueError(f"{name} returned a dict without 'reward' (keys: {sorted(map(str, out))})")

@@ -21,6 +21,8 @@ from decimal import Decimal, InvalidOperation
 from math_verify import parse, verify
 from math_verify.errors import TimeoutException
 
+from ..data.jsonl import GSM8K_ANSWER_MARK, final_answer
+
 SYMPY_TIMEOUT_S = 3  # whole seconds: signal.alarm's resolution
 MAX_ANSWER_CHARS = 1000  # a longer boxed answer is not a real answer; don't hand it to sympy
 
@@ -48,15 +50,13 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-_GSM8K_MARK = "####"
 _ANSWER_LINE = re.compile(r"answer\s*:\s*([^\n]*)", re.IGNORECASE)
-_ANY_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[+-]?\.\d+")
 
 
 def _after_mark(text: str) -> str | None:
-    if _GSM8K_MARK not in text:
+    if GSM8K_ANSWER_MARK not in text:
         return None
-    return text.rsplit(_GSM8K_MARK, 1)[1].strip().split("\n", 1)[0]
+    return final_answer(text).split("\n", 1)[0]
 
 
 def _answer_line(text: str) -> str | None:
@@ -65,7 +65,7 @@ def _answer_line(text: str) -> str | None:
 
 
 def _last_number(text: str) -> str | None:
-    found = _ANY_NUMBER.findall(text)
+    found = [m.group(0) for m in _PLAIN_NUMBER.finditer(text)]
     return found[-1] if found else None
 
 

@@ -159,15 +159,20 @@ class Generator:
                 scoring = bool(self.rewards.unfinished)
                 with self._timed("idle_scoring" if scoring else "idle"):
                     self.chan.idle(source=CONTROLLER_RANK, timeout=0.005 if scoring else 0.05)
-        if self._started:
-            span = time.monotonic() - self._t_started
-            self.seconds["other"] = max(0.0, span - sum(v for k, v in self.seconds.items() if k != "other"))
+        self._account_loop_work()
         self.chan.send({"rank": self.topo.rank, "tokens": self.tokens_generated,
                         "seconds": self.seconds, "version": self.engine.version,
                         "reward": self.rewards.stats()}, CONTROLLER_RANK, Tag.STATS)
         self.chan.flush(timeout=60)
         self.rewards.close()
         self.engine.shutdown()
+
+    def _account_loop_work(self) -> None:
+        """seconds["other"]: what of the span since the first prompt no other bucket holds."""
+        if self._started:
+            span = time.monotonic() - self._t_started
+            timed = sum(v for k, v in self.seconds.items() if k != "other")
+            self.seconds["other"] = max(0.0, span - timed)
 
     def _update_weights(self, msg: dict) -> None:
         """Load the announced version and acknowledge it: "started" first, so that a load that
