@@ -35,8 +35,10 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_path: str = MISSING           # jsonl, {"question", "answer"} per line
-    eval_path: Optional[str] = None     # held-out jsonl; evaluated at step 0 and at the end
+    # jsonl ({"question", "answer"} per line), parquet, arrow, or an HF datasets save_to_disk
+    # directory (one split's); the keys below may be dotted (reward_model.ground_truth)
+    train_path: str = MISSING
+    eval_path: Optional[str] = None     # held-out set, same formats; evaluated at step 0 and at the end
     kind: str = "math"                  # math: {"question","answer"}; code: prompt + stdin/stdout tests
     question_key: str = "question"
     answer_key: str = "answer"
@@ -243,6 +245,9 @@ class RunConfig:
     name: str = "run"
     output_dir: str = "runs"            # the run lives in <output_dir>/<name>
     log_every: int = 1
+    # TensorBoard event files in <run_dir>/tensorboard, rebuilt from metrics.jsonl at each start
+    # (storage/tensorboard.py): `tensorboard --logdir <run_dir>/tensorboard`
+    tensorboard: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
@@ -644,7 +649,7 @@ def check_paths(cfg: RunConfig) -> None:
     for key, value in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
         if value is None:
             continue
-        if not Path(value).is_file():
+        if not Path(value).exists():
             raise ConfigError(f"config key '{key}': file not found: {value}")
         try:    # every row parsed now, so a bad line stops the job before any rank starts
             rows = load_prompts_of(cfg, value)

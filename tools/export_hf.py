@@ -3,10 +3,14 @@
 
     python tools/export_hf.py runs/tiny --out exported/          # newest valid checkpoint
     python tools/export_hf.py runs/tiny/checkpoints/step_00000020 --out exported/
+    python tools/export_hf.py runs/tiny --step 20 --out exported/
+    python tools/export_hf.py runs/tiny --step 0 --out exported/  # the initial policy
 
 The checkpoint's own config gives the architecture and the tokenizer (its `model.path`); the
 shards are loaded into a single-process Megatron model (dist-checkpointing reshards any TP x PP
-layout) and written with the same HF names the generators receive.
+layout) and written with the same HF names the generators receive. Step 0, the policy the run
+started from, has no checkpoint: it is the run's `model.path` (from the run's config.yaml), put
+through the same model and writer, so every step exports alike.
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("path", type=Path, help="a run directory or one checkpoint folder")
     ap.add_argument("--out", type=Path, required=True, help="HF directory to write")
+    ap.add_argument("--step", type=int, default=None,
+                    help="the checkpoint of this step in the run directory (0: the initial policy)")
     args = ap.parse_args(argv)
 
     from areal_hpc.config import ConfigError, load
@@ -29,26 +35,42 @@ def main(argv=None) -> int:
     if not args.path.exists():
         print(f"error: {args.path} does not exist", file=sys.stderr)
         return 2
+    ckpt, step = None, args.step
     try:
-        if ck.step_of(args.path) is not None:
-            ckpt, _ = args.path, ck.validate(args.path)
-        else:
-            found = ck.find_latest(args.path)
-            if found is None:
-                print(f"error: no valid checkpoint in {args.path}", file=sys.stderr)
+        if step is not None and step < 0:
+            print(f"error: --step must be >= 0, got {step}", file=sys.stderr)
+            return 2
+        if step == 0:
+            config_yaml = args.path / "config.yaml"
+            if not config_yaml.is_file():
+                print(f"error: {args.path}: no config.yaml (the run's settings, written when it "
+                      "starts): give the run directory", file=sys.stderr)
                 return 2
-            ckpt = found[0]
+            config_yaml, source = config_yaml.read_text(), f"{args.path} (its initial model)"
+        else:
+            if step is not None:
+                ckpt, _ = ck.step_dir(args.path, step), ck.validate(ck.step_dir(args.path, step))
+            elif ck.step_of(args.path) is not None:
+                ckpt, _ = args.path, ck.validate(args.path)
+            else:
+                found = ck.find_latest(args.path)
+                if found is None:
+                    print(f"error: no valid checkpoint in {args.path} (--step 0 exports the "
+                          "initial policy)", file=sys.stderr)
+                    return 2
+                ckpt = found[0]
+            state = ck.read_state(ckpt / ck.STATE)
+            config_yaml, step, source = state["config_yaml"], state["step"], str(ckpt)
     except ck.CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    state = ck.read_state(ckpt / ck.STATE)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
-        f.write(state["config_yaml"])
+        f.write(config_yaml)
         f.flush()
         try:
             cfg = load(f.name)
         except ConfigError as exc:
-            print(f"error: {ckpt}: its config does not load: {exc}", file=sys.stderr)
+            print(f"error: {source}: its config does not load: {exc}", file=sys.stderr)
             return 2
     if not (Path(cfg.model.path) / "config.json").is_file():
         print(f"error: the run's initial model {cfg.model.path} (architecture and tokenizer) is "
@@ -66,10 +88,11 @@ def main(argv=None) -> int:
     init_megatron_parallel(tp=1, pp=1, seed=0, backend="gloo")
     actor = Actor(cfg.train, cfg.model.path, group_size=cfg.rollout.group_size,
                   temperature=cfg.rollout.temperature, dtype=cfg.model.dtype)
-    ck.load_model(ckpt, actor.model)
+    if ckpt is not None:
+        ck.load_model(ckpt, actor.model)
     actor.save_hf(str(args.out))
     dist.destroy_process_group()
-    print(f"exported step {state['step']} of {ckpt} to {args.out}")
+    print(f"exported step {step} of {source} to {args.out}")
     return 0
 
 

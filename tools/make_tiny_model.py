@@ -1,6 +1,7 @@
 """Make the tiny model: a character-level Qwen2 pre-trained briefly on the tiny task.
 
     python tools/make_tiny_model.py --out models/tiny [--seed 0] [--steps N] [--minutes M]
+    python tools/make_tiny_model.py --out models/tiny_answer --format answer   # "...,Answer: 17"
 
 Writes to --out, in Hugging Face format (vLLM and the Megatron converter both read it):
     config.json, generation_config.json, model.safetensors      the model (float32)
@@ -36,7 +37,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-from areal_hpc.data.tiny_task import ALPHABET, make_problems  # noqa: E402
+from areal_hpc.data.tiny_task import FORMATS, alphabet, make_problems  # noqa: E402
 from areal_hpc.reward.math import math_reward  # noqa: E402
 
 PAD, EOS = "<pad>", "<eos>"
@@ -45,17 +46,19 @@ N_RL_PROMPTS, N_HELDOUT = 2000, 200
 PRETRAIN_SEED, RL_SEED, HELDOUT_SEED = 1_000_000, 2_000_000, 3_000_000
 
 
-def build_tokenizer() -> Qwen2Tokenizer:
-    """One token per character of the tiny task's alphabet, after two specials: <pad> 0, <eos> 1.
+def build_tokenizer(answer_format: str = "boxed") -> Qwen2Tokenizer:
+    """One token per character of the tiny task's alphabet (`alphabet(answer_format)`), after two
+    specials: <pad> 0, <eos> 1.
 
     Built as a Qwen2Tokenizer (a PreTrainedTokenizerFast: byte-level BPE, here with no merges)
     because transformers 5 loads any model_type "qwen2" checkpoint's tokenizer as that class,
     rebuilding its pipeline around the saved vocabulary: built any other way, the tokenizer.json
     on disk and what AutoTokenizer (and so vLLM) hands back would disagree. Byte-level maps the
-    printable ASCII of the alphabet to itself. There is no <unk>: characters outside the alphabet
-    are dropped, as Qwen2's BPE does.
+    printable ASCII of the alphabet to itself, and a space to "Ġ" (the vocabulary holds that).
+    There is no <unk>: characters outside the alphabet are dropped, as Qwen2's BPE does.
     """
-    vocab = {tok: i for i, tok in enumerate([PAD, EOS, *ALPHABET])}
+    chars = ["\u0120" if c == " " else c for c in alphabet(answer_format)]
+    vocab = {tok: i for i, tok in enumerate([PAD, EOS, *chars])}
     return Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, pad_token=PAD, eos_token=EOS,
                           model_max_length=512)
 
@@ -161,7 +164,8 @@ def pretrain(model, batches, steps: int, lr: float, max_seconds: float, smoothin
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, problems: list[dict], samples: int, seed: int) -> dict:
+def evaluate(model, tokenizer, problems: list[dict], samples: int, seed: int,
+             extractor: str = "boxed") -> dict:
     """Mean reward on ``problems``: greedy if ``samples`` is 0, else that many completions per
     problem sampled at temperature 1 with no top-k/top-p, as RL samples."""
     tokenizer.padding_side = "left"  # batched generation continues each prompt from its end
@@ -179,7 +183,7 @@ def evaluate(model, tokenizer, problems: list[dict], samples: int, seed: int) ->
     by_k = defaultdict(list)
     for i, text in enumerate(texts):
         p = problems[i // per_problem]
-        by_k[p["question"].count("+") + 1].append(math_reward(text, p["answer"]))
+        by_k[p["question"].count("+") + 1].append(math_reward(text, p["answer"], extractor))
     rewards = [r for rs in by_k.values() for r in rs]
     return {"accuracy": round(sum(rewards) / len(rewards), 4), "completions": len(rewards),
             "by_terms": {k: round(sum(rs) / len(rs), 3) for k, rs in sorted(by_k.items())},
@@ -208,15 +212,19 @@ def main() -> None:
     # another job held a core (1.46 vs 0.14 s/step); on an idle machine two are only 1.7x faster.
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--eval-samples", type=int, default=4, help="T=1 samples per held-out problem")
+    ap.add_argument("--format", choices=FORMATS, default="boxed",
+                    help='how solutions end: "\\boxed{17}" or "Answer: 17"')
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
 
-    heldout = make_problems(N_HELDOUT, HELDOUT_SEED + args.seed)
-    rl_prompts = make_problems(N_RL_PROMPTS, RL_SEED + args.seed)
-    pretrain_data = make_problems(args.steps * args.batch_size, PRETRAIN_SEED + args.seed)
+    fmt = {"answer_format": args.format}
+    heldout = make_problems(N_HELDOUT, HELDOUT_SEED + args.seed, **fmt)
+    rl_prompts = make_problems(N_RL_PROMPTS, RL_SEED + args.seed, **fmt)
+    pretrain_data = make_problems(args.steps * args.batch_size, PRETRAIN_SEED + args.seed, **fmt)
+    extractor = "answer" if args.format == "answer" else "boxed"
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(args.format)
     model = build_model(tokenizer, args)
     batches = make_batches(pretrain_data, tokenizer, args.batch_size, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
@@ -226,8 +234,9 @@ def main() -> None:
     used_ids = torch.tensor(sorted(set(range(len(tokenizer))) - {tokenizer.pad_token_id}))
     train_stats = pretrain(model, batches, args.steps, args.lr, 60 * args.minutes,
                            args.label_smoothing, used_ids)
-    greedy = evaluate(model, tokenizer, heldout, samples=0, seed=args.seed)
-    sampled = evaluate(model, tokenizer, heldout, samples=args.eval_samples, seed=args.seed)
+    greedy = evaluate(model, tokenizer, heldout, samples=0, seed=args.seed, extractor=extractor)
+    sampled = evaluate(model, tokenizer, heldout, samples=args.eval_samples, seed=args.seed,
+                       extractor=extractor)
     print(f"held-out accuracy: greedy {greedy['accuracy']:.3f}, "
           f"T=1 {sampled['accuracy']:.3f} ({args.eval_samples} samples per problem)")
     print(f"  T=1 by number of terms: {sampled['by_terms']}")

@@ -1,4 +1,5 @@
-"""Code datasets from jsonl files (LiveCodeBench / APPS style): one JSON object per line.
+"""Code datasets (LiveCodeBench / APPS style) from jsonl, parquet, arrow or HF `datasets` files
+(data/files.py).
 
 Each row becomes ``{"prompt": str, "tests": [{"input": str, "output": str}, ...]}``, the form
 reward/code.py's ``run_tests`` takes. The tests field may hold
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 
-from .jsonl import iter_objects
+from .files import field, iter_rows
 
 
 def _tests_from_pairs(inputs, outputs, where: str, key: str) -> list[dict]:
@@ -27,7 +28,7 @@ def _tests_from_pairs(inputs, outputs, where: str, key: str) -> list[dict]:
     return [{"input": i, "output": o} for i, o in zip(inputs, outputs)]
 
 
-def _parse_tests(value, where: str, key: str) -> list[dict]:
+def parse_tests(value, where: str, key: str) -> list[dict]:
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -68,10 +69,9 @@ def load_code_jsonl(path: str | os.PathLike, prompt_key: str = "prompt",
     prompt, or has no or malformed tests (see the module docstring for the accepted forms).
     """
     rows = []
-    for where, obj in iter_objects(path, (prompt_key, tests_key)):
-        if not isinstance(obj[prompt_key], str):
-            raise ValueError(f"{where}: {prompt_key!r} must be a string, "
-                             f"got {type(obj[prompt_key]).__name__}")
-        rows.append({"prompt": obj[prompt_key],
-                     "tests": _parse_tests(obj[tests_key], where, tests_key)})
+    for where, obj in iter_rows(path, (prompt_key, tests_key)):
+        prompt = field(obj, prompt_key)
+        if not isinstance(prompt, str):
+            raise ValueError(f"{where}: {prompt_key!r} must be a string, got {type(prompt).__name__}")
+        rows.append({"prompt": prompt, "tests": parse_tests(field(obj, tests_key), where, tests_key)})
     return rows

@@ -1,4 +1,5 @@
-"""Prompt datasets from jsonl files: one JSON object per line, blank lines skipped.
+"""Prompt datasets: jsonl files (one JSON object per line, blank lines skipped), and through
+data/files.py parquet, arrow and HF `datasets` directories alike.
 
 Each row becomes ``{"question": str, "answer": str}``. GSM8K answers carry the worked solution
 before ``#### <final answer>``; only the final answer is kept. Other answers (MATH-style LaTeX such
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+
+from .files import field, iter_rows
 
 GSM8K_ANSWER_MARK = "####"
 
@@ -67,15 +70,18 @@ def _parse_line(path: str, lineno: int, line: str, required_keys: tuple[str, ...
 
 def load_jsonl(path: str | os.PathLike, question_key: str = "question",
                answer_key: str = "answer") -> list[dict]:
-    """Rows of ``path`` as ``[{"question": str, "answer": str}, ...]``, in file order.
+    """Rows of ``path`` (any format of data/files.py; keys may be dotted) as
+    ``[{"question": str, "answer": str}, ...]``, in file order.
 
     Raises FileNotFoundError if ``path`` does not exist, and ValueError naming the file and the
-    1-based line number for a row that is not a JSON object, lacks a key, or holds a non-string.
+    row (jsonl: its 1-based line) for a row that is not a JSON object, lacks a key, or holds a
+    non-string.
     """
     rows = []
-    for where, obj in iter_objects(path, (question_key, answer_key)):
-        for key in (question_key, answer_key):
-            if not isinstance(obj[key], str):
-                raise ValueError(f"{where}: {key!r} must be a string, got {type(obj[key]).__name__}")
-        rows.append({"question": obj[question_key], "answer": final_answer(obj[answer_key])})
+    for where, obj in iter_rows(path, (question_key, answer_key)):
+        values = {key: field(obj, key) for key in (question_key, answer_key)}
+        for key, value in values.items():
+            if not isinstance(value, str):
+                raise ValueError(f"{where}: {key!r} must be a string, got {type(value).__name__}")
+        rows.append({"question": values[question_key], "answer": final_answer(values[answer_key])})
     return rows

@@ -13,7 +13,8 @@ import functools
 import os
 
 from .code_jsonl import load_code_jsonl
-from .jsonl import final_answer, iter_objects, load_jsonl
+from .files import field, iter_rows
+from .jsonl import final_answer, load_jsonl
 
 KINDS = ("math", "code")
 # The fields `data.prompt_template` may use, per kind: the controller fills the template with
@@ -23,21 +24,24 @@ TEMPLATE_FIELDS = {"math": ("question",), "code": ("question",)}
 
 def load_prompts(path: str, kind: str = "math", question_key: str = "question",
                  answer_key: str = "answer", custom: bool = False) -> list[dict]:
-    """Read a jsonl dataset; for code, `question_key`/`answer_key` name the prompt and tests
-    fields (e.g. "prompt" and "tests", or APPS's "question" and "input_output").
+    """Read a dataset (jsonl, parquet, arrow or an HF `datasets` directory: data/files.py; keys
+    may be dotted, e.g. ``reward_model.ground_truth``); for code, `question_key`/`answer_key`
+    name the prompt and tests fields (e.g. "prompt" and "tests", or APPS's "question" and
+    "input_output").
 
     custom: the run scores with reward functions of its own (reward.fn): every row is
-    ``{"question", "reward_kind": "custom", "reference", "row"}``, ``row`` the whole line as
+    ``{"question", "reward_kind": "custom", "reference", "row"}``, ``row`` the whole row as
     read; only the question field is required (the reference is the answer field when present,
     a GSM8K answer cut to its final answer, else None)."""
     if custom:
         rows = []
-        for where, obj in iter_objects(path, (question_key,)):
-            if not isinstance(obj[question_key], str):
+        for where, obj in iter_rows(path, (question_key,)):
+            question = field(obj, question_key)
+            if not isinstance(question, str):
                 raise ValueError(f"{where}: {question_key!r} must be a string, got "
-                                 f"{type(obj[question_key]).__name__}")
-            ref = obj.get(answer_key)
-            rows.append({"question": obj[question_key], "reward_kind": "custom",
+                                 f"{type(question).__name__}")
+            ref = field(obj, answer_key, None)
+            rows.append({"question": question, "reward_kind": "custom",
                          "reference": final_answer(ref) if isinstance(ref, str) else ref, "row": obj})
         return rows
     if kind == "math":

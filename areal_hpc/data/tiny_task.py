@@ -7,8 +7,9 @@ A problem with terms (3, 5, 9) reads
     answer    "17"
 
 One step ``a+b=c,`` per term after the first, then the final answer in ``\\boxed{}``, so the
-reward is checked by the same math_verify path as real math datasets. The text is kept short
-because the tiny model reads it one character at a time.
+reward is checked by the same math_verify path as real math datasets. The ``answer`` format
+ends ``Answer: 17`` instead (the example of a user reward function, examples/answer_n/). The
+text is kept short because the tiny model reads it one character at a time.
 
 The number of terms k is long-tailed: P(k) ∝ (k - 1) ** -tail_exponent on [min_terms, max_terms].
 With the defaults (2..10, exponent 1) 35% of the problems have k = 2 (20 characters, question
@@ -25,6 +26,16 @@ import random
 
 # Every character a question or solution can contain. The tiny model's tokenizer is built from it.
 ALPHABET = "0123456789+=,\\boxed{}"
+# The final answer's form (answer_format): "boxed" writes \boxed{17}, "answer" writes "Answer: 17".
+FORMATS = ("boxed", "answer")
+_EXTRA_CHARS = {"boxed": "", "answer": "Answr: "}
+
+
+def alphabet(answer_format: str = "boxed") -> str:
+    """The characters of a format's questions and solutions (ALPHABET, plus "Answer: ")."""
+    if answer_format not in FORMATS:
+        raise ValueError(f"unknown answer format {answer_format!r} (one of {', '.join(FORMATS)})")
+    return ALPHABET + "".join(c for c in _EXTRA_CHARS[answer_format] if c not in ALPHABET)
 
 
 def term_count_weights(min_terms: int = 2, max_terms: int = 10,
@@ -42,18 +53,20 @@ def format_question(terms: list[int]) -> str:
     return "+".join(str(t) for t in terms) + "="
 
 
-def format_solution(terms: list[int]) -> str:
-    """``[12, 7, 30]`` → ``"12+7=19,19+30=49,\\boxed{49}"``."""
+def format_solution(terms: list[int], answer_format: str = "boxed") -> str:
+    """``[12, 7, 30]`` → ``"12+7=19,19+30=49,\\boxed{49}"`` (``answer``: ``"...,Answer: 49"``)."""
     steps = []
     partial = terms[0]
     for term in terms[1:]:
         steps.append(f"{partial}+{term}={partial + term},")
         partial += term
-    return "".join(steps) + f"\\boxed{{{partial}}}"
+    final = f"Answer: {partial}" if answer_format == "answer" else f"\\boxed{{{partial}}}"
+    return "".join(steps) + final
 
 
 def make_problems(n: int, seed: int, *, min_terms: int = 2, max_terms: int = 10,
-                  max_value: int = 9, tail_exponent: float = 1.0) -> list[dict]:
+                  max_value: int = 9, tail_exponent: float = 1.0,
+                  answer_format: str = "boxed") -> list[dict]:
     """``n`` problems ``{"question", "answer", "solution"}``, the same ones for the same arguments.
 
     Terms are uniform on [0, max_value]. Single digits by default: a small model learns the
@@ -64,6 +77,7 @@ def make_problems(n: int, seed: int, *, min_terms: int = 2, max_terms: int = 10,
         raise ValueError(f"n must be >= 0, got {n}")
     if max_value < 0:
         raise ValueError(f"max_value must be >= 0, got {max_value}")
+    alphabet(answer_format)             # the format is known
     weights = term_count_weights(min_terms, max_terms, tail_exponent)
     ks, ps = list(weights), list(weights.values())
     rng = random.Random(seed)
@@ -74,6 +88,6 @@ def make_problems(n: int, seed: int, *, min_terms: int = 2, max_terms: int = 10,
         problems.append({
             "question": format_question(terms),
             "answer": str(sum(terms)),
-            "solution": format_solution(terms),
+            "solution": format_solution(terms, answer_format),
         })
     return problems

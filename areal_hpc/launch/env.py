@@ -20,6 +20,9 @@ from pathlib import Path
 from ..config import ConfigError, RunConfig, check_paths, load
 
 TINY_MODEL = Path("models/tiny")
+# The models the project builds itself when a config names them and they are not there yet:
+# path -> tools/make_tiny_model.py arguments.
+BUILT_MODELS = {TINY_MODEL: [], Path("models/tiny_answer"): ["--format", "answer"]}
 
 
 def rank_env(cfg: RunConfig) -> dict[str, str]:
@@ -54,11 +57,13 @@ def export_lines(cfg: RunConfig) -> list[str]:
 
 
 def ensure_tiny_model(cfg: RunConfig) -> None:
-    if Path(cfg.model.path).resolve() == TINY_MODEL.resolve() and not (TINY_MODEL / "config.json").exists():
-        print(f"[launch] building the tiny model in {TINY_MODEL} (once, a few minutes)", file=sys.stderr,
-              flush=True)
-        subprocess.run([sys.executable, "tools/make_tiny_model.py", "--out", str(TINY_MODEL)],
-                       check=True, stdout=sys.stderr)
+    """Build the tiny model (or its "Answer: N" variant) that the config names, once."""
+    for path, args in BUILT_MODELS.items():
+        if Path(cfg.model.path).resolve() == path.resolve() and not (path / "config.json").exists():
+            print(f"[launch] building the tiny model in {path} (once, a few minutes)",
+                  file=sys.stderr, flush=True)
+            subprocess.run([sys.executable, "tools/make_tiny_model.py", "--out", str(path), *args],
+                           check=True, stdout=sys.stderr)
 
 
 def prepare(config: str, overrides: list[str]) -> RunConfig:

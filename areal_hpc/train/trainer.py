@@ -20,6 +20,7 @@ from ..data.prompts import load_prompts_of
 from ..topology import Topology
 from .. import preemption
 from ..storage import checkpoint
+from ..storage.tensorboard import TensorBoardLog
 from ..transport import mpi as coll
 from ..transport import weights as wsync
 from .actor import Actor
@@ -38,6 +39,7 @@ class Trainer:
         self.version = 0
         self.weight_plan = None         # [(stage, bucket)] of the HF weights: fixed for the run
         self.controller = None
+        self.tb = None                  # TensorBoardLog (rank 0), opened when the loop starts
         self.resumed = self._resume() if cfg.checkpoint.resume == "auto" else None
         if topo.is_controller:
             from transformers import AutoTokenizer
@@ -116,6 +118,8 @@ class Trainer:
         res["label"], res["step"], res["time"] = label, self.version, time.time()
         log.info("held-out accuracy (%s, version %d): %.3f over %d samples in %.1fs",
                  label, res["version"], res["accuracy"], res["samples"], res["seconds"])
+        if self.tb is not None:
+            self.tb.evaluation(res)
         return res
 
     def _weight_plan(self) -> wsync.Plan:
@@ -220,6 +224,8 @@ class Trainer:
         self._gen_tokens, self._t_record = gen_tokens, now
         with open(self.cfg.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            self.tb.step(record)
         return record
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -238,6 +244,8 @@ class Trainer:
         else:
             evals = [e for e in [self._evaluate("initial")] if e]
             self._save_evals(evals)     # kept by a resume
+        if self.controller is not None and cfg.tensorboard:   # every step once, across requeues
+            self.tb = TensorBoardLog.open(cfg.run_dir, [e for e in evals if e])
         progress = Progress(cfg.train.total_steps, enabled=self.controller is not None, initial=start)
         self._gen_tokens = self.controller.generated_tokens if self.controller else 0
         self._t_record = self._t_loop = time.monotonic()
@@ -256,6 +264,8 @@ class Trainer:
                     self._checkpoint()
                 if self.controller is not None:
                     self.controller.close()
+                if self.tb is not None:
+                    self.tb.close()
                 if trained:
                     log.warning("preempted after %d steps: checkpoint written; exiting with %d "
                                 "for a requeue", self.version, preemption.EXIT_PREEMPTED)
@@ -293,6 +303,9 @@ class Trainer:
             evals = [e for e in evals if e]
             self._save_evals(evals)
             progress.eval_table(evals)
+        if self.tb is not None:
+            self.tb.generators(cfg.run_dir / "generators.json", self.version)
+            self.tb.close()
         return 0
 
     def _save_evals(self, evals: list[dict]) -> None:

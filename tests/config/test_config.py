@@ -86,6 +86,24 @@ def test_check_paths_names_the_bad_jsonl_line(tmp_path):
         check_paths(cfg)
 
 
+def test_check_paths_names_the_bad_parquet_row_and_the_dotted_key(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    data = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([{"problem": "1+1=", "reward_model": {"ground_truth": "2"}},
+                                         {"problem": "2+2=", "reward_model": {"ground_truth": None}}]), data)
+    cfg = load(_yaml(tmp_path, BASE), [f"model.path={model}", f"data.train_path={data}",
+                                       f"output_dir={tmp_path}/runs", "data.question_key=problem",
+                                       "data.answer_key=reward_model.ground_truth"])
+    with pytest.raises(ConfigError, match=r"data\.train_path.*train\.parquet\[1\]: "
+                                          r"'reward_model\.ground_truth' must be a string, got NoneType"):
+        check_paths(cfg)
+
+
 def test_engine_tp_sizes_the_weight_group(tmp_path):
     from areal_hpc.topology import GENERATOR, Topology
 

@@ -58,3 +58,15 @@ def test_options():
     assert max(max(terms_of(p)) for p in problems) > 9
     with pytest.raises(ValueError):
         make_problems(1, seed=0, min_terms=1)
+
+
+def test_the_answer_format_ends_answer_n_within_its_alphabet():
+    from areal_hpc.data.tiny_task import alphabet
+
+    assert format_solution([12, 7, 30], "answer") == "12+7=19,19+30=49,Answer: 49"
+    boxed, answer = make_problems(200, seed=5), make_problems(200, seed=5, answer_format="answer")
+    assert [p["question"] for p in boxed] == [p["question"] for p in answer]   # same problems
+    assert all(set(p["question"] + p["solution"]) <= set(alphabet("answer")) for p in answer)
+    assert alphabet("boxed") == ALPHABET and alphabet("answer").startswith(ALPHABET)
+    with pytest.raises(ValueError, match="unknown answer format 'x'"):
+        make_problems(1, seed=0, answer_format="x")

@@ -3,7 +3,7 @@ random step, a hard kill between checkpoints, and N straight vs N/2 + preempt + 
 
 Afterwards rollouts.h5 must show every trajectory consumed at most once, every step consumed exactly
 B groups, no accepted trajectory lost (pending rows are exactly the final checkpoint's buffer), and
-metrics.jsonl must hold each step once."""
+metrics.jsonl and the TensorBoard event files must hold each step once."""
 import collections
 import json
 import random
@@ -16,6 +16,7 @@ import pytest
 
 from areal_hpc.storage import checkpoint as ck
 from areal_hpc.storage.rollout_log import NOT_CONSUMED, ROLLED_BACK, RolloutReader
+from areal_hpc.storage.tensorboard import read_scalars
 
 STEPS, B, N = 6, 3, 2
 SMALL = [f"train.total_steps={STEPS}", f"train.batch_prompts={B}", f"rollout.group_size={N}",
@@ -60,6 +61,11 @@ def _check_log(run_dir, steps=STEPS):
     assert rolled <= live, rolled - live
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(steps))
+    # the TensorBoard files, rebuilt at the resume, hold each step once too (at steps trained)
+    tb = read_scalars(run_dir)
+    assert [p[0] for p in tb["train/loss"]] == list(range(1, steps + 1))
+    assert [p[2] for p in tb["train/loss"]] == [x["time"] for x in lines]
+    assert [p[0] for p in tb["eval/accuracy"]] == [0, steps]
     return consumed, keys
 
 

@@ -151,3 +151,20 @@ def test_two_functions_of_one_name_are_refused():
 def test_the_custom_kind_needs_functions():
     with RewardPool(max_workers=1) as pool, pytest.raises(ValueError, match="needs the pool's functions"):
         pool.submit("k", "custom", "x", "1")
+
+
+def test_the_answer_n_example_loads_and_scores(monkeypatch):
+    """examples/answer_n: its config names its reward file; the function reads "Answer: N"."""
+    from areal_hpc.data.tiny_task import make_problems
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    cfg = load("examples/answer_n/config.yaml")
+    custom.check(cfg)                                   # imports, takes (completion, ref, row)
+    answer_n = custom.load(cfg.reward.fn)
+    p = make_problems(1, seed=0, answer_format="answer")[0]
+    assert p["solution"].endswith(f"Answer: {p['answer']}")
+    assert answer_n(p["solution"], p["answer"], p) == {"reward": 1.0, "format": 1.0,
+                                                       "steps": float(p["solution"].count(","))}
+    assert answer_n("1+2=3,Answer: 4", "3", {})["reward"] == 0.0
+    assert answer_n("1+2=3,\\boxed{3}", "3", {})["format"] == 0.0

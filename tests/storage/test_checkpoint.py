@@ -141,6 +141,27 @@ def test_export_hf_from_checkpoint_equals_trained_weights(actor_factory, tmp_pat
         assert torch.equal(exported[k], v.cpu()), k
     assert (tmp_path / "hf" / "config.json").exists()
 
+    # step 0, the initial policy, has no checkpoint: it comes from the run's config.yaml
+    r = subprocess.run([sys.executable, "tools/export_hf.py", str(tmp_path / "run"), "--step", "0",
+                        "--out", str(tmp_path / "hf0")], cwd=root, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and "no config.yaml" in r.stderr
+    (tmp_path / "run" / "config.yaml").write_text(to_yaml(cfg))
+    r = subprocess.run([sys.executable, "tools/export_hf.py", str(tmp_path / "run"), "--step", "0",
+                        "--out", str(tmp_path / "hf0")], cwd=root, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "exported step 0 of" in r.stdout
+    initial = load_file(Path(a.model_dir) / "model.safetensors")
+    exported0 = load_file(tmp_path / "hf0" / "model.safetensors")
+    assert sorted(exported0) == sorted(trained)
+    for k, v in exported0.items():
+        assert torch.equal(v, initial[k].to(v.dtype)), k
+    assert any(not torch.equal(v, exported[k]) for k, v in exported0.items())   # not the trained one
+    r = subprocess.run([sys.executable, "tools/export_hf.py", str(tmp_path / "run"), "--step", "7",
+                        "--out", str(tmp_path / "x")], cwd=root, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "step_00000007" in r.stderr and "did not finish" in r.stderr
+
     r = subprocess.run([sys.executable, "tools/export_hf.py", str(tmp_path / "nothing"), "--out",
                         str(tmp_path / "x")], cwd=root, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "does not exist" in r.stderr
