@@ -108,7 +108,7 @@ def first_time_at(points: list[tuple[float, float]], target: float) -> float | N
 def analyse(run: Path, mode: str, target: float) -> dict:
     from areal_hpc.analysis.load import load_run
     from areal_hpc.plan.throughput import read_metrics
-    from areal_hpc.rollout.controller import busy_share
+    from areal_hpc.rollout.controller import LOOP_WORK, busy_share, loop_work
     steps = read_metrics(run)
     gens = json.loads((run / "generators.json").read_text())
     evals = json.loads((run / "eval.json").read_text())
@@ -117,7 +117,8 @@ def analyse(run: Path, mode: str, target: float) -> dict:
     busy = sum(g["seconds"]["busy"] for g in gens)
     pause = sum(g["seconds"]["pause"] for g in gens)
     idle = sum(g["seconds"]["idle"] + g["seconds"].get("idle_scoring", 0.0) for g in gens)
-    other = sum(g["seconds"].get("other", 0.0) for g in gens)
+    other = sum(loop_work(g["seconds"]) for g in gens)            # the generator loop's own work
+    loop = {k: sum(g["seconds"].get(k, 0.0) for g in gens) for k in LOOP_WORK}
     gen_tokens = sum(g["tokens"] for g in gens)
     train_s = float(np.mean([s["seconds"] for s in steps]))
     sync_s = float(np.mean([s["weight_sync_s"] for s in steps]))
@@ -145,6 +146,7 @@ def analyse(run: Path, mode: str, target: float) -> dict:
         "trained_tok_s": trained_tokens / wall,
         "gen_busy": statistics.mean(busy_share(g["seconds"]) for g in gens),
         "gen_seconds": {"busy": busy, "pause": pause, "idle": idle, "other": other},
+        "gen_loop_seconds": loop,
         "trainer_idle": wait / wall, "train_s": train_s, "sync_s": sync_s,
         "gen_tok_s_busy": gen_rate, "gen_tokens_per_step": per_step,
         "ideal_s": ideal, "of_ideal": ideal / wall,

@@ -36,13 +36,13 @@ def busy_fraction(overrides: list[str]) -> None:
         run = Path(out) / "bench-busy"
         gens = json.loads((run / "generators.json").read_text())
         steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    from areal_hpc.rollout.controller import busy_share
+    from areal_hpc.rollout.controller import busy_share, loop_work
     for g in gens:
         sec = g["seconds"]
         idle = sec["idle"] + sec.get("idle_scoring", 0.0)
         print(f"generator rank {g['rank']}: busy {100 * busy_share(sec):.1f}% (generating "
               f"{sec['busy']:.1f}s, pauses {sec['pause']:.1f}s, idle {idle:.1f}s of which waiting on "
-              f"scores {sec.get('idle_scoring', 0.0):.1f}s, loop work {sec.get('other', 0.0):.1f}s), "
+              f"scores {sec.get('idle_scoring', 0.0):.1f}s, loop work {loop_work(sec):.1f}s), "
               f"{g['tokens']} tokens")
     wait = sum(s["wait_s"] for s in steps)
     train = sum(s["seconds"] + s["weight_sync_s"] for s in steps)

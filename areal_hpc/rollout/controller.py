@@ -43,13 +43,21 @@ from .staleness import ReadyBuffer, StaleGroups, StalenessManager, staleness_of
 log = logging.getLogger(__name__)
 
 
+# The generator's buckets of its own loop work (generators.json "seconds"; older files hold
+# only "other", or none).
+LOOP_WORK = ("submit", "send", "other")
+
+
 def busy_share(seconds: dict) -> float:
     """A generator's busy share (generators.json "seconds"): generating over its whole span
-    from the first training prompt to the stop, held-out evaluations set apart. Files written
-    before the "other" bucket (loop work) existed leave it out."""
-    idle = seconds["idle"] + seconds.get("idle_scoring", 0.0)
-    total = seconds["busy"] + seconds["pause"] + idle + seconds.get("other", 0.0)
+    from the first training prompt to the stop (every bucket), held-out evaluations set apart."""
+    total = sum(v for k, v in seconds.items() if k != "eval")
     return seconds["busy"] / total if total > 0 else 0.0
+
+
+def loop_work(seconds: dict) -> float:
+    """Seconds of a generator's span spent in its own loop (LOOP_WORK buckets)."""
+    return sum(seconds.get(k, 0.0) for k in LOOP_WORK)
 
 
 def reward_extras(trajs: list[dict]) -> dict[str, float]:
@@ -409,9 +417,11 @@ class Controller:
             sec = st["seconds"]
             log.info("generator rank %d: %d tokens, busy %.1f%% of its time (generating %.1fs, "
                      "weight-update pauses %.1fs, idle %.1fs of which %.1fs waiting on scores, "
-                     "loop work %.1fs; eval %.1fs apart); reward calls %d, errors %d, timeouts %d",
+                     "loop work %.1fs (submitting %.1fs, sending %.1fs, other %.1fs); eval %.1fs "
+                     "apart); reward calls %d, errors %d, timeouts %d",
                      rank, st["tokens"], 100 * busy_share(sec), sec["busy"], sec["pause"],
-                     sec["idle"] + sec["idle_scoring"], sec["idle_scoring"], sec.get("other", 0.0),
+                     sec["idle"] + sec["idle_scoring"], sec["idle_scoring"], loop_work(sec),
+                     sec.get("submit", 0.0), sec.get("send", 0.0), sec.get("other", 0.0),
                      sec["eval"], st["reward"]["calls"], st["reward"]["errors"], st["reward"]["timeouts"])
         with open(self.cfg.run_dir / "generators.json", "w") as f:
             json.dump([self.gen_stats[r] for r in sorted(self.gen_stats)], f, indent=1)

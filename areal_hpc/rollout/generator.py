@@ -79,11 +79,12 @@ class Generator:
         self.tokens_generated = 0
         # Where the time went, from the first training prompt to the stop: generating (busy),
         # paused for weight updates, evaluating, or idle with nothing to generate (η bound
-        # reached); idle_scoring: idle while the reward pool still scores finished samples;
-        # other: the rest of the loop (submitting prompts, sending groups, handing samples to
-        # the reward pool, messages), so that the buckets add up to the whole span.
+        # reached); idle_scoring: idle while the reward pool still scores finished samples.
+        # The loop's own work: submit (prompts into the engine), send (scores collected, scored
+        # groups sent to the controller), other (the rest: messages, heartbeats), so that the
+        # buckets add up to the whole span. LOOP_WORK names those three.
         self.seconds = {"busy": 0.0, "pause": 0.0, "eval": 0.0, "idle": 0.0, "idle_scoring": 0.0,
-                        "other": 0.0}
+                        "submit": 0.0, "send": 0.0, "other": 0.0}
         self._started = False
         self._t_started = 0.0
         self._last_heartbeat = 0.0
@@ -125,8 +126,9 @@ class Generator:
                 if tag == Tag.PROMPTS:
                     if not self._started:
                         self._started, self._t_started = True, time.monotonic()
-                    for p in msg:
-                        self._submit("train", p)
+                    with self._timed("submit"):
+                        for p in msg:
+                            self._submit("train", p)
                 elif tag == Tag.WEIGHTS:
                     self._update_weights(msg)
                 elif tag == Tag.EVAL:
@@ -140,8 +142,9 @@ class Generator:
                 self._heard = time.monotonic()
             if not running:
                 break
-            for _, group in self._collect_rewards():     # eval groups never reach this loop
-                self._send(group)
+            with self._timed("send"):
+                for _, group in self._collect_rewards():     # eval groups never reach this loop
+                    self._send(group)
             if self.engine.has_unfinished() and not self._engine_lost:
                 with self._timed("busy"):
                     try:

@@ -64,7 +64,8 @@ def test_short_run(jobs, tiny_model, tmp_path, mode, eta, generators):
     assert sorted(g["rank"] for g in stats) == list(range(1, 1 + generators))
     for g in stats:
         sec = g["seconds"]
-        assert set(sec) == {"busy", "pause", "eval", "idle", "idle_scoring", "other"} and min(sec.values()) >= 0
+        assert set(sec) == {"busy", "pause", "eval", "idle", "idle_scoring", "submit", "send",
+                            "other"} and min(sec.values()) >= 0
         mine = [r for r in rows if r["generator_rank"] == g["rank"]]
         first = min(r["t_submit"] for r in mine)
         assert max(r["t_end"] for r in mine) - first - 0.5 <= sum(sec.values()) <= time.time() - first, sec
