@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import os
 import signal as _signal
@@ -244,7 +245,6 @@ class CheckpointConfig:
 class RunConfig:
     name: str = "run"
     output_dir: str = "runs"            # the run lives in <output_dir>/<name>
-    log_every: int = 1
     # TensorBoard event files in <run_dir>/tensorboard, rebuilt from metrics.jsonl at each start
     # (storage/tensorboard.py): `tensorboard --logdir <run_dir>/tensorboard`
     tensorboard: bool = True
@@ -335,6 +335,11 @@ def _read_overrides(overrides: list[str]):
         raise
 
 
+# Keys that configs of earlier releases may hold (a run's config.yaml, a checkpoint's): ignored
+# with a warning, so that old runs still resume, export and evaluate.
+REMOVED_KEYS = {"log_every": "every step is logged to metrics.jsonl"}
+
+
 def load(yaml_path: str | os.PathLike | None, overrides: list[str] = ()) -> RunConfig:
     """Schema ← YAML ← `key=value` overrides; validated; returns a RunConfig object."""
     schema = OmegaConf.structured(RunConfig)
@@ -346,6 +351,12 @@ def load(yaml_path: str | os.PathLike | None, overrides: list[str] = ()) -> RunC
                 raise ConfigError(f"config file not found: {path}")
             layers.append(_read_yaml(path))
         layers.append(_read_overrides(list(overrides)))
+        for layer in layers[1:]:
+            for key, why in REMOVED_KEYS.items():
+                if key in layer:
+                    del layer[key]
+                    logging.getLogger(__name__).warning(
+                        "config key '%s' is no longer used (%s); ignored", key, why)
         for layer in layers[1:]:    # OmegaConf's merge error for these names no key
             for key, value in OmegaConf.to_container(layer, resolve=False).items():
                 if key in schema and OmegaConf.is_dict(schema[key]) and not isinstance(value, dict):
@@ -407,7 +418,6 @@ _RANKS = Range(1, MAX_RANKS)
 # Every int / float key of the schema (reward.* is checked in `validate` itself); optional keys
 # are checked when set. tests/config checks that no numeric key is missing here.
 RANGES: dict[str, Range] = {
-    "log_every": _COUNT,
     "data.eval_limit": Range(0, INT_MAX, why=" (0 = all)"),
     "data.eval_samples": Range(1, 65536),
     "data.eval_every_steps": _NONNEG,

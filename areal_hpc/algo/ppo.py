@@ -130,7 +130,7 @@ def decoupled_ppo_loss(
     advantages: Tensor,
     loss_mask: Tensor,
     eps_clip: float = 0.2,
-    behav_imp_weight_cap: float | None = 5.0,
+    behav_imp_weight_cap: float | None = None,
     eps_clip_high: float | None = None,
     dual_clip: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -142,6 +142,8 @@ def decoupled_ppo_loss(
 
     `eps_clip_high` (DAPO clip-higher) makes the clip range [1 - eps_clip, 1 + eps_clip_high];
     `dual_clip` c > 1 bounds the loss of a negative-advantage token by -c·A (dual-clip PPO).
+    `behav_imp_weight_cap`: tokens with w above it are dropped; None (the default) keeps all
+    (the trainer passes `train.behav_imp_weight_cap`).
 
     Returns:
         loss: scalar, `Σ mask·w·pg / count_nonzero(mask)` (dropped tokens stay in the denominator).

@@ -70,7 +70,6 @@ OVERRIDES = [
     (["train.behav_imp_weight_cap=0.5"], r"'train\.behav_imp_weight_cap': must be >= 1"),
     (["train.reward_bias=nan"], r"'train\.reward_bias': must be a finite number"),
     (["train.seed=-1"], r"'train\.seed': must be >= 0"),
-    (["log_every=0"], r"'log_every': must be >= 1"),
     (["checkpoint.keep=0"], r"'checkpoint\.keep': must be >= 1"),
     (["topology.gpu_mem_gib=-1"], r"'topology\.gpu_mem_gib': must be >= 0"),
     (["topology.trainer_cpus=0-x"], r"topology\.trainer_cpus: '0-x' is not a CPU number or range"),

@@ -117,3 +117,9 @@ def test_engine_tp_sizes_the_weight_group(tmp_path):
                     role_rank=2, controller_addr="", trainer_port=0, weight_port=0, local_rank=0,
                     hosts=[], engine_tp=cfg.rollout.engine_tp)
     assert topo.weight_group_size == 2 + 3 * 4 and topo.weight_group_rank == 2 + 2 * 4
+
+
+def test_a_removed_key_of_an_old_run_config_is_ignored_with_a_warning(tmp_path, caplog):
+    cfg = load(_yaml(tmp_path, BASE + "log_every: 5\n"), ["log_every=2"])
+    assert not hasattr(cfg, "log_every")
+    assert "config key 'log_every' is no longer used" in caplog.text

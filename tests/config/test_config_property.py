@@ -173,7 +173,7 @@ def _consume(cfg: RunConfig, SamplingParams) -> None:
         old = signal.signal(num, lambda *a: None)
         signal.signal(num, old)
     # Checkpoint cadence, logging
-    assert cfg.log_every >= 1 and cfg.checkpoint.keep >= 1
+    assert cfg.checkpoint.keep >= 1
     if cfg.checkpoint.every_steps:
         _ = cfg.train.total_steps % cfg.checkpoint.every_steps
 
