@@ -14,8 +14,8 @@ Qwen2 is written to a temp dir and loaded by both; then, alternating after one w
   (`WeightSyncExtension.recv_flat`), nothing gathered, nothing loaded.
 
 Prints the median of each, their ratio, and the generator pause per update. The default bucket
-size is the config's (1 GiB): the models here then fit in one bucket and nothing pipelines; pass
-a smaller `--bucket-mb` to see the pipelined path.
+size here is 1 GiB (`--bucket-mb 1024`, not the config's 256 MiB): the models here then fit in
+one bucket and nothing pipelines; pass a smaller `--bucket-mb` to see the pipelined path.
 
 `--breakdown` also times each phase alone, in the same alternation: gather (`iter_hf_weights`),
 gather + pack (`broadcast_stage` against a group that sends nothing), the wire in the plan's

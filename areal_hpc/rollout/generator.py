@@ -285,7 +285,8 @@ class Generator:
         return complete
 
     def _send(self, group: _Group) -> None:
-        """A scored training group to the controller, as DESIGN's trajectory dicts."""
+        """A scored training group to the controller: one trajectory dict per sample
+        (docs/architecture.md#data-contract)."""
         p = group.prompt
         trajs = [{
             "prompt_id": p["prompt_id"], "sample_idx": idx,

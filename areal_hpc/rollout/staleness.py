@@ -69,7 +69,7 @@ class StalenessManager:
 @dataclass
 class ReadyGroup:
     oldest_version: int         # policy version of the group's oldest token
-    trajectories: list          # the group's samples (DESIGN trajectory dicts)
+    trajectories: list          # the group's samples (docs/architecture.md#data-contract)
     rows: list                  # their rows in the rollout log
 
 

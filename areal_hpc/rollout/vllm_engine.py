@@ -4,7 +4,8 @@
 EngineCore (scheduler + model workers) runs in child processes and keeps generating while the
 generator rank's loop does other work between `step()` calls (MPI, rewards, bookkeeping).
 
-Weight updates follow AReaL's interruptible generation (paper §4, notes/areal-reference.md §4):
+Weight updates follow AReaL's interruptible generation (AReaL paper, arXiv 2505.24298, §4;
+docs/architecture.md#weight-transports):
 abort every in-flight request, keeping the tokens, behaviour logprobs and versions seen so far;
 load the new weights; reset the prefix cache (mandatory: cached KV blocks of the old weights
 would otherwise be reused silently); then resubmit each interrupted request as

@@ -8,7 +8,7 @@ vLLM mixes these methods into its Worker, so `self` is the worker (`self.device`
 Weights go through `Worker.reload_weights(weights_iterator=...)`, vLLM's layerwise in-place
 reload: it restores the checkpoint-format parameters, runs `model.load_weights` and then
 `process_weights_after_loading` (repacking), keeping the kernel tensors' storage. Calling
-`model.load_weights` directly fails after the first load (notes/vllm-on-cpu.md §3).
+`model.load_weights` directly fails after the first load (docs/cpu_notes.md#vllm-weight-reload).
 The caller must reset vLLM's prefix cache after every load (stale KV blocks otherwise).
 
 Tied embeddings (`tie_word_embeddings`, Qwen2.5-0.5B/1.5B): HF checkpoints and the trainer's

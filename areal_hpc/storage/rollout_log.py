@@ -148,8 +148,8 @@ class RolloutWriter:
         self.n_rows = n
 
     def append(self, trajs: Sequence[dict[str, Any]]) -> list[int]:
-        """Append trajectories (DESIGN data contract dicts, plus an optional `reward_error`
-        string); returns their row indices."""
+        """Append trajectories (the dicts of docs/architecture.md#data-contract; `reward_error`
+        is optional); returns their row indices."""
         if not trajs:
             return []
         t, tok = self.f["traj"], self.f["tokens"]

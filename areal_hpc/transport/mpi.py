@@ -1,8 +1,8 @@
 """MPI messages between the controller (trainer rank 0) and the generator ranks.
 
 Control (prompts, weight-update notices, eval requests, stop) flows controller → generator;
-trajectories and eval results flow generator → controller. Messages are pickled dicts with numpy
-arrays, sent out-of-band (pickle 5, `mpi4py.util.pkl5`) so large token arrays are not copied into
+trajectories and eval results flow generator → controller. Messages are pickled dicts or lists of
+dicts (numpy arrays inside; docs/architecture.md#data-contract has every field), sent out-of-band (pickle 5, `mpi4py.util.pkl5`) so large token arrays are not copied into
 the pickle stream. Sends are non-blocking; the sender keeps the requests until they complete.
 Receives are polled (`poll`; `idle` sleeps until a message is waiting) and completed in the
 background, never a blocking call, so neither side stalls the other. The controller sends every
@@ -23,12 +23,13 @@ class Tag(IntEnum):
     PROMPTS = 11        # controller → generator: list of prompt dicts to generate groups for
     WEIGHTS = 12        # controller → generator: {"version", "plan"} (a broadcast follows) or
                         # {"version", "path"} (a safetensors directory to load)
-    EVAL = 13           # controller → generator: {"version", "prompts", "samples"}
-    STOP = 14           # controller → generator: finish
+    EVAL = 13           # controller → generator: {"prompts": [prompt dicts]} (each prompt's "n"
+                        # is its sample count; the generator evaluates at its current version)
+    STOP = 14           # controller → generator: {"preempted": bool}: drop in-flight work, exit
     CONTROLLER_HEARTBEAT = 15   # controller → generator: {"version"} at least every
                                 # rollout.heartbeat_s (the trainer is alive)
     TRAJECTORIES = 21   # generator → controller: one scored group (list of trajectory dicts)
-    EVAL_RESULT = 22    # generator → controller: {"version", "results": [...]}
+    EVAL_RESULT = 22    # generator → controller: {"version", "results": [...], "seconds"}
     STATS = 23          # generator → controller: {"rank", "tokens", ...} at stop
     WEIGHTS_ACK = 24    # generator → controller: {"version", "phase": "started"|"loaded", ...}
     HEARTBEAT = 25      # generator → controller: {"version", "running", "tokens"} every
