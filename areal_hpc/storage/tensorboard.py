@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 SUBDIR = "tensorboard"
 _ROLLOUT = {"reward", "accuracy", "reward_mean", "reward_errors", "response_len", "n_tokens", "n_seqs",
             "staleness_max", "staleness_mean", "dropped_stale", "adv_abs_mean", "reissued",
-            "given_up", "dropped_frac"}
+            "given_up", "lost_stale"}
 _SKIP = {"step", "time"}
 
 
