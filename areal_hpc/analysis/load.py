@@ -80,6 +80,33 @@ def _row_blocks(ends: np.ndarray, budget: int) -> list[tuple[int, int]]:
     return blocks
 
 
+def version_blocks(reader: RolloutReader, ends: np.ndarray, block_tokens: int):
+    """``(r0, r1, v, start, stop)`` for blocks of whole rows [r0, r1) of at most `block_tokens`
+    output tokens: ``v`` their /tokens/versions (int64), checked non-negative; row r0 + i's
+    tokens are ``v[start[i]:stop[i]]``. A large run's tokens do not fit in
+    memory, so every reader of versions goes a block at a time. RolloutLogError names the file
+    (and the row) for a damaged log."""
+    n = len(ends)
+    with damage_is_an_error(reader.path, "/tokens/versions"):
+        ds = reader.f["tokens/versions"]
+        ds.refresh()
+    total = int(ends[-1]) if n else 0
+    if ds.shape[0] < total:
+        raise RolloutLogError(f"{reader.path}: damaged rollout log (/tokens/versions has "
+                              f"{ds.shape[0]} entries, the offsets need {total})")
+    for r0, r1 in _row_blocks(ends, block_tokens):
+        t0 = int(ends[r0 - 1]) if r0 else 0
+        with damage_is_an_error(reader.path, "/tokens/versions"):
+            v = ds[t0: int(ends[r1 - 1])].astype(np.int64)
+        if (v < 0).any():               # a policy version is a training step
+            k = int(np.argmax(v < 0))
+            row = r0 + int(np.searchsorted(ends[r0:r1] - t0, k, side="right"))
+            raise RolloutLogError(f"{reader.path}: damaged rollout log (row {row}: versions is "
+                                  f"negative: {int(v[k])})")
+        stop = ends[r0:r1] - t0
+        yield r0, r1, v, np.concatenate([[0], stop[:-1]]), stop
+
+
 def _reduce_versions(reader: RolloutReader, ends: np.ndarray, consumed: np.ndarray,
                      block_tokens: int, progress: bool):
     """Per row: the versions of its first and last token, its oldest version, how many times
@@ -89,41 +116,23 @@ def _reduce_versions(reader: RolloutReader, ends: np.ndarray, consumed: np.ndarr
     first, last, oldest = (np.full(n, -1, dtype=np.int64) for _ in range(3))
     changes = np.zeros(n, dtype=np.int64)
     hist: collections.Counter = collections.Counter()
-    with damage_is_an_error(reader.path, "/tokens/versions"):
-        ds = reader.f["tokens/versions"]
-        ds.refresh()
     total = int(ends[-1]) if n else 0
-    if ds.shape[0] < total:
-        raise RolloutLogError(f"{reader.path}: damaged rollout log (/tokens/versions has "
-                              f"{ds.shape[0]} entries, the offsets need {total})")
-    bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"reading {reader.path.name}",
-               delay=2.0, disable=not progress, file=sys.stderr, leave=False)
-    for r0, r1 in _row_blocks(ends, block_tokens):
-        t0 = int(ends[r0 - 1]) if r0 else 0
-        with damage_is_an_error(reader.path, "/tokens/versions"):
-            v = ds[t0: int(ends[r1 - 1])].astype(np.int64)
-        if (v < 0).any():               # a policy version is a training step
-            bar.close()
-            k = int(np.argmax(v < 0))
-            row = r0 + int(np.searchsorted(ends[r0:r1] - t0, k, side="right"))
-            raise RolloutLogError(f"{reader.path}: damaged rollout log (row {row}: versions is "
-                                  f"negative: {int(v[k])})")
-        stop = ends[r0:r1] - t0
-        start = np.concatenate([[0], stop[:-1]])
-        has = stop > start
-        if has.any():
-            first[r0:r1][has] = v[start[has]]
-            last[r0:r1][has] = v[stop[has] - 1]
-            oldest[r0:r1][has] = np.minimum.reduceat(v, start[has])
-            steps = np.concatenate([[0], np.cumsum(v[1:] != v[:-1])])   # changes up to a token
-            changes[r0:r1][has] = steps[stop[has] - 1] - steps[start[has]]
-        row = np.repeat(np.arange(r1 - r0), stop - start)                # each token's row
-        step = consumed[r0:r1][row]
-        used = step >= 0
-        vals, counts = np.unique(step[used] - v[used], return_counts=True)
-        hist.update(dict(zip(vals.tolist(), counts.tolist())))
-        bar.update(len(v))
-    bar.close()
+    with tqdm(total=total, unit="tok", unit_scale=True, desc=f"reading {reader.path.name}",
+              delay=2.0, disable=not progress, file=sys.stderr, leave=False) as bar:
+        for r0, r1, v, start, stop in version_blocks(reader, ends, block_tokens):
+            has = stop > start
+            if has.any():
+                first[r0:r1][has] = v[start[has]]
+                last[r0:r1][has] = v[stop[has] - 1]
+                oldest[r0:r1][has] = np.minimum.reduceat(v, start[has])
+                steps = np.concatenate([[0], np.cumsum(v[1:] != v[:-1])])   # changes up to a token
+                changes[r0:r1][has] = steps[stop[has] - 1] - steps[start[has]]
+            row = np.repeat(np.arange(r1 - r0), stop - start)                # each token's row
+            step = consumed[r0:r1][row]
+            used = step >= 0
+            vals, counts = np.unique(step[used] - v[used], return_counts=True)
+            hist.update(dict(zip(vals.tolist(), counts.tolist())))
+            bar.update(len(v))
     return first, last, oldest, changes, dict(sorted(hist.items()))
 
 

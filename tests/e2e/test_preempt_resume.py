@@ -14,6 +14,7 @@ import numpy as np
 import psutil
 import pytest
 
+from areal_hpc.audit import audit
 from areal_hpc.storage import checkpoint as ck
 from areal_hpc.storage.rollout_log import NOT_CONSUMED, ROLLED_BACK, RolloutReader
 from areal_hpc.storage.tensorboard import read_scalars
@@ -66,6 +67,8 @@ def _check_log(run_dir, steps=STEPS):
     assert [p[0] for p in tb["train/loss"]] == list(range(1, steps + 1))
     assert [p[2] for p in tb["train/loss"]] == [x["time"] for x in lines]
     assert [p[0] for p in tb["eval/accuracy"]] == [0, steps]
+    report = audit(run_dir)             # the independent audit agrees
+    assert report.exit_code == 0, report.text()
     return consumed, keys
 
 

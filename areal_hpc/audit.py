@@ -1,0 +1,857 @@
+"""An audit anyone can run: read a finished (or stopped) run directory and check, from its files
+alone, the guarantees the pipeline gives.
+
+    python -m areal_hpc.audit runs/tiny            # or: python tools/audit_run.py runs/tiny
+
+What it reads (never writes): `config.yaml` (B = train.batch_prompts, n = rollout.group_size,
+η = rollout.max_staleness, 0 in sync mode, total_steps, stale_policy), `rollouts.h5` (every
+trajectory the controller accepted, with the step that consumed it or NOT_CONSUMED, DROPPED_STALE,
+ROLLED_BACK), the newest valid checkpoint's `state.h5` (the controller's state: data cursor,
+buffered rows, prompts in flight, counters; chosen as a resume would choose it,
+`checkpoint.find_latest`) and `metrics.jsonl` (one line per training step).
+
+The checks, each reported with its counts:
+  1. no trajectory (prompt_id, sample_idx) trained twice;
+  2. training steps continuous: consumed steps are 0..S-1, each B x n trajectories in B whole
+     groups; metrics.jsonl holds steps 0..S-1 once each, in order;
+  3. every prompt issued is accounted for: trained, pending, in flight at the checkpoint, dropped
+     as stale and given up (as stale_policy allows), or rolled back and issued again; none lost;
+  4. pending rows are exactly the checkpoint's buffered rows (whole groups), its counters agree
+     with the log;
+  5. no token's version exceeds the step that trained it, and s - min(version) <= η for every
+     trajectory trained at step s (`staleness.staleness_of`);
+  6. rolled-back rows hold no training step, and each rollback cut whole groups.
+
+What the files cannot tell, and is reported so:
+  - whether a rolled-back row had been trained before its job died: ROLLED_BACK replaces the step
+    it held (that step was trained again after the resume, which check 2 sees);
+  - group boundaries: the log does not store them; a group is read as consecutive rows of one
+    prompt with sample_idx 0..n-1 (how the generator sends and the controller appends them);
+  - the version at which a group was dropped as stale (so not whether the drop was due), and how
+    many reissues a prompt had used when a resume reset that count (not saved): a prompt given up
+    must have been dropped more than max_reissues times, which is checked;
+  - without a valid checkpoint: the data cursor and the prompts in flight, so whether an issued
+    prompt without rows was lost;
+  - the staleness bound under stale_policy keep, which does not enforce it;
+  - the files of earlier attempts that started afresh (*.attempt-K.*), eval.json, TensorBoard.
+
+A run that went on past its newest checkpoint (killed between checkpoints, or stopped before the
+first step of an attempt) is compared as a resume would see it: rows after the checkpoint rolled
+back, buffered rows pending again. A check the files cannot decide is reported "not checkable"
+with the reason, never passed silently.
+
+Exit status: 0 every guarantee checked holds, 1 one is violated, 2 an input is missing or
+unreadable (one line naming the file).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import itertools
+import json
+import logging
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from .config import ConfigError, RunConfig, load as load_config
+from .analysis.load import version_blocks
+from .storage import checkpoint as ck
+from .storage.rollout_log import DROPPED_STALE, NOT_CONSUMED, ROLLED_BACK, RolloutLogError, RolloutReader
+
+EXIT_OK, EXIT_VIOLATED, EXIT_UNREADABLE = 0, 1, 2
+EXAMPLES = 5                # offending rows / prompts named per finding
+BLOCK_TOKENS = 1 << 24      # /tokens/versions is read in blocks of whole rows, this many at most
+
+
+class AuditInputError(Exception):
+    """An input the audit cannot read (missing, damaged, not of the expected format); the
+    message is one line naming the file."""
+
+
+@dataclass
+class Check:
+    """One guarantee: `ok` True (holds), False (violated) or None (not checkable from the files;
+    `detail` says why); `detail` holds the counts and the offending rows."""
+
+    name: str
+    ok: bool | None
+    detail: list[str] = field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        return {True: "ok", False: "VIOLATED", None: "not checkable"}[self.ok]
+
+
+@dataclass
+class Report:
+    """What `audit` found: a summary of the run, one Check per guarantee, notes (files set
+    aside, checkpoints skipped, warnings while reading)."""
+
+    run_dir: Path
+    summary: list[str]
+    checks: list[Check]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """No guarantee violated (not checkable ones do not count against the run)."""
+        return all(c.ok is not False for c in self.checks)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_OK if self.ok else EXIT_VIOLATED
+
+    def text(self) -> str:
+        lines = [f"audit of {self.run_dir}", *(f"  {s}" for s in self.summary)]
+        for note in self.notes:
+            lines.append(f"  note: {note}")
+        for k, c in enumerate(self.checks, 1):
+            lines.append(f"[{c.status}] {k}. {c.name}")
+            lines.extend(f"      {d}" for d in c.detail)
+        bad = [c for c in self.checks if c.ok is False]
+        unknown = sum(c.ok is None for c in self.checks)
+        tail = f" ({unknown} not checkable)" if unknown else ""
+        lines.append(f"result: {len(bad)} of {len(self.checks)} guarantees violated{tail}" if bad
+                     else f"result: every guarantee checked holds{tail}")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ reading
+
+@dataclass
+class _Run:
+    """Everything the checks use, read once."""
+
+    run_dir: Path
+    cfg: RunConfig
+    B: int
+    n: int
+    eta: int
+    policy: str                 # rollout.stale_policy as the run had it
+    max_reissues: int
+    pid: np.ndarray             # per row of the rollout log
+    sidx: np.ndarray
+    consumed: np.ndarray
+    out_len: np.ndarray
+    vmin: np.ndarray            # oldest / newest token version of the row, -1 without tokens
+    vmax: np.ndarray
+    metrics: list[tuple[int, dict]] | None      # (line number, record); None: no file
+    ckpt: Path | None = None
+    ck_step: int | None = None
+    ctrl: dict | None = None    # the checkpoint's controller state (Controller.state)
+
+
+def _some(items, k: int = EXAMPLES) -> str:
+    """The first k of `items`, and how many more there are."""
+    it = iter(items)
+    shown = ", ".join(str(x) for x in itertools.islice(it, k))
+    more = sum(1 for _ in it)
+    return shown + (f" (and {more} more)" if more else "")
+
+
+@contextlib.contextmanager
+def _warnings_into(notes: list[str]):
+    """Collect what areal_hpc's loggers warn about while reading (a skipped checkpoint, an
+    obsolete config key) into the report instead of stderr."""
+    class Into(logging.Handler):
+        def emit(self, record):
+            notes.append(record.getMessage())
+    logger, handler = logging.getLogger("areal_hpc"), Into(logging.WARNING)
+    propagate, logger.propagate = logger.propagate, False
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+
+
+def _load_config(run_dir: Path, log_yaml: str, notes: list[str]) -> tuple[RunConfig, str]:
+    """The run's config.yaml (without one, the copy the rollout log keeps: its first attempt's),
+    and the stale policy the run had: a config written before rollout.stale_policy existed
+    (every run's config.yaml lists every key) is of a release that gave a stale group up at once,
+    which is "drop"."""
+    path = run_dir / "config.yaml"
+    try:
+        if path.is_file():
+            cfg = load_config(path)
+            text = path.read_text(encoding="utf-8")
+        elif log_yaml:
+            text = log_yaml
+            notes.append("no config.yaml: using the config stored in rollouts.h5")
+            with tempfile.TemporaryDirectory() as tmp:
+                copy = Path(tmp) / "config.yaml"
+                copy.write_text(log_yaml)
+                try:
+                    cfg = load_config(copy)
+                except ConfigError as exc:
+                    msg = str(exc).splitlines()[0].replace(f"{copy}:", "")
+                    raise AuditInputError(f"{run_dir / 'rollouts.h5'}: its stored config: "
+                                          f"{msg.strip()}") from None
+        else:
+            raise AuditInputError(f"{path}: no such file (and rollouts.h5 holds no config)")
+    except ConfigError as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else "invalid config"
+        raise AuditInputError(msg if str(path) in msg else f"{path}: {msg}") from None
+    try:                        # the first attempt's settings, when they differ from the last's
+        first = yaml.safe_load(log_yaml) if log_yaml else None
+    except yaml.YAMLError:
+        first = None
+    if isinstance(first, dict):
+        now = {"train.batch_prompts": cfg.train.batch_prompts,
+               "rollout.group_size": cfg.rollout.group_size,
+               "rollout.max_staleness": cfg.rollout.max_staleness, "rollout.mode": cfg.rollout.mode,
+               "rollout.stale_policy": cfg.rollout.stale_policy,
+               "rollout.max_reissues": cfg.rollout.max_reissues}
+        for key, value in now.items():
+            a, b = key.split(".")
+            old = (first.get(a) or {}).get(b) if isinstance(first.get(a), dict) else None
+            if old is not None and old != value:
+                notes.append(f"{key} was {old!r} when rollouts.h5 was created, config.yaml says "
+                             f"{value!r}: the checks use config.yaml's")
+    try:
+        used = yaml.safe_load(text)
+    except yaml.YAMLError:
+        used = None
+    rollout = used.get("rollout") if isinstance(used, dict) else None
+    if isinstance(rollout, dict) and "stale_policy" not in rollout:
+        notes.append("the config predates rollout.stale_policy: that release gave stale groups "
+                     "up at once (audited as stale_policy drop)")
+        return cfg, "drop"
+    return cfg, cfg.rollout.stale_policy
+
+
+def _version_bounds(reader: RolloutReader, ends: np.ndarray, block_tokens: int):
+    """Per row, the oldest and newest version of its output tokens (-1 for a row without
+    tokens): one pass over /tokens/versions in blocks of whole rows (a large run's tokens do not
+    fit in memory)."""
+    n = len(ends)
+    vmin, vmax = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
+    for r0, r1, v, start, stop in version_blocks(reader, ends, block_tokens):
+        has = stop > start
+        if has.any():
+            vmin[r0:r1][has] = np.minimum.reduceat(v, start[has])
+            vmax[r0:r1][has] = np.maximum.reduceat(v, start[has])
+    return vmin, vmax
+
+
+def _read_metrics(path: Path) -> list[tuple[int, dict]] | None:
+    """metrics.jsonl as (line number, record) pairs (blank lines skipped, as a resume does);
+    None when there is no such file."""
+    if not path.exists():
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise AuditInputError(f"{path}: unreadable ({getattr(exc, 'strerror', None) or exc})") \
+            from None
+    out = []
+    for k, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except (ValueError, RecursionError) as exc:
+            raise AuditInputError(f"{path}:{k}: not a JSON line ({str(exc).splitlines()[0]})") \
+                from None
+        step = rec.get("step") if isinstance(rec, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise AuditInputError(f"{path}:{k}: not a metrics record (no step number)")
+        out.append((k, rec))
+    return out
+
+
+def _read(run_dir: Path, check_crc: bool, notes: list[str], block_tokens: int) -> _Run:
+    if not run_dir.is_dir():
+        raise AuditInputError(f"{run_dir}: no such run directory")
+    log_path = run_dir / "rollouts.h5"
+    try:
+        with RolloutReader(log_path) as r:
+            log_yaml = r.config_yaml
+            cols = {name: r.column(name) for name in
+                    ("prompt_id", "sample_idx", "consumed_step", "output_end")}
+            ends = cols["output_end"]
+            if len(ends) and (np.diff(ends) < 0).any():
+                raise RolloutLogError(f"{log_path}: damaged rollout log (offsets go backwards)")
+            vmin, vmax = _version_bounds(r, ends, block_tokens)
+    except FileNotFoundError:
+        raise AuditInputError(f"{log_path}: no such file (no rollout log)") from None
+    except RolloutLogError as exc:
+        raise AuditInputError(str(exc).splitlines()[0]) from None
+    except OSError as exc:
+        raise AuditInputError(f"{log_path}: unreadable ({exc.strerror or exc})") from None
+    cfg, policy = _load_config(run_dir, log_yaml, notes)
+    r = cfg.rollout
+    run = _Run(run_dir=run_dir, cfg=cfg, B=cfg.train.batch_prompts, n=r.group_size,
+               eta=0 if r.mode == "sync" else r.max_staleness, policy=policy,
+               max_reissues=r.max_reissues,
+               pid=cols["prompt_id"].astype(np.int64), sidx=cols["sample_idx"].astype(np.int64),
+               consumed=cols["consumed_step"].astype(np.int64),
+               out_len=np.diff(ends.astype(np.int64), prepend=0), vmin=vmin, vmax=vmax,
+               metrics=_read_metrics(run_dir / "metrics.jsonl"))
+    hit = ck.find_latest(run_dir, check_crc=check_crc)
+    if hit is None:
+        folders = ck.list_checkpoints(run_dir)
+        if folders:
+            notes.append(f"{len(folders)} checkpoint folder(s), none valid")
+        return run
+    run.ckpt, run.ck_step = hit[0], int(hit[1]["step"])
+    try:
+        run.ctrl = ck.read_state(hit[0] / ck.STATE)["controller"]
+    except ck.CheckpointError as exc:
+        raise AuditInputError(str(exc).splitlines()[0]) from None
+    return run
+
+
+# ------------------------------------------------------------------------------------ groups
+
+@dataclass
+class _Groups:
+    """The log cut into groups: a group is the rows of one prompt appended together, sample_idx
+    0, 1, ... (the log stores no group boundaries; the generator sends a group's samples in
+    sample order and the controller appends them as one batch)."""
+
+    starts: np.ndarray          # first row of each group
+    lens: np.ndarray
+    pid: np.ndarray
+    whole: np.ndarray           # n rows, sample_idx 0..n-1
+    of_row: np.ndarray          # group index of each row
+
+    @classmethod
+    def of(cls, run: _Run) -> _Groups:
+        pid, sidx, rows = run.pid, run.sidx, len(run.pid)
+        start = np.ones(rows, bool)
+        if rows:
+            start[1:] = (sidx[1:] == 0) | (pid[1:] != pid[:-1]) | (sidx[1:] != sidx[:-1] + 1)
+        starts = np.flatnonzero(start)
+        lens = np.diff(np.append(starts, rows))
+        return cls(starts, lens, pid[starts], (lens == run.n) & (sidx[starts] == 0),
+                   np.cumsum(start) - 1)
+
+    def status(self, column: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each group's consumed status in `column`, and whether all its rows share it."""
+        if not len(self.starts):
+            return np.zeros(0, np.int64), np.zeros(0, bool)
+        lo = np.minimum.reduceat(column, self.starts)
+        return lo, lo == np.maximum.reduceat(column, self.starts)
+
+    def states(self, g: int, column: np.ndarray) -> str:
+        """The statuses of group g's rows in `column`, e.g. "step 3/pending"."""
+        a = int(self.starts[g])
+        return "/".join(_name(int(s)) for s in np.unique(column[a:a + int(self.lens[g])]))
+
+    def rows(self, g: int) -> str:
+        a = int(self.starts[g])
+        return f"rows {a}-{a + int(self.lens[g]) - 1}" if self.lens[g] > 1 else f"row {a}"
+
+
+def _any_trained(groups: _Groups, column: np.ndarray) -> np.ndarray:
+    """Per group: whether any of its rows holds a training step in `column`."""
+    if not len(groups.starts):
+        return np.zeros(0, bool)
+    return np.maximum.reduceat(column, groups.starts) >= 0
+
+
+def _name(step: int) -> str:
+    return {NOT_CONSUMED: "pending", DROPPED_STALE: "dropped as stale",
+            ROLLED_BACK: "rolled back"}.get(step, f"step {step}")
+
+
+# ------------------------------------------------------------------------------------ projection
+
+@dataclass
+class _Projection:
+    """The log as a resume from the newest checkpoint would see it (`Controller._restore`):
+    rows from the checkpoint's `rollout_rows` on rolled back, its buffered rows pending again.
+    For a run whose log is as the checkpoint left it, this is the log itself (`went_on` False)."""
+
+    consumed: np.ndarray
+    went_on: bool
+    lines: list[str]            # what happened after the checkpoint
+    problems: list[str]         # what contradicts the checkpoint (violations)
+
+
+def _project(run: _Run) -> _Projection | None:
+    if run.ctrl is None:
+        return None
+    c, rows = run.ck_step, len(run.consumed)
+    R = int(run.ctrl["rollout_rows"])
+    buf = run.ctrl["buffer_rows"].astype(np.int64)
+    consumed, proj = run.consumed, run.consumed.copy()
+    problems, lines = [], []
+    if R > rows:
+        problems.append(f"the checkpoint saw {R} log rows, the log has {rows} (a resume "
+                        "would refuse it)")
+        R = rows
+    buf = buf[buf < rows]
+    values, times = np.unique(buf, return_counts=True)
+    dup = values[times > 1]
+    if len(dup):
+        problems.append(f"buffer_rows lists rows more than once: {_some(dup.tolist())}")
+    b = consumed[buf]
+    early = buf[(b >= 0) & (b < c)]
+    if len(early):
+        problems.append(f"{len(early)} buffered row(s) were trained before the checkpoint's step "
+                        f"{c} (a resume would train them again): "
+                        + _some(f"row {i} (step {consumed[i]})" for i in early))
+    gone = buf[b == ROLLED_BACK]
+    if len(gone):
+        problems.append(f"{len(gone)} buffered row(s) are marked rolled back: "
+                        f"{_some(f'row {i}' for i in gone)}")
+    in_buf = np.zeros(rows, bool)
+    in_buf[buf] = True
+    late = np.flatnonzero(~in_buf[:R] & (consumed[:R] >= c))
+    if len(late):
+        problems.append(f"{len(late)} row(s) the checkpoint neither buffered nor saw trained were "
+                        f"trained at step {c} or later: "
+                        + _some(f"row {i} (step {consumed[i]})" for i in late))
+    after_rows = rows - R
+    after_steps = sorted({int(s) for s in consumed[consumed >= c]})
+    changed = int(((b >= c) | (b == DROPPED_STALE)).sum())
+    went_on = bool(after_rows or after_steps or changed)
+    if went_on:
+        lines.append(f"the run went on past its newest checkpoint (step {c}, {R} rows): "
+                     + ", ".join(x for x in (
+                         f"{after_rows} row(s) appended after it" if after_rows else "",
+                         f"step(s) {after_steps[0]}-{after_steps[-1]} trained after it"
+                         if after_steps else "",
+                         f"{changed} buffered row(s) since trained or dropped" if changed else "")
+                         if x)
+                     + "; compared as a resume would see the log (those rows rolled back, the "
+                     "buffered rows pending again)")
+    proj[R:] = ROLLED_BACK
+    proj[buf] = NOT_CONSUMED
+    return _Projection(proj, went_on, lines, problems)
+
+
+# ------------------------------------------------------------------------------------ checks
+
+def _missing(present: np.ndarray, bound: int) -> tuple[int, list[int]]:
+    """How many of 0..bound-1 are absent from `present` (sorted, unique), and the first few;
+    never builds the range (a damaged file may hold a huge number)."""
+    p = present[(present >= 0) & (present < bound)]
+    edges = np.concatenate([[-1], p, [bound]]).astype(np.int64)
+    first: list[int] = []
+    for k in np.flatnonzero(np.diff(edges) > 1):
+        lo, hi = int(edges[k]) + 1, int(edges[k + 1])
+        first.extend(range(lo, min(hi, lo + EXAMPLES - len(first))))
+        if len(first) >= EXAMPLES:
+            break
+    return bound - len(p), first
+
+
+def _listing(first: list, count: int) -> str:
+    """`first` examples of `count` items."""
+    return ", ".join(str(x) for x in first) + (f" (and {count - len(first)} more)"
+                                               if count > len(first) else "")
+
+
+def _check_once(run: _Run) -> Check:
+    name = "no trajectory trained twice"
+    idx = np.flatnonzero(run.consumed >= 0)
+    r = idx[np.lexsort((run.sidx[idx], run.pid[idx]))]
+    same = (run.pid[r][1:] == run.pid[r][:-1]) & (run.sidx[r][1:] == run.sidx[r][:-1])
+    if not same.any():
+        return Check(name, True,
+                     [f"{len(idx)} trajectories trained, each (prompt_id, sample_idx) once"])
+    firsts = np.flatnonzero(same & ~np.concatenate([[False], same[:-1]]))
+    examples = []
+    for k in firsts[:EXAMPLES]:
+        j, hits = k, [int(r[k])]
+        while j < len(same) and same[j]:
+            hits.append(int(r[j + 1]))
+            j += 1
+        examples.append(f"prompt {run.pid[hits[0]]} sample {run.sidx[hits[0]]}: "
+                        + ", ".join(f"row {h} at step {run.consumed[h]}" for h in hits))
+    more = [f"(and {len(firsts) - EXAMPLES} more)"] if len(firsts) > EXAMPLES else []
+    return Check(name, False, [f"{len(idx)} trajectories trained; {len(firsts)} of them more "
+                               f"than once ({int(same.sum())} extra trainings):", *examples, *more])
+
+
+def _check_steps(run: _Run, groups: _Groups) -> Check:
+    B, n, total, c = run.B, run.n, run.cfg.train.total_steps, run.ck_step
+    trained = run.consumed >= 0
+    steps, counts = np.unique(run.consumed[trained], return_counts=True)
+    S = int(steps[-1]) + 1 if len(steps) else 0
+    lines, bad = [], []
+    n_missing, first_missing = _missing(steps, S)
+    if n_missing:
+        bad.append(f"{n_missing} step(s) consumed nothing, though later ones did: "
+                   f"{_listing(first_missing, n_missing)}")
+    wrong = counts != B * n
+    if wrong.any():
+        bad.append(f"{int(wrong.sum())} step(s) consumed other than B x n = {B * n} trajectories: "
+                   + _some(f"step {s}: {k}" for s, k in zip(steps[wrong], counts[wrong])))
+    status, uniform = groups.status(run.consumed)
+    good = groups.whole & uniform & (status >= 0)
+    partial = np.flatnonzero(trained & ~good[groups.of_row])
+    if len(partial):
+        bad.append(f"{len(partial)} trained row(s) are not part of a whole group of {n} trained "
+                   "at one step: " + _some(f"{groups.rows(g)} (prompt {groups.pid[g]}: "
+                                           f"{groups.states(g, run.consumed)})"
+                                           for g in np.unique(groups.of_row[partial])))
+    if S > total:
+        bad.append(f"steps up to {S - 1} consumed, but train.total_steps is {total}")
+    if not bad:
+        lines.append(f"steps 0-{S - 1} consumed, each {B * n} trajectories in {B} whole groups "
+                     f"of {n}" if S else "no step trained yet")
+    bad.extend(_metrics_problems(run, S, lines))
+    if c is not None:
+        if c > S:
+            bad.append(f"the newest checkpoint is of step {c}, but the log shows only {S} steps "
+                       "trained")
+        elif S > c:
+            lines.append(f"steps {c}-{S - 1} were trained after the newest checkpoint (step {c}): "
+                         "a resume trains them again")
+    state = (f"complete ({S} of {total} steps)" if S == total and c in (None, total)
+             else f"{S} of {total} steps trained")
+    return Check("training steps continuous", not bad, [state, *lines, *bad])
+
+
+def _metrics_problems(run: _Run, S: int, lines: list[str]) -> list[str]:
+    """metrics.jsonl against the log's S steps: 0..S-1, once each, in order, version = step + 1
+    (the last step may be missing when it is past the newest checkpoint: the trainer marks the
+    log first, then writes the line)."""
+    if run.metrics is None:
+        if not S:
+            lines.append("no metrics.jsonl, and no step trained")
+            return []
+        return [f"no metrics.jsonl, though the log shows {S} steps trained"]
+    got = np.asarray([rec["step"] for _, rec in run.metrics], dtype=np.int64)
+    bad = []
+    if len(got) == S and (got == np.arange(S)).all():
+        lines.append(f"metrics.jsonl: steps 0-{S - 1}, once each, in order" if S
+                     else "metrics.jsonl: no steps, as the log")
+    elif run.ck_step is not None and S - 1 >= run.ck_step and len(got) == S - 1 \
+            and (got == np.arange(S - 1)).all():
+        lines.append(f"metrics.jsonl: steps 0-{S - 2}; step {S - 1} is in the log only (the job "
+                     "stopped between marking it and logging it, after the newest checkpoint: a "
+                     "resume trains it again)")
+    else:
+        u, k = np.unique(got, return_counts=True)
+        n_absent, absent = _missing(u, S)
+        what = [f"logged more than once: {_some(u[k > 1].tolist())}" if (k > 1).any() else "",
+                f"missing: {_listing(absent, n_absent)}" if n_absent else "",
+                f"beyond the log's steps: {_some(u[u >= S].tolist())}" if (u >= S).any() else ""]
+        what = [w for w in what if w] or ["out of order"]
+        bad.append(f"metrics.jsonl does not hold steps 0-{S - 1} once each: " + "; ".join(what))
+    versions = [(k, rec) for k, rec in run.metrics
+                if "version" in rec and rec["version"] != rec["step"] + 1]
+    if versions:
+        bad.append("metrics.jsonl records whose version is not step + 1: "
+                   + _some(f"line {k} (step {rec['step']}, version {rec['version']!r})"
+                           for k, rec in versions))
+    return bad
+
+
+def _check_prompts(run: _Run, groups: _Groups, proj: _Projection | None) -> Check:
+    """Every prompt id issued (prompt ids are data-cursor positions, so 0..cursor-1 were all
+    issued) classified by its groups in the log (as a resume sees it) and the checkpoint."""
+    name = "every issued prompt accounted for"
+    column = proj.consumed if proj is not None else run.consumed
+    status, uniform = groups.status(column)
+    by_pid: dict[int, list[int]] = collections.defaultdict(list)
+    for g, p in enumerate(groups.pid.tolist()):
+        by_pid[p].append(g)
+    ctrl = run.ctrl
+    inflight = set(ctrl["inflight_prompt_ids"].tolist()) if ctrl is not None else set()
+    known = np.asarray(sorted(set(by_pid) | inflight), dtype=np.int64)
+    bound = (int(ctrl["cursor_consumed"]) if ctrl is not None
+             else int(known[-1]) + 1 if len(known) else 0)
+    n_norows, norows = _missing(known, bound)      # issued, with no rows, not in flight
+    bad, unknown = [], []
+    cats: collections.Counter = collections.Counter()
+    lost, early = [], []
+    for p in known.tolist():
+        gs = by_pid.get(p, [])
+        live = [g for g in gs if status[g] != ROLLED_BACK]
+        trained = [g for g in live if status[g] >= 0]
+        pending = [g for g in live if status[g] == NOT_CONSUMED]
+        dropped = [g for g in live if status[g] == DROPPED_STALE]
+        rolled = len(live) < len(gs)
+        if trained:
+            cat = "trained"
+            # once trained, a prompt is never issued again; a dropped group may only precede it
+            again = pending + [g for g in dropped if g > trained[0]]
+            if again or p in inflight:
+                bad.append(f"prompt {p} trained at step {status[trained[0]]} was issued again ("
+                           + (f"{groups.rows(again[0])}: {_name(int(status[again[0]]))}"
+                              if again else "in flight at the checkpoint") + ")")
+        elif pending:
+            cat = "pending"
+            if len(pending) > 1 or p in inflight:
+                bad.append(f"prompt {p} has {len(pending)} pending group(s)"
+                           + (" and is in flight too" if p in inflight else "")
+                           + f": {_some(groups.rows(g) for g in pending)}")
+        elif p in inflight:
+            cat = "in flight"
+        elif dropped:
+            cat = "given up"
+            if run.policy == "reissue" and len(dropped) <= run.max_reissues:
+                if ctrl is None:            # may have been queued for reissue when it stopped
+                    cat = "unknown"
+                    unknown.append(p)
+                else:
+                    early.append(f"prompt {p} (dropped {len(dropped)} time(s), last "
+                                 f"{groups.rows(dropped[-1])})")
+        elif rolled and p >= bound and ctrl is not None:
+            cat = "after the checkpoint"
+        elif ctrl is None:
+            cat = "unknown"
+            unknown.append(p)
+        else:
+            cat = "lost"
+            lost.append(f"prompt {p} (only rolled-back rows: {groups.rows(gs[0])})")
+        cats[cat] += 1
+        if dropped and cat in ("trained", "pending", "in flight"):
+            cats["dropped, reissued"] += 1
+        if rolled and cat in ("trained", "pending", "given up"):
+            cats["rolled back, issued again"] += 1
+    if ctrl is not None:
+        lost_count = len(lost) + n_norows
+        if lost_count:
+            bad.append(f"{lost_count} prompt(s) lost: issued, but neither trained, pending, in "
+                       "flight nor dropped: "
+                       + _listing(lost[:EXAMPLES] + [f"prompt {p} (no rows)" for p in norows]
+                                  [:max(0, EXAMPLES - len(lost))], lost_count))
+    if early:
+        bad.append(f"{len(early)} prompt(s) given up after a stale drop although stale_policy "
+                   f"reissue allows {run.max_reissues} reissue(s): {_some(early)}")
+    if run.policy == "keep" and (status == DROPPED_STALE).any():
+        bad.append("groups were dropped as stale although rollout.stale_policy is keep")
+    odd = np.flatnonzero(~(groups.whole & uniform) & ~_any_trained(groups, run.consumed))
+    if len(odd):                                # (groups with a trained row: check 2)
+        bad.append(f"{len(odd)} group(s) of untrained rows are not one whole group of {run.n} "
+                   "samples of one status: " + _some(
+                       f"{groups.rows(g)} (prompt {groups.pid[g]}: {groups.states(g, column)})"
+                       for g in odd))
+    if ctrl is not None:
+        seen = int(ctrl["rollout_rows"])
+        beyond = np.flatnonzero(run.pid[:seen] >= bound)
+        if len(beyond):
+            bad.append(f"rows the checkpoint saw hold prompt ids at or past its data cursor "
+                       f"({bound}): {_some(f'row {i} (prompt {run.pid[i]})' for i in beyond)}")
+        dropped_groups = int(((status == DROPPED_STALE) & uniform).sum())
+        if ctrl["dropped_stale"] != dropped_groups:
+            bad.append(f"the checkpoint counts {ctrl['dropped_stale']} group(s) dropped as stale "
+                       f"(dropped_stale), the log {dropped_groups}")
+        if "lost_stale" in ctrl and ctrl["lost_stale"] != cats["given up"]:
+            bad.append(f"the checkpoint counts {ctrl['lost_stale']} prompt(s) given up "
+                       f"(lost_stale), the log {cats['given up']}")
+    policy = f"stale_policy {run.policy}" + (f", at most {run.max_reissues} reissue(s)"
+                                             if run.policy == "reissue" else "")
+    issued = bound + int((known >= bound).sum())
+    source = ("by the ids in the log (no checkpoint: the data cursor is unknown)" if ctrl is None
+              else f"ids 0-{bound - 1} by the checkpoint's data cursor" if bound
+              else "none by the checkpoint's data cursor")
+    if ctrl is not None and issued > bound:
+        source += f", {issued - bound} more after it"
+    seen_as = "; classified as a resume sees the log" if proj is not None and proj.went_on else ""
+    lines = [f"{issued} prompt(s) issued: {source}{seen_as}",
+             f"trained: {cats['trained']}; pending: {cats['pending']}; in flight at the "
+             f"checkpoint (issued again by a resume): {cats['in flight']}",
+             f"dropped as stale and issued again: {cats['dropped, reissued']}; dropped and given "
+             f"up: {cats['given up']} ({policy})",
+             f"rolled back and issued again: {cats['rolled back, issued again']}"
+             + (f"; issued after the checkpoint (a resume rolls them back and issues them "
+                f"again): {cats['after the checkpoint']}" if cats["after the checkpoint"] else "")]
+    if ctrl is not None:
+        lines.append(f"lost: {len(lost) + n_norows}")
+        if "lost_stale" not in ctrl:
+            lines.append("the checkpoint predates its lost_stale counter: given-up prompts not "
+                         "compared with it")
+        return Check(name, not bad, lines + bad)
+    why = "no valid checkpoint" if run.ckpt is None else "the checkpoint holds no controller state"
+    count = len(unknown) + n_norows
+    lines.append(f"not checkable: {why}, so the prompts in flight (or queued for reissue) when "
+                 f"the job stopped are unknown" + (
+                     f"; {count} prompt id(s) are neither trained, pending nor given up for good: "
+                     + _listing((unknown + norows)[:EXAMPLES], count) if count else ""))
+    return Check(name, False if bad else None, lines + bad)
+
+
+def _check_pending(run: _Run, groups: _Groups, proj: _Projection | None) -> Check:
+    name = "pending rows = the checkpoint's buffered rows"
+    if run.ckpt is None:
+        return Check(name, None, ["not checkable: no valid checkpoint in checkpoints/"])
+    if proj is None:
+        return Check(name, None, [f"not checkable: {run.ckpt.name} holds no controller state"])
+    ctrl, c = run.ctrl, run.ck_step
+    buf = ctrl["buffer_rows"].astype(np.int64)
+    ends = [0, *ctrl["buffer_group_ends"].astype(np.int64).tolist()]
+    bad = list(proj.problems)
+    pending = np.flatnonzero(proj.consumed == NOT_CONSUMED)
+    extra = np.setdiff1d(pending, buf)
+    if len(extra):
+        bad.append(f"{len(extra)} pending row(s) the checkpoint did not buffer (a resume would "
+                   f"never train them): {_some(f'row {i} (prompt {run.pid[i]})' for i in extra)}")
+    split = []
+    for k, (a, b) in enumerate(zip(ends[:-1], ends[1:])):
+        rows = buf[a:b]
+        g = int(groups.of_row[rows[0]]) if len(rows) and rows[0] < len(run.pid) else None
+        if g is None or not groups.whole[g] or groups.lens[g] != len(rows) \
+                or not np.array_equal(rows, groups.starts[g] + np.arange(len(rows))):
+            split.append(f"buffered group {k} (rows {_some(rows.tolist(), 3)})")
+    if split:
+        bad.append(f"{len(split)} buffered group(s) are not one whole group of the log: "
+                   f"{_some(split)}")
+    # accepted: +1 per group received, -1 per group dropped (StalenessManager), so the trained
+    # groups plus the buffered ones; generated_tokens: every row received, dropped ones too
+    accepted = run.B * c + len(ends) - 1
+    if ctrl["accepted"] != accepted:
+        bad.append(f"the checkpoint counts {ctrl['accepted']} accepted group(s), its step and "
+                   f"buffer make {accepted} (B x {c} trained + {len(ends) - 1} buffered)")
+    tokens = int(run.out_len[proj.consumed != ROLLED_BACK].sum())
+    if ctrl["generated_tokens"] != tokens:
+        bad.append(f"the checkpoint counts {ctrl['generated_tokens']} generated tokens, the log's "
+                   f"rows it saw hold {tokens}")
+    seen_as = " (as a resume sees the log)" if proj.went_on else ""
+    lines = [f"{len(buf)} row(s) in {len(ends) - 1} group(s) buffered at {run.ckpt.name}; "
+             f"{len(pending)} pending in the log{seen_as}"]
+    if not bad:
+        lines.append("the same rows, in whole groups; the checkpoint's counters (accepted "
+                     "groups, generated tokens) agree with the log")
+    return Check(name, not bad, lines + bad)
+
+
+def _check_versions(run: _Run, proj: _Projection | None) -> Check:
+    """Token versions against the step that trained them. Staleness as `staleness.staleness_of`
+    defines it: the consuming version minus the trajectory's oldest token version (0 without
+    tokens); the version that consumes step s's batch is s (the controller's version when it
+    takes the batch: the steps trained so far)."""
+    name = "versions <= training step, staleness <= η"
+    s = run.consumed
+    used = s >= 0
+    has = used & (run.vmax >= 0)
+    ahead = np.flatnonzero(has & (run.vmax > s))
+    stale = np.where(has, s - run.vmin, 0)
+    over = np.flatnonzero(has & (stale > run.eta))
+    bad, unsure = [], []
+    if len(ahead):
+        bad.append(f"{len(ahead)} trained row(s) hold a token newer than their step: "
+                   + _some(f"row {i} (prompt {run.pid[i]} sample {run.sidx[i]}) at step {s[i]} "
+                           f"has version {run.vmax[i]}" for i in ahead))
+    values, counts = np.unique(stale[used], return_counts=True)
+    lines = [f"{int(used.sum())} trained trajectories; staleness (step - oldest token version) "
+             + (", ".join(f"{v}: {k}" for v, k in zip(values.tolist(), counts.tolist())) or "-")
+             + f"; η = {run.eta}"]
+    if len(over):
+        what = (f"{len(over)} trained row(s) more than η = {run.eta} versions stale: "
+                + _some(f"row {i} (prompt {run.pid[i]}) at step {s[i]}, oldest version "
+                        f"{run.vmin[i]}" for i in over))
+        if run.policy == "keep":
+            unsure.append(f"not a guarantee of this run (stale_policy keep trains stale groups "
+                          f"anyway): {what}")
+        else:
+            bad.append(what)
+    if proj is not None and not proj.went_on:   # untrained rows: at most the version reached
+        late = np.flatnonzero((s < 0) & (s != ROLLED_BACK) & (run.vmax > run.ck_step))
+        if len(late):
+            bad.append(f"{len(late)} untrained row(s) hold versions beyond the {run.ck_step} "
+                       f"steps trained: {_some(f'row {i} (version {run.vmax[i]})' for i in late)}")
+    if run.metrics and used.any():              # metrics.jsonl's staleness_max, step by step
+        order = np.argsort(s[used], kind="stable")
+        steps, st = s[used][order], stale[used][order]
+        u, first = np.unique(steps, return_index=True)
+        top = dict(zip(u.tolist(), np.maximum.reduceat(st, first).tolist()))
+        differ = [rec for _, rec in run.metrics if rec["step"] in top
+                  and isinstance(rec.get("staleness_max"), (int, float))
+                  and rec["staleness_max"] != top[rec["step"]]]
+        if differ:
+            bad.append("metrics.jsonl's staleness_max disagrees with the log's rows: "
+                       + _some(f"step {rec['step']}: {rec['staleness_max']} logged, "
+                               f"{top[rec['step']]} in the log" for rec in differ))
+    return Check(name, False if bad else (None if unsure else True), lines + bad + unsure)
+
+
+def _check_rolled_back(run: _Run, groups: _Groups) -> Check:
+    name = "rolled-back rows were never trained"
+    rb = run.consumed == ROLLED_BACK
+    if not rb.any():
+        return Check(name, True, ["no row rolled back (no resume went back past rows)"])
+    edges = np.diff(np.concatenate([[0], rb.astype(np.int8), [0]]))
+    blocks = list(zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1) - 1))
+    _, uniform = groups.status(run.consumed)
+    mixed = [g for g in np.unique(groups.of_row[rb]) if not uniform[g]]
+    keys = set(zip(run.pid[rb].tolist(), run.sidx[rb].tolist()))
+    t = run.consumed >= 0
+    again = len(keys & set(zip(run.pid[t].tolist(), run.sidx[t].tolist())))
+    lines = [f"{int(rb.sum())} row(s) rolled back in {len(blocks)} block(s): "
+             + _some(f"rows {a}-{b}" for a, b in blocks)
+             + f"; {again} of their trajectories were generated again and trained",
+             "no rolled-back row counts for a step; each block is whole groups",
+             "not checkable: whether a row was trained before its job died and the resume "
+             "rolled it back (ROLLED_BACK replaces the step it held; such a step was trained "
+             "again from the checkpoint: check 2)"]
+    bad = []
+    if mixed:
+        bad.append(f"{len(mixed)} group(s) only partly rolled back: "
+                   + _some(f"{groups.rows(g)} (prompt {groups.pid[g]})" for g in mixed))
+        lines[1] = "no rolled-back row counts for a step"
+    return Check(name, not bad, lines + bad)
+
+
+# ------------------------------------------------------------------------------------ entry points
+
+def audit(run_dir: str | Path, *, check_crc: bool = True,
+          block_tokens: int = BLOCK_TOKENS) -> Report:
+    """Audit the run directory `run_dir`; raises AuditInputError (one line naming the file)
+    when an input is missing or unreadable. `check_crc` False checks the checkpoints' file
+    sizes only (faster for large checkpoints; the CRC-32s are what a resume checks)."""
+    run_dir = Path(run_dir)
+    notes: list[str] = []
+    with _warnings_into(notes):
+        run = _read(run_dir, check_crc, notes, block_tokens)
+    attempts = sorted(p.name for p in run_dir.glob("*.attempt-*.*"))
+    if attempts:
+        notes.append(f"earlier attempts started afresh (no usable checkpoint; their training was "
+                     f"discarded), not audited: {_some(attempts)}")
+    groups = _Groups.of(run)
+    proj = _project(run)
+    r = run.cfg.rollout
+    S = int(run.consumed.max()) + 1 if (run.consumed >= 0).any() else 0
+    ckpt = (f"{run.ckpt.relative_to(run_dir)} (step {run.ck_step}"
+            + (f", {int(run.ctrl['rollout_rows'])} rows)" if run.ctrl is not None else ")")
+            if run.ckpt is not None else "none valid")
+    summary = [f"config: B = {run.B} prompts x n = {run.n} samples a step, η = {run.eta} "
+               f"({r.mode}), stale_policy {run.policy}, total_steps {run.cfg.train.total_steps}",
+               f"rollouts.h5: {len(run.pid)} rows in {len(groups.starts)} groups, "
+               + (f"consumed at steps up to {S - 1}" if S else "none consumed")
+               + f"; checkpoint: {ckpt}", *(proj.lines if proj is not None else [])]
+    checks = [_check_once(run), _check_steps(run, groups), _check_prompts(run, groups, proj),
+              _check_pending(run, groups, proj), _check_versions(run, proj),
+              _check_rolled_back(run, groups)]
+    return Report(run_dir, summary, checks, notes)
+
+
+def _parser() -> argparse.ArgumentParser:
+    doc = __doc__.splitlines()
+    return argparse.ArgumentParser(prog="python -m areal_hpc.audit", description=doc[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   epilog="\n".join(doc[1:]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The CLI: print the report; returns the exit status (0 holds, 1 violated, 2 unreadable)."""
+    ap = _parser()
+    ap.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    ap.add_argument("--no-crc", action="store_true", help="check the checkpoints' file sizes, "
+                    "not their CRC-32s (faster on large checkpoints)")
+    args = ap.parse_args(argv)
+    try:
+        report = audit(args.run_dir, check_crc=not args.no_crc)
+    except AuditInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)         # one line, naming the file
+        return EXIT_UNREADABLE
+    print(report.text())
+    return report.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
