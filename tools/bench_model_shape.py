@@ -162,7 +162,7 @@ def predict(cfg, hf: dict) -> dict:
     return {"arch": arch, "with_sync": with_sync, "step_only": step_only, "generator": gen}
 
 
-def hf_logprobs(model, prompt, output) -> "np.ndarray":
+def hf_logprobs(model, prompt, output) -> "np.ndarray":  # noqa: F821 - numpy imported inside
     """log_softmax(logits) (temperature 1) of each output token given its context."""
     import numpy as np
     import torch
@@ -192,7 +192,6 @@ def engine_rss(engine) -> list[tuple[int, str, int]]:
 
 def bench_trainer(args, model_dir: str, hf: dict, res: dict):
     import numpy as np
-    import torch
 
     from areal_hpc.train.actor import Actor
 

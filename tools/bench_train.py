@@ -58,8 +58,6 @@ def make_batch(actor, n: int, seed: int = 0) -> list[dict]:
 
 def bare_step(actor, micro_batches, recompute: bool) -> None:
     """Megatron's own path on pre-packed micro-batches: (forward-only,) forward/backward, step."""
-    import torch
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from areal_hpc.train.megatron_model import output_hidden_states
 

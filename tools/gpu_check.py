@@ -415,8 +415,8 @@ def check_throughput(report: Report, env: Env, packs: list[int], timed: int) -> 
                 case.update(ok=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
                 rows.append([n_tokens, n_seqs, name, "FAILED", case["error"][:120], "", "", "", "", "", ""])
                 print("\n".join(tb[-12:]), file=sys.stderr, flush=True)
-                with contextlib.suppress(NameError):
-                    del actor
+                with contextlib.suppress(NameError):    # the case failed before building it
+                    del actor  # noqa: F821
             finally:
                 free_memory()
             cases.append(case)

@@ -8,6 +8,7 @@ tools/install.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$root/.cache/vllm}
 if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest "$@"; fi
+.venv/bin/ruff check areal_hpc tools tests examples     # pyflakes: unused / undefined names (pyproject.toml)
 exec .venv/bin/python -m pytest -q --durations=25 \
   tests/config tests/test_versions.py tests/plan tests/data tests/reward tests/algo tests/storage tests/test_audit.py \
   tests/analysis tests/transport \

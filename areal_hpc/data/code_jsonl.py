@@ -53,10 +53,10 @@ def parse_tests(value, where: str, key: str) -> list[dict]:
         if not isinstance(test, dict):
             raise ValueError(f"{where}: {key!r}[{n}]: expected an object, "
                              f"got {type(test).__name__}")
-        for field in ("input", "output"):
-            if not isinstance(test.get(field), str):
-                got = type(test[field]).__name__ if field in test else "nothing"
-                raise ValueError(f"{where}: {key!r}[{n}][{field!r}] must be a string, got {got}")
+        for name in ("input", "output"):
+            if not isinstance(test.get(name), str):
+                got = type(test[name]).__name__ if name in test else "nothing"
+                raise ValueError(f"{where}: {key!r}[{n}][{name!r}] must be a string, got {got}")
     return [{"input": t["input"], "output": t["output"]} for t in tests]
 
 

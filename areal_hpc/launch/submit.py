@@ -36,7 +36,6 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..config import ConfigError, TopologyConfig
 from ..preemption import EXIT_PREEMPTED

@@ -72,7 +72,6 @@ class Generator:
         self.cfg, self.topo = cfg, topo
         self.chan = Channel(topo.world)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        r = cfg.rollout
         with preemption.shield_children():     # engine processes must outlive a USR1
             self._start_children(cfg, topo)
         self.groups: dict[tuple[str, int], _Group] = {}

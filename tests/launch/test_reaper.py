@@ -82,7 +82,7 @@ def test_children_die_with_a_killed_rank(mode):
         assert not _alive(children), [p.cmdline() for p in _alive(children)]
         watcher.wait(timeout=20)         # and the watcher itself is gone
         report = proc.stderr.read()
-        assert f"rank 7 (test) ended without a clean exit" in report, report
+        assert "rank 7 (test) ended without a clean exit" in report, report
         assert f"killed {len(children)} leftover" in report, report
     finally:
         _cleanup(proc, watcher, children)

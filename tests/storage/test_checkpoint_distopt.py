@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import h5py
-import numpy as np
 import pytest
 import torch
 

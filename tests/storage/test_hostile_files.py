@@ -9,7 +9,6 @@ import pickle
 import subprocess
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import h5py

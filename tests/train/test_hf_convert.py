@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from areal_hpc.train.hf_convert import (
