@@ -109,7 +109,8 @@ def test_first_step_ratio_one_and_token_mean_gradient(megatron_ws1, model_dir):
     adv = grpo_advantages(torch.tensor(rewards), GROUP_SIZE)
     token_adv = torch.cat([adv[i].expand(len(s["output_tokens"])) for i, s in enumerate(seqs)])
     behav = torch.from_numpy(np.concatenate([s["behav_logprobs"] for s in seqs]))
-    loss, _ = decoupled_ppo_loss(logp, logp.detach(), behav, token_adv, torch.ones_like(logp, dtype=torch.bool))
+    loss, _ = decoupled_ppo_loss(logp, logp.detach(), behav, token_adv, torch.ones_like(logp, dtype=torch.bool),
+                                 behav_imp_weight_cap=TrainConfig().behav_imp_weight_cap)   # the actor's
     loss.backward()
     ref_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in hf.parameters() if p.grad is not None))
     assert stats["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
