@@ -99,3 +99,35 @@ def tiny_model(tmp_path_factory, jobs):
     r = jobs.run(["tools/make_tiny_model.py", "--out", str(out), "--steps", "30"], timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return out
+
+
+# One finished job scored by a user reward function, shared by the e2e test of reward functions
+# and chat templates (tests/e2e/test_local_job.py) and the replay test (tests/train/test_replay.py):
+# a job costs about a minute of a suite near its budget. Async, η = 1, two minibatches per step
+# (the minibatch split depends on the batch order, which replay must rebuild), prompts through a
+# chat template from a file. The reward, from the completion's length, differs within most groups
+# (the barely pre-trained model answers nothing right: with 0/1 rewards every loss would be 0) and
+# its values are float32-exact, as the rollout log stores rewards.
+REWARD_FN_RUN = {"steps": 3, "B": 2, "n": 2}
+
+
+@pytest.fixture(scope="session")
+def reward_fn_run(tmp_path_factory, jobs, tiny_model):
+    tmp = tmp_path_factory.mktemp("reward_fn_run")
+    fn = tmp / "my_reward.py"
+    fn.write_text("def by_length(completion, reference, row):\n"
+                  "    assert set(row) == {'question', 'answer'}  # the whole dataset row\n"
+                  "    return {'reward': (len(completion) % 7) / 8, 'chars': len(completion)}\n")
+    chat = tmp / "chat.jinja"
+    chat.write_text("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    k = REWARD_FN_RUN
+    r = jobs.run(jobs.args(tiny_model, tmp, "fn", f"reward.fn={fn}:by_length",
+                           "data.chat=true", f"data.chat_template={chat}",
+                           f"train.total_steps={k['steps']}", f"train.batch_prompts={k['B']}",
+                           f"rollout.group_size={k['n']}", "train.ppo_minibatches=2",
+                           "rollout.max_new_tokens=24", "data.eval_limit=4", "data.eval_samples=1"),
+                 timeout=900)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
+    assert not jobs.leftovers(), "processes of the job are still running"
+    return {"run": tmp / "fn", "stderr": r.stderr, **k}

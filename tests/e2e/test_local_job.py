@@ -92,44 +92,36 @@ def test_code_dataset_is_scored_in_the_sandbox(jobs, tiny_model, tmp_path):
         assert len(log) >= 8 and set(log.column("reward").tolist()) == {0.0}
 
 
-def test_a_user_reward_function_scores_the_samples(jobs, tiny_model, tmp_path):
+def test_a_user_reward_function_scores_the_samples(reward_fn_run, tiny_model):
     """reward.fn from a file: the generators' reward pool calls it on every sample, with the
     dataset row; rollouts.h5 holds its values and metrics.jsonl the fields it logged. The
-    prompts go through a chat template (data.chat, the template from a file)."""
+    prompts go through a chat template (data.chat, the template from a file). The job is the
+    session's `reward_fn_run` (tests/conftest.py)."""
     from transformers import AutoTokenizer
-    fn = tmp_path / "my_reward.py"
-    fn.write_text("def by_length(completion, reference, row):\n"
-                  "    assert set(row) == {'question', 'answer'}  # the whole dataset row\n"
-                  "    return {'reward': len(completion) / 1000, 'chars': len(completion)}\n")
-    chat = tmp_path / "chat.jinja"
-    chat.write_text("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    r = jobs.run(jobs.args(tiny_model, tmp_path, "fn", f"reward.fn={fn}:by_length",
-                           "data.chat=true", f"data.chat_template={chat}",
-                           "train.total_steps=2", "train.batch_prompts=2", "rollout.group_size=2",
-                           "rollout.max_new_tokens=16", "data.eval_limit=4", "data.eval_samples=1"),
-                 timeout=600)
-    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
-    assert "errors 0, timeouts 0" in r.stderr
+    run = reward_fn_run["run"]
+    assert "errors 0, timeouts 0" in reward_fn_run["stderr"]
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    with RolloutReader(tmp_path / "fn" / "rollouts.h5") as log:
+    with RolloutReader(run / "rollouts.h5") as log:
         rows = [log[i] for i in range(len(log))]
+        consumed = log.column("consumed_step")
     assert len(rows) >= 4
-    for row in rows:
-        text = tok.decode(row["output_tokens"], skip_special_tokens=True)
-        assert row["reward"] == pytest.approx(len(text) / 1000), (row["reward"], text)
+    texts = [tok.decode(row["output_tokens"], skip_special_tokens=True) for row in rows]
+    for row, text in zip(rows, texts):
+        assert row["reward"] == (len(text) % 7) / 8, (row["reward"], text)
     # Every prompt is a train question rendered through the template (not the plain question).
     from areal_hpc.config import load
     from areal_hpc.data.prompts import load_prompts, prompt_ids
-    data = load(tmp_path / "fn" / "config.yaml").data
+    data = load(run / "config.yaml").data
     questions = [q["question"] for q in load_prompts(f"{tiny_model}/train.jsonl")]
     rendered = {tuple(prompt_ids(tok, data, q)) for q in questions}
     assert all(tuple(row["prompt_tokens"]) in rendered for row in rows)
     plain = tok(questions[0], add_special_tokens=False)["input_ids"]
     assert prompt_ids(tok, data, questions[0]) != plain
-    metrics = [json.loads(x) for x in (tmp_path / "fn" / "metrics.jsonl").read_text().splitlines()]
-    for m in metrics:
-        assert m["reward/chars"] == pytest.approx(1000 * m["reward"])
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == reward_fn_run["steps"]
+    for m in metrics:      # the extra field: the mean over the step's samples
+        lens = [len(t) for t, c in zip(texts, consumed) if c == m["step"]]
+        assert m["reward/chars"] == pytest.approx(sum(lens) / len(lens))
 
 
 def test_world_too_small_is_a_clear_error(jobs, tiny_model, tmp_path):
