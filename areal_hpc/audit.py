@@ -62,7 +62,8 @@ import yaml
 from .config import ConfigError, RunConfig, load as load_config
 from .analysis.load import version_blocks
 from .storage import checkpoint as ck
-from .storage.rollout_log import DROPPED_STALE, NOT_CONSUMED, ROLLED_BACK, RolloutLogError, RolloutReader
+from .storage.rollout_log import (DROPPED_STALE, NOT_CONSUMED, ROLLED_BACK, RolloutLogError,
+                                  RolloutReader, group_starts)
 
 EXIT_OK, EXIT_VIOLATED, EXIT_UNREADABLE = 0, 1, 2
 EXAMPLES = 5                # offending rows / prompts named per finding
@@ -326,9 +327,7 @@ class _Groups:
     @classmethod
     def of(cls, run: _Run) -> _Groups:
         pid, sidx, rows = run.pid, run.sidx, len(run.pid)
-        start = np.ones(rows, bool)
-        if rows:
-            start[1:] = (sidx[1:] == 0) | (pid[1:] != pid[:-1]) | (sidx[1:] != sidx[:-1] + 1)
+        start = group_starts(np.arange(rows), pid, sidx)
         starts = np.flatnonzero(start)
         lens = np.diff(np.append(starts, rows))
         return cls(starts, lens, pid[starts], (lens == run.n) & (sidx[starts] == 0),

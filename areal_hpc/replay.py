@@ -117,47 +117,27 @@ class Refused(Exception):
 # ------------------------------------------------------------------------------ the batches
 
 def split_groups(rows: np.ndarray, prompt_id: np.ndarray, sample_idx: np.ndarray) -> list[list[int]]:
-    """`rows` (ascending) cut into groups as the controller appended them: consecutive rows of
-    one prompt with sample_idx 0, 1, ... (a new group starts at sample_idx 0, another prompt, a
-    gap in the rows or in the sample indices)."""
-    groups: list[list[int]] = []
-    for r in rows.tolist():
-        g = groups[-1] if groups else None
-        if g is not None and r == g[-1] + 1 and prompt_id[r] == prompt_id[g[-1]] \
-                and sample_idx[r] == sample_idx[g[-1]] + 1 and sample_idx[r] != 0:
-            g.append(r)
-        else:
-            groups.append([r])
-    return groups
+    """`rows` (ascending) cut into groups as the controller appended them
+    (`rollout_log.group_starts`)."""
+    from .storage.rollout_log import group_starts
+    rows = np.asarray(rows, dtype=np.int64)
+    cuts = np.flatnonzero(group_starts(rows, prompt_id, sample_idx))[1:]
+    return [g.tolist() for g in np.split(rows, cuts)] if len(rows) else []
+
+
+def _take_in_batch_order(groups: list[list[int]], trajs: list[list[dict]]) -> list[list[int]]:
+    """The groups of one step in the order `Controller.next_batch` put them into the batch: the
+    controller's own `ReadyBuffer`, filled in arrival order (row order), then `take`n whole."""
+    from .rollout.staleness import ReadyBuffer
+    buffer = ReadyBuffer()
+    for g, t in zip(groups, trajs):
+        buffer.add(t, g)
+    return [taken.rows for taken in buffer.take(len(groups))]
 
 
 def batch_order(groups: list[list[int]], oldest: list[int]) -> list[list[int]]:
-    """The groups of one step in the order `Controller.next_batch` put them into the batch:
-    `ReadyBuffer.take` sorts by the oldest token version, stably, and among equal versions the
-    buffer is in arrival order, which is row order (see the module docstring)."""
-    order = sorted(range(len(groups)), key=lambda k: (oldest[k], groups[k][0]))
-    return [groups[k] for k in order]
-
-
-def _oldest_version(trajs: list[dict]) -> int:
-    """A group's oldest token version, as `ReadyBuffer.add` computes it."""
-    return min(int(np.min(t["versions"])) if len(t["versions"]) else sys.maxsize for t in trajs)
-
-
-def trajectory(row: dict) -> dict:
-    """The trajectory dict the controller got from the generator (docs/architecture.md
-    #data-contract), from its log row (`RolloutReader[i]`)."""
-    return {
-        "prompt_id": int(row["prompt_id"]), "sample_idx": int(row["sample_idx"]),
-        "prompt_tokens": np.asarray(row["prompt_tokens"], dtype=np.int32),
-        "output_tokens": np.asarray(row["output_tokens"], dtype=np.int32),
-        "behav_logprobs": np.asarray(row["behav_logprobs"], dtype=np.float32),
-        "versions": np.asarray(row["versions"], dtype=np.int32),
-        "reward": float(row["reward"]),
-        "finish_reason": row["finish_reason"], "generator_rank": int(row["generator_rank"]),
-        "t_submit": float(row["t_submit"]), "t_first_token": float(row["t_first_token"]),
-        "t_end": float(row["t_end"]), "reward_error": row.get("reward_error", ""),
-    }
+    """`_take_in_batch_order` for groups known only by their oldest token versions."""
+    return _take_in_batch_order(groups, [[{"versions": [v]}] for v in oldest])
 
 
 class Batches:
@@ -203,11 +183,12 @@ class Batches:
         from .storage.rollout_log import RolloutLogError
         try:
             groups = split_groups(self.rows[step], self.prompt_id, self.sample_idx)
-            trajs = {r: trajectory(self.reader[r]) for g in groups for r in g}
+            # a log row is the trajectory dict the controller got (as its resume reads them)
+            trajs = {r: self.reader[r] for g in groups for r in g}
         except (RolloutLogError, OSError) as exc:
             raise Refused(_line(exc)) from None
-        oldest = [_oldest_version([trajs[r] for r in g]) for g in groups]
-        rows = [r for g in batch_order(groups, oldest) for r in g]
+        ordered = _take_in_batch_order(groups, [[trajs[r] for r in g] for g in groups])
+        rows = [r for g in ordered for r in g]
         return [trajs[r] for r in rows], rows
 
     def close(self) -> None:

@@ -42,6 +42,19 @@ READABLE_SCHEMAS = (1, 2)               # 1: before reward_error
 # checkpoint a resumed job continued from (its training never happened; the prompt was issued again)
 NOT_CONSUMED, DROPPED_STALE, ROLLED_BACK = -1, -2, -3
 FINISH_REASONS = ("stop", "length", "abort")
+
+
+def group_starts(rows: np.ndarray, prompt_id: np.ndarray, sample_idx: np.ndarray) -> np.ndarray:
+    """Which of `rows` (ascending) begin a group. The log stores no group boundaries: the
+    generator sends a group's samples in sample order and the controller appends them at once,
+    so a group is consecutive rows of one prompt with sample_idx 0, 1, ...; a new one starts at
+    sample_idx 0, another prompt, or a gap in the rows or in the sample indices."""
+    rows = np.asarray(rows, dtype=np.int64)
+    start = np.ones(len(rows), dtype=bool)
+    if len(rows):
+        p, s = prompt_id[rows], sample_idx[rows]
+        start[1:] = (s[1:] == 0) | (p[1:] != p[:-1]) | (s[1:] != s[:-1] + 1) | (rows[1:] != rows[:-1] + 1)
+    return start
 REWARD_ERROR_BYTES = 96                 # fixed length: variable-length strings are not SWMR-safe
 _ROW_FIELDS = {
     "prompt_id": "i8", "sample_idx": "i4", "reward": "f4", "finish_reason": "u1",
