@@ -25,8 +25,8 @@ import os
 from collections.abc import Iterator
 
 TABLE_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".feather": "arrow", ".ipc": "arrow"}
-_MISSING = object()
-_MISSING_OK = object()
+_MISSING = object()     # no default given
+_ABSENT = object()      # has_field's default
 
 
 def field(row: dict, key: str, default=_MISSING):
@@ -35,13 +35,13 @@ def field(row: dict, key: str, default=_MISSING):
     no default is given."""
     if key in row:
         return row[key]
-    value = row
-    for part in key.split(".") if "." in key else ():
-        if not isinstance(value, dict) or part not in value:
-            break
-        value = value[part]
-    else:
-        if value is not row:
+    if "." in key:
+        value = row
+        for part in key.split("."):
+            if not isinstance(value, dict) or part not in value:
+                break
+            value = value[part]
+        else:
             return value
     if default is _MISSING:
         raise KeyError(key)
@@ -49,7 +49,7 @@ def field(row: dict, key: str, default=_MISSING):
 
 
 def has_field(row: dict, key: str) -> bool:
-    return field(row, key, _MISSING_OK) is not _MISSING_OK
+    return field(row, key, _ABSENT) is not _ABSENT
 
 
 def dataset_format(path: str | os.PathLike) -> str:

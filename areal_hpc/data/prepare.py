@@ -55,18 +55,27 @@ def detect(row: dict) -> str:
                      + "; ".join(f"{n}: {', '.join(k)}" for n, k in _SIGNATURES) + "); give --layout")
 
 
-def _get(row: dict, where: str, *names: str, kind=str):
-    """The first of `names` present in `row` (any case), which must be a `kind`."""
+def _key(row: dict, *names: str) -> str | None:
+    """The key of the first of `names` that `row` holds (any case) with a value, or None."""
     by_lower = {k.lower(): k for k in row}
     for name in names:
         key = name if name in row else by_lower.get(name.lower())
         if key is not None and row[key] is not None:
-            value = row[key]
-            if not isinstance(value, kind) or isinstance(value, bool):
-                want = kind.__name__ if isinstance(kind, type) else " or ".join(t.__name__ for t in kind)
-                raise BadRow(f"{where}: {key!r} must be {want}, got {type(value).__name__}")
-            return key, value
-    raise BadRow(f"{where}: missing field {' or '.join(repr(n) for n in names)} (fields: {sorted(row)})")
+            return key
+    return None
+
+
+def _get(row: dict, where: str, *names: str, kind=str):
+    """The first of `names` present in `row` (any case), which must be a `kind`."""
+    key = _key(row, *names)
+    if key is None:
+        raise BadRow(f"{where}: missing field {' or '.join(repr(n) for n in names)} "
+                     f"(fields: {sorted(row)})")
+    value = row[key]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        want = kind.__name__ if isinstance(kind, type) else " or ".join(t.__name__ for t in kind)
+        raise BadRow(f"{where}: {key!r} must be {want}, got {type(value).__name__}")
+    return key, value
 
 
 def _rest(row: dict, *used: str) -> dict:
@@ -88,16 +97,14 @@ def _math(row: dict, where: str) -> dict:
     from ..reward.math import last_boxed
 
     qk, question = _get(row, where, "problem", "question")
-    try:
+    if _key(row, "answer") is not None:
         ak, answer = _get(row, where, "answer", kind=(str, int))
         answer = str(answer).strip()
-    except BadRow as missing:
-        if "missing field" not in str(missing):
-            raise
+    else:
         sk, solution = _get(row, where, "solution")
         boxed = last_boxed(solution)
         if boxed is None or not boxed.strip():
-            raise BadRow(f"{where}: {sk!r} has no \\boxed{{}} answer") from None
+            raise BadRow(f"{where}: {sk!r} has no \\boxed{{}} answer")
         ak, answer = None, boxed.strip()
     if not answer:
         raise BadRow(f"{where}: {ak!r} is empty")
