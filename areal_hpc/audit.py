@@ -6,7 +6,7 @@ alone, the guarantees the pipeline gives.
 What it reads (never writes): `config.yaml` (B = train.batch_prompts, n = rollout.group_size,
 η = rollout.max_staleness, 0 in sync mode, total_steps, stale_policy), `rollouts.h5` (every
 trajectory the controller accepted, with the step that consumed it or NOT_CONSUMED, DROPPED_STALE,
-ROLLED_BACK), the newest valid checkpoint's `state.h5` (the controller's state: data cursor,
+ROLLED_BACK, and the PARTIAL rows of samples a preemption interrupted), the newest valid checkpoint's `state.h5` (the controller's state: data cursor,
 buffered rows, prompts in flight, counters; chosen as a resume would choose it,
 `checkpoint.find_latest`) and `metrics.jsonl` (one line per training step).
 
@@ -20,7 +20,9 @@ The checks, each reported with its counts:
      with the log;
   5. no token's version exceeds the step that trained it, and s - min(version) <= η for every
      trajectory trained at step s (`staleness.staleness_of`);
-  6. rolled-back rows hold no training step, and each rollback cut whole groups.
+  6. rolled-back rows hold no training step, and each rollback cut whole groups;
+  7. every partial row is continued: the next row of its prompt and sample starts with its
+     tokens, log-probabilities and versions (or it waits in the checkpoint's partial groups).
 
 What the files cannot tell, and is reported so:
   - whether a rolled-back row had been trained before its job died: ROLLED_BACK replaces the step
@@ -62,8 +64,8 @@ import yaml
 from .config import ConfigError, RunConfig, load as load_config
 from .analysis.load import version_blocks
 from .storage import checkpoint as ck
-from .storage.rollout_log import (DROPPED_STALE, NOT_CONSUMED, ROLLED_BACK, RolloutLogError,
-                                  RolloutReader, group_starts)
+from .storage.rollout_log import (DROPPED_STALE, NOT_CONSUMED, PARTIAL, ROLLED_BACK,
+                                  STATUS_NAMES, RolloutLogError, RolloutReader, group_starts)
 
 EXIT_OK, EXIT_VIOLATED, EXIT_UNREADABLE = 0, 1, 2
 EXAMPLES = 5                # offending rows / prompts named per finding
@@ -358,8 +360,7 @@ def _any_trained(groups: _Groups, column: np.ndarray) -> np.ndarray:
 
 
 def _name(step: int) -> str:
-    return {NOT_CONSUMED: "pending", DROPPED_STALE: "dropped as stale",
-            ROLLED_BACK: "rolled back"}.get(step, f"step {step}")
+    return STATUS_NAMES.get(step, f"step {step}")
 
 
 # ------------------------------------------------------------------------------------ projection
@@ -606,8 +607,10 @@ def _check_prompts(run: _Run, groups: _Groups, proj: _Projection | None) -> Chec
             unknown.append(p)
         else:
             cat = "lost"
-            lost.append(f"prompt {p} (only rolled-back rows: {groups.rows(gs[0])})")
+            lost.append(f"prompt {p} (only rolled-back or partial rows: {groups.rows(gs[0])})")
         cats[cat] += 1
+        if any(status[g] == PARTIAL for g in live) and cat in ("trained", "pending", "in flight"):
+            cats["continued"] += 1
         if dropped and cat in ("trained", "pending", "in flight"):
             cats["dropped, reissued"] += 1
         if rolled and cat in ("trained", "pending", "given up"):
@@ -657,6 +660,8 @@ def _check_prompts(run: _Run, groups: _Groups, proj: _Projection | None) -> Chec
              f"checkpoint (issued again by a resume): {cats['in flight']}",
              f"dropped as stale and issued again: {cats['dropped, reissued']}; dropped and given "
              f"up: {cats['given up']} ({policy})",
+             f"preempted mid-generation and continued from their partial rows: "
+             f"{cats['continued']}",
              f"rolled back and issued again: {cats['rolled back, issued again']}"
              + (f"; issued after the checkpoint (a resume rolls them back and issues them "
                 f"again): {cats['after the checkpoint']}" if cats["after the checkpoint"] else "")]
@@ -702,11 +707,12 @@ def _check_pending(run: _Run, groups: _Groups, proj: _Projection | None) -> Chec
                    f"{_some(split)}")
     # accepted: +1 per group received, -1 per group dropped (StalenessManager), so the trained
     # groups plus the buffered ones; generated_tokens: every row received, dropped ones too
+    # (PARTIAL rows are not received trajectories: their tokens count in the row continuing them)
     accepted = run.B * c + len(ends) - 1
     if ctrl["accepted"] != accepted:
         bad.append(f"the checkpoint counts {ctrl['accepted']} accepted group(s), its step and "
                    f"buffer make {accepted} (B x {c} trained + {len(ends) - 1} buffered)")
-    tokens = int(run.out_len[proj.consumed != ROLLED_BACK].sum())
+    tokens = int(run.out_len[(proj.consumed != ROLLED_BACK) & (proj.consumed != PARTIAL)].sum())
     if ctrl["generated_tokens"] != tokens:
         bad.append(f"the checkpoint counts {ctrl['generated_tokens']} generated tokens, the log's "
                    f"rows it saw hold {tokens}")
@@ -796,6 +802,62 @@ def _check_rolled_back(run: _Run, groups: _Groups) -> Check:
     return Check(name, not bad, lines + bad)
 
 
+def _check_continued(run: _Run, groups: _Groups) -> Check:
+    """Every PARTIAL row (a sample as far as it got at a preemption) is continued by the next
+    row of its prompt and sample that was not rolled back: that row starts with the partial
+    row's tokens, behaviour log-probabilities and versions (all of it, for a sample that had
+    finished), or, with none yet, it is in the checkpoint's partial groups, to be continued."""
+    name = "continued samples start with their partial rows"
+    part = np.flatnonzero(run.consumed == PARTIAL)
+    if not len(part):
+        return Check(name, True, ["no partial rows (no preemption with samples in flight)"])
+    live = np.flatnonzero(run.consumed != ROLLED_BACK)
+    later: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
+    for i in live.tolist():
+        later[(int(run.pid[i]), int(run.sidx[i]))].append(i)
+    ctrl = run.ctrl
+    referenced = set()
+    if ctrl is not None and "partial_first_row" in ctrl:
+        for first, k in zip(ctrl["partial_first_row"].tolist(), ctrl["partial_rows"].tolist()):
+            referenced.update(range(first, first + k))
+    bad, waiting, after, kept, continued = [], [], [], 0, 0
+    with RolloutReader(run.run_dir / "rollouts.h5") as r:
+        for i in part.tolist():
+            key = (int(run.pid[i]), int(run.sidx[i]))
+            nxt = next((j for j in later[key] if j > i), None)
+            if nxt is None:
+                if i in referenced:
+                    waiting.append(i)
+                elif ctrl is None or i >= int(ctrl["rollout_rows"]):
+                    after.append(i)     # no checkpoint saw it: a resume rolls it back
+                else:
+                    bad.append(f"row {i} (prompt {key[0]} sample {key[1]}): partial, never "
+                               "continued, and not among the checkpoint's partial groups")
+                continue
+            a, b = r[i], r[nxt]
+            k = len(a["output_tokens"])
+            whole = a["finish_reason"] != "abort"
+            same = (len(b["output_tokens"]) >= k and (not whole or len(b["output_tokens"]) == k)
+                    and all(np.array_equal(a[f], b[f][:k])
+                            for f in ("output_tokens", "behav_logprobs", "versions"))
+                    and np.array_equal(a["prompt_tokens"], b["prompt_tokens"]))
+            if not same:
+                bad.append(f"row {nxt} (prompt {key[0]} sample {key[1]}) does not start with "
+                           f"partial row {i} ({k} tokens{', finished' if whole else ''})")
+            else:
+                continued += 1
+                kept += k
+    lines = [f"{len(part)} partial row(s); {continued} continued by a later row that starts with "
+             f"them ({kept} tokens kept across preemptions); {len(waiting)} waiting in the "
+             "checkpoint's partial groups"]
+    if after:
+        lines.append(f"{len(after)} partial row(s) no checkpoint saw (a resume rolls them back "
+                     f"and issues their prompts again): {_some(f'row {i}' for i in after)}")
+    if bad:
+        lines.append(f"{len(bad)} partial row(s) not continued as they should be: {_some(bad)}")
+    return Check(name, not bad, lines)
+
+
 # ------------------------------------------------------------------------------------ entry points
 
 def audit(run_dir: str | Path, *, check_crc: bool = True,
@@ -825,7 +887,7 @@ def audit(run_dir: str | Path, *, check_crc: bool = True,
                + f"; checkpoint: {ckpt}", *(proj.lines if proj is not None else [])]
     checks = [_check_once(run), _check_steps(run, groups), _check_prompts(run, groups, proj),
               _check_pending(run, groups, proj), _check_versions(run, proj),
-              _check_rolled_back(run, groups)]
+              _check_rolled_back(run, groups), _check_continued(run, groups)]
     return Report(run_dir, summary, checks, notes)
 
 

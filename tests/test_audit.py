@@ -1,13 +1,12 @@
 """The run audit (areal_hpc/audit.py) on run directories written by the project's own writers:
 the real RolloutWriter (its reopen marks rolled-back rows, as a resume does), the real
-checkpoint.write_state plus a manifest made the way checkpoint.save makes it (no Megatron
-shards: find_latest and read_state need only what the manifest lists), config.yaml as main.py
-writes it. A clean run passes; each kind of damage is found by the check it belongs to."""
+checkpoint.write_state and checkpoint.write_manifest of areal_hpc/storage (no Megatron shards:
+find_latest and read_state need only what the manifest lists), config.yaml as main.py writes
+it. A clean run passes; each kind of damage is found by the check it belongs to."""
 import functools
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,7 @@ import pytest
 from areal_hpc import audit as au
 from areal_hpc.config import load, to_yaml
 from areal_hpc.storage import checkpoint as ck
-from areal_hpc.storage.rollout_log import (DROPPED_STALE, NOT_CONSUMED, ROLLED_BACK,
+from areal_hpc.storage.rollout_log import (DROPPED_STALE, NOT_CONSUMED, PARTIAL, ROLLED_BACK,
                                            RolloutReader, RolloutWriter)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,16 +33,13 @@ def config_yaml(policy: str = "reissue", max_reissues: int = 1) -> str:
 
 
 def write_checkpoint(run_dir: Path, step: int, controller: dict, config_yaml: str) -> Path:
-    """state.h5 by checkpoint.write_state and manifest.json as checkpoint.save writes them."""
+    """state.h5 by checkpoint.write_state and manifest.json by checkpoint.write_manifest, as a
+    save writes them."""
     d = ck.step_dir(run_dir, step)
     d.mkdir(parents=True)
     ck.write_state(d / ck.STATE, step=step, config_yaml=config_yaml, scheduler=None, rng=[],
                    controller=controller)
-    files = {rel: {"size": (d / rel).stat().st_size, "crc32": ck.crc32_file(d / rel)}
-             for rel in ck._files(d)}
-    manifest = {"format": ck.FORMAT, "step": step, "created": time.time(), "files": files,
-                "bytes": sum(v["size"] for v in files.values())}
-    ck._write_atomic(d / ck.MANIFEST, json.dumps(manifest, indent=1))
+    ck.write_manifest(d, step)
     return d
 
 
@@ -67,6 +63,7 @@ class Sim:
         self.reissue: list[int] = []
         self.buffer: list[tuple[int, list[int], int]] = []     # (prompt, rows, oldest version)
         self.times: dict[int, int] = {}
+        self.partial: dict[int, tuple[int, int]] = {}           # prompt → (first row, rows)
 
     def issue(self, k: int) -> list[int]:
         out = []
@@ -79,15 +76,27 @@ class Sim:
             out.append(pid)
         return out
 
-    def arrive(self, pid: int, versions) -> None:
+    @staticmethod
+    def _trajs(pid: int, versions, finish="stop", first_token=0) -> list[dict]:
+        return [{"prompt_id": pid, "sample_idx": i, "prompt_tokens": [1, 2, 3],
+                 "output_tokens": list(range(first_token, first_token + len(versions))),
+                 "behav_logprobs": [-0.5] * len(versions),
+                 "versions": versions, "reward": 1.0, "finish_reason": finish,
+                 "generator_rank": 1, "t_submit": 0.0, "t_first_token": 1.0, "t_end": 2.0}
+                for i in range(N)]
+
+    def preempt(self, prefixes: dict[int, list[int]]) -> None:
+        """A stop at a preemption: in-flight prompts' samples as far as they got (`prefixes`:
+        prompt → versions of the tokens so far) appended as PARTIAL rows; still in flight."""
+        for pid, versions in prefixes.items():
+            assert pid in self.inflight
+            rows = self.writer.append(self._trajs(pid, versions, "abort"), consumed=PARTIAL)
+            self.partial[pid] = (rows[0], len(rows))
+
+    def arrive(self, pid: int, versions, first_token=0) -> None:
         del self.inflight[pid]
-        trajs = [{"prompt_id": pid, "sample_idx": i, "prompt_tokens": [1, 2, 3],
-                  "output_tokens": list(range(len(versions))),
-                  "behav_logprobs": [-0.5] * len(versions),
-                  "versions": versions, "reward": 1.0, "finish_reason": "stop",
-                  "generator_rank": 1, "t_submit": 0.0, "t_first_token": 1.0, "t_end": 2.0}
-                 for i in range(N)]
-        rows = self.writer.append(trajs)
+        self.partial.pop(pid, None)
+        rows = self.writer.append(self._trajs(pid, versions, first_token=first_token))
         self.buffer.append((pid, rows, min(versions)))
         self.accepted += 1
         self.tokens += N * len(versions)
@@ -129,7 +138,11 @@ class Sim:
 
     def state(self) -> dict:
         inflight = sorted(self.inflight) + self.reissue
-        return {"version": self.version, "cursor_consumed": self.cursor,
+        part = sorted((p, *self.partial[p]) for p in inflight if p in self.partial)
+        return {
+                "partial_prompt_ids": np.asarray([p for p, _, _ in part], np.int64),
+                "partial_first_row": np.asarray([r for _, r, _ in part], np.int64),
+                "partial_rows": np.asarray([n for _, _, n in part], np.int64),"version": self.version, "cursor_consumed": self.cursor,
                 "accepted": self.accepted, "rejected": self.dropped, "dropped_stale": self.dropped,
                 "lost_stale": self.lost, "generated_tokens": self.tokens,
                 "rollout_rows": self.writer.n_rows,
@@ -163,6 +176,8 @@ class Sim:
         self.tokens = st["generated_tokens"]
         self.inflight, self.times = {}, {}
         self.reissue = st["inflight_prompt_ids"].tolist()
+        self.partial = {p: (r, n) for p, r, n in zip(*(st[k].tolist() for k in (
+            "partial_prompt_ids", "partial_first_row", "partial_rows")))}
         metrics = self.run_dir / "metrics.jsonl"
         keep = [ln for ln in metrics.read_text().splitlines()
                 if json.loads(ln)["step"] < self.version]
@@ -234,7 +249,7 @@ def clean(tmp_path):
 def test_clean_run_passes(clean, capsys):
     report = au.audit(clean)
     assert report.ok and failing(report) == set(), report.text()
-    assert [c.ok for c in report.checks] == [True] * 6, report.text()
+    assert [c.ok for c in report.checks] == [True] * 7, report.text()
     text = report.text()
     assert "rolled back and issued again: 2" in text      # prompts 5 and 6
     assert "dropped as stale and issued again: 1" in text  # prompt 10
@@ -386,7 +401,7 @@ def test_empty_run_without_checkpoint(tmp_path):
     RolloutWriter(run / "rollouts.h5", config_yaml()).close()
     report = au.audit(run)
     assert report.exit_code == 0, report.text()
-    assert [c.ok for c in report.checks] == [True, True, None, None, True, True], report.text()
+    assert [c.ok for c in report.checks] == [True, True, None, None, True, True, True], report.text()
 
 
 def test_issued_again_after_training(tmp_path):
@@ -397,3 +412,51 @@ def test_issued_again_after_training(tmp_path):
     report = au.audit(build_run(tmp_path / "r", before_final=reissue_trained))
     assert failing(report) == {3}, report.text()
     assert "prompt 0 trained at step 0 was issued again (rows 32-33: pending)" in report.text()
+
+
+def preempted_run(run_dir: Path, *, continue_from=0, resume=True, tamper=None) -> Path:
+    """A preemption with prompt 2 mid-generation: its samples kept as PARTIAL rows (one token,
+    version 0) and referenced by the checkpoint at the stop; the resume continues them (the
+    continuation's tokens start at `continue_from`: 0 is the partial row's own first token)
+    and trains them at step 1. Without `resume`, the run ends preempted."""
+    s = Sim(run_dir)
+    s.issue(3)                                      # prompts 0-2
+    s.arrive(0, [0]), s.arrive(1, [0])
+    s.step()                                        # step 0: prompts 0, 1
+    s.preempt({2: [0]})
+    s.checkpoint(tamper)                            # step 1: prompt 2 in flight, partial
+    if resume:
+        s.crash_and_resume()
+        assert s.issue(2) == [2, 3]
+        s.arrive(2, [0, 1], first_token=continue_from), s.arrive(3, [1])
+        s.step()                                    # step 1: prompts 2, 3
+        s.checkpoint()
+    s.close()
+    return run_dir
+
+
+def test_partial_rows_continued_from_their_prefix(tmp_path):
+    report = au.audit(preempted_run(tmp_path / "r"))
+    assert report.ok, report.text()
+    text = report.text()
+    assert "2 partial row(s); 2 continued by a later row that starts with them (2 tokens kept" \
+        in text
+    assert "preempted mid-generation and continued from their partial rows: 1" in text
+    waiting = au.audit(preempted_run(tmp_path / "w", resume=False))
+    assert waiting.ok, waiting.text()
+    assert "2 waiting in the checkpoint's partial groups" in waiting.text()
+
+
+def test_continuation_that_does_not_start_with_its_partial_row(tmp_path):
+    report = au.audit(preempted_run(tmp_path / "r", continue_from=1))
+    assert failing(report) == {7}, report.text()
+    assert "does not start with partial row" in report.text()
+
+
+def test_partial_rows_the_checkpoint_forgot(tmp_path):
+    def forget(state):
+        for k in ("partial_prompt_ids", "partial_first_row", "partial_rows"):
+            state[k] = np.zeros(0, np.int64)
+    report = au.audit(preempted_run(tmp_path / "r", resume=False, tamper=forget))
+    assert failing(report) == {7}, report.text()
+    assert "not among the checkpoint's partial groups" in report.text()

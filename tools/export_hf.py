@@ -81,6 +81,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
     from areal_hpc.topology import free_port
     from areal_hpc.train.actor import Actor
+    from areal_hpc.train.checkpoint import load_model
     from areal_hpc.train.megatron_model import init_megatron_parallel
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
     actor = Actor(cfg.train, cfg.model.path, group_size=cfg.rollout.group_size,
                   temperature=cfg.rollout.temperature, dtype=cfg.model.dtype)
     if ckpt is not None:
-        ck.load_model(ckpt, actor.model)
+        load_model(ckpt, actor.model)
     actor.save_hf(str(args.out))
     dist.destroy_process_group()
     print(f"exported step {step} of {source} to {args.out}")

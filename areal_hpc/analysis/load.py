@@ -20,7 +20,7 @@ import pandas as pd
 import yaml
 from tqdm import tqdm
 
-from ..storage.rollout_log import (FINISH_REASONS, RolloutLogError, RolloutReader,
+from ..storage.rollout_log import (FINISH_REASONS, PARTIAL, RolloutLogError, RolloutReader,
                                    damage_is_an_error)
 
 BLOCK_TOKENS = 1 << 24     # int32 versions: 64 MiB per block
@@ -42,7 +42,7 @@ class RunData:
     accuracy); `version_first`/`version_last` the policy versions of its first and last output
     token, `version_changes` how often the version changed in between (weight updates it lived
     through); `interrupted` whether it spans more than one version; `consumed_step` the training
-    step that used it (-1 pending, -2 dropped as stale); `staleness` consumed_step minus its
+    step that used it (-1 pending, -2 dropped as stale, -3 rolled back, -4 partial); `staleness` consumed_step minus its
     oldest token's version for consumed rows (as the controller's bound), NaN otherwise; times
     are time.time() seconds.
     `token_staleness`: staleness value → number of output tokens with it, over consumed rows
@@ -53,6 +53,12 @@ class RunData:
     config: dict
     traj: pd.DataFrame
     token_staleness: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def generated(self) -> pd.DataFrame:
+        """`traj` without its PARTIAL rows (samples as far as they got at a preemption, which a
+        later row continues and so holds again): the rows that statistics count."""
+        return self.traj[self.traj["consumed_step"] != PARTIAL]
 
     @property
     def model_path(self) -> str | None:

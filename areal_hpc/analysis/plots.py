@@ -71,11 +71,11 @@ def plot_staleness(runs: list[RunData], path: Path) -> Path:
 def plot_lengths(runs: list[RunData], path: Path) -> Path:
     """Output length distribution (share of trajectories), with each run's p99 marked."""
     fig, ax = plt.subplots(figsize=(6, 4))
-    top = max((int(r.traj["output_len"].max()) for r in runs if len(r.traj)), default=1)
+    top = max((int(r.generated["output_len"].max()) for r in runs if len(r.generated)), default=1)
     step = max(1, -(-(top + 1) // 60))        # whole tokens per bin, at most ~60 bins
     bins = np.arange(0, top + step + 1, step)
     for run in runs:
-        lens = run.traj["output_len"].to_numpy()
+        lens = run.generated["output_len"].to_numpy()
         if not lens.size:
             continue
         line = ax.hist(lens, bins=bins, weights=np.full(lens.size, 1 / lens.size),

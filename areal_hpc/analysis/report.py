@@ -10,6 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import summary as S
+from ..storage.rollout_log import STATUS_NAMES
 from .load import RunData
 
 
@@ -156,8 +157,7 @@ def print_trajectories(console: Console, run: RunData, rows: list[int], tokenize
             versions = f"{v.min()}" if v.size and v.min() == v.max() else \
                 (f"{v.min()}→{v.max()} (interrupted)" if v.size else "–")
             c = row["consumed_step"]
-            step = f"step {c}" if c >= 0 else {-1: "pending", -2: "dropped (stale)"}.get(
-                c, f"not trained ({c})")
+            step = f"step {c}" if c >= 0 else STATUS_NAMES.get(c, f"not trained ({c})")
             head = (f"[bold]{escape(run.label)} row {i}[/bold]  prompt {row['prompt_id']} "
                     f"sample {row['sample_idx']}  reward {row['reward']:+.2f}  versions {versions}"
                     f"  {step}  finish {row['finish_reason']}  rank {row['generator_rank']}  "

@@ -13,6 +13,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from ..storage.rollout_log import PARTIAL
 from .load import RunData
 
 # reward/pool.py reports a call killed at its deadline as "timeout after <s> s".
@@ -28,6 +29,8 @@ OVERVIEW_FIELDS = (
     ("trained", "trajectories trained on", "{:,}"),
     ("pending", "pending (not yet trained on)", "{:,}"),
     ("dropped_stale", "dropped as too stale", "{:,}"),
+    ("partial", "partial rows (preempted mid-generation, continued later; not counted here)",
+     "{:,}"),
     ("reward_mean", "reward mean", "{:+.4f}"),
     ("accuracy", "accuracy (reward > 0.5)", "{:.4f}"),
     ("interrupted_share", "interrupted (span > 1 version)", "{:.2%}"),
@@ -76,7 +79,7 @@ def overview(run: RunData) -> dict[str, float]:
     """The run at a glance: counts, reward, staleness, lengths, time, reward-service errors
     (keys: OVERVIEW_FIELDS). Reward, accuracy and lengths are over every logged trajectory;
     staleness over the trained ones."""
-    t, hist = run.traj, run.token_staleness
+    t, hist = run.generated, run.token_staleness
     consumed = t["consumed_step"]
     trained = t[consumed >= 0]
     errors = t["reward_error"].astype(str)
@@ -92,6 +95,7 @@ def overview(run: RunData) -> dict[str, float]:
         "trained": len(trained),
         "pending": int((consumed == -1).sum()),
         "dropped_stale": int((consumed == -2).sum()),
+        "partial": int((run.traj["consumed_step"] == PARTIAL).sum()),
         "reward_mean": float(t["reward"].mean()) if len(t) else math.nan,
         "accuracy": float(t["correct"].mean()) if len(t) else math.nan,
         "interrupted_share": float(t["interrupted"].mean()) if len(t) else math.nan,
@@ -159,12 +163,12 @@ def by_version(run: RunData, max_rows: int = 20) -> pd.DataFrame:
     """Reward and accuracy by the policy version that started each trajectory (its first token),
     over every logged trajectory: first, last (version range of the row), trajectories, reward,
     accuracy, length_mean, interrupted_share, trained (how many a step used)."""
-    t = run.traj[run.traj["version_first"] >= 0]     # -1: no output token at all
+    t = run.generated[run.generated["version_first"] >= 0]     # -1: no output token at all
     t = t.assign(_trained=t["consumed_step"] >= 0)
     return _table(t, "version_first", max_rows, {
         "interrupted_share": lambda g: g["interrupted"].mean(),
         "trained": lambda g: g["_trained"].sum(),
-    }, _t0(run.traj))
+    }, _t0(run.generated))
 
 
 def nice_bin(span_s: float, bins: int = 12) -> float:
@@ -179,7 +183,7 @@ def throughput(run: RunData, bin_s: float | None = None) -> pd.DataFrame:
     run's first submit), one column per rank. A trajectory's tokens are spread evenly over
     [t_first_token, t_end] (all at t_end when that is one instant); the last bin is divided by
     the part of it the run covers."""
-    t = run.traj
+    t = run.generated
     if t.empty:
         return pd.DataFrame()
     t0 = _t0(t)
@@ -212,7 +216,7 @@ def throughput(run: RunData, bin_s: float | None = None) -> pd.DataFrame:
 def per_generator(run: RunData) -> pd.DataFrame:
     """Per generator rank: trajectories, output tokens, tokens/s over the run's wall time,
     reward errors."""
-    t = run.traj
+    t = run.generated
     wall = overview(run)["wall_s"]
     g = t.groupby("generator_rank")
     return pd.DataFrame({
@@ -225,6 +229,6 @@ def per_generator(run: RunData) -> pd.DataFrame:
 
 def reward_errors(run: RunData) -> pd.DataFrame:
     """Distinct reward-service errors with their counts, most frequent first."""
-    e = run.traj["reward_error"].astype(str)
+    e = run.generated["reward_error"].astype(str)
     counts = e[e != ""].value_counts()
     return pd.DataFrame({"error": counts.index, "count": counts.to_numpy()})

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..config import RunConfig, to_yaml
 from ..data.prompts import prompt_ids
-from ..storage.rollout_log import DROPPED_STALE, RolloutWriter
+from ..storage.rollout_log import DROPPED_STALE, PARTIAL, RolloutWriter
 from ..topology import Topology
 from ..transport.mpi import Channel, Tag
 from ..transport.weights import AckTracker
@@ -125,6 +125,9 @@ class Controller:
         # (prompt_id, dataset index) to issue first: in flight at a resume, or dropped as stale
         self.reissue: list[tuple[int, int]] = []
         self.buffer = ReadyBuffer()
+        # prompt_id → (first row, rows) of its group's PARTIAL rows in the log: sent back by a
+        # generator at a preemption, continued from when the prompt is issued again
+        self.partial: dict[int, tuple[int, int]] = {}
         self.dropped_stale = 0          # groups dropped for exceeding η, over the run
         self.stale_groups = StaleGroups(r.stale_policy, r.max_reissues)   # dropped: again or lost
         log_path = cfg.run_dir / "rollouts.h5"
@@ -271,7 +274,11 @@ class Controller:
                 idx = self.cursor.next()
                 pid = self.cursor.consumed - 1      # unique per submission, also across epochs
             self.prompts_in_flight[pid] = idx
-            batches.setdefault(g, []).append(self.encode(pid, self.rows[idx], self.cfg.rollout.group_size))
+            msg = self.encode(pid, self.rows[idx], self.cfg.rollout.group_size)
+            if pid in self.partial:                 # its samples go on from where they stopped
+                first, count = self.partial[pid]
+                msg["continue"] = [self._continuation(r) for r in range(first, first + count)]
+            batches.setdefault(g, []).append(msg)
             self.in_flight[g] += 1
             self.staleness.on_rollout_submitted()
         for g, prompts in batches.items():
@@ -288,11 +295,16 @@ class Controller:
             elif tag == Tag.TRAJECTORIES:
                 self.in_flight[src] -= 1
                 self.prompts_in_flight.pop(msg[0]["prompt_id"], None)
+                self.partial.pop(int(msg[0]["prompt_id"]), None)
                 self.staleness.on_rollout_accepted()
                 rows = self.writer.append(msg)
                 self.buffer.add(msg, rows)
                 self.generated_tokens += sum(len(t["output_tokens"]) for t in msg)
                 got += 1
+            elif tag == Tag.PARTIAL:               # preempted: the prompts stay in flight
+                for group in msg:
+                    rows = self.writer.append(group, consumed=PARTIAL)
+                    self.partial[int(group[0]["prompt_id"])] = (rows[0], len(rows))
             elif tag == Tag.EVAL_RESULT:
                 self._eval_results.append(msg)
             elif tag == Tag.STATS:
@@ -300,6 +312,29 @@ class Controller:
             elif tag == Tag.WEIGHTS_ACK:
                 self.weight_acks.record(src, msg)
         return got
+
+    def _check_partial(self, path, reissued: set[int]) -> int:
+        """The checkpoint's PARTIAL groups, against the log: each names rows of its own prompt,
+        sample_idx 0.., all PARTIAL, and a prompt that is issued again. Returns their tokens."""
+        from ..storage.checkpoint import CheckpointError
+        pid, sidx, status, ends = (self.writer.column(k) for k in (
+            "prompt_id", "sample_idx", "consumed_step", "output_end"))
+        tokens = 0
+        for p, (first, n) in sorted(self.partial.items()):
+            rows = np.arange(first, first + n)
+            if p not in reissued or n < 1 or rows[-1] >= len(pid) or (pid[rows] != p).any() \
+                    or (sidx[rows] != np.arange(n)).any() or (status[rows] != PARTIAL).any():
+                raise CheckpointError(f"{path}: the checkpoint's partial group of prompt {p} "
+                                      f"(rows {first}-{first + n - 1}) is not that prompt's "
+                                      f"PARTIAL rows in the log, or the prompt is not in flight")
+            tokens += int(ends[rows[-1]]) - (int(ends[first - 1]) if first else 0)
+        return tokens
+
+    def _continuation(self, row: int) -> dict:
+        """A PARTIAL row as a generator continues it (a prompt's "continue" entries)."""
+        t = self.writer.read(row)
+        return {k: t[k] for k in ("sample_idx", "output_tokens", "behav_logprobs", "versions",
+                                  "finish_reason", "t_submit", "t_first_token", "t_end")}
 
     def _drop_stale(self) -> int:
         """Groups whose oldest token is more than η versions behind the policy, by
@@ -398,8 +433,10 @@ class Controller:
 
     # -- the end ----------------------------------------------------------------------------------
     def stop(self, preempted: bool = False) -> None:
-        """Tell generators to finish (dropping their in-flight work), take every group they still
-        send into the buffer, and collect their statistics. The log stays open until `close`."""
+        """Tell generators to finish, take every group they still send into the buffer, and
+        collect their statistics. At a preemption they first send their in-flight groups as far
+        as they got (PARTIAL rows in the log; the prompts stay in flight, and a resume continues
+        them); otherwise in-flight work is dropped. The log stays open until `close`."""
         self._stop_service()
         for g in self.topo.generator_ranks:
             self.chan.send({"preempted": preempted}, g, Tag.STOP)
@@ -433,11 +470,13 @@ class Controller:
     def state(self) -> dict:
         """What a resumed controller needs (saved in the checkpoint's state.h5): the version, the
         data cursor, the staleness counters, the log rows of buffered groups, the prompts in flight
-        and the number of log rows (rows appended later are rolled back on resume)."""
+        with the PARTIAL rows to continue them from, and the number of log rows (rows appended
+        later are rolled back on resume)."""
         with self._cond:
             groups = self.buffer.groups()
             rows = [r for g in groups for r in g.rows]
             inflight = sorted(self.prompts_in_flight.items()) + list(self.reissue)
+            partial = sorted((p, *self.partial[p]) for p, _ in inflight if p in self.partial)
             return {
                 "version": self.version, "cursor_consumed": self.cursor.consumed,
                 "accepted": self.staleness.accepted, "rejected": self.staleness.rejected,
@@ -448,6 +487,9 @@ class Controller:
                 "buffer_group_ends": np.cumsum([len(g.rows) for g in groups], dtype=np.int64),
                 "inflight_prompt_ids": np.asarray([p for p, _ in inflight], dtype=np.int64),
                 "inflight_dataset_index": np.asarray([i for _, i in inflight], dtype=np.int64),
+                "partial_prompt_ids": np.asarray([p for p, _, _ in partial], dtype=np.int64),
+                "partial_first_row": np.asarray([r for _, r, _ in partial], dtype=np.int64),
+                "partial_rows": np.asarray([n for _, _, n in partial], dtype=np.int64),
             }
 
     def _restore(self, state: dict, path) -> None:
@@ -475,5 +517,9 @@ class Controller:
         self.generated_tokens = int(state["generated_tokens"])
         self.reissue = list(zip(map(int, state["inflight_prompt_ids"]),
                                 map(int, state["inflight_dataset_index"])))
-        log.info("resumed at version %d: %d buffered groups, %d prompts to reissue, cursor at %d",
-                 self.version, len(ends) - 1, len(self.reissue), self.cursor.consumed)
+        self.partial = {int(p): (int(r), int(n)) for p, r, n in zip(
+            *(state.get(k, ()) for k in ("partial_prompt_ids", "partial_first_row", "partial_rows")))}
+        kept = self._check_partial(path, {p for p, _ in self.reissue})
+        log.info("resumed at version %d: %d buffered groups, %d prompts to reissue (%d of them "
+                 "continued from %d partial tokens), cursor at %d", self.version, len(ends) - 1,
+                 len(self.reissue), len(self.partial), kept, self.cursor.consumed)

@@ -2,12 +2,14 @@
 
     loop:
         handle controller messages:
-            PROMPTS → submit n samples per prompt to vLLM
+            PROMPTS → submit each prompt's n samples to vLLM as one request
             WEIGHTS → acknowledge "started"; interrupt in-flight requests, receive the new
                       weights over the weight group (or load them from disk), drop the KV
                       cache, resume (later tokens carry the new version); acknowledge "loaded"
             EVAL    → run the held-out prompts to completion at the current version
-            STOP    → finish
+            STOP    → finish; at a preemption, first abort the engine's requests and send back
+                      every training group still in flight as far as it got (PARTIAL): the
+                      resumed job continues each sample from its prefix
             CONTROLLER_HEARTBEAT → (liveness only)
         nothing from the controller for rollout.generator_timeout_s (before its first message:
             weights.join_timeout_s), or a weight broadcast that stops arriving for
@@ -31,7 +33,7 @@ from ..reward import custom
 from ..reward.pool import RewardPool
 from ..topology import CONTROLLER_RANK, Topology
 from ..transport.mpi import Channel, Tag
-from .vllm_engine import VLLMEngine
+from .vllm_engine import FinishedSample, VLLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,7 @@ class Generator:
         with preemption.shield_children():     # engine processes must outlive a USR1
             self._start_children(cfg, topo)
         self.groups: dict[tuple[str, int], _Group] = {}
+        self._kept: dict[tuple[str, int, int], int] = {}   # a continued sample's earlier tokens
         self.tokens_generated = 0
         # Where the time went, from the first training prompt to the stop: generating (busy),
         # paused for weight updates, evaluating, or idle with nothing to generate (η bound
@@ -133,8 +136,10 @@ class Generator:
                 elif tag == Tag.EVAL:
                     with self._timed("eval"):
                         self._evaluate(msg)
-                elif tag == Tag.STOP:      # in-flight work is dropped (reissued on resume)
+                elif tag == Tag.STOP:
                     self.preempted = bool(msg and msg.get("preempted"))
+                    if self.preempted:  # in-flight work goes back, to be continued on resume
+                        self._send_partial()
                     running = False
                     break
                 # This rank's own work on the message (a weight load, an eval) is not silence.
@@ -251,21 +256,39 @@ class Generator:
     def _submit(self, kind: str, prompt: dict) -> None:
         r = self.cfg.rollout
         self.groups[(kind, prompt["prompt_id"])] = _Group(prompt)
-        for i in range(prompt["n"]):
-            self.engine.submit(_request_id(kind, prompt["prompt_id"], i), prompt["prompt_tokens"],
-                               max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                               top_p=r.top_p)
+        pid, sampling = prompt["prompt_id"], dict(temperature=r.temperature, top_p=r.top_p)
+        earlier = {int(c["sample_idx"]): c for c in prompt.get("continue", ())
+                   if len(c["output_tokens"]) or c["finish_reason"] != "abort"}
+        for idx, c in sorted(earlier.items()):      # a preempted job's partial outputs
+            rid = _request_id(kind, pid, idx)
+            if c["finish_reason"] != "abort":       # it had finished: score it again
+                self._finished(kind, pid, idx, FinishedSample(
+                    rid, np.asarray(prompt["prompt_tokens"], dtype=np.int32),
+                    *(np.asarray(c[k]) for k in ("output_tokens", "behav_logprobs", "versions")),
+                    c["finish_reason"], c["t_submit"], c["t_first_token"], c["t_end"]))
+            else:                                   # prompt + prefix, recomputed, then on
+                self.engine.continue_sample(
+                    rid, prompt["prompt_tokens"], c["output_tokens"], c["behav_logprobs"],
+                    c["versions"], r.max_new_tokens, **sampling, t_submit=c["t_submit"],
+                    t_first_token=c["t_first_token"])
+            self._kept[(kind, pid, idx)] = len(c["output_tokens"])   # not generated here
+        ids = [_request_id(kind, pid, i) for i in range(prompt["n"]) if i not in earlier]
+        if ids:
+            self.engine.submit_group(ids, prompt["prompt_tokens"],
+                                     max_new_tokens=r.max_new_tokens, **sampling)
 
     def _step(self) -> None:
         """One engine step; every finished sample goes to the reward pool at once."""
         for smp in self.engine.step():
-            kind, pid, idx = _parse_request_id(smp.request_id)
-            group = self.groups[(kind, pid)]
-            group.samples[idx] = smp
-            self.tokens_generated += len(smp.output_tokens)
-            text = self.tokenizer.decode(smp.output_tokens, skip_special_tokens=True)
-            self.rewards.submit((kind, pid, idx), group.prompt["reward_kind"], text,
-                                group.prompt["reference"], group.prompt.get("row"))
+            self._finished(*_parse_request_id(smp.request_id), smp)
+
+    def _finished(self, kind: str, pid: int, idx: int, smp: FinishedSample) -> None:
+        group = self.groups[(kind, pid)]
+        group.samples[idx] = smp
+        self.tokens_generated += len(smp.output_tokens) - self._kept.pop((kind, pid, idx), 0)
+        text = self.tokenizer.decode(smp.output_tokens, skip_special_tokens=True)
+        self.rewards.submit((kind, pid, idx), group.prompt["reward_kind"], text,
+                            group.prompt["reference"], group.prompt.get("row"))
 
     def _collect_rewards(self, timeout: float = 0.0) -> list[tuple[str, _Group]]:
         """Scores that arrived; returns the groups now fully generated and scored."""
@@ -283,20 +306,42 @@ class Generator:
                 complete.append((kind, self.groups.pop((kind, pid))))
         return complete
 
-    def _send(self, group: _Group) -> None:
-        """A scored training group to the controller: one trajectory dict per sample
-        (docs/architecture.md#data-contract)."""
+    def _trajectories(self, group: _Group) -> list[dict]:
+        """One trajectory dict per sample (docs/architecture.md#data-contract); a sample not
+        scored yet (a partial group) has reward 0."""
         p = group.prompt
-        trajs = [{
+        return [{
             "prompt_id": p["prompt_id"], "sample_idx": idx,
             "prompt_tokens": np.asarray(p["prompt_tokens"], dtype=np.int32),
             "output_tokens": s.output_tokens, "behav_logprobs": s.behav_logprobs,
-            "versions": s.versions, "reward": group.rewards[idx],
+            "versions": s.versions, "reward": group.rewards.get(idx, 0.0),
             "finish_reason": s.finish_reason, "generator_rank": self.topo.rank,
             "t_submit": s.t_submit, "t_first_token": s.t_first_token, "t_end": s.t_end,
             "reward_error": group.errors.get(idx, ""), "reward_extra": group.extras.get(idx, {}),
         } for idx, s in sorted(group.samples.items())]
-        self.chan.send(trajs, CONTROLLER_RANK, Tag.TRAJECTORIES)
+
+    def _send(self, group: _Group) -> None:
+        """A scored training group to the controller."""
+        self.chan.send(self._trajectories(group), CONTROLLER_RANK, Tag.TRAJECTORIES)
+
+    def _send_partial(self) -> None:
+        """At a preemption: abort every sample and send each training group still here (being
+        generated, or generated and being scored) with all its samples as far as they got. The
+        engine's outputs so far live in this process, so this takes milliseconds, inside any
+        signal window, also when the engine's processes were already killed. Eval groups are
+        dropped (an evaluation is rerun whole)."""
+        for smp in self.engine.abort_all():
+            kind, pid, idx = _parse_request_id(smp.request_id)
+            self.groups[(kind, pid)].samples[idx] = smp
+        train = [g for (kind, _), g in sorted(self.groups.items()) if kind == "train"]
+        partial = [self._trajectories(g) for g in train if g.generated]
+        if len(partial) < len(train):   # every submitted sample is in the engine's outputs
+            log.warning("generator rank %d: %d in-flight group(s) without all their samples "
+                        "not kept", self.topo.rank, len(train) - len(partial))
+        tokens = sum(len(t["output_tokens"]) for g in partial for t in g)
+        log.info("generator rank %d: preempted with %d group(s) in flight, %d tokens kept",
+                 self.topo.rank, len(partial), tokens)
+        self.chan.send(partial, CONTROLLER_RANK, Tag.PARTIAL)
 
     def _evaluate(self, msg: dict) -> None:
         """Held-out accuracy at the current version: run the eval prompts to completion here,

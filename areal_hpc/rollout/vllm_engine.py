@@ -13,8 +13,12 @@ prompt + partial output with the remaining token budget. Its KV cache is recompu
 new weights, and its later tokens carry the new version. A finished sample therefore holds
 `versions = [v0, ..., v0, v1, ..., v1]`, one entry per output token.
 
-One sample per vLLM request: a group of n samples is n requests (n=1 keeps the bookkeeping of
-an interrupted request trivial and lets the samples of a group finish independently).
+A group of n samples of one prompt is one vLLM request with `n` samples (`submit_group`): the
+prompt is validated and rendered once instead of n times, a third of the submission cost per
+sample on the tiny model (BENCHMARKS.md, generator loop work). vLLM fans it out into n child
+sequences that finish independently; each is reported on its own as it finishes. An interrupted
+sample has its own prefix, so after a weight update every unfinished sample is resubmitted
+alone, as its own one-sample request.
 """
 
 from __future__ import annotations
@@ -73,10 +77,6 @@ class _Request:
     versions: list[int] = field(default_factory=list)
     t_first_token: float | None = None
     attempt: int = 0  # resubmissions so far; part of the vLLM request id
-
-    @property
-    def vllm_id(self) -> str:
-        return f"{self.request_id}@{self.attempt}"
 
 
 @contextlib.contextmanager
@@ -195,7 +195,10 @@ class VLLMEngine:
             disable_log_stats=True,
         )
         self.version = version
-        self._requests: dict[str, _Request] = {}  # by vLLM request id (request_id@attempt)
+        self._requests: dict[str, _Request] = {}  # unfinished samples, by their request_id
+        # vLLM request id → its samples by completion index (None once finished): a group's
+        # first submission ("<first request_id>*<n>"), or one resubmitted sample ("<id>@<attempt>").
+        self._live: dict[str, list[_Request | None]] = {}
         self._pending: list[FinishedSample] = []  # finished outside step(), returned by step()
         children_before = {p.pid for p in _descendants()}
         t0 = time.perf_counter()
@@ -224,29 +227,49 @@ class VLLMEngine:
         ignore_eos: bool = False,
     ) -> None:
         """Queue one sample. `request_id` must be unique among this engine's unfinished ones."""
-        if any(r.request_id == request_id for r in self._requests.values()):
-            raise ValueError(f"request {request_id!r} is already running")
+        self.submit_group([request_id], prompt_tokens, max_new_tokens, temperature, top_p,
+                          top_k=top_k, ignore_eos=ignore_eos)
+
+    def submit_group(
+        self,
+        request_ids: Sequence[str],
+        prompt_tokens: Sequence[int],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        *,
+        top_k: int = -1,
+        ignore_eos: bool = False,
+    ) -> None:
+        """Queue len(request_ids) samples of one prompt as one vLLM request; each sample is
+        returned by `step()` on its own, under its own request id, as it finishes. The ids must
+        be distinct and unique among this engine's unfinished samples."""
+        if not request_ids:
+            raise ValueError("submit_group needs at least one request id")
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError(f"duplicate request ids in one group: {list(request_ids)!r}")
+        running = [rid for rid in request_ids if rid in self._requests]
+        if running:
+            raise ValueError(f"request {running[0]!r} is already running")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        req = _Request(
-            request_id=request_id,
-            prompt_tokens=[int(t) for t in prompt_tokens],
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            ignore_eos=ignore_eos,
-            t_submit=time.time(),
-        )
-        self._add(req)
+        prompt = [int(t) for t in prompt_tokens]
+        now = time.time()
+        reqs = [_Request(request_id=rid, prompt_tokens=prompt, max_new_tokens=max_new_tokens,
+                         temperature=temperature, top_p=top_p, top_k=top_k,
+                         ignore_eos=ignore_eos, t_submit=now) for rid in request_ids]
+        self._add(f"{request_ids[0]}*{len(reqs)}", reqs)
 
-    def _add(self, req: _Request) -> None:
+    def _add(self, vllm_id: str, reqs: list[_Request]) -> None:
+        """One vLLM request for `reqs`: samples of one context (prompt + the tokens so far)
+        and one sampling setting, `len(reqs)` of them."""
         from vllm import SamplingParams
         from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
+        req = reqs[0]
         params = SamplingParams(
-            n=1,
+            n=len(reqs),
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k,
@@ -259,8 +282,68 @@ class VLLMEngine:
         # An already rendered engine input: a TokensPrompt would go through the renderer again
         # (and vLLM 0.32 warns that raw prompts are deprecated).
         prompt = tokens_input(req.prompt_tokens + req.tokens)
-        self._engine.add_request(req.vllm_id, prompt, params)
-        self._requests[req.vllm_id] = req
+        self._engine.add_request(vllm_id, prompt, params)
+        self._live[vllm_id] = list(reqs)
+        for r in reqs:
+            self._requests[r.request_id] = r
+
+    def continue_sample(
+        self,
+        request_id: str,
+        prompt_tokens: Sequence[int],
+        tokens: Sequence[int],
+        logprobs: Sequence[float],
+        versions: Sequence[int],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        *,
+        top_k: int = -1,
+        ignore_eos: bool = False,
+        t_submit: float | None = None,
+        t_first_token: float | None = None,
+        interrupts: int = 0,
+    ) -> None:
+        """Queue a sample that an earlier engine started (a preempted job's partial output,
+        `abort_all`): prompt + `tokens` is recomputed with the current weights, as after a weight
+        update, and generation goes on from there; the given tokens keep their `logprobs` and
+        `versions`, later ones carry this engine's version. Counts as one more interruption."""
+        n = len(tokens)
+        if len(logprobs) != n or len(versions) != n:
+            raise ValueError(f"{request_id}: tokens, logprobs and versions differ in length "
+                             f"({n}, {len(logprobs)}, {len(versions)})")
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already running")
+        req = _Request(request_id=request_id, prompt_tokens=[int(t) for t in prompt_tokens],
+                       max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                       top_k=top_k, ignore_eos=ignore_eos,
+                       t_submit=time.time() if t_submit is None else t_submit,
+                       tokens=[int(t) for t in tokens], logprobs=[float(x) for x in logprobs],
+                       versions=[int(v) for v in versions],
+                       t_first_token=t_first_token if n else None, attempt=interrupts + 1)
+        if n >= max_new_tokens:         # nothing left to generate
+            self._pending.append(self._finish(req, "length", time.time()))
+        else:
+            self._add(f"{request_id}@{req.attempt}", [req])
+
+    def abort_all(self) -> list[FinishedSample]:
+        """Stop every unfinished sample and return them all, each with the tokens, logprobs and
+        versions it has so far (finish_reason "abort"), with the samples that finished but
+        `step()` has not returned yet (their own finish reason). The outputs come from this
+        process's own bookkeeping, so an engine that is already gone (its processes killed at a
+        preemption) costs only the abort call, which is then skipped."""
+        samples, self._pending = self._pending, []
+        now = time.time()
+        if self._live:
+            try:
+                self._engine.abort_request(list(self._live))
+            except Exception as exc:    # noqa: BLE001 - the engine died first; the tokens are here
+                logger.warning("aborting vLLM's requests failed (%s); keeping the outputs so far",
+                               exc)
+        samples += [self._finish(r, "abort", now) for r in self._requests.values()]
+        self._live.clear()
+        self._requests.clear()
+        return samples
 
     def step(self) -> list[FinishedSample]:
         """Collect the engine's next outputs; return the samples that finished.
@@ -274,23 +357,30 @@ class VLLMEngine:
         outputs = self._engine.step()
         now = time.time()
         for out in outputs:
-            req = self._requests.get(out.request_id)
-            if req is None:  # a late output of an aborted attempt
+            slots = self._live.get(out.request_id)
+            if slots is None:  # a late output of an aborted attempt
                 continue
-            completion = out.outputs[0]
-            new_tokens = list(completion.token_ids)
-            if new_tokens:
-                if req.t_first_token is None:
-                    req.t_first_token = now
-                logprobs = completion.logprobs
-                if logprobs is None or len(logprobs) != len(new_tokens):
-                    raise RuntimeError(f"{req.vllm_id}: expected one logprob per token")
-                req.tokens += new_tokens
-                req.logprobs += [lp[tok].logprob for tok, lp in zip(new_tokens, logprobs)]
-                req.versions += [self.version] * len(new_tokens)
-            if out.finished:
-                del self._requests[req.vllm_id]
-                finished.append(self._finish(req, str(completion.finish_reason), now))
+            # DELTA outputs: each completion is one sample's new tokens, `index` naming it.
+            for completion in out.outputs:
+                req = slots[completion.index]
+                if req is None:
+                    continue
+                new_tokens = list(completion.token_ids)
+                if new_tokens:
+                    if req.t_first_token is None:
+                        req.t_first_token = now
+                    logprobs = completion.logprobs
+                    if logprobs is None or len(logprobs) != len(new_tokens):
+                        raise RuntimeError(f"{req.request_id}: expected one logprob per token")
+                    req.tokens += new_tokens
+                    req.logprobs += [lp[tok].logprob for tok, lp in zip(new_tokens, logprobs)]
+                    req.versions += [self.version] * len(new_tokens)
+                if completion.finish_reason is not None:
+                    slots[completion.index] = None
+                    del self._requests[req.request_id]
+                    finished.append(self._finish(req, str(completion.finish_reason), now))
+            if out.finished or not any(slots):
+                del self._live[out.request_id]
         return finished
 
     @staticmethod
@@ -348,8 +438,10 @@ class VLLMEngine:
     def _update(self, version: int, method: str, arg) -> float:
         t0 = time.perf_counter()
         interrupted = list(self._requests.values())
-        if interrupted:
-            self._engine.abort_request([r.vllm_id for r in interrupted])
+        if self._live:
+            # A group's id aborts all its samples (vLLM aborts a parent's children with it).
+            self._engine.abort_request(list(self._live))
+            self._live.clear()
             self._requests.clear()
         t1 = time.perf_counter()
         # A failed load raises here, before `version` moves: the engine's model may be half
@@ -365,8 +457,8 @@ class VLLMEngine:
             req.attempt += 1
             if len(req.tokens) >= req.max_new_tokens:  # its final output was still in flight
                 self._pending.append(self._finish(req, "length", now))
-            else:
-                self._add(req)
+            else:  # alone: its prefix is its own
+                self._add(f"{req.request_id}@{req.attempt}", [req])
         paused_s = time.perf_counter() - t0
         logger.info(
             "weights v%d loaded in %.3f s; paused %.3f s; %d requests resumed",

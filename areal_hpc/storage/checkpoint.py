@@ -1,12 +1,12 @@
-"""Checkpoints a preempted or killed job resumes from, with nothing lost and nothing trained twice.
+"""The files of the checkpoints a preempted or killed job resumes from: folders, manifests with
+CRC-32 checksums, the run state (state.h5), validation, finding the newest, pruning.
 
 Layout, one folder per training step, under `<run_dir>/checkpoints/`:
 
   step_00000012/
-    megatron/       model + optimizer shards, Megatron dist-checkpointing (the model reshards on
-                    load: a different TP x PP layout can load it; the distributed optimizer's
-                    state reshards over DP only). Saved before the optimizer's first step (no
-                    Adam state yet): the model only.
+    megatron/       model + optimizer shards, written and read by areal_hpc/train/checkpoint.py
+                    (Megatron dist-checkpointing); this module only makes the folder and lists,
+                    sizes and checksums its files.
     state.h5        the run state: step and policy version, the optimizer layout (plain or
                     distributed) and whether its state was written, the LR scheduler, every
                     trainer rank's RNG states, the config, and the controller's state (data
@@ -18,8 +18,10 @@ Layout, one folder per training step, under `<run_dir>/checkpoints/`:
 The rollout log is flushed before the checkpoint is written (`RolloutWriter` flushes per batch),
 so every row the state refers to is on disk. Only the newest `keep` checkpoints are kept.
 
-`save` and `load` are collective over the trainer ranks (torch.distributed default group for the
-shards, the MPI trainer communicator for small objects); `find_latest` runs on one rank.
+A save is `begin_save` (the empty folder), the shards, then `finish_save` (state.h5, manifest,
+pruning), both collective over the trainer ranks (the MPI trainer communicator); a load reads
+`read_state` and restores each rank's RNG states with `restore_rng`. `find_latest` runs on one
+rank. Nothing here knows a model or an optimizer.
 """
 from __future__ import annotations
 
@@ -37,7 +39,6 @@ from typing import Any
 import h5py
 import numpy as np
 
-from .. import preemption
 from ..transport import mpi as coll
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ def _is_int(v) -> bool:
 
 
 def _check_manifest(ckpt: Path, manifest) -> None:
-    """CheckpointError unless `manifest` has the schema `save` writes: format, step (the
+    """CheckpointError unless `manifest` has the schema `write_manifest` writes: format, step (the
     folder's), created, files {relative path inside the folder: {size, crc32}}, bytes."""
     bad = lambda why: CheckpointError(f"{ckpt}: malformed {MANIFEST} ({why})")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -134,7 +135,7 @@ def _check_manifest(ckpt: Path, manifest) -> None:
 
 def validate(ckpt: Path, check_crc: bool = True) -> dict:
     """The manifest of a complete checkpoint; CheckpointError naming what is wrong otherwise
-    (no manifest, a manifest that is not JSON or not of the schema `save` writes, a file
+    (no manifest, a manifest that is not JSON or not of the schema `write_manifest` writes, a file
     name that leads out of the folder, a file missing, of another size or CRC-32, a file on
     disk that the manifest does not list)."""
     mpath = ckpt / MANIFEST
@@ -311,6 +312,8 @@ _CONTROLLER_INTS = ("version", "cursor_consumed", "accepted", "rejected", "dropp
 _CONTROLLER_OPTIONAL_INTS = ("lost_stale",)         # absent in checkpoints of older releases
 _CONTROLLER_ARRAYS = ("buffer_rows", "buffer_group_ends", "inflight_prompt_ids",
                       "inflight_dataset_index")
+# the PARTIAL groups to continue (prompt, first row, rows); absent before partial generations
+_CONTROLLER_PARTIAL = ("partial_prompt_ids", "partial_first_row", "partial_rows")
 
 
 def _read_controller(where: str, c: h5py.Group) -> dict[str, Any]:
@@ -324,7 +327,7 @@ def _read_controller(where: str, c: h5py.Group) -> dict[str, Any]:
         if not _is_int(v) or v < 0:
             raise CheckpointError(f"{where}: controller {key} = {v!r} is not a count")
         out[key] = v
-    for key in _CONTROLLER_ARRAYS:
+    for key in _CONTROLLER_ARRAYS + tuple(k for k in _CONTROLLER_PARTIAL if k in c):
         ds = c.get(key)
         if not isinstance(ds, h5py.Dataset) or ds.dtype.kind not in "iu" or len(ds.shape) != 1:
             raise CheckpointError(f"{where}: controller {key} is not a 1-D integer array")
@@ -342,6 +345,16 @@ def _read_controller(where: str, c: h5py.Group) -> dict[str, Any]:
     if len(out["inflight_prompt_ids"]) != len(out["inflight_dataset_index"]):
         raise CheckpointError(f"{where}: controller inflight_prompt_ids and "
                               f"inflight_dataset_index differ in length")
+    if any(k in out for k in _CONTROLLER_PARTIAL):
+        if not all(k in out for k in _CONTROLLER_PARTIAL) \
+                or len({len(out[k]) for k in _CONTROLLER_PARTIAL}) != 1:
+            raise CheckpointError(f"{where}: controller {', '.join(_CONTROLLER_PARTIAL)} are not "
+                                  "three arrays of one length")
+        first, n = out["partial_first_row"], out["partial_rows"]
+        if (n < 1).any() or (first + n > out["rollout_rows"]).any() \
+                or not np.isin(out["partial_prompt_ids"], out["inflight_prompt_ids"]).all():
+            raise CheckpointError(f"{where}: controller partial groups name rows beyond its "
+                                  f"rollout_rows ({out['rollout_rows']}) or prompts not in flight")
     return out
 
 
@@ -446,108 +459,62 @@ def _read_state(path: Path, f: h5py.File) -> dict[str, Any]:
     return out
 
 
-# ---------------------------------------------------------------------------- save / load
+# ---------------------------------------------------------------------------- writing one
 
-def _module(model):
-    """The model under Megatron's DDP wrapper (whose own state-dict keys carry `module.`)."""
-    return model.module if hasattr(model, "module") else model
-
-
-def _inner(optimizer) -> list:
-    """The Megatron optimizers in `optimizer` (itself, or a ChainedOptimizer's)."""
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+def _rank(comm) -> int:
+    return comm.Get_rank() if comm is not None else 0
 
 
-def _dist_optimizers(optimizer) -> list:
-    """Megatron's DistributedOptimizer(s) in `optimizer`."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    return [o for o in _inner(optimizer) if isinstance(o, DistributedOptimizer)]
-
-
-def _optimizer_format(optimizer) -> str:
-    return DISTRIBUTED if _dist_optimizers(optimizer) else PLAIN
-
-
-def _has_state(optimizer, comm=None) -> bool:
-    """Whether the optimizer has per-parameter state (Adam moments): False before its first
-    step. Agreed over the trainer ranks (every rank must write the same kind of shards)."""
-    mine = any(len(o.optimizer.state) > 0 for o in _inner(optimizer))
-    if comm is None or comm.Get_size() == 1:
-        return mine
-    flags = coll.gather(comm, mine, root=0, what="checkpoint: optimizer state on each rank")
-    n = coll.bcast(comm, sum(flags) if comm.Get_rank() == 0 else None, root=0,
-                   what="checkpoint: ranks with optimizer state")
-    if 0 < n < comm.Get_size():
-        raise CheckpointError(f"{n} of {comm.Get_size()} trainer ranks have optimizer state, the "
-                              "others none: cannot write a consistent checkpoint")
-    return n > 0
-
-
-# The distributed optimizer's state as "dp_reshardable" buckets, each rank's saved and loaded as
-# they are (same TP x PP; DP may change). Its default, "fully_sharded_model_space", builds
-# ShardedTensors with `flattened_range`, which megatron-core 0.16 rejects ("ShardedTensor.
-# flattened_range is not supported"); "fully_reshardable" was reported to fail to load on CPU
-# without Apex/TE (KeyError 'step').
-_DISTOPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
-
-
-def _sharded_state(model, optimizer, is_loading: bool = False, with_optimizer: bool = True) -> dict:
-    msd = _module(model).sharded_state_dict()
-    if not with_optimizer:
-        return {"model": msd}
-    dist_opts = _dist_optimizers(optimizer)
-    if not dist_opts:
-        return {"model": msd, "optimizer": optimizer.sharded_state_dict(msd, is_loading=is_loading)}
-    if is_loading:
-        # A fresh DistributedOptimizer has no state to load into (and its state_dict() asserts
-        # one common step): Megatron's own initialisation, one Adam step on zero gradients. The
-        # values it leaves are all overwritten by the load (`step`: _restore_distributed_steps).
-        for o in dist_opts:
-            if len(o.optimizer.state) == 0:
-                o._init_optimizer_states_with_dummy_values()
-    return {"model": msd, "optimizer": optimizer.sharded_state_dict(
-        msd, is_loading=is_loading, metadata=dict(_DISTOPT_METADATA))}
-
-
-def save(run_dir: str | os.PathLike, step: int, *, model, optimizer, scheduler=None,
-         controller_state: dict | None = None, config_yaml: str = "", keep: int = 2,
-         comm=None) -> Path:
-    """Write the checkpoint of `step` (collective over the trainer ranks); returns its folder.
-
-    Args:
-        model: the Megatron DDP-wrapped model of this rank; optimizer: Megatron's optimizer;
-        scheduler: Megatron's OptimizerParamScheduler (or None).
-        controller_state: the controller's state (trainer rank 0 only; see Controller.state).
-        keep: how many checkpoints to keep (older ones are deleted after this one is valid).
-        comm: the MPI communicator of the trainer ranks (None: a single trainer rank).
-    """
-    from megatron.core import dist_checkpointing
-
-    from ..train.cpu_compat import CudaToCpuMode
-    rank = comm.Get_rank() if comm is not None else 0
+def begin_save(run_dir: str | os.PathLike, step: int, comm=None) -> Path:
+    """The folder of the checkpoint of `step`, empty but for its `megatron/` folder (where the
+    shards go). A folder of the same step that a save did not finish is removed first.
+    Collective over the trainer ranks: rank 0 makes it, every rank returns once it is there."""
     ckpt = step_dir(run_dir, step)
-    t0 = time.monotonic()
-    if rank == 0:
+    if _rank(comm) == 0:
         if ckpt.exists():           # a save of the same step that did not finish
             shutil.rmtree(ckpt)
         (ckpt / SHARDS).mkdir(parents=True)
     _barrier(comm)
-    # Before the optimizer's first step it has no state: only the model is written (Megatron
-    # would write a plain optimizer's param groups without any moments, which then fail every
-    # load with KeyError '...exp_avg...', and the distributed optimizer's state_dict() asserts).
-    with_opt = _has_state(optimizer, comm)
-    with CudaToCpuMode(), preemption.shield_children():     # its writer processes
-        dist_checkpointing.save(_sharded_state(model, optimizer, with_optimizer=with_opt),
-                                str(ckpt / SHARDS))
+    return ckpt
+
+
+def finish_save(run_dir: str | os.PathLike, step: int, *, scheduler: dict | None,
+                controller_state: dict | None, config_yaml: str, optimizer_format: str,
+                optimizer_state: bool, keep: int, started: float, comm=None) -> Path:
+    """Complete the checkpoint of `step` once its shards are written (collective over the
+    trainer ranks); returns its folder. Writes state.h5 (`write_state`, on rank 0, with every
+    trainer rank's `rng_state()`), then the manifest (`write_manifest`), then keeps the newest
+    `keep` checkpoints.
+
+    Args:
+        scheduler: the LR scheduler's state dict (or None); controller_state: the controller's
+        state (trainer rank 0 only; see Controller.state); optimizer_format, optimizer_state:
+        see `write_state`. started: `time.monotonic()` when the save began (for the log line).
+        comm: the MPI communicator of the trainer ranks (None: a single trainer rank).
+    """
+    rank = _rank(comm)
+    ckpt = step_dir(run_dir, step)
     rngs = (coll.gather(comm, rng_state(), root=0, what=f"checkpoint step {step}: RNG states")
             if comm is not None else [rng_state()])
     if rank == 0:
-        write_state(ckpt / STATE, step=step, config_yaml=config_yaml,
-                    scheduler=scheduler.state_dict() if scheduler is not None else None,
+        write_state(ckpt / STATE, step=step, config_yaml=config_yaml, scheduler=scheduler,
                     rng=rngs, controller=controller_state,
-                    optimizer_format=_optimizer_format(optimizer), optimizer_state=with_opt)
+                    optimizer_format=optimizer_format, optimizer_state=optimizer_state)
     _barrier(comm)
-    # CRC-32 of every file, split over the trainer ranks (a 32B checkpoint is hundreds of GB).
+    manifest = write_manifest(ckpt, step, comm)
+    if rank == 0:
+        _prune(run_dir, keep)
+        log.info("checkpoint step %d written in %.1fs (%.1f MB): %s", step,
+                 time.monotonic() - started, manifest["bytes"] / 1e6, ckpt)
+    _barrier(comm)
+    return ckpt
+
+
+def write_manifest(ckpt: Path, step: int, comm=None) -> dict | None:
+    """manifest.json of every file in `ckpt` (written last, atomically: the checkpoint is
+    complete from then on); returns it on rank 0, None on the others. Collective: the CRC-32s
+    are split over the trainer ranks (a 32B checkpoint is hundreds of GB)."""
+    rank = _rank(comm)
     files = _files(ckpt) if rank == 0 else None
     if comm is not None:
         files = coll.bcast(comm, files, root=0, what=f"checkpoint step {step}: the file list")
@@ -558,17 +525,14 @@ def save(run_dir: str | os.PathLike, step: int, *, model, optimizer, scheduler=N
             for rel in files[rank::size]}
     parts = (coll.gather(comm, mine, root=0, what=f"checkpoint step {step}: CRC-32 of the files")
              if comm is not None else [mine])
-    if rank == 0:
-        entries = {k: v for part in parts for k, v in sorted(part.items())}
-        manifest = {"format": FORMAT, "step": step, "created": time.time(),
-                    "files": dict(sorted(entries.items())),
-                    "bytes": sum(v["size"] for v in entries.values())}
-        _write_atomic(ckpt / MANIFEST, json.dumps(manifest, indent=1))
-        _prune(run_dir, keep)
-        log.info("checkpoint step %d written in %.1fs (%.1f MB): %s", step,
-                 time.monotonic() - t0, manifest["bytes"] / 1e6, ckpt)
-    _barrier(comm)
-    return ckpt
+    if rank != 0:
+        return None
+    entries = {k: v for part in parts for k, v in sorted(part.items())}
+    manifest = {"format": FORMAT, "step": step, "created": time.time(),
+                "files": dict(sorted(entries.items())),
+                "bytes": sum(v["size"] for v in entries.values())}
+    _write_atomic(ckpt / MANIFEST, json.dumps(manifest, indent=1))
+    return manifest
 
 
 def _prune(run_dir, keep: int) -> None:
@@ -585,51 +549,11 @@ def _prune(run_dir, keep: int) -> None:
         shutil.rmtree(ckpt, ignore_errors=True)
 
 
-def _checkpoint_has_optimizer_state(ckpt: Path, state: dict) -> bool:
-    """Whether the shards hold optimizer state. Checkpoints older than the `optimizer_state`
-    attribute: whether any optimizer tensor was written (a plain optimizer saved before its
-    first step wrote param groups only)."""
-    if state["optimizer_state"] is not None:
-        return state["optimizer_state"]
-    from megatron.core import dist_checkpointing
-    keys = dist_checkpointing.load_tensors_metadata(str(ckpt / SHARDS)).keys()
-    return any(k.startswith("optimizer.") for k in keys)
-
-
-def load(ckpt: Path, *, model, optimizer, scheduler=None, comm=None) -> dict[str, Any]:
-    """Load shards, optimizer, scheduler and this rank's RNG states (collective); returns the
-    run state (`read_state`).
-
-    A checkpoint written before the optimizer's first step loads the model only and leaves the
-    optimizer without state (as it was when saved). The optimizer layout must match the run's
-    (`train.distributed_optimizer`); a mismatch raises CheckpointError."""
-    import torch
-    from megatron.core import dist_checkpointing
-
-    from ..train.cpu_compat import CudaToCpuMode
-    rank = comm.Get_rank() if comm is not None else 0
-    state = read_state(ckpt / STATE)
-    saved_fmt = state["optimizer_format"] or PLAIN            # older checkpoints: plain only
-    run_fmt = _optimizer_format(optimizer)
-    with_opt = _checkpoint_has_optimizer_state(ckpt, state)
-    if with_opt and saved_fmt != run_fmt:
-        raise CheckpointError(
-            f"{ckpt}: its optimizer state was written by the {saved_fmt} optimizer, this run "
-            f"uses the {run_fmt} one (train.distributed_optimizer); resume with the setting it "
-            f"was written with (or use tools/export_hf.py for the weights only)")
-    with CudaToCpuMode():
-        loaded = dist_checkpointing.load(
-            _sharded_state(model, optimizer, is_loading=True, with_optimizer=with_opt),
-            str(ckpt / SHARDS))
-        _module(model).load_state_dict(loaded["model"])
-        with torch.no_grad():
-            if with_opt:
-                optimizer.load_state_dict(loaded["optimizer"])
-                _restore_distributed_steps(optimizer, loaded["optimizer"])
-            else:
-                _reset_optimizer(optimizer)
-    if scheduler is not None and state["scheduler"] is not None:
-        scheduler.load_state_dict(state["scheduler"])
+def restore_rng(ckpt: Path, state: dict[str, Any], comm=None) -> None:
+    """Restore this trainer rank's RNG states from `state` (`read_state` of `ckpt`). States an
+    older version stored as a pickle are never decoded: a warning, and the states stay as
+    they are."""
+    rank = _rank(comm)
     if rank < len(state["rng"]):
         if state["rng"][rank] is None:
             log.warning("%s: the RNG states were saved by an older version as a Python pickle, "
@@ -638,66 +562,6 @@ def load(ckpt: Path, *, model, optimizer, scheduler=None, comm=None) -> dict[str
                         "not bit-identically to an uninterrupted run)", ckpt)
         else:
             set_rng_state(state["rng"][rank])
-    return state
-
-
-def _restore_distributed_steps(optimizer, loaded: dict) -> None:
-    """Give every parameter of a DistributedOptimizer its own, correct Adam `step` tensor.
-
-    With torch's Adam/AdamW (no Apex/TE), the step lives per parameter (`state[p]["step"]`) and
-    Megatron's load leaves it wrong in two ways (megatron-core 0.16.1, distrib_optimizer.py):
-    - `load_state_dict` sets the checkpoint's step (saved in the param groups) as ONE tensor,
-      `s["step"] = step`, in every parameter's state; torch keeps it uncopied (non-capturable
-      step tensors are not cast), so each `step_t += 1` in Adam's per-parameter loop bumps the
-      shared counter: after one step on N parameters it has advanced by N, and the bias
-      corrections `1 - beta**step` of every parameter are wrong from the first resumed step.
-    - `load_parameter_state_from_dp_reshardable` then copies every state entry, `step`
-      included, from the dict `sharded_state_dict(is_loading=True)` built before the load; its
-      `step` is not saved (a LocalNonpersistentObject), so the copy brings back the loading
-      optimizer's own step (1 after `_init_optimizer_states_with_dummy_values`).
-    The true step is the param groups' `step` of the loaded checkpoint."""
-    import torch
-    dist_opts = _dist_optimizers(optimizer)
-    if not dist_opts:
-        return
-    inner = _inner(optimizer)
-    if len(inner) == 1:
-        per_opt = [loaded]
-    else:
-        per_opt = ([v for _, v in sorted(loaded.items())] if isinstance(loaded, dict)
-                   else list(loaded))
-    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-    for o, sd in zip(inner, per_opt):
-        if o not in dist_opts:
-            continue
-        steps = {g["step"] for g in sd["optimizer"]["param_groups"] if "step" in g}
-        states = [st for st in o.optimizer.state.values() if "step" in st]
-        if not states or not steps:
-            continue                    # Apex/TE FusedAdam: the step is in the param groups
-        if len(steps) != 1:
-            raise CheckpointError(f"distributed optimizer checkpoint with several steps {steps}")
-        step = float(steps.pop())
-        for st in states:
-            st["step"] = torch.tensor(step, dtype=dtype, device=st["step"].device)
-
-
-def _reset_optimizer(optimizer) -> None:
-    """The optimizer as before its first step, on the loaded weights: no per-parameter state,
-    main (fp32) params copied from the model params."""
-    for o in _inner(optimizer):
-        o.optimizer.state.clear()
-    optimizer.reload_model_params()
-
-
-def load_model(ckpt: Path, model) -> None:
-    """Load only the model shards (e.g. to export the policy); works for any TP x PP layout."""
-    from megatron.core import dist_checkpointing
-
-    from ..train.cpu_compat import CudaToCpuMode
-    with CudaToCpuMode():
-        loaded = dist_checkpointing.load({"model": _module(model).sharded_state_dict()},
-                                         str(ckpt / SHARDS))
-        _module(model).load_state_dict(loaded["model"])
 
 
 def _barrier(comm, what: str = "checkpoint: all trainer ranks") -> None:

@@ -5,7 +5,10 @@ Layout (flat token arrays + end offsets; vlen data is not SWMR-safe):
   /traj/<field>            one row per trajectory: prompt_id i8, sample_idx i4, reward f4,
                            finish_reason u1 (FINISH_REASONS), generator_rank i4, t_submit f8,
                            t_first_token f8, t_end f8, consumed_step i4 (the training step
-                           that used it; -1 = not yet, DROPPED_STALE = dropped as too stale),
+                           that used it; -1 = not yet, DROPPED_STALE = dropped as too stale,
+                           ROLLED_BACK, PARTIAL = a sample as far as it got when its job was
+                           preempted: continued by a later row of the same prompt and sample
+                           after the resume; schema 3 on),
                            prompt_end i8, output_end i8 (end offsets into the token arrays),
                            reward_error S96 (why the reward service scored 0 without computing
                            a reward, UTF-8, cut to REWARD_ERROR_BYTES; empty = no error;
@@ -36,11 +39,16 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 FORMAT = "areal_hpc rollout log"        # attrs["format"] from schema 2 on
-SCHEMA_VERSION = 2
-READABLE_SCHEMAS = (1, 2)               # 1: before reward_error
+SCHEMA_VERSION = 3
+READABLE_SCHEMAS = (1, 2, 3)            # 1: before reward_error; 2: before PARTIAL rows
 # consumed_step values that are not a step: pending; dropped as too stale; appended after the
-# checkpoint a resumed job continued from (its training never happened; the prompt was issued again)
-NOT_CONSUMED, DROPPED_STALE, ROLLED_BACK = -1, -2, -3
+# checkpoint a resumed job continued from (its training never happened; the prompt was issued
+# again); a partial generation saved at a preemption (its group was in flight: the samples as
+# far as they got, finish_reason "abort" for the unfinished ones, reward 0 where not scored yet),
+# which the resumed job continues from its prefix
+NOT_CONSUMED, DROPPED_STALE, ROLLED_BACK, PARTIAL = -1, -2, -3, -4
+STATUS_NAMES = {NOT_CONSUMED: "pending", DROPPED_STALE: "dropped as stale",
+                ROLLED_BACK: "rolled back", PARTIAL: "partial (preempted mid-generation)"}
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -156,13 +164,14 @@ class RolloutWriter:
             ds.resize((end,))
         if n > keep_rows:
             t["consumed_step"][keep_rows:n] = ROLLED_BACK
+        self.f.attrs["schema_version"] = SCHEMA_VERSION     # rows appended now may be PARTIAL
         self.f.swmr_mode = True
         self.f.flush()
         self.n_rows = n
 
-    def append(self, trajs: Sequence[dict[str, Any]]) -> list[int]:
+    def append(self, trajs: Sequence[dict[str, Any]], consumed: int = NOT_CONSUMED) -> list[int]:
         """Append trajectories (the dicts of docs/architecture.md#data-contract; `reward_error`
-        is optional); returns their row indices."""
+        is optional) as pending rows, or PARTIAL ones; returns their row indices."""
         if not trajs:
             return []
         t, tok = self.f["traj"], self.f["tokens"]
@@ -186,7 +195,7 @@ class RolloutWriter:
             "t_submit": [x["t_submit"] for x in trajs],
             "t_first_token": [x["t_first_token"] for x in trajs],
             "t_end": [x["t_end"] for x in trajs],
-            "consumed_step": [NOT_CONSUMED] * len(trajs),
+            "consumed_step": [consumed] * len(trajs),
             "prompt_end": self._prompt_end + np.cumsum(plen),
             "reward_error": [_error_bytes(x.get("reward_error")) for x in trajs],
         }
@@ -199,6 +208,14 @@ class RolloutWriter:
         self.n_rows += len(trajs)
         self.f.flush()
         return list(range(first, self.n_rows))
+
+    def column(self, name: str) -> np.ndarray:
+        """One per-row field over the rows written so far."""
+        return self.f["traj"][name][: self.n_rows]
+
+    def read(self, i: int) -> dict[str, Any]:
+        """Row i as `RolloutReader` reads it (checked), from this writer's own open file."""
+        return RolloutReader.of_open_file(self.f, self.path)[i]
 
     def mark_consumed(self, rows: Sequence[int], step: int) -> None:
         """Record which training step consumed these rows, or DROPPED_STALE (in-place write,
@@ -362,7 +379,7 @@ def _invalid(name: str, v: np.ndarray) -> tuple[np.ndarray, str]:
     if name == "finish_reason":
         return v >= len(FINISH_REASONS), "an unknown finish_reason code"
     if name == "consumed_step":
-        return v < ROLLED_BACK, "not a training step"
+        return v < PARTIAL, "not a training step"
     if name in ("prompt_end", _COMMIT):
         return v < np.concatenate([[0], v[:-1]]), "an offset that goes backwards"
     if v.dtype.kind in "iu":        # ids, ranks, token ids, policy versions
@@ -389,6 +406,13 @@ class RolloutReader:
         except BaseException:
             self.f.close()
             raise
+
+    @classmethod
+    def of_open_file(cls, f: h5py.File, path: Path) -> RolloutReader:
+        """A reader over a file this process already has open (a writer reading its own rows)."""
+        self = cls.__new__(cls)
+        self.path, self.f = Path(path), f
+        return self
 
     def _check_layout(self) -> None:
         """Raise RolloutLogError unless the groups, datasets (1-D, of the writer's dtypes, as

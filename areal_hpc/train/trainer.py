@@ -19,10 +19,11 @@ from ..config import RunConfig
 from ..data.prompts import load_prompts_of
 from ..topology import Topology
 from .. import preemption
-from ..storage import checkpoint
+from ..storage.checkpoint import find_latest
 from ..storage.tensorboard import TensorBoardLog
 from ..transport import mpi as coll
 from ..transport import weights as wsync
+from . import checkpoint
 from .actor import Actor
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class Trainer:
         cfg, comm = self.cfg, self.topo.role_comm
         found = None
         if comm.Get_rank() == 0:
-            hit = checkpoint.find_latest(cfg.run_dir)
+            hit = find_latest(cfg.run_dir)
             found = str(hit[0]) if hit else None
             if hit is None and (cfg.run_dir / "rollouts.h5").exists():
                 k = 1 + len(list(cfg.run_dir.glob("rollouts.attempt-*.h5")))

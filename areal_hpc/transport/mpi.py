@@ -21,11 +21,13 @@ from typing import Any, Iterator
 
 class Tag(IntEnum):
     PROMPTS = 11        # controller → generator: list of prompt dicts to generate groups for
+                        # (a prompt's optional "continue": its samples' partial outputs)
     WEIGHTS = 12        # controller → generator: {"version", "plan"} (a broadcast follows) or
                         # {"version", "path"} (a safetensors directory to load)
     EVAL = 13           # controller → generator: {"prompts": [prompt dicts]} (each prompt's "n"
                         # is its sample count; the generator evaluates at its current version)
-    STOP = 14           # controller → generator: {"preempted": bool}: drop in-flight work, exit
+    STOP = 14           # controller → generator: {"preempted": bool}: stop generating, exit
+                        # (preempted: send the in-flight groups back first, PARTIAL)
     CONTROLLER_HEARTBEAT = 15   # controller → generator: {"version"} at least every
                                 # rollout.heartbeat_s (the trainer is alive)
     TRAJECTORIES = 21   # generator → controller: one scored group (list of trajectory dicts)
@@ -34,6 +36,9 @@ class Tag(IntEnum):
     WEIGHTS_ACK = 24    # generator → controller: {"version", "phase": "started"|"loaded", ...}
     HEARTBEAT = 25      # generator → controller: {"version", "running", "tokens"} every
                         # rollout.heartbeat_s while its loop runs (liveness)
+    PARTIAL = 26        # generator → controller, at a preemption's STOP, before STATS: its
+                        # training groups still in flight, each a list of its n trajectory
+                        # dicts as far as they got (finish_reason "abort" for unfinished samples)
 
 
 class Channel:

@@ -8,6 +8,7 @@ from rich.console import Console
 
 from areal_hpc.analysis import report, summary as S
 from areal_hpc.analysis.load import COLUMNS, load_run
+from areal_hpc.storage.rollout_log import PARTIAL, RolloutWriter
 
 # Output lengths 4 2 6 3 3 2 1 5 4 2 (32 tokens); prompt lengths sum to 34. Trained rows 0-5 at
 # steps 0, 0, 1, 1, 2, 2; rows 6-7 dropped as stale, rows 8-9 pending.
@@ -15,7 +16,7 @@ from areal_hpc.analysis.load import COLUMNS, load_run
 # row 3: 000, row 4: 210, row 5: 11 → 14 zeros, 5 ones, 1 two (20 tokens).
 EXPECTED_OVERVIEW = {
     "trajectories": 10, "prompts": 5, "output_tokens": 32, "prompt_tokens": 34, "steps": 3,
-    "trained": 6, "pending": 2, "dropped_stale": 2,
+    "trained": 6, "pending": 2, "dropped_stale": 2, "partial": 0,
     "reward_mean": 5.5 / 10, "accuracy": 5 / 10,           # 0.5 is not > 0.5
     "interrupted_share": 2 / 10,                            # rows 2 and 4
     "staleness_mean": 7 / 20, "staleness_p50": 0, "staleness_p95": 1, "staleness_max": 2,
@@ -24,6 +25,17 @@ EXPECTED_OVERVIEW = {
     "truncated_share": 2 / 10, "wall_s": 9.0, "tokens_per_s": 32 / 9,
     "reward_errors": 2, "reward_timeouts": 1,
 }
+
+
+def test_partial_rows_are_counted_apart(known_log, known):
+    """Rows saved at a preemption (PARTIAL) are prefixes of rows a resume appends later: the
+    statistics leave them out, and the overview counts them."""
+    trajs, _ = known
+    w = RolloutWriter.reopen(known_log, len(trajs))
+    w.append([dict(t, finish_reason="abort", reward=0.0) for t in trajs[8:10]], consumed=PARTIAL)
+    w.close()
+    got = S.overview(load_run(known_log, progress=False))
+    assert got == pytest.approx({**EXPECTED_OVERVIEW, "partial": 2}, abs=1e-9, nan_ok=True)
 
 
 @pytest.fixture
@@ -124,7 +136,7 @@ def test_printed_tables(run):
     overview = _rows(report.overview_table([run]))
     assert [r[0] for r in overview] == [label.strip() for _, label, _ in S.OVERVIEW_FIELDS]
     assert [r[1] for r in overview] == [
-        "10", "5", "32", "34", "3", "6", "2", "2", "+0.5500", "0.5000", "20.00%",
+        "10", "5", "32", "34", "3", "6", "2", "2", "0", "+0.5500", "0.5000", "20.00%",
         "0.350", "0", "1", "2", "0.667", "2", "3.2", "3", "5", "6", "6", "20.00%", "9.0",
         "3.6", "2", "1"]
     assert _rows(report.step_table(run, 20)) == [

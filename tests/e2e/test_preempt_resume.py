@@ -16,13 +16,27 @@ import pytest
 
 from areal_hpc.audit import audit
 from areal_hpc.storage import checkpoint as ck
-from areal_hpc.storage.rollout_log import NOT_CONSUMED, ROLLED_BACK, RolloutReader
+from areal_hpc.storage.rollout_log import NOT_CONSUMED, PARTIAL, ROLLED_BACK, RolloutReader
 from areal_hpc.storage.tensorboard import read_scalars
 
 STEPS, B, N = 6, 3, 2
 SMALL = [f"train.total_steps={STEPS}", f"train.batch_prompts={B}", f"rollout.group_size={N}",
          "rollout.max_new_tokens=24", "data.eval_limit=4", "data.eval_samples=1",
          "checkpoint.every_steps=2"]
+
+
+# Samples that rarely stop early (a hot sampler, 64 new tokens): whenever the trainer waits for a
+# batch, some are mid-generation, so a preemption there finds partial samples to keep.
+LONG = ["rollout.temperature=2.0", "rollout.max_new_tokens=64"]
+
+
+def _partial(run_dir):
+    """The PARTIAL rows of the log: {row: (prompt_id, sample_idx, tokens, logprobs, versions,
+    finish_reason)}."""
+    with RolloutReader(run_dir / "rollouts.h5") as r:
+        rows = np.flatnonzero(r.column("consumed_step") == PARTIAL).tolist()
+        return {i: (x["prompt_id"], x["sample_idx"], x["output_tokens"], x["behav_logprobs"],
+                    x["versions"], x["finish_reason"]) for i in rows for x in [r[i]]}
 
 
 def _steps_done(run_dir) -> int:
@@ -129,24 +143,64 @@ def test_hard_kill_resumes_from_last_checkpoint(jobs, tiny_model, tmp_path):
     assert not jobs.leftovers(), "processes of the job are still running"
 
 
+def _rows(run_dir) -> int:
+    path = run_dir / "rollouts.h5"
+    if not path.exists():
+        return 0
+    try:
+        with RolloutReader(path) as r:      # the job is writing it (SWMR)
+            return len(r)
+    except Exception:                       # noqa: BLE001 - mid-creation: look again
+        return 0
+
+
 def test_resume_equivalence_sync(jobs, tiny_model, tmp_path):
     """Sync mode (η = 0, deterministic prompt order): N steps straight and N/2 + preempt + resume +
     N/2 consume the same prompts with the same step count. Weights are not compared: vLLM's
-    sampling depends on its batch composition and RNG state, which a restart changes."""
-    sync = [*SMALL, "rollout.mode=sync", "checkpoint.every_steps=0"]
+    sampling depends on its batch composition and RNG state, which a restart changes.
+
+    The preemption comes while step N/2's batch is being generated (one of its groups has
+    arrived), so samples are mid-generation: they are kept as PARTIAL rows, the checkpoint names
+    them, and the resume continues each from its prefix, which keeps its tokens,
+    log-probabilities and versions; a sample that had finished is kept whole."""
+    sync = [*SMALL, *LONG, "rollout.mode=sync", "checkpoint.every_steps=0"]
     code, out = _finish(jobs.start(jobs.args(tiny_model, tmp_path, "straight", *sync)))
     assert code == 0, out[-4000:]
 
     args = jobs.args(tiny_model, tmp_path, "resumed", *sync)
     run_dir = tmp_path / "resumed"
     proc = jobs.start(args)
-    _wait_for(lambda: _steps_done(run_dir) >= STEPS // 2, proc)
+    half = STEPS // 2
+    _wait_for(lambda: _steps_done(run_dir) >= half and _rows(run_dir) >= (half * B + 1) * N, proc)
     for p in jobs.processes(ranks_only=True):
         p.send_signal(signal.SIGUSR1)
     code, out = _finish(proc)
     assert code == 3, out[-4000:]
+    done = _steps_done(run_dir)
+    assert ck.find_latest(run_dir)[1]["step"] == done
+    partial = _partial(run_dir)
+    cut = [i for i, p in partial.items() if p[5] == "abort" and 0 < len(p[2]) < 64]
+    assert cut, f"no sample was mid-generation at the preemption: {partial}"
+    ctrl = ck.read_state(ck.find_latest(run_dir)[0] / ck.STATE)["controller"]
+    referenced = {r for first, n in zip(ctrl["partial_first_row"], ctrl["partial_rows"])
+                  for r in range(first, first + n)}
+    assert referenced == set(partial)
+    assert set(ctrl["partial_prompt_ids"]) <= set(ctrl["inflight_prompt_ids"])
+
     code, out = _finish(jobs.start(args))
     assert code == 0, out[-4000:]
+    assert f"continued from {sum(len(p[2]) for p in partial.values())} partial tokens" in out
+    consumed, keys = _check_log(run_dir)               # with the audit's check of each prefix
+    with RolloutReader(run_dir / "rollouts.h5") as r:
+        for i, (pid, idx, tokens, logprobs, versions, finish) in partial.items():
+            j = next(j for j in range(i + 1, len(keys)) if keys[j] == (pid, idx))
+            row, k = r[j], len(tokens)
+            assert consumed[j] != PARTIAL and row["output_tokens"][:k].tolist() == tokens.tolist()
+            assert row["behav_logprobs"][:k].tolist() == logprobs.tolist()
+            assert row["versions"][:k].tolist() == versions.tolist()   # earlier tokens keep theirs
+            assert (row["versions"][k:] == done).all()                 # later ones: the resumed
+            if finish != "abort":                                      # a finished one is kept
+                assert len(row["output_tokens"]) == k and row["finish_reason"] == finish
 
     def trained(run):
         consumed, keys = _check_log(tmp_path / run)

@@ -135,8 +135,14 @@ def test_tokens_logprobs_versions_match_hf(engine, model_dir):
     prompts = {"a": [3, 4, 5, 6, 7], "b": list(range(10, 40)), "long": LONG_PROMPT}
     for rid, prompt in prompts.items():
         engine.submit(rid, prompt, 20, temperature=temperature, ignore_eos=True)
-    assert engine.num_running() == 3
+    group = {f"g:{i}": list(range(40, 52)) for i in range(3)}  # one request, three samples
+    engine.submit_group(list(group), group["g:0"], 20, temperature=temperature, ignore_eos=True)
+    assert engine.num_running() == 6
+    with pytest.raises(ValueError, match="already running"):
+        engine.submit_group(["x", "g:1"], [3, 4], 4)
+    prompts |= group
     done = run_to_completion(engine)
+    assert len({tuple(done[rid].output_tokens) for rid in group}) == 3  # sampled apart
     assert sorted(done) == sorted(prompts) and engine.num_running() == 0
 
     model = hf_model(model_dir)
@@ -191,13 +197,17 @@ def test_weight_update_mid_generation(engine, model_dir, tmp_path):
         prompts = {"u0": [5, 6, 7, 8], "u1": list(range(20, 50)), "u2": LONG_PROMPT}
         for rid, prompt in prompts.items():
             engine.submit(rid, prompt, max_new, temperature=temperature, ignore_eos=True)
+        group = {"ug:0": [9, 10, 11], "ug:1": [9, 10, 11]}  # a group: each sample resumes alone
+        engine.submit_group(list(group), group["ug:0"], max_new, temperature=temperature,
+                            ignore_eos=True)
+        prompts |= group
         early = []  # prefill + a few decode steps, then interrupt
         while min(len(r.tokens) for r in engine._requests.values()) < 3:
             early += engine.step()
-        assert not early and engine.num_running() == 3
+        assert not early and engine.num_running() == 5
 
         paused_s = engine.update_weights(1, [(0, b) for b in buckets])
-        assert engine.num_running() == 3  # all three resubmitted
+        assert engine.num_running() == 5  # all five resubmitted
         stats = meta_queue.get(timeout=120)
         done = run_to_completion(engine)
     finally:
@@ -225,6 +235,34 @@ def test_weight_update_mid_generation(engine, model_dir, tmp_path):
               f"(vs old weights {changed:.2f})")
         assert d_old < ATOL and d_new < ATOL
         assert changed > 0.05  # the update did change the policy
+
+
+def test_abort_all_then_continue_from_the_prefix(engine):
+    """A preemption's path: every sample aborted with what it has so far, then continued by a
+    fresh submission of prompt + prefix: the prefix keeps its tokens, log-probabilities and
+    versions. (That the recomputed context gives the right log-probabilities is the weight
+    update test's: the same resubmission.)"""
+    prompt, max_new = list(range(60, 70)), 30
+    engine.submit_group(["p:0", "p:1"], prompt, max_new, temperature=1.0, ignore_eos=True)
+    while min(len(r.tokens) for r in engine._requests.values()) < 4:
+        assert not engine.step()
+    cut = engine.abort_all()
+    assert engine.num_running() == 0 and not engine.has_unfinished()
+    assert sorted(s.request_id for s in cut) == ["p:0", "p:1"]
+    for s in cut:
+        assert s.finish_reason == "abort" and 4 <= len(s.output_tokens) < max_new
+        engine.continue_sample(s.request_id, prompt, s.output_tokens, s.behav_logprobs,
+                               s.versions, max_new, temperature=1.0, ignore_eos=True,
+                               t_submit=s.t_submit, t_first_token=s.t_first_token)
+    engine.continue_sample("full", prompt, [5] * 3, [-1.0] * 3, [0] * 3, 3)  # nothing left to do
+    done = run_to_completion(engine)
+    assert done["full"].finish_reason == "length" and done["full"].output_tokens.tolist() == [5] * 3
+    for s in cut:
+        d, k = done[s.request_id], len(s.output_tokens)
+        assert len(d.output_tokens) == max_new and d.num_interrupts == 1
+        assert d.output_tokens[:k].tolist() == s.output_tokens.tolist()
+        assert d.behav_logprobs[:k].tolist() == s.behav_logprobs.tolist()
+        assert d.versions.tolist() == [engine.version] * max_new and d.t_submit == s.t_submit
 
 
 def test_update_from_file_and_prefix_cache_reset(engine, model_dir, tmp_path):

@@ -44,7 +44,7 @@ def test_a_missing_rank_times_out_with_a_message(op):
 
 
 class _Double:
-    """A communicator test double (as tests/storage uses): blocking calls only."""
+    """A communicator test double (as tests/train/test_checkpoint.py uses): blocking calls only."""
 
     def __init__(self, size):
         self.size, self.calls = size, []

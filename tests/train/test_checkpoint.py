@@ -10,6 +10,7 @@ import torch.distributed as dist
 from areal_hpc.config import TrainConfig
 from areal_hpc.storage import checkpoint as ck
 from areal_hpc.topology import free_port
+from areal_hpc.train import checkpoint as train_ck
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +59,8 @@ def test_resume_is_exact_and_state_round_trips(actor_factory, tmp_path):
     a = actor_factory()
     a.train_step(_batch(0))
     torch.manual_seed(123)
-    ck.save(tmp_path, 1, model=a.model, optimizer=a.optimizer, scheduler=a.lr_scheduler,
-            controller_state=CONTROLLER, config_yaml="name: t\n")
+    train_ck.save(tmp_path, 1, model=a.model, optimizer=a.optimizer, scheduler=a.lr_scheduler,
+                  controller_state=CONTROLLER, config_yaml="name: t\n")
     expected_rand = torch.rand(3)
     stats = a.train_step(_batch(1))
     after = _weights(a)
@@ -67,7 +68,8 @@ def test_resume_is_exact_and_state_round_trips(actor_factory, tmp_path):
     b = actor_factory()                                 # fresh weights and optimizer
     found = ck.find_latest(tmp_path)
     assert found is not None and found[0] == ck.step_dir(tmp_path, 1)
-    state = ck.load(found[0], model=b.model, optimizer=b.optimizer, scheduler=b.lr_scheduler)
+    state = train_ck.load(found[0], model=b.model, optimizer=b.optimizer,
+                          scheduler=b.lr_scheduler)
     assert torch.equal(torch.rand(3), expected_rand)    # RNG restored
     stats_b = b.train_step(_batch(1))
     assert stats_b["loss"] == stats["loss"]
@@ -84,7 +86,7 @@ def test_resume_is_exact_and_state_round_trips(actor_factory, tmp_path):
 def test_corrupt_newest_falls_back_with_message(actor_factory, tmp_path, caplog):
     a = actor_factory()
     for step in (2, 4, 6):
-        ck.save(tmp_path, step, model=a.model, optimizer=a.optimizer, keep=2)
+        train_ck.save(tmp_path, step, model=a.model, optimizer=a.optimizer, keep=2)
     assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_00000006", "step_00000004"]
     newest = ck.step_dir(tmp_path, 6)
     shard = max((newest / ck.SHARDS).rglob("*.distcp"), key=lambda p: p.stat().st_size)
@@ -107,7 +109,7 @@ def test_corrupt_newest_falls_back_with_message(actor_factory, tmp_path, caplog)
 
 def test_manifest_lists_every_file(actor_factory, tmp_path):
     a = actor_factory()
-    path = ck.save(tmp_path, 3, model=a.model, optimizer=a.optimizer)
+    path = train_ck.save(tmp_path, 3, model=a.model, optimizer=a.optimizer)
     manifest = json.loads((path / ck.MANIFEST).read_text())
     on_disk = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()
                      and p.name != ck.MANIFEST)
@@ -129,7 +131,8 @@ def test_export_hf_from_checkpoint_equals_trained_weights(actor_factory, tmp_pat
     cfg = load(None, [f"model.path={a.model_dir}", "data.train_path=unused.jsonl",
                       "train.max_tokens_per_mb=64", "rollout.max_model_len=64",
                       "rollout.group_size=2", "train.lr=1e-3"])
-    ck.save(tmp_path / "run", 1, model=a.model, optimizer=a.optimizer, config_yaml=to_yaml(cfg))
+    train_ck.save(tmp_path / "run", 1, model=a.model, optimizer=a.optimizer,
+                  config_yaml=to_yaml(cfg))
     root = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, "tools/export_hf.py", str(tmp_path / "run"), "--out",
                         str(tmp_path / "hf")], cwd=root, capture_output=True, text=True, timeout=300)

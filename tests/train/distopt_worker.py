@@ -1,6 +1,6 @@
 """One rank of the distributed-optimizer checkpoint test: a gloo world of DP ranks.
 
-    python tests/storage/distopt_worker.py RANK WORLD_SIZE PORT WORKDIR
+    python tests/train/distopt_worker.py RANK WORLD_SIZE PORT WORKDIR
 
 WORKDIR/in.pkl holds `{"model_dir", "cfg": TrainConfig, "actor": Actor keyword arguments,
 "batches": [seqs of step 0, 1, ...], "save_at": k}`. Four runs, each on a fresh Actor:
@@ -78,6 +78,7 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     from areal_hpc.storage import checkpoint as ck
+    from areal_hpc.train import checkpoint as train_ck
     from areal_hpc.train.actor import Actor
     from areal_hpc.train.megatron_model import init_megatron_parallel
 
@@ -94,11 +95,11 @@ def main() -> None:
 
     # Uninterrupted reference, checkpointing before the first optimizer step and after k steps.
     a = make()
-    ck.save(run_dir, 0, model=a.model, optimizer=a.optimizer, scheduler=a.lr_scheduler, comm=comm,
-            keep=10)
+    train_ck.save(run_dir, 0, model=a.model, optimizer=a.optimizer, scheduler=a.lr_scheduler,
+                  comm=comm, keep=10)
     stats = _train(a, batches[:k], 0)
-    ck.save(run_dir, k, model=a.model, optimizer=a.optimizer, scheduler=a.lr_scheduler, comm=comm,
-            keep=10)
+    train_ck.save(run_dir, k, model=a.model, optimizer=a.optimizer, scheduler=a.lr_scheduler,
+                  comm=comm, keep=10)
     out["ref_at_save"] = _opt_state(a)
     stats += _train(a, batches[k:], k)
     finish("ref", a, stats)
@@ -106,8 +107,8 @@ def main() -> None:
 
     # Fresh Actor, resumed from step k.
     b = make()
-    ck.load(ck.step_dir(run_dir, k), model=b.model, optimizer=b.optimizer, scheduler=b.lr_scheduler,
-            comm=comm)
+    train_ck.load(ck.step_dir(run_dir, k), model=b.model, optimizer=b.optimizer,
+                  scheduler=b.lr_scheduler, comm=comm)
     out["resumed_after_load"] = _opt_state(b)
     finish("resumed", b, _train(b, batches[k:], k))
     del b
@@ -115,8 +116,8 @@ def main() -> None:
     # Fresh Actor, resumed from the checkpoint written before any optimizer step.
     c = make()
     try:
-        ck.load(ck.step_dir(run_dir, 0), model=c.model, optimizer=c.optimizer,
-                scheduler=c.lr_scheduler, comm=comm)
+        train_ck.load(ck.step_dir(run_dir, 0), model=c.model, optimizer=c.optimizer,
+                      scheduler=c.lr_scheduler, comm=comm)
         finish("from_zero", c, _train(c, batches, 0))
     except Exception as exc:            # reported to the test, which decides
         out["from_zero_error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
@@ -126,7 +127,7 @@ def main() -> None:
     d = Actor(dataclasses.replace(cfg, distributed_optimizer=False), spec["model_dir"],
               **spec["actor"])
     try:
-        ck.load(ck.step_dir(run_dir, k), model=d.model, optimizer=d.optimizer, comm=comm)
+        train_ck.load(ck.step_dir(run_dir, k), model=d.model, optimizer=d.optimizer, comm=comm)
         out["mismatch_error"] = None
     except Exception as exc:
         out["mismatch_error"] = f"{type(exc).__name__}: {exc}"

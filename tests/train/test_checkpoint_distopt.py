@@ -1,7 +1,7 @@
 """Checkpoints with Megatron's distributed optimizer (DP = 2 gloo processes, fp32 on CPU), and the
 plain optimizer's checkpoints written before its first step or by older versions (one process).
 
-One world (tests/storage/distopt_worker.py) runs, each on a fresh Actor: an uninterrupted run of
+One world (tests/train/distopt_worker.py) runs, each on a fresh Actor: an uninterrupted run of
 five training steps (two optimizer steps each) that checkpoints before its first step and after
 its second; a resume from the step-2 checkpoint for the last three (six optimizer steps); a resume
 from the step-0 checkpoint (written before Adam had any state) for all five. Both resumes must
@@ -22,7 +22,8 @@ import torch
 from areal_hpc.config import TrainConfig
 from areal_hpc.storage import checkpoint as ck
 from areal_hpc.topology import free_port
-from tests.storage.test_checkpoint import _batch
+from areal_hpc.train import checkpoint as train_ck
+from tests.train.test_checkpoint import _batch
 
 WORKER = Path(__file__).with_name("distopt_worker.py")
 WORLD = 2
@@ -175,13 +176,14 @@ def test_plain_checkpoint_before_first_step(plain_factory, tmp_path, writer):
     checkpoints and the current ones (model only) resume exactly."""
     a = plain_factory()
     if writer == "current":
-        path = ck.save(tmp_path, 0, model=a.model, optimizer=a.optimizer, scheduler=a.lr_scheduler)
+        path = train_ck.save(tmp_path, 0, model=a.model, optimizer=a.optimizer,
+                             scheduler=a.lr_scheduler)
         assert ck.read_state(path / ck.STATE)["optimizer_state"] is False
     else:
         path = _save_old_format(tmp_path, 0, a)
     want_losses, want = _train(a, 0, 3)
     b = plain_factory()
-    ck.load(path, model=b.model, optimizer=b.optimizer, scheduler=b.lr_scheduler)
+    train_ck.load(path, model=b.model, optimizer=b.optimizer, scheduler=b.lr_scheduler)
     losses, got = _train(b, 0, 3)
     assert losses == want_losses
     assert _max_diff(got, want) == 0.0
@@ -194,7 +196,7 @@ def test_plain_old_format_checkpoint_with_state_loads_exactly(plain_factory, tmp
     assert ck.read_state(path / ck.STATE)["optimizer_format"] is None
     want_losses, want = _train(a, 1, 3)
     b = plain_factory()
-    ck.load(path, model=b.model, optimizer=b.optimizer, scheduler=b.lr_scheduler)
+    train_ck.load(path, model=b.model, optimizer=b.optimizer, scheduler=b.lr_scheduler)
     losses, got = _train(b, 1, 3)
     assert losses == want_losses
     assert _max_diff(got, want) == 0.0
@@ -203,7 +205,7 @@ def test_plain_old_format_checkpoint_with_state_loads_exactly(plain_factory, tmp
 def test_plain_checkpoint_into_distributed_optimizer_is_refused(plain_factory, tmp_path):
     a = plain_factory()
     a.train_step(_batch(0), 0)
-    path = ck.save(tmp_path, 1, model=a.model, optimizer=a.optimizer)
+    path = train_ck.save(tmp_path, 1, model=a.model, optimizer=a.optimizer)
     d = plain_factory(distributed=True)
     with pytest.raises(ck.CheckpointError, match="written by the plain optimizer"):
-        ck.load(path, model=d.model, optimizer=d.optimizer)
+        train_ck.load(path, model=d.model, optimizer=d.optimizer)
