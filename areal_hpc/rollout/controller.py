@@ -1,4 +1,5 @@
-"""The controller, hosted on trainer rank 0: dataset cursor, staleness control, rollout log, batches.
+"""The controller, hosted on trainer rank 0: the messages to and from the generators, the rollout
+log, batches. What is in flight, buffered and trained is its `Ledger` (rollout/ledger.py, pure).
 
 It hands prompts to the least-loaded generator while the η bound allows, receives scored groups
 (never blocking a generator), appends every trajectory to the rollout HDF5 log and keeps the
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import sys
 import threading
 import time
@@ -38,7 +38,8 @@ from ..storage.rollout_log import DROPPED_STALE, PARTIAL, RolloutWriter
 from ..topology import Topology
 from ..transport.mpi import Channel, Tag
 from ..transport.weights import AckTracker
-from .staleness import ReadyBuffer, StaleGroups, StalenessManager, staleness_of
+from .ledger import Ledger
+from .staleness import staleness_of
 
 log = logging.getLogger(__name__)
 
@@ -70,32 +71,6 @@ def reward_extras(trajs: list[dict]) -> dict[str, float]:
     return {f"reward/{k}": float(np.mean(v)) for k, v in sorted(values.items())}
 
 
-class PromptCursor:
-    """Endless, reproducibly shuffled pass over the training prompts (one epoch after another)."""
-
-    def __init__(self, n: int, seed: int):
-        self.n, self.seed = n, seed
-        self.consumed = 0               # prompts handed out so far (the resume position)
-        self._epoch, self._order = -1, []
-
-    def _order_of(self, epoch: int) -> list[int]:
-        if epoch != self._epoch:        # one shuffle per epoch, derived from (seed, epoch)
-            self._order = list(range(self.n))
-            random.Random(self.seed + epoch).shuffle(self._order)
-            self._epoch = epoch
-        return self._order
-
-    def next(self) -> int:
-        idx = self.index_of(self.consumed)
-        self.consumed += 1
-        return idx
-
-    def index_of(self, position: int) -> int:
-        """The dataset index handed out as prompt number `position` (a prompt id)."""
-        epoch, pos = divmod(position, self.n)
-        return self._order_of(epoch)[pos]
-
-
 class GeneratorLostError(RuntimeError):
     """A generator stopped reporting while the trainer waited on it; the job must stop."""
 
@@ -113,27 +88,17 @@ class Controller:
         self.chan = Channel(topo.world)
         self.rows = train_rows
         self.tokenizer = tokenizer
-        self.cursor = PromptCursor(len(train_rows), cfg.data.seed)
         r = cfg.rollout
-        self.max_staleness = 0 if r.mode == "sync" else r.max_staleness
-        self.staleness = StalenessManager(max_concurrent_rollouts=r.max_concurrent_prompts,
-                                          consumer_batch_size=cfg.train.batch_prompts,
-                                          max_staleness=self.max_staleness)
-        self.version = 0                # policy version the generators have (training steps done)
-        self.in_flight = {g: 0 for g in topo.generator_ranks}
-        self.prompts_in_flight: dict[int, int] = {}     # prompt_id → dataset index
-        # (prompt_id, dataset index) to issue first: in flight at a resume, or dropped as stale
-        self.reissue: list[tuple[int, int]] = []
-        self.buffer = ReadyBuffer()
-        # prompt_id → (first row, rows) of its group's PARTIAL rows in the log: sent back by a
-        # generator at a preemption, continued from when the prompt is issued again
-        self.partial: dict[int, tuple[int, int]] = {}
-        self.dropped_stale = 0          # groups dropped for exceeding η, over the run
-        self.stale_groups = StaleGroups(r.stale_policy, r.max_reissues)   # dropped: again or lost
+        # What is in flight, buffered, trained, to issue again: pure bookkeeping (ledger.py).
+        self.ledger = Ledger(num_prompts=len(train_rows), data_seed=cfg.data.seed,
+                             generators=list(topo.generator_ranks),
+                             batch_prompts=cfg.train.batch_prompts,
+                             max_staleness=0 if r.mode == "sync" else r.max_staleness,
+                             max_concurrent=r.max_concurrent_prompts,
+                             stale_policy=r.stale_policy, max_reissues=r.max_reissues)
         log_path = cfg.run_dir / "rollouts.h5"
         # A resumed run reopens its log in `restore`.
         self.writer = RolloutWriter(log_path, to_yaml(cfg)) if resume is None else None
-        self.generated_tokens = 0
         self.gen_stats: dict[int, dict] = {}
         self._eval_results: list[dict] = []
         self._cond = threading.Condition(threading.RLock())
@@ -147,6 +112,12 @@ class Controller:
         self._last_beat = 0.0                           # CONTROLLER_HEARTBEAT last sent
         if resume is not None:
             self._restore(resume, log_path)
+
+    # The ledger's figures the trainer and the liveness checks read.
+    version = property(lambda self: self.ledger.version)
+    in_flight = property(lambda self: self.ledger.in_flight)
+    generated_tokens = property(lambda self: self.ledger.generated_tokens)
+    buffer = property(lambda self: self.ledger.buffer)
 
     # -- the service thread ---------------------------------------------------------------------
     def _start_service(self) -> None:
@@ -262,28 +233,17 @@ class Controller:
 
     def submit(self) -> int:
         """Hand out as many prompts as the staleness bound allows; returns how many."""
-        cap = self.staleness.get_capacity(self.version)
-        if cap <= 0:
-            return 0
+        issued = self.ledger.issue()
         batches: dict[int, list[dict]] = {}
-        for _ in range(cap):
-            g = min(self.in_flight, key=self.in_flight.get)
-            if self.reissue:                        # in flight when the job was preempted
-                pid, idx = self.reissue.pop(0)
-            else:
-                idx = self.cursor.next()
-                pid = self.cursor.consumed - 1      # unique per submission, also across epochs
-            self.prompts_in_flight[pid] = idx
-            msg = self.encode(pid, self.rows[idx], self.cfg.rollout.group_size)
-            if pid in self.partial:                 # its samples go on from where they stopped
-                first, count = self.partial[pid]
+        for it in issued:
+            msg = self.encode(it.prompt_id, self.rows[it.index], self.cfg.rollout.group_size)
+            if it.partial is not None:              # its samples go on from where they stopped
+                first, count = it.partial
                 msg["continue"] = [self._continuation(r) for r in range(first, first + count)]
-            batches.setdefault(g, []).append(msg)
-            self.in_flight[g] += 1
-            self.staleness.on_rollout_submitted()
+            batches.setdefault(it.rank, []).append(msg)
         for g, prompts in batches.items():
             self.chan.send(prompts, g, Tag.PROMPTS)
-        return cap
+        return len(issued)
 
     def receive(self) -> int:
         """Take every group that has arrived; returns how many."""
@@ -293,18 +253,12 @@ class Controller:
             if tag == Tag.HEARTBEAT:
                 self.last_report[src] = msg
             elif tag == Tag.TRAJECTORIES:
-                self.in_flight[src] -= 1
-                self.prompts_in_flight.pop(msg[0]["prompt_id"], None)
-                self.partial.pop(int(msg[0]["prompt_id"]), None)
-                self.staleness.on_rollout_accepted()
-                rows = self.writer.append(msg)
-                self.buffer.add(msg, rows)
-                self.generated_tokens += sum(len(t["output_tokens"]) for t in msg)
+                self.ledger.arrived(src, msg, self.writer.append(msg))
                 got += 1
             elif tag == Tag.PARTIAL:               # preempted: the prompts stay in flight
                 for group in msg:
                     rows = self.writer.append(group, consumed=PARTIAL)
-                    self.partial[int(group[0]["prompt_id"])] = (rows[0], len(rows))
+                    self.ledger.partial_arrived(group[0]["prompt_id"], rows[0], len(rows))
             elif tag == Tag.EVAL_RESULT:
                 self._eval_results.append(msg)
             elif tag == Tag.STATS:
@@ -320,7 +274,7 @@ class Controller:
         pid, sidx, status, ends = (self.writer.column(k) for k in (
             "prompt_id", "sample_idx", "consumed_step", "output_end"))
         tokens = 0
-        for p, (first, n) in sorted(self.partial.items()):
+        for p, (first, n) in sorted(self.ledger.partial.items()):
             rows = np.arange(first, first + n)
             if p not in reissued or n < 1 or rows[-1] >= len(pid) or (pid[rows] != p).any() \
                     or (sidx[rows] != np.arange(n)).any() or (status[rows] != PARTIAL).any():
@@ -340,17 +294,9 @@ class Controller:
         """Groups whose oldest token is more than η versions behind the policy, by
         rollout.stale_policy: `reissue` drops them (marked DROPPED_STALE in the log) and issues
         their prompts again, first; `drop` drops them for good; `keep` trains them anyway."""
-        if not self.stale_groups.drops:
-            return 0
-        stale = self.buffer.drop_older_than(self.version - self.max_staleness)
+        stale = self.ledger.drop_stale()
         if stale:
             self.writer.mark_consumed([r for g in stale for r in g.rows], DROPPED_STALE)
-            for g in stale:
-                self.staleness.on_rollout_dropped()
-                pid = int(g.trajectories[0]["prompt_id"])
-                if self.stale_groups.on_dropped(pid):   # the same prompt id: its log rows tell
-                    self.reissue.append((pid, self.cursor.index_of(pid)))   # the story
-            self.dropped_stale += len(stale)
         return len(stale)
 
     def next_batch(self, on_wait=None, should_stop=None) -> tuple[list[dict] | None, dict | None]:
@@ -371,16 +317,14 @@ class Controller:
             self._wait(ready, on_wait)
             if should_stop and should_stop():
                 return None, None
-            groups = self.buffer.take(B)                  # oldest first
-            for g in groups:
-                self.stale_groups.on_trained(int(g.trajectories[0]["prompt_id"]))
+            groups = self.ledger.take(B)                  # oldest first
         trajs = [t for g in groups for t in g.trajectories]
         stale = [staleness_of(self.version, t["versions"]) for t in trajs]
         rewards = np.array([t["reward"] for t in trajs], dtype=np.float64)
         stats = {"wait_s": time.monotonic() - t0, "reward": float(rewards.mean()),
                  "accuracy": float((rewards > 0.5).mean()),
                  "staleness_max": max(stale), "staleness_mean": float(np.mean(stale)),
-                 "dropped_stale": dropped, "lost_stale": self.stale_groups.lost,
+                 "dropped_stale": dropped, "lost_stale": self.ledger.stale_groups.lost,
                  "reward_errors": sum(1 for t in trajs if t.get("reward_error")),
                  "response_len": float(np.mean([len(t["output_tokens"]) for t in trajs])),
                  **reward_extras(trajs),
@@ -390,7 +334,7 @@ class Controller:
     def on_trained(self, rows: list[int], step: int, new_version: int) -> None:
         with self._cond:
             self.writer.mark_consumed(rows, step)
-            self.version = new_version
+            self.ledger.trained(new_version)
 
     def send_weights_notice(self, version: int, *, plan=None, path: str | None = None) -> None:
         """Tell every generator that `version` is coming: over the weight group (`plan`, sent
@@ -468,29 +412,12 @@ class Controller:
 
     # -- checkpoint and resume ------------------------------------------------------------------
     def state(self) -> dict:
-        """What a resumed controller needs (saved in the checkpoint's state.h5): the version, the
-        data cursor, the staleness counters, the log rows of buffered groups, the prompts in flight
-        with the PARTIAL rows to continue them from, and the number of log rows (rows appended
-        later are rolled back on resume)."""
+        """What a resumed controller needs (saved in the checkpoint's state.h5): the ledger's
+        state (version, data cursor, staleness counters, the log rows of buffered groups, the
+        prompts in flight with the PARTIAL rows to continue them from) and the number of log
+        rows (rows appended later are rolled back on resume)."""
         with self._cond:
-            groups = self.buffer.groups()
-            rows = [r for g in groups for r in g.rows]
-            inflight = sorted(self.prompts_in_flight.items()) + list(self.reissue)
-            partial = sorted((p, *self.partial[p]) for p, _ in inflight if p in self.partial)
-            return {
-                "version": self.version, "cursor_consumed": self.cursor.consumed,
-                "accepted": self.staleness.accepted, "rejected": self.staleness.rejected,
-                "dropped_stale": self.dropped_stale, "lost_stale": self.stale_groups.lost,
-                "generated_tokens": self.generated_tokens,
-                "rollout_rows": self.writer.n_rows,
-                "buffer_rows": np.asarray(rows, dtype=np.int64),
-                "buffer_group_ends": np.cumsum([len(g.rows) for g in groups], dtype=np.int64),
-                "inflight_prompt_ids": np.asarray([p for p, _ in inflight], dtype=np.int64),
-                "inflight_dataset_index": np.asarray([i for _, i in inflight], dtype=np.int64),
-                "partial_prompt_ids": np.asarray([p for p, _, _ in partial], dtype=np.int64),
-                "partial_first_row": np.asarray([r for _, r, _ in partial], dtype=np.int64),
-                "partial_rows": np.asarray([n for _, _, n in partial], dtype=np.int64),
-            }
+            return self.ledger.to_state(self.writer.n_rows)
 
     def _restore(self, state: dict, path) -> None:
         """Continue from `state()` of a checkpoint: reopen the rollout log (rows after the
@@ -505,21 +432,9 @@ class Controller:
             t["output_tokens"] = np.asarray(t["output_tokens"])
         self.writer = RolloutWriter.reopen(path, int(state["rollout_rows"]))
         self.writer.mark_consumed(rows, NOT_CONSUMED)
-        for a, b in zip(ends[:-1], ends[1:]):
-            self.buffer.add(trajs[a:b], rows[a:b])
-        self.version = int(state["version"])
-        self.cursor.consumed = int(state["cursor_consumed"])
-        self.staleness.on_version_recovered(self.version)
-        self.staleness.accepted = int(state["accepted"])
-        self.staleness.rejected = int(state["rejected"])
-        self.dropped_stale = int(state["dropped_stale"])
-        self.stale_groups.lost = int(state.get("lost_stale", 0))   # absent before stale_policy
-        self.generated_tokens = int(state["generated_tokens"])
-        self.reissue = list(zip(map(int, state["inflight_prompt_ids"]),
-                                map(int, state["inflight_dataset_index"])))
-        self.partial = {int(p): (int(r), int(n)) for p, r, n in zip(
-            *(state.get(k, ()) for k in ("partial_prompt_ids", "partial_first_row", "partial_rows")))}
-        kept = self._check_partial(path, {p for p, _ in self.reissue})
+        self.ledger.restore(state, [(trajs[a:b], rows[a:b]) for a, b in zip(ends[:-1], ends[1:])])
+        led = self.ledger
+        kept = self._check_partial(path, {p for p, _ in led.reissue})
         log.info("resumed at version %d: %d buffered groups, %d prompts to reissue (%d of them "
-                 "continued from %d partial tokens), cursor at %d", self.version, len(ends) - 1,
-                 len(self.reissue), len(self.partial), kept, self.cursor.consumed)
+                 "continued from %d partial tokens), cursor at %d", led.version, len(ends) - 1,
+                 len(led.reissue), len(led.partial), kept, led.cursor.consumed)

@@ -2,7 +2,7 @@ import threading
 
 import pytest
 
-from areal_hpc.rollout.controller import PromptCursor
+from areal_hpc.rollout.ledger import PromptCursor
 from areal_hpc.rollout.staleness import StaleGroups, StalenessManager, staleness_of
 
 

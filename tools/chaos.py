@@ -1,0 +1,310 @@
+#!/usr/bin/env python3
+"""A chaos run on the local Slurm cluster: one tiny job, random failures at random times, each
+followed by the path a batch job takes to resume, and the audit after each.
+
+    eval "$(tools/local_slurm.sh up)"
+    python tools/chaos.py --events 20 --seed 0 --out chaos.json [key=value ...]
+
+The job is slurm/areal_tiny.sh (the tiny recipe as a heterogeneous job: one trainer rank, one
+generator rank), with samples long enough that a preemption finds some mid-generation. Each
+event waits a random time (--min-gap .. --max-gap seconds) after the job's attempt started
+running, then does one of:
+
+  usr1       `scancel --batch --signal=USR1`: Slurm's time-limit warning. The ranks checkpoint at
+             the next step boundary, slurm/job.sh requeues the job.
+  term       `scancel --full --signal=TERM`: what Slurm's preemption sends every process of the
+             job (vLLM's too) before it kills them; the same path as usr1.
+  requeue    `scontrol requeue`: Slurm ends the running job (TERM, then KILL) and queues it again.
+  kill_job   SIGKILL of every process of the job, batch shell included (a node lost): the job
+             fails; the operator's `scontrol requeue` starts it again.
+  kill_rank  SIGKILL of one rank, trainer or generator: srun ends the step, the job fails; requeue.
+  stop_gen   SIGSTOP of the generator rank, once this attempt has trained a step: the trainer
+             names it after rollout.generator_timeout_s (set short here) and the job fails;
+             requeue. (Before its first report the bound is weights.join_timeout_s.)
+
+After each event: the attempt ends, the job is requeued (by job.sh, by Slurm, or here when it
+failed), and before the next attempt is released `python -m areal_hpc.audit` checks the run
+directory; any violation stops the run. At the end the job is stopped with USR1 and cancelled
+once requeued, and the audit runs a last time. Figures: events survived, attempts, steps
+trained, tokens kept across preemptions (partial rows continued), trajectories lost and trained
+twice (from the audit). Exit 0 when every audit passed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from areal_hpc.audit import audit  # noqa: E402
+from areal_hpc.storage.rollout_log import PARTIAL, RolloutReader  # noqa: E402
+
+EVENTS = ("usr1", "term", "requeue", "kill_job", "kill_rank", "stop_gen")
+# The job: long enough never to finish on its own; samples that rarely stop early (64 new tokens
+# at temperature 2), so that a stop finds some mid-generation; liveness bounds short, so that a
+# stopped generator is named within a minute.
+OVERRIDES = ["train.total_steps=100000", "train.batch_prompts=4", "rollout.group_size=4",
+             "rollout.temperature=2.0", "rollout.max_new_tokens=64", "data.eval_every_steps=0",
+             "data.eval_limit=4", "data.eval_samples=1", "checkpoint.every_steps=5",
+             "rollout.heartbeat_s=2", "rollout.generator_timeout_s=30", "weights.timeout_s=30",
+             "weights.join_timeout_s=180"]
+TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+            "BOOT_FAIL", "DEADLINE", "PREEMPTED")
+
+
+def sh(*cmd: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode:
+        raise RuntimeError(f"{' '.join(cmd)}: exit {r.returncode}: {r.stderr.strip()}")
+    return r
+
+
+def job_info(job: str) -> dict[str, str]:
+    out = sh("scontrol", "-o", "show", "job", job).stdout.splitlines()[0]
+    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+
+def until(cond, timeout: float, what: str, poll: float = 0.5) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(poll)
+
+
+def job_processes(job: str) -> list[psutil.Process]:
+    """The job's processes on this machine: those whose environment holds its job id (the
+    hetjob's components are job and job + 1), slurmstepd excluded."""
+    ids = {job, str(int(job) + 1)}
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if (p.info["cmdline"] or [""])[0].startswith("slurmstepd"):
+                continue
+            if p.environ().get("SLURM_JOB_ID") in ids:
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+def ranks(job: str) -> dict[int, psutil.Process]:
+    """MPI rank → its process (`python -m mpi4py -m areal_hpc.main`)."""
+    out = {}
+    for p in job_processes(job):
+        try:
+            cmd = " ".join(p.cmdline())
+            if "areal_hpc.main" in cmd and "mpi4py" in cmd:
+                out[int(p.environ().get("PMI_RANK", p.environ().get("SLURM_PROCID", "-1")))] = p
+        except (psutil.Error, ValueError):
+            continue
+    return out
+
+
+def settled(job: str) -> bool:
+    """No process of the job's previous attempt is left (its step daemons included): a job
+    released before that is killed at once ("Job credential revoked")."""
+    ids = {f"[{int(job) + c}." for c in (0, 1)} | {f"[{int(job) + c}]" for c in (0, 1)}
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if cmd.startswith("slurmstepd:") and any(i in cmd for i in ids):
+            return False
+    return not ranks(job)
+
+
+def steps_done(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def partial_tokens(run_dir: Path) -> tuple[int, int]:
+    """(partial rows, their output tokens) in the run's rollout log."""
+    path = run_dir / "rollouts.h5"
+    if not path.exists():
+        return 0, 0
+    with RolloutReader(path) as r:
+        c, ends = r.column("consumed_step"), r.column("output_end").astype(np.int64)
+    lens = np.diff(ends, prepend=0)
+    return int((c == PARTIAL).sum()), int(lens[c == PARTIAL].sum())
+
+
+def fire(event: str, job: str, rng: random.Random) -> str:
+    """Do `event` to the running job; returns what was done, in words."""
+    if event == "usr1":
+        sh("scancel", "--batch", "--signal=USR1", job)
+        return "USR1 to the batch shell"
+    if event == "term":
+        sh("scancel", "--full", "--signal=TERM", job)
+        return "TERM to every process of the job"
+    if event == "requeue":
+        sh("scontrol", "requeue", job)
+        return "scontrol requeue"
+    if event == "kill_job":
+        procs = job_processes(job)
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        return f"SIGKILL to the job's {len(procs)} processes"
+    rk = ranks(job)
+    if event == "kill_rank":
+        r = rng.choice(sorted(rk))
+        rk[r].kill()
+        return f"SIGKILL to rank {r} ({'trainer' if r == 0 else 'generator'})"
+    if event == "stop_gen":
+        g = max(rk)
+        rk[g].send_signal(signal.SIGSTOP)
+        return f"SIGSTOP to generator rank {g}"
+    raise ValueError(event)
+
+
+def wait_attempt_end(job: str, restarts: int, timeout: float = 300) -> str:
+    """Wait until the attempt is over: requeued (Restarts went up, back to PENDING) or ended
+    (a terminal state); returns "requeued" or the terminal state."""
+    def over() -> bool:
+        info = job_info(job)
+        return (int(info.get("Restarts", 0)) > restarts and info["JobState"] == "PENDING") \
+            or info["JobState"] in TERMINAL
+    until(over, timeout, f"job {job}'s attempt to end")
+    info = job_info(job)
+    return "requeued" if info["JobState"] == "PENDING" else info["JobState"]
+
+
+def requeue_failed(job: str, state: str) -> None:
+    """The operator's path after a failed attempt: requeue it (the run resumes)."""
+    if state != "requeued":
+        until(lambda: settled(job), 120, f"job {job}'s processes to end")
+        sh("scontrol", "requeue", job)
+        until(lambda: job_info(job)["JobState"] == "PENDING", 60, f"job {job} requeued")
+
+
+def release(job: str) -> None:
+    """Start a requeued job now (it is held ~120 s by Slurm's BeginTime otherwise)."""
+    until(lambda: settled(job), 180, f"job {job}'s previous attempt to end")
+    sh("scontrol", "update", f"jobid={job}", "starttime=now")
+
+
+def check(run_dir: Path) -> tuple[bool, str, dict]:
+    """The audit of the run directory, and its figures (lost prompts, trajectories trained
+    twice, tokens kept across preemptions). A run stopped before its first rollout has nothing
+    to audit."""
+    if not (run_dir / "rollouts.h5").exists():
+        return True, "no rollout log yet (stopped before the first group arrived)", \
+            {"lost": 0, "twice": 0, "kept_tokens": 0}
+    report = audit(run_dir, check_crc=False)
+    text = report.text()
+    fig = {"lost": None, "twice": None, "kept_tokens": 0}
+    m = re.search(r"lost: (\d+)", text)
+    fig["lost"] = int(m.group(1)) if m else None
+    fig["twice"] = 0 if report.checks[0].ok else None
+    m = re.search(r"\((\d+) tokens kept across preemptions\)", text)
+    fig["kept_tokens"] = int(m.group(1)) if m else 0
+    return report.ok, text, fig
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--events", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--min-gap", type=float, default=5.0, help="seconds after the attempt runs")
+    ap.add_argument("--max-gap", type=float, default=75.0)
+    ap.add_argument("--out", type=Path, help="JSON results")
+    ap.add_argument("--run-dir", type=Path, help="default: a fresh folder under /tmp")
+    ap.add_argument("--model", type=Path, default=ROOT / "models" / "tiny")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    if "SLURM_CONF" not in os.environ:
+        print('error: no cluster: run eval "$(tools/local_slurm.sh up)" first', file=sys.stderr)
+        return 2
+    if not (args.model / "config.json").is_file():
+        print(f"error: no model at {args.model} (tools/run_local.sh builds it)", file=sys.stderr)
+        return 2
+    rng = random.Random(args.seed)
+    import tempfile
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="chaos_")) / "chaos"
+    out_file = run_dir.parent / "batch.out"
+    model = args.model.resolve()
+    cmd = ["sbatch", "--parsable", f"--output={out_file}", "slurm/areal_tiny.sh", *OVERRIDES,
+           f"model.path={model}", f"data.train_path={model}/train.jsonl",
+           f"data.eval_path={model}/heldout.jsonl", f"output_dir={run_dir.parent}",
+           f"name={run_dir.name}", *args.overrides]
+    os.chdir(ROOT)
+    job = sh(*cmd).stdout.strip().split(";")[0]
+    print(f"[chaos] job {job}, run dir {run_dir}, batch output {out_file}", flush=True)
+    records, ok, t0 = [], True, time.monotonic()
+    try:
+        for k in range(args.events + 1):
+            final = k == args.events
+            info = job_info(job)
+            restarts = int(info.get("Restarts", 0))
+            until(lambda: job_info(job)["JobState"] == "RUNNING", 600, f"job {job} to run")
+            before = steps_done(run_dir)
+            if final:       # the last attempt trains a step, then a clean stop
+                until(lambda: steps_done(run_dir) > before, 600, "a step of the last attempt")
+                event = "usr1"
+            else:
+                event = rng.choice(EVENTS)
+                gap = rng.uniform(args.min_gap, args.max_gap)
+                # the ranks must be up for the events aimed at them
+                until(lambda: len(ranks(job)) == 2 or job_info(job)["JobState"] != "RUNNING",
+                      300, "the job's two ranks")
+                if event == "stop_gen":     # once it has reported: the trainer's liveness bound
+                    until(lambda: steps_done(run_dir) > before, 600, "a step of this attempt")
+                time.sleep(gap)
+            if job_info(job)["JobState"] != "RUNNING":
+                raise RuntimeError(f"job {job} stopped on its own before event {k}: "
+                                   f"{job_info(job)['JobState']}; see {out_file}")
+            at = steps_done(run_dir)
+            what = fire(event, job, rng)
+            state = wait_attempt_end(job, restarts)
+            requeue_failed(job, state)
+            until(lambda: settled(job), 180, f"job {job}'s processes to end")
+            if final:
+                sh("scancel", job, check=False)
+            passed, text, fig = check(run_dir)
+            rows, tokens = partial_tokens(run_dir)
+            rec = {"event": event, "what": what, "steps_before": before, "steps_at_event": at,
+                   "steps_after": steps_done(run_dir), "attempt_end": state, "audit_ok": passed,
+                   "partial_rows": rows, "partial_tokens": tokens, **fig,
+                   "t": time.monotonic() - t0}
+            records.append(rec)
+            print(f"[chaos] {k + 1}/{args.events + 1} {event}: {what} at step {at}; attempt "
+                  f"{state}; steps {steps_done(run_dir)}; audit {'ok' if passed else 'VIOLATED'}"
+                  f"; lost {fig['lost']}; tokens kept {fig['kept_tokens']}", flush=True)
+            if not passed:
+                print(text, flush=True)
+                ok = False
+                break
+            if not final:
+                release(job)
+    finally:
+        sh("scancel", job, check=False)
+    summary = {"job": job, "run_dir": str(run_dir), "events": len(records) - 1 if ok else
+               len(records), "survived": ok, "steps": steps_done(run_dir),
+               "attempts": int(job_info(job).get("Restarts", 0)) + 1,
+               "kept_tokens": records[-1]["kept_tokens"] if records else 0,
+               "lost": records[-1]["lost"] if records else None,
+               "trained_twice": records[-1]["twice"] if records else None,
+               "by_event": {e: sum(r["event"] == e for r in records) for e in EVENTS},
+               "seconds": time.monotonic() - t0, "command": " ".join(sys.argv)}
+    print("[chaos] " + json.dumps(summary), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps({"summary": summary, "records": records}, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
