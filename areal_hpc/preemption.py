@@ -52,10 +52,18 @@ _SHIELDED = ("USR1", "USR2")
 
 
 @contextlib.contextmanager
-def shield_children():
+def shield_children(term: bool = False):
     """Start child processes inside this block: they never act on USR1/USR2 (they stay pending),
-    while this process receives them as soon as the block ends (nothing is lost)."""
-    nums = {_number(n) for n in _SHIELDED}
+    while this process receives them as soon as the block ends (nothing is lost). With `term`,
+    SIGTERM too: for the checkpoint writers, which a preemption's TERM to every process of the
+    job (Slurm's preemption, `scontrol requeue`) must not kill before the checkpoint it asks for
+    is written; SIGKILL still ends them at the end of the grace period."""
+    if term:
+        # multiprocessing starts its resource tracker at the first spawn and then unblocks
+        # SIGINT and SIGTERM in this process (CPython bpo-33613): have it running first.
+        from multiprocessing import resource_tracker
+        resource_tracker.ensure_running()
+    nums = {_number(n) for n in _SHIELDED + (("TERM",) if term else ())}
     old = signal.pthread_sigmask(signal.SIG_BLOCK, nums)
     try:
         yield

@@ -7,8 +7,9 @@ followed by the path a batch job takes to resume, and the audit after each.
 
 The job is slurm/areal_tiny.sh (the tiny recipe as a heterogeneous job: one trainer rank, one
 generator rank), with samples long enough that a preemption finds some mid-generation. Each
-event waits a random time (--min-gap .. --max-gap seconds) after the job's attempt started
-running, then does one of:
+event waits a random time (--min-gap .. --max-gap seconds) after this attempt's first training
+step (--training-share of the events) or after its ranks started (the rest: start-up), then
+does one of:
 
   usr1       `scancel --batch --signal=USR1`: Slurm's time-limit warning. The ranks checkpoint at
              the next step boundary, slurm/job.sh requeues the job.
@@ -192,9 +193,28 @@ def requeue_failed(job: str, state: str) -> None:
 
 
 def release(job: str) -> None:
-    """Start a requeued job now (it is held ~120 s by Slurm's BeginTime otherwise)."""
+    """Start a requeued job now (it is held ~120 s by Slurm's BeginTime otherwise), once the
+    previous attempt is gone and its credential's revocation is over a second old: slurmd
+    compares them in whole seconds, and a new attempt started within the same second is
+    killed at once ("Job credential revoked")."""
     until(lambda: settled(job), 180, f"job {job}'s previous attempt to end")
+    time.sleep(2)
     sh("scontrol", "update", f"jobid={job}", "starttime=now")
+
+
+def running_again(job: str, tries: int = 3) -> None:
+    """Wait for the released attempt to run; one that failed to start is requeued and released
+    again (the operator's path), at most `tries` times."""
+    for _ in range(tries):
+        until(lambda: job_info(job)["JobState"] in ("RUNNING", *TERMINAL), 600,
+              f"job {job} to run")
+        state = job_info(job)["JobState"]
+        if state == "RUNNING":
+            return
+        print(f"[chaos] job {job}'s attempt did not start ({state}): requeued again", flush=True)
+        requeue_failed(job, state)
+        release(job)
+    raise RuntimeError(f"job {job} did not start in {tries} tries")
 
 
 def check(run_dir: Path) -> tuple[bool, str, dict]:
@@ -219,8 +239,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--events", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--min-gap", type=float, default=5.0, help="seconds after the attempt runs")
-    ap.add_argument("--max-gap", type=float, default=75.0)
+    ap.add_argument("--min-gap", type=float, default=2.0, help="seconds after the attempt's "
+                    "ranks are up, or after its first step (--training-share of the events)")
+    ap.add_argument("--max-gap", type=float, default=30.0)
+    ap.add_argument("--training-share", type=float, default=0.75)
     ap.add_argument("--out", type=Path, help="JSON results")
     ap.add_argument("--run-dir", type=Path, help="default: a fresh folder under /tmp")
     ap.add_argument("--model", type=Path, default=ROOT / "models" / "tiny")
@@ -250,7 +272,7 @@ def main(argv=None) -> int:
             final = k == args.events
             info = job_info(job)
             restarts = int(info.get("Restarts", 0))
-            until(lambda: job_info(job)["JobState"] == "RUNNING", 600, f"job {job} to run")
+            running_again(job)
             before = steps_done(run_dir)
             if final:       # the last attempt trains a step, then a clean stop
                 until(lambda: steps_done(run_dir) > before, 600, "a step of the last attempt")
@@ -261,8 +283,11 @@ def main(argv=None) -> int:
                 # the ranks must be up for the events aimed at them
                 until(lambda: len(ranks(job)) == 2 or job_info(job)["JobState"] != "RUNNING",
                       300, "the job's two ranks")
-                if event == "stop_gen":     # once it has reported: the trainer's liveness bound
-                    until(lambda: steps_done(run_dir) > before, 600, "a step of this attempt")
+                # Mostly while it trains (after this attempt's first step); else while it starts.
+                # A stopped generator only once it has reported (the trainer's liveness bound).
+                training = event == "stop_gen" or rng.random() < args.training_share
+                if training:
+                    until(lambda: steps_done(run_dir) > before, 900, "a step of this attempt")
                 time.sleep(gap)
             if job_info(job)["JobState"] != "RUNNING":
                 raise RuntimeError(f"job {job} stopped on its own before event {k}: "
@@ -276,7 +301,8 @@ def main(argv=None) -> int:
                 sh("scancel", job, check=False)
             passed, text, fig = check(run_dir)
             rows, tokens = partial_tokens(run_dir)
-            rec = {"event": event, "what": what, "steps_before": before, "steps_at_event": at,
+            rec = {"event": event, "what": what, "while": "training" if final or training
+                   else "starting", "steps_before": before, "steps_at_event": at,
                    "steps_after": steps_done(run_dir), "attempt_end": state, "audit_ok": passed,
                    "partial_rows": rows, "partial_tokens": tokens, **fig,
                    "t": time.monotonic() - t0}

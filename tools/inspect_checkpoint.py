@@ -35,8 +35,11 @@ def describe(path: Path, check_crc: bool) -> bool:
         print(f"  controller: version {c['version']}, data cursor {c['cursor_consumed']}, "
               f"accepted {c['accepted']}, rejected {c['rejected']}, dropped stale "
               f"{c['dropped_stale']}, rollout-log rows {c['rollout_rows']}")
+        partial = c.get("partial_prompt_ids", ())
+        cont = (f" ({len(partial)} to continue from {int(sum(c['partial_rows']))} partial rows)"
+                if len(partial) else "")
         print(f"  buffered groups {groups} ({len(c['buffer_rows'])} trajectories), prompts in "
-              f"flight {len(c['inflight_prompt_ids'])}")
+              f"flight {len(c['inflight_prompt_ids'])}{cont}")
     shards = sorted(f for f in manifest["files"] if f.startswith(ck.SHARDS + "/"))
     if state.get("optimizer_state") is None:
         what = "optimizer: not recorded (older checkpoint)"

@@ -131,7 +131,7 @@ class Generator:
                     with self._timed("submit"):
                         for p in msg:
                             self._submit("train", p)
-                elif tag == Tag.WEIGHTS:
+                elif tag == Tag.WEIGHTS and not self._engine_lost:
                     self._update_weights(msg)
                 elif tag == Tag.EVAL:
                     with self._timed("eval"):
@@ -172,7 +172,13 @@ class Generator:
                         "reward": self.rewards.stats()}, CONTROLLER_RANK, Tag.STATS)
         self.chan.flush(timeout=60)
         self.rewards.close()
-        self.engine.shutdown()
+        try:
+            self.engine.shutdown()
+        except Exception as exc:    # noqa: BLE001 - an engine lost to the preemption's signal
+            if not self._engine_lost:
+                raise
+            log.warning("generator rank %d: shutting down the lost vLLM engine: %s",
+                        self.topo.rank, exc)
 
     def _account_loop_work(self) -> None:
         """seconds["other"]: what of the span since the first prompt no other bucket holds."""
@@ -195,6 +201,11 @@ class Generator:
             else:
                 paused_s = self.engine.update_weights(version, msg["plan"])
         except Exception as exc:
+            if preemption.requested():  # TERM reached the engine too: wait for the stop
+                log.warning("generator rank %d: weights v%d not loaded, its vLLM engine went with "
+                            "the preemption (%s); waiting for stop", self.topo.rank, version, exc)
+                self._engine_lost = True
+                return
             self._weights_failed(version, "path" in msg, time.monotonic() - t0, exc)
             raise
         self.seconds["pause"] += paused_s

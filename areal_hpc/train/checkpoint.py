@@ -103,7 +103,9 @@ def save(run_dir: str | os.PathLike, step: int, *, model, optimizer, scheduler=N
     # would write a plain optimizer's param groups without any moments, which then fail every
     # load with KeyError '...exp_avg...', and the distributed optimizer's state_dict() asserts).
     with_opt = _has_state(optimizer, comm)
-    with CudaToCpuMode(), preemption.shield_children():     # its writer processes
+    # Its writer processes (and the results Manager process Megatron starts at the first save
+    # and keeps) must outlive USR1 and TERM: they write the checkpoint a preemption asks for.
+    with CudaToCpuMode(), preemption.shield_children(term=True):
         dist_checkpointing.save(_sharded_state(model, optimizer, with_optimizer=with_opt),
                                 str(ckpt / SHARDS))
     return store.finish_save(

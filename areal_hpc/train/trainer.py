@@ -178,19 +178,29 @@ class Trainer:
         except Exception as exc:                # rank 0 names the generators; all raise below
             log.error("weight update to version %d failed on this rank: %s", self.version, exc)
             error = exc
-        failure = None
+        failure, stopping = None, False
         if self.controller is not None:
+            # A preemption's TERM reaches vLLM's processes too, which die mid-update: no grace
+            # for acknowledgements then, the job is stopping and the checkpoint is what counts.
+            grace = 0.0 if error is not None and preemption.requested() else w.timeout_s
             try:
-                self.controller.wait_weights_acks(self.version, w.timeout_s, error)
+                self.controller.wait_weights_acks(self.version, grace, error)
             except wsync.WeightSyncError as exc:
                 failure = exc
             if failure is None and w.mode == "disk":
                 wsync.prune_versions(self.weight_dir, keep=self.version)
+            stopping = failure is not None and preemption.requested()
         # Rank 0 arrives after the broadcast and the acknowledgements (each bounded by
         # weights.timeout_s); rollout.collective_timeout_s bounds the whole wait of the others.
-        message = coll.bcast(comm, None if failure is None else str(failure), root=0,
-                             timeout_s=self.cfg.rollout.collective_timeout_s,
-                             what=f"weight update to version {self.version}: its outcome")
+        message, stopping = coll.bcast(
+            comm, (None if failure is None else str(failure), stopping), root=0,
+            timeout_s=self.cfg.rollout.collective_timeout_s,
+            what=f"weight update to version {self.version}: its outcome")
+        if stopping:        # every rank goes on to the stop and its checkpoint (rank 0 decides)
+            log.warning("weight update to version %d failed during a preemption (%s): going on "
+                        "to stop and checkpoint; the resumed job publishes these weights first",
+                        self.version, message)
+            return time.monotonic() - t0
         if failure is not None:
             raise failure
         if message is not None:

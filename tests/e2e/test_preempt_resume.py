@@ -90,6 +90,10 @@ def _check_log(run_dir, steps=STEPS):
 # budget; the hard-kill test below preempts at another step.
 @pytest.mark.parametrize("seed", [1])
 def test_preempt_at_a_random_step_then_resume(jobs, tiny_model, tmp_path, seed):
+    """TERM to every process of the job, as Slurm's preemption sends it: vLLM's processes die
+    with it, mid-generation or mid-update; the ranks still stop at the step boundary, write the
+    checkpoint there and exit for a requeue. (USR1, the time-limit warning, spares vLLM: the
+    other tests here and tests/launch use it.)"""
     kill_after = random.Random(seed).randint(1, STEPS - 2)
     args = jobs.args(tiny_model, tmp_path, "p", *SMALL)
     run_dir = tmp_path / "p"
@@ -98,7 +102,7 @@ def test_preempt_at_a_random_step_then_resume(jobs, tiny_model, tmp_path, seed):
     for p in jobs.processes(ranks_only=False):     # as Slurm does: every process of the step
         try:
             if not any(x in " ".join(p.cmdline()) for x in ("mpiexec", "hydra", "areal_hpc.launch")):
-                p.send_signal(signal.SIGUSR1)
+                p.send_signal(signal.SIGTERM)
         except psutil.Error:                        # exited meanwhile
             pass
     code, out = _finish(proc)
