@@ -10,7 +10,7 @@
 # 3. One MPI world over both components: `srun --het-group=0,1 --mpi=pmi2`, in the background so
 #    that a trapped USR1/TERM is handled at once (bash runs traps only between commands); its
 #    output goes to <run dir>/logs/job-<id>/attempt-<SLURM_RESTART_COUNT>/ranks.log.
-# 4. USR1 (time limit near) or TERM: forwarded to the ranks, which stop at the next step boundary,
+# 4. USR1 (time limit near) or TERM: forwarded to the ranks (as USR1), which stop at the next step boundary,
 #    checkpoint and exit with EXIT_PREEMPTED (= 3, areal_hpc/preemption.py). Then this script requeues
 #    the job (`scontrol requeue`) and exits 0; the next attempt runs the same command in the same
 #    run dir and resumes from the checkpoint. Other exit codes end the job with that code.
@@ -35,7 +35,9 @@ forward() {
   signal=$1
   if [ -n "$srun_pid" ]; then
     say "SIG$1: asking the ranks to checkpoint at the next step boundary"
-    kill -"$1" "$srun_pid" 2>/dev/null || true
+    # Always as USR1: srun passes USR1 on to the tasks, but takes a TERM as "cancel the step"
+    # and has them killed after KillWait, before the checkpoint the signal asks for.
+    kill -USR1 "$srun_pid" 2>/dev/null || true
   fi
 }
 trap 'forward USR1' USR1

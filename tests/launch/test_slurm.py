@@ -238,10 +238,12 @@ while :; do sleep 0.2; done
 """
 
 
-def test_usr1_is_forwarded_and_the_job_requeued(slurm_env, jobs, tiny_model, tmp_path):
-    """The batch shell's USR1 (what --signal=B:USR1@... sends before the time limit) reaches every
-    rank; ranks exiting with EXIT_PREEMPTED (3) make slurm/job.sh requeue the job, and the next
-    attempt (SLURM_RESTART_COUNT=1) runs the same command with its own log folder."""
+@pytest.mark.parametrize("sig", ["USR1", "TERM"])
+def test_usr1_is_forwarded_and_the_job_requeued(slurm_env, jobs, tiny_model, tmp_path, sig):
+    """The batch shell's USR1 (what --signal=B:USR1@... sends before the time limit) or TERM reaches
+    every rank as USR1 (srun would cancel the step on a TERM); ranks exiting with EXIT_PREEMPTED
+    (3) make slurm/job.sh requeue the job, and the next attempt (SLURM_RESTART_COUNT=1) runs the
+    same command with its own log folder."""
     fake = tmp_path / "fake_python"
     fake.write_text(FAKE_RANK.format(python=sys.executable, flags=tmp_path))
     fake.chmod(0o755)
@@ -251,14 +253,14 @@ def test_usr1_is_forwarded_and_the_job_requeued(slurm_env, jobs, tiny_model, tmp
               *_model_args(tiny_model, tmp_path, "rq"), env=env).stdout.strip().split(";")[0]
     try:
         _until(lambda: all((tmp_path / f"started.{i}").exists() for i in (0, 1)), 120, "both ranks")
-        _sh("scancel", "--batch", "--signal=USR1", job, env=slurm_env)
+        _sh("scancel", "--batch", f"--signal={sig}", job, env=slurm_env)
         _until(lambda: _job(slurm_env, job).get("Restarts") == "1", 120, "the requeue")
         _release(slurm_env, job)
         _until(lambda: _job(slurm_env, job)["JobState"] == "COMPLETED", 120, "the second attempt")
     finally:
         subprocess.run(["scancel", job], env=slurm_env, capture_output=True)
     log = out.read_text()
-    assert "SIGUSR1: asking the ranks to checkpoint" in log and "requeueing job" in log, log
+    assert f"SIG{sig}: asking the ranks to checkpoint" in log and "requeueing job" in log, log
     assert "attempt 1" in log and log.rstrip().endswith("ranks ended with exit code 0"), log
     first = (tmp_path / f"rq/logs/job-{job}/attempt-0/ranks.log").read_text()
     assert "rank 0 got USR1" in first and "rank 1 got USR1" in first, first
