@@ -40,6 +40,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -255,7 +256,6 @@ def main(argv=None) -> int:
         print(f"error: no model at {args.model} (tools/run_local.sh builds it)", file=sys.stderr)
         return 2
     rng = random.Random(args.seed)
-    import tempfile
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="chaos_")) / "chaos"
     out_file = run_dir.parent / "batch.out"
     model = args.model.resolve()

@@ -267,10 +267,11 @@ class Controller:
                 self.weight_acks.record(src, msg)
         return got
 
-    def _check_partial(self, path, reissued: set[int]) -> int:
+    def _check_partial(self, path) -> int:
         """The checkpoint's PARTIAL groups, against the log: each names rows of its own prompt,
         sample_idx 0.., all PARTIAL, and a prompt that is issued again. Returns their tokens."""
         from ..storage.checkpoint import CheckpointError
+        reissued = {p for p, _ in self.ledger.reissue}
         pid, sidx, status, ends = (self.writer.column(k) for k in (
             "prompt_id", "sample_idx", "consumed_step", "output_end"))
         tokens = 0
@@ -434,7 +435,7 @@ class Controller:
         self.writer.mark_consumed(rows, NOT_CONSUMED)
         self.ledger.restore(state, [(trajs[a:b], rows[a:b]) for a, b in zip(ends[:-1], ends[1:])])
         led = self.ledger
-        kept = self._check_partial(path, {p for p, _ in led.reissue})
+        kept = self._check_partial(path)
         log.info("resumed at version %d: %d buffered groups, %d prompts to reissue (%d of them "
                  "continued from %d partial tokens), cursor at %d", led.version, len(ends) - 1,
                  len(led.reissue), len(led.partial), kept, led.cursor.consumed)

@@ -268,20 +268,16 @@ class Generator:
         r = self.cfg.rollout
         self.groups[(kind, prompt["prompt_id"])] = _Group(prompt)
         pid, sampling = prompt["prompt_id"], dict(temperature=r.temperature, top_p=r.top_p)
+        # A preempted job's partial outputs: each goes on from its prefix (a finished one is
+        # scored again); the samples that had no token yet start afresh below.
         earlier = {int(c["sample_idx"]): c for c in prompt.get("continue", ())
                    if len(c["output_tokens"]) or c["finish_reason"] != "abort"}
-        for idx, c in sorted(earlier.items()):      # a preempted job's partial outputs
-            rid = _request_id(kind, pid, idx)
-            if c["finish_reason"] != "abort":       # it had finished: score it again
-                self._finished(kind, pid, idx, FinishedSample(
-                    rid, np.asarray(prompt["prompt_tokens"], dtype=np.int32),
-                    *(np.asarray(c[k]) for k in ("output_tokens", "behav_logprobs", "versions")),
-                    c["finish_reason"], c["t_submit"], c["t_first_token"], c["t_end"]))
-            else:                                   # prompt + prefix, recomputed, then on
-                self.engine.continue_sample(
-                    rid, prompt["prompt_tokens"], c["output_tokens"], c["behav_logprobs"],
-                    c["versions"], r.max_new_tokens, **sampling, t_submit=c["t_submit"],
-                    t_first_token=c["t_first_token"])
+        for idx, c in sorted(earlier.items()):
+            self.engine.continue_sample(FinishedSample(
+                _request_id(kind, pid, idx), np.asarray(prompt["prompt_tokens"], dtype=np.int32),
+                *(np.asarray(c[k]) for k in ("output_tokens", "behav_logprobs", "versions")),
+                c["finish_reason"], c["t_submit"], c["t_first_token"], c["t_end"]),
+                r.max_new_tokens, **sampling)
             self._kept[(kind, pid, idx)] = len(c["output_tokens"])   # not generated here
         ids = [_request_id(kind, pid, i) for i in range(prompt["n"]) if i not in earlier]
         if ids:
@@ -291,15 +287,13 @@ class Generator:
     def _step(self) -> None:
         """One engine step; every finished sample goes to the reward pool at once."""
         for smp in self.engine.step():
-            self._finished(*_parse_request_id(smp.request_id), smp)
-
-    def _finished(self, kind: str, pid: int, idx: int, smp: FinishedSample) -> None:
-        group = self.groups[(kind, pid)]
-        group.samples[idx] = smp
-        self.tokens_generated += len(smp.output_tokens) - self._kept.pop((kind, pid, idx), 0)
-        text = self.tokenizer.decode(smp.output_tokens, skip_special_tokens=True)
-        self.rewards.submit((kind, pid, idx), group.prompt["reward_kind"], text,
-                            group.prompt["reference"], group.prompt.get("row"))
+            kind, pid, idx = _parse_request_id(smp.request_id)
+            group = self.groups[(kind, pid)]
+            group.samples[idx] = smp
+            self.tokens_generated += len(smp.output_tokens) - self._kept.pop((kind, pid, idx), 0)
+            text = self.tokenizer.decode(smp.output_tokens, skip_special_tokens=True)
+            self.rewards.submit((kind, pid, idx), group.prompt["reward_kind"], text,
+                                group.prompt["reference"], group.prompt.get("row"))
 
     def _collect_rewards(self, timeout: float = 0.0) -> list[tuple[str, _Group]]:
         """Scores that arrived; returns the groups now fully generated and scored."""

@@ -289,42 +289,47 @@ class VLLMEngine:
 
     def continue_sample(
         self,
-        request_id: str,
-        prompt_tokens: Sequence[int],
-        tokens: Sequence[int],
-        logprobs: Sequence[float],
-        versions: Sequence[int],
+        sample: FinishedSample,
         max_new_tokens: int,
         temperature: float = 1.0,
         top_p: float = 1.0,
         *,
         top_k: int = -1,
         ignore_eos: bool = False,
-        t_submit: float | None = None,
-        t_first_token: float | None = None,
-        interrupts: int = 0,
     ) -> None:
-        """Queue a sample that an earlier engine started (a preempted job's partial output,
-        `abort_all`): prompt + `tokens` is recomputed with the current weights, as after a weight
-        update, and generation goes on from there; the given tokens keep their `logprobs` and
-        `versions`, later ones carry this engine's version. Counts as one more interruption."""
-        n = len(tokens)
-        if len(logprobs) != n or len(versions) != n:
-            raise ValueError(f"{request_id}: tokens, logprobs and versions differ in length "
-                             f"({n}, {len(logprobs)}, {len(versions)})")
-        if request_id in self._requests:
-            raise ValueError(f"request {request_id!r} is already running")
-        req = _Request(request_id=request_id, prompt_tokens=[int(t) for t in prompt_tokens],
+        """Queue a sample an earlier engine started (`abort_all` at a preemption, read back from
+        the rollout log). One that had finished is returned by the next `step()` as it is; an
+        unfinished one (finish_reason "abort") goes on from prompt + its tokens, recomputed with
+        the current weights as after a weight update: its tokens keep their logprobs and
+        versions, later ones carry this engine's version."""
+        n = len(sample.output_tokens)
+        if len(sample.behav_logprobs) != n or len(sample.versions) != n:
+            raise ValueError(f"{sample.request_id}: tokens, logprobs and versions differ in length "
+                             f"({n}, {len(sample.behav_logprobs)}, {len(sample.versions)})")
+        if sample.request_id in self._requests:
+            raise ValueError(f"request {sample.request_id!r} is already running")
+        if sample.finish_reason != "abort":
+            self._pending.append(sample)
+            return
+        req = _Request(request_id=sample.request_id,
+                       prompt_tokens=[int(t) for t in sample.prompt_tokens],
                        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                       top_k=top_k, ignore_eos=ignore_eos,
-                       t_submit=time.time() if t_submit is None else t_submit,
-                       tokens=[int(t) for t in tokens], logprobs=[float(x) for x in logprobs],
-                       versions=[int(v) for v in versions],
-                       t_first_token=t_first_token if n else None, attempt=interrupts + 1)
-        if n >= max_new_tokens:         # nothing left to generate
-            self._pending.append(self._finish(req, "length", time.time()))
+                       top_k=top_k, ignore_eos=ignore_eos, t_submit=sample.t_submit,
+                       tokens=[int(t) for t in sample.output_tokens],
+                       logprobs=[float(x) for x in sample.behav_logprobs],
+                       versions=[int(v) for v in sample.versions],
+                       t_first_token=sample.t_first_token if n else None,
+                       attempt=sample.num_interrupts)
+        self._resubmit(req, time.time())
+
+    def _resubmit(self, req: _Request, now: float) -> None:
+        """An interrupted sample again, one attempt later and alone (its prefix is its own):
+        prompt + its tokens so far; one with no tokens left to generate is finished ("length")."""
+        req.attempt += 1
+        if len(req.tokens) >= req.max_new_tokens:  # its final output was still in flight
+            self._pending.append(self._finish(req, "length", now))
         else:
-            self._add(f"{request_id}@{req.attempt}", [req])
+            self._add(f"{req.request_id}@{req.attempt}", [req])
 
     def abort_all(self) -> list[FinishedSample]:
         """Stop every unfinished sample and return them all, each with the tokens, logprobs and
@@ -454,11 +459,7 @@ class VLLMEngine:
         self.version = version
         now = time.time()
         for req in interrupted:
-            req.attempt += 1
-            if len(req.tokens) >= req.max_new_tokens:  # its final output was still in flight
-                self._pending.append(self._finish(req, "length", now))
-            else:  # alone: its prefix is its own
-                self._add(f"{req.request_id}@{req.attempt}", [req])
+            self._resubmit(req, now)
         paused_s = time.perf_counter() - t0
         logger.info(
             "weights v%d loaded in %.3f s; paused %.3f s; %d requests resumed",

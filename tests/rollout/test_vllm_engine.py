@@ -251,10 +251,11 @@ def test_abort_all_then_continue_from_the_prefix(engine):
     assert sorted(s.request_id for s in cut) == ["p:0", "p:1"]
     for s in cut:
         assert s.finish_reason == "abort" and 4 <= len(s.output_tokens) < max_new
-        engine.continue_sample(s.request_id, prompt, s.output_tokens, s.behav_logprobs,
-                               s.versions, max_new, temperature=1.0, ignore_eos=True,
-                               t_submit=s.t_submit, t_first_token=s.t_first_token)
-    engine.continue_sample("full", prompt, [5] * 3, [-1.0] * 3, [0] * 3, 3)  # nothing left to do
+        engine.continue_sample(s, max_new, temperature=1.0, ignore_eos=True)
+    full = vllm_engine.FinishedSample(                   # nothing left to do
+        "full", np.asarray(prompt, np.int32), np.full(3, 5, np.int32), np.full(3, -1.0, np.float32),
+        np.zeros(3, np.int32), "abort", 0.0, 0.0, 0.0)
+    engine.continue_sample(full, 3)
     done = run_to_completion(engine)
     assert done["full"].finish_reason == "length" and done["full"].output_tokens.tolist() == [5] * 3
     for s in cut:
