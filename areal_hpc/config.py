@@ -90,6 +90,11 @@ class RolloutConfig:
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
+    # Every sample runs to max_new_tokens: an EOS is sampled like any token and generation goes
+    # on past it, so sampling stays the policy's and only the stopping rule changes. For
+    # fixed-length rollouts in throughput benchmarks and tests, not for training a model.
+    # Held-out evaluation always stops at EOS.
+    ignore_eos: bool = False
     max_staleness: int = 1              # η: trajectories at most η versions behind the policy
     max_concurrent_prompts: int = 16    # prompts (groups) in flight over all generators
     # A group that finishes more than η versions behind the policy (long-tailed lengths: the

@@ -267,7 +267,8 @@ class Generator:
     def _submit(self, kind: str, prompt: dict) -> None:
         r = self.cfg.rollout
         self.groups[(kind, prompt["prompt_id"])] = _Group(prompt)
-        pid, sampling = prompt["prompt_id"], dict(temperature=r.temperature, top_p=r.top_p)
+        pid, sampling = prompt["prompt_id"], dict(temperature=r.temperature, top_p=r.top_p,
+                                             ignore_eos=r.ignore_eos and kind == "train")
         # A preempted job's partial outputs: each goes on from its prefix (a finished one is
         # scored again); the samples that had no token yet start afresh below.
         earlier = {int(c["sample_idx"]): c for c in prompt.get("continue", ())

@@ -25,9 +25,10 @@ SMALL = [f"train.total_steps={STEPS}", f"train.batch_prompts={B}", f"rollout.gro
          "checkpoint.every_steps=2"]
 
 
-# Samples that rarely stop early (a hot sampler, 64 new tokens): whenever the trainer waits for a
-# batch, some are mid-generation, so a preemption there finds partial samples to keep.
-LONG = ["rollout.temperature=2.0", "rollout.max_new_tokens=64"]
+# Samples that never stop early: each runs LONG_TOKENS decode steps (an EOS does not end it).
+LONG_TOKENS = 320
+LONG = ["rollout.temperature=2.0", f"rollout.max_new_tokens={LONG_TOKENS}", "rollout.ignore_eos=true",
+        "rollout.max_model_len=512"]
 
 
 def _partial(run_dir):
@@ -44,12 +45,12 @@ def _steps_done(run_dir) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def _wait_for(cond, proc, timeout=600):
+def _wait_for(cond, proc, timeout=600, poll=0.2):
     deadline = time.time() + timeout
     while not cond():
         assert proc.poll() is None, proc.stdout.read()[-4000:]
         assert time.time() < deadline, "timed out"
-        time.sleep(0.2)
+        time.sleep(poll)
 
 
 def _finish(proc, timeout=900) -> tuple[int, str]:
@@ -147,27 +148,23 @@ def test_hard_kill_resumes_from_last_checkpoint(jobs, tiny_model, tmp_path):
     assert not jobs.leftovers(), "processes of the job are still running"
 
 
-def _rows(run_dir) -> int:
-    path = run_dir / "rollouts.h5"
-    if not path.exists():
-        return 0
-    try:
-        with RolloutReader(path) as r:      # the job is writing it (SWMR)
-            return len(r)
-    except Exception:                       # noqa: BLE001 - mid-creation: look again
-        return 0
-
-
 def test_resume_equivalence_sync(jobs, tiny_model, tmp_path):
     """Sync mode (η = 0, deterministic prompt order): N steps straight and N/2 + preempt + resume +
     N/2 consume the same prompts with the same step count. Weights are not compared: vLLM's
     sampling depends on its batch composition and RNG state, which a restart changes.
 
-    The preemption comes while step N/2's batch is being generated (one of its groups has
-    arrived), so samples are mid-generation: they are kept as PARTIAL rows, the checkpoint names
+    The preemption comes while step N/2's batch is being generated, so samples are
+    mid-generation: they are kept as PARTIAL rows, the checkpoint names
     them, and the resume continues each from its prefix, which keeps its tokens,
     log-probabilities and versions; a sample that had finished is kept whole."""
-    sync = [*SMALL, *LONG, "rollout.mode=sync", "checkpoint.every_steps=0"]
+    # One group in flight at a time, each LONG_TOKENS decode steps long (about 1 s here): the
+    # first group of step N/2 is issued just before step N/2 - 1's metrics line is written, and
+    # the batch is generated group by group for about 3 s. The signal goes out 0.4 s after that
+    # line, and the job stops its generator 0.01-0.1 s later (measured), in the first group.
+    # (Before: the batch's groups issued together, most samples ending at an early EOS, a whole
+    # batch took 0.3-0.5 s, and the stop could find nothing in flight.)
+    sync = [*SMALL, *LONG, "rollout.mode=sync", "checkpoint.every_steps=0",
+            "rollout.max_concurrent_prompts=1"]
     code, out = _finish(jobs.start(jobs.args(tiny_model, tmp_path, "straight", *sync)))
     assert code == 0, out[-4000:]
 
@@ -175,15 +172,18 @@ def test_resume_equivalence_sync(jobs, tiny_model, tmp_path):
     run_dir = tmp_path / "resumed"
     proc = jobs.start(args)
     half = STEPS // 2
-    _wait_for(lambda: _steps_done(run_dir) >= half and _rows(run_dir) >= (half * B + 1) * N, proc)
-    for p in jobs.processes(ranks_only=True):
+    _wait_for(lambda: _steps_done(run_dir) >= 1, proc)
+    ranks = jobs.processes(ranks_only=True)    # found once: the signal goes out without a scan
+    _wait_for(lambda: _steps_done(run_dir) >= half, proc, poll=0.05)
+    time.sleep(0.4)
+    for p in ranks:
         p.send_signal(signal.SIGUSR1)
     code, out = _finish(proc)
     assert code == 3, out[-4000:]
     done = _steps_done(run_dir)
     assert ck.find_latest(run_dir)[1]["step"] == done
     partial = _partial(run_dir)
-    cut = [i for i, p in partial.items() if p[5] == "abort" and 0 < len(p[2]) < 64]
+    cut = [i for i, p in partial.items() if p[5] == "abort" and 0 < len(p[2]) < LONG_TOKENS]
     assert cut, f"no sample was mid-generation at the preemption: {partial}"
     ctrl = ck.read_state(ck.find_latest(run_dir)[0] / ck.STATE)["controller"]
     referenced = {r for first, n in zip(ctrl["partial_first_row"], ctrl["partial_rows"])
