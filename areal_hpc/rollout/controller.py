@@ -36,7 +36,8 @@ from ..config import RunConfig, to_yaml
 from ..data.prompts import prompt_ids
 from ..storage.rollout_log import DROPPED_STALE, PARTIAL, RolloutWriter
 from ..topology import Topology
-from ..transport.mpi import Channel, Tag
+from ..transport import messages as msgs
+from ..transport.mpi import Channel
 from ..transport.weights import AckTracker
 from .ledger import Ledger
 from .staleness import staleness_of
@@ -99,8 +100,8 @@ class Controller:
         log_path = cfg.run_dir / "rollouts.h5"
         # A resumed run reopens its log in `restore`.
         self.writer = RolloutWriter(log_path, to_yaml(cfg)) if resume is None else None
-        self.gen_stats: dict[int, dict] = {}
-        self._eval_results: list[dict] = []
+        self.gen_stats: dict[int, msgs.GeneratorStats] = {}
+        self._eval_results: list[msgs.EvalResult] = []
         self._cond = threading.Condition(threading.RLock())
         self._service: threading.Thread | None = None
         self._service_stop = threading.Event()
@@ -108,7 +109,7 @@ class Controller:
         self.weight_acks = AckTracker({g: topo.hosts[g] for g in topo.generator_ranks})
         self._t_start = time.monotonic()
         self.last_heard: dict[int, float] = {}          # generator rank → monotonic time
-        self.last_report: dict[int, dict] = {}          # generator rank → its newest heartbeat
+        self.last_report: dict[int, msgs.Heartbeat] = {}    # generator rank → its newest heartbeat
         self._last_beat = 0.0                           # CONTROLLER_HEARTBEAT last sent
         if resume is not None:
             self._restore(resume, log_path)
@@ -168,7 +169,7 @@ class Controller:
         if now - self._last_beat >= self.cfg.rollout.heartbeat_s:
             self._last_beat = now
             for g in self.topo.generator_ranks:
-                self.chan.send({"version": self.version}, g, Tag.CONTROLLER_HEARTBEAT)
+                msgs.post(self.chan, msgs.ControllerBeat(self.version), g)
 
     def _check_service(self) -> None:
         if self._service_error is not None:
@@ -207,11 +208,11 @@ class Controller:
                                  f"(weights.join_timeout_s = {self.cfg.weights.join_timeout_s:g}); "
                                  f"is its vLLM engine stuck starting?")
             elif now - heard > r.generator_timeout_s:
-                last = self.last_report.get(g, {})
+                last = self.last_report.get(g)
                 lines.append(f"generator rank {g} (host {host}) silent for {now - heard:.1f} s "
                              f"(rollout.generator_timeout_s = {r.generator_timeout_s:g}) with "
                              f"{self.in_flight[g]} prompt(s) in flight; last report: version "
-                             f"{last.get('version', '?')}, {last.get('running', '?')} request(s) "
+                             f"{last.version if last else '?'}, {last.running if last else '?'} request(s) "
                              f"running; its vLLM engine or process is hung or gone")
         chan = getattr(self, "chan", None)
         for src, tag, age in (chan.incomplete() if chan is not None else []):
@@ -223,26 +224,26 @@ class Controller:
             raise GeneratorLostError("; ".join(lines))
 
     # -- prompts out, groups in ----------------------------------------------------------------
-    def encode(self, prompt_id: int, row: dict, n: int) -> dict:
+    def encode(self, prompt_id: int, row: dict, n: int,
+               continued: tuple[msgs.Continuation, ...] = ()) -> msgs.Prompt:
         ids = prompt_ids(self.tokenizer, self.cfg.data, row["question"])
-        msg = {"prompt_id": prompt_id, "prompt_tokens": ids, "n": n,
-               "reward_kind": row["reward_kind"], "reference": row["reference"]}
-        if "row" in row:            # reward functions of the user's own see the whole row
-            msg["row"] = row["row"]
-        return msg
+        # reward functions of the user's own see the whole row
+        return msgs.Prompt(prompt_id, ids, n, row["reward_kind"], row["reference"],
+                           row=row.get("row"), continued=continued)
 
     def submit(self) -> int:
         """Hand out as many prompts as the staleness bound allows; returns how many."""
         issued = self.ledger.issue()
-        batches: dict[int, list[dict]] = {}
+        batches: dict[int, list[msgs.Prompt]] = {}
         for it in issued:
-            msg = self.encode(it.prompt_id, self.rows[it.index], self.cfg.rollout.group_size)
+            continued = ()
             if it.partial is not None:              # its samples go on from where they stopped
                 first, count = it.partial
-                msg["continue"] = [self._continuation(r) for r in range(first, first + count)]
-            batches.setdefault(it.rank, []).append(msg)
+                continued = tuple(self._continuation(r) for r in range(first, first + count))
+            batches.setdefault(it.rank, []).append(
+                self.encode(it.prompt_id, self.rows[it.index], self.cfg.rollout.group_size, continued))
         for g, prompts in batches.items():
-            self.chan.send(prompts, g, Tag.PROMPTS)
+            msgs.post(self.chan, msgs.Prompts(prompts), g)
         return len(issued)
 
     def receive(self) -> int:
@@ -250,21 +251,22 @@ class Controller:
         got = 0
         for src, tag, msg in self.chan.poll():
             self.last_heard[src] = time.monotonic()
-            if tag == Tag.HEARTBEAT:
-                self.last_report[src] = msg
-            elif tag == Tag.TRAJECTORIES:
-                self.ledger.arrived(src, msg, self.writer.append(msg))
-                got += 1
-            elif tag == Tag.PARTIAL:               # preempted: the prompts stay in flight
-                for group in msg:
-                    rows = self.writer.append(group, consumed=PARTIAL)
-                    self.ledger.partial_arrived(group[0]["prompt_id"], rows[0], len(rows))
-            elif tag == Tag.EVAL_RESULT:
-                self._eval_results.append(msg)
-            elif tag == Tag.STATS:
-                self.gen_stats[src] = msg
-            elif tag == Tag.WEIGHTS_ACK:
-                self.weight_acks.record(src, msg)
+            match msgs.check(tag, msg):
+                case msgs.Heartbeat():
+                    self.last_report[src] = msg
+                case msgs.Group(trajectories=group):
+                    self.ledger.arrived(src, group, self.writer.append(group))
+                    got += 1
+                case msgs.Partial(groups=groups):   # preempted: the prompts stay in flight
+                    for group in groups:
+                        rows = self.writer.append(group, consumed=PARTIAL)
+                        self.ledger.partial_arrived(group[0]["prompt_id"], rows[0], len(rows))
+                case msgs.EvalResult():
+                    self._eval_results.append(msg)
+                case msgs.GeneratorStats():
+                    self.gen_stats[src] = msg
+                case msgs.WeightsAck():
+                    self.weight_acks.record(src, msg)
         return got
 
     def _check_partial(self, path) -> int:
@@ -285,11 +287,12 @@ class Controller:
             tokens += int(ends[rows[-1]]) - (int(ends[first - 1]) if first else 0)
         return tokens
 
-    def _continuation(self, row: int) -> dict:
-        """A PARTIAL row as a generator continues it (a prompt's "continue" entries)."""
+    def _continuation(self, row: int) -> msgs.Continuation:
+        """A PARTIAL row as a generator continues it (a prompt's `continued` samples)."""
         t = self.writer.read(row)
-        return {k: t[k] for k in ("sample_idx", "output_tokens", "behav_logprobs", "versions",
-                                  "finish_reason", "t_submit", "t_first_token", "t_end")}
+        return msgs.Continuation(**{k: t[k] for k in (
+            "sample_idx", "output_tokens", "behav_logprobs", "versions", "finish_reason",
+            "t_submit", "t_first_token", "t_end")})
 
     def _drop_stale(self) -> int:
         """Groups whose oldest token is more than η versions behind the policy, by
@@ -340,10 +343,11 @@ class Controller:
     def send_weights_notice(self, version: int, *, plan=None, path: str | None = None) -> None:
         """Tell every generator that `version` is coming: over the weight group (`plan`, sent
         while the stage senders broadcast) or in the safetensors directory `path` (complete)."""
-        msg = {"version": version, "plan": plan} if path is None else {"version": version, "path": path}
+        msg = msgs.WeightsNotice(version, plan=plan) if path is None \
+            else msgs.WeightsNotice(version, path=path)
         with self._cond:
             for g in self.topo.generator_ranks:
-                self.chan.send(msg, g, Tag.WEIGHTS)
+                msgs.post(self.chan, msg, g)
 
     def wait_weights_acks(self, version: int, timeout_s: float, cause: BaseException | None = None) -> None:
         """Block until every generator acknowledges running `version`, at most `timeout_s`;
@@ -365,16 +369,16 @@ class Controller:
         prompts = [self.encode(i, r, samples) for i, r in enumerate(rows)]
         with self._cond:
             for k, g in enumerate(gens):
-                self.chan.send({"prompts": prompts[k::len(gens)]}, g, Tag.EVAL)
+                msgs.post(self.chan, msgs.EvalRequest(prompts[k::len(gens)]), g)
 
     def eval_result(self) -> dict:
         """Block until every generator answered the last eval request; accuracy over all samples."""
         with self._cond:
             self._wait(lambda: len(self._eval_results) >= len(self.topo.generator_ranks))
             parts, self._eval_results = self._eval_results, []
-        rewards = np.array([r for p in parts for res in p["results"] for r in res["rewards"]])
-        return {"version": parts[0]["version"], "accuracy": float((rewards > 0.5).mean()),
-                "samples": int(rewards.size), "seconds": max(p["seconds"] for p in parts)}
+        rewards = np.array([r for p in parts for res in p.results for r in res["rewards"]])
+        return {"version": parts[0].version, "accuracy": float((rewards > 0.5).mean()),
+                "samples": int(rewards.size), "seconds": max(p.seconds for p in parts)}
 
     # -- the end ----------------------------------------------------------------------------------
     def stop(self, preempted: bool = False) -> None:
@@ -384,7 +388,7 @@ class Controller:
         them); otherwise in-flight work is dropped. The log stays open until `close`."""
         self._stop_service()
         for g in self.topo.generator_ranks:
-            self.chan.send({"preempted": preempted}, g, Tag.STOP)
+            msgs.post(self.chan, msgs.Stop(preempted), g)
         deadline = time.monotonic() + self.cfg.rollout.generator_timeout_s
         while len(self.gen_stats) < len(self.topo.generator_ranks):
             if time.monotonic() > deadline:
@@ -396,17 +400,17 @@ class Controller:
                 self.chan.idle(timeout=0.05)
         self.chan.flush(timeout=60)
         for rank, st in sorted(self.gen_stats.items()):
-            sec = st["seconds"]
+            sec = st.seconds
             log.info("generator rank %d: %d tokens, busy %.1f%% of its time (generating %.1fs, "
                      "weight-update pauses %.1fs, idle %.1fs of which %.1fs waiting on scores, "
                      "loop work %.1fs (submitting %.1fs, sending %.1fs, other %.1fs); eval %.1fs "
                      "apart); reward calls %d, errors %d, timeouts %d",
-                     rank, st["tokens"], 100 * busy_share(sec), sec["busy"], sec["pause"],
+                     rank, st.tokens, 100 * busy_share(sec), sec["busy"], sec["pause"],
                      sec["idle"] + sec["idle_scoring"], sec["idle_scoring"], loop_work(sec),
                      sec.get("submit", 0.0), sec.get("send", 0.0), sec.get("other", 0.0),
-                     sec["eval"], st["reward"]["calls"], st["reward"]["errors"], st["reward"]["timeouts"])
+                     sec["eval"], st.reward["calls"], st.reward["errors"], st.reward["timeouts"])
         with open(self.cfg.run_dir / "generators.json", "w") as f:
-            json.dump([self.gen_stats[r] for r in sorted(self.gen_stats)], f, indent=1)
+            json.dump([self.gen_stats[r].to_json() for r in sorted(self.gen_stats)], f, indent=1)
 
     def close(self) -> None:
         self.writer.close()

@@ -32,7 +32,8 @@ from ..config import RunConfig
 from ..reward import custom
 from ..reward.pool import RewardPool
 from ..topology import CONTROLLER_RANK, Topology
-from ..transport.mpi import Channel, Tag
+from ..transport import messages as msgs
+from ..transport.mpi import Channel
 from .vllm_engine import FinishedSample, VLLMEngine
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class ControllerLostError(RuntimeError):
 
 @dataclass
 class _Group:
-    prompt: dict        # {"prompt_id", "prompt_tokens", "n", "reward_kind", "reference"}
+    prompt: msgs.Prompt
     samples: dict = field(default_factory=dict)   # sample_idx → finished sample
     rewards: dict = field(default_factory=dict)   # sample_idx → reward
     errors: dict = field(default_factory=dict)    # sample_idx → reward-service error, if any
@@ -52,11 +53,11 @@ class _Group:
 
     @property
     def generated(self) -> bool:
-        return len(self.samples) == self.prompt["n"]
+        return len(self.samples) == self.prompt.n
 
     @property
     def scored(self) -> bool:
-        return len(self.rewards) == self.prompt["n"]
+        return len(self.rewards) == self.prompt.n
 
 
 def _request_id(kind: str, prompt_id: int, sample_idx: int) -> str:
@@ -123,25 +124,26 @@ class Generator:
             self._check_controller()
             for _, tag, msg in self.chan.poll(source=CONTROLLER_RANK):
                 self._heard = time.monotonic()
-                if tag == Tag.CONTROLLER_HEARTBEAT:
-                    continue
-                if tag == Tag.PROMPTS:
-                    if not self._started:
-                        self._started, self._t_started = True, time.monotonic()
-                    with self._timed("submit"):
-                        for p in msg:
-                            self._submit("train", p)
-                elif tag == Tag.WEIGHTS and not self._engine_lost:
-                    self._update_weights(msg)
-                elif tag == Tag.EVAL:
-                    with self._timed("eval"):
-                        self._evaluate(msg)
-                elif tag == Tag.STOP:
-                    self.preempted = bool(msg and msg.get("preempted"))
-                    if self.preempted:  # in-flight work goes back, to be continued on resume
-                        self._send_partial()
-                    running = False
-                    break
+                match msgs.check(tag, msg):
+                    case msgs.ControllerBeat():
+                        continue
+                    case msgs.Prompts(prompts=prompts):
+                        if not self._started:
+                            self._started, self._t_started = True, time.monotonic()
+                        with self._timed("submit"):
+                            for p in prompts:
+                                self._submit("train", p)
+                    case msgs.WeightsNotice() if not self._engine_lost:
+                        self._update_weights(msg)
+                    case msgs.EvalRequest():
+                        with self._timed("eval"):
+                            self._evaluate(msg)
+                    case msgs.Stop(preempted=preempted):
+                        self.preempted = preempted
+                        if preempted:   # in-flight work goes back, to be continued on resume
+                            self._send_partial()
+                        running = False
+                        break
                 # This rank's own work on the message (a weight load, an eval) is not silence.
                 self._heard = time.monotonic()
             if not running:
@@ -167,9 +169,9 @@ class Generator:
                 with self._timed("idle_scoring" if scoring else "idle"):
                     self.chan.idle(source=CONTROLLER_RANK, timeout=0.005 if scoring else 0.05)
         self._account_loop_work()
-        self.chan.send({"rank": self.topo.rank, "tokens": self.tokens_generated,
-                        "seconds": self.seconds, "version": self.engine.version,
-                        "reward": self.rewards.stats()}, CONTROLLER_RANK, Tag.STATS)
+        msgs.post(self.chan, msgs.GeneratorStats(
+            self.topo.rank, self.tokens_generated, dict(self.seconds), self.engine.version,
+            self.rewards.stats()), CONTROLLER_RANK)
         self.chan.flush(timeout=60)
         self.rewards.close()
         try:
@@ -187,30 +189,30 @@ class Generator:
             timed = sum(v for k, v in self.seconds.items() if k != "other")
             self.seconds["other"] = max(0.0, span - timed)
 
-    def _update_weights(self, msg: dict) -> None:
+    def _update_weights(self, msg: msgs.WeightsNotice) -> None:
         """Load the announced version and acknowledge it: "started" first, so that a load that
         never finishes is told apart from a notice never taken up; "loaded" only once the
         engine runs the new weights (a failed load raises: no generation on a half-loaded
         model). The trainer fails the job if either does not arrive in time."""
-        version = msg["version"]
-        self.chan.send({"version": version, "phase": "started"}, CONTROLLER_RANK, Tag.WEIGHTS_ACK)
+        version = msg.version
+        msgs.post(self.chan, msgs.WeightsAck(version, "started"), CONTROLLER_RANK)
         t0 = time.monotonic()
         try:
-            if "path" in msg:
-                paused_s = self.engine.update_weights_from_file(version, msg["path"])
+            if msg.path is not None:
+                paused_s = self.engine.update_weights_from_file(version, msg.path)
             else:
-                paused_s = self.engine.update_weights(version, msg["plan"])
+                paused_s = self.engine.update_weights(version, msg.plan)
         except Exception as exc:
             if preemption.requested():  # TERM reached the engine too: wait for the stop
                 log.warning("generator rank %d: weights v%d not loaded, its vLLM engine went with "
                             "the preemption (%s); waiting for stop", self.topo.rank, version, exc)
                 self._engine_lost = True
                 return
-            self._weights_failed(version, "path" in msg, time.monotonic() - t0, exc)
+            self._weights_failed(version, msg.path is not None, time.monotonic() - t0, exc)
             raise
         self.seconds["pause"] += paused_s
-        self.chan.send({"version": self.engine.version, "phase": "loaded", "paused_s": paused_s},
-                       CONTROLLER_RANK, Tag.WEIGHTS_ACK)
+        msgs.post(self.chan, msgs.WeightsAck(self.engine.version, "loaded", paused_s),
+                  CONTROLLER_RANK)
 
     def _weights_failed(self, version: int, from_file: bool, waited_s: float, exc: Exception) -> None:
         """Name a failed weight load in one line. A broadcast receive that timed out means the
@@ -254,8 +256,8 @@ class Generator:
         now = time.monotonic()
         if now - self._last_heartbeat >= self.cfg.rollout.heartbeat_s:
             self._last_heartbeat = now
-            self.chan.send({"version": self.engine.version, "running": self.engine.num_running(),
-                            "tokens": self.tokens_generated}, CONTROLLER_RANK, Tag.HEARTBEAT)
+            msgs.post(self.chan, msgs.Heartbeat(self.engine.version, self.engine.num_running(),
+                                                self.tokens_generated), CONTROLLER_RANK)
 
     @contextmanager
     def _timed(self, what: str):
@@ -264,25 +266,25 @@ class Generator:
         if self._started:
             self.seconds[what] += time.monotonic() - t0
 
-    def _submit(self, kind: str, prompt: dict) -> None:
+    def _submit(self, kind: str, prompt: msgs.Prompt) -> None:
         r = self.cfg.rollout
-        self.groups[(kind, prompt["prompt_id"])] = _Group(prompt)
-        pid, sampling = prompt["prompt_id"], dict(temperature=r.temperature, top_p=r.top_p,
+        self.groups[(kind, prompt.prompt_id)] = _Group(prompt)
+        pid, sampling = prompt.prompt_id, dict(temperature=r.temperature, top_p=r.top_p,
                                              ignore_eos=r.ignore_eos and kind == "train")
         # A preempted job's partial outputs: each goes on from its prefix (a finished one is
         # scored again); the samples that had no token yet start afresh below.
-        earlier = {int(c["sample_idx"]): c for c in prompt.get("continue", ())
-                   if len(c["output_tokens"]) or c["finish_reason"] != "abort"}
+        earlier = {int(c.sample_idx): c for c in prompt.continued
+                   if len(c.output_tokens) or c.finish_reason != "abort"}
         for idx, c in sorted(earlier.items()):
             self.engine.continue_sample(FinishedSample(
-                _request_id(kind, pid, idx), np.asarray(prompt["prompt_tokens"], dtype=np.int32),
-                *(np.asarray(c[k]) for k in ("output_tokens", "behav_logprobs", "versions")),
-                c["finish_reason"], c["t_submit"], c["t_first_token"], c["t_end"]),
+                _request_id(kind, pid, idx), np.asarray(prompt.prompt_tokens, dtype=np.int32),
+                np.asarray(c.output_tokens), np.asarray(c.behav_logprobs), np.asarray(c.versions),
+                c.finish_reason, c.t_submit, c.t_first_token, c.t_end),
                 r.max_new_tokens, **sampling)
-            self._kept[(kind, pid, idx)] = len(c["output_tokens"])   # not generated here
-        ids = [_request_id(kind, pid, i) for i in range(prompt["n"]) if i not in earlier]
+            self._kept[(kind, pid, idx)] = len(c.output_tokens)   # not generated here
+        ids = [_request_id(kind, pid, i) for i in range(prompt.n) if i not in earlier]
         if ids:
-            self.engine.submit_group(ids, prompt["prompt_tokens"],
+            self.engine.submit_group(ids, prompt.prompt_tokens,
                                      max_new_tokens=r.max_new_tokens, **sampling)
 
     def _step(self) -> None:
@@ -293,8 +295,8 @@ class Generator:
             group.samples[idx] = smp
             self.tokens_generated += len(smp.output_tokens) - self._kept.pop((kind, pid, idx), 0)
             text = self.tokenizer.decode(smp.output_tokens, skip_special_tokens=True)
-            self.rewards.submit((kind, pid, idx), group.prompt["reward_kind"], text,
-                                group.prompt["reference"], group.prompt.get("row"))
+            self.rewards.submit((kind, pid, idx), group.prompt.reward_kind, text,
+                                group.prompt.reference, group.prompt.row)
 
     def _collect_rewards(self, timeout: float = 0.0) -> list[tuple[str, _Group]]:
         """Scores that arrived; returns the groups now fully generated and scored."""
@@ -312,13 +314,13 @@ class Generator:
                 complete.append((kind, self.groups.pop((kind, pid))))
         return complete
 
-    def _trajectories(self, group: _Group) -> list[dict]:
+    def _trajectories(self, group: _Group) -> list[msgs.Trajectory]:
         """One trajectory dict per sample (docs/architecture.md#data-contract); a sample not
         scored yet (a partial group) has reward 0."""
         p = group.prompt
         return [{
-            "prompt_id": p["prompt_id"], "sample_idx": idx,
-            "prompt_tokens": np.asarray(p["prompt_tokens"], dtype=np.int32),
+            "prompt_id": p.prompt_id, "sample_idx": idx,
+            "prompt_tokens": np.asarray(p.prompt_tokens, dtype=np.int32),
             "output_tokens": s.output_tokens, "behav_logprobs": s.behav_logprobs,
             "versions": s.versions, "reward": group.rewards.get(idx, 0.0),
             "finish_reason": s.finish_reason, "generator_rank": self.topo.rank,
@@ -328,7 +330,7 @@ class Generator:
 
     def _send(self, group: _Group) -> None:
         """A scored training group to the controller."""
-        self.chan.send(self._trajectories(group), CONTROLLER_RANK, Tag.TRAJECTORIES)
+        msgs.post(self.chan, msgs.Group(self._trajectories(group)), CONTROLLER_RANK)
 
     def _send_partial(self) -> None:
         """At a preemption: abort every sample and send each training group still here (being
@@ -347,16 +349,16 @@ class Generator:
         tokens = sum(len(t["output_tokens"]) for g in partial for t in g)
         log.info("generator rank %d: preempted with %d group(s) in flight, %d tokens kept",
                  self.topo.rank, len(partial), tokens)
-        self.chan.send(partial, CONTROLLER_RANK, Tag.PARTIAL)
+        msgs.post(self.chan, msgs.Partial(partial), CONTROLLER_RANK)
 
-    def _evaluate(self, msg: dict) -> None:
+    def _evaluate(self, msg: msgs.EvalRequest) -> None:
         """Held-out accuracy at the current version: run the eval prompts to completion here,
         without taking weight updates, so every eval token comes from one policy version."""
         t0 = time.monotonic()
         pending = set()
-        for p in msg["prompts"]:
+        for p in msg.prompts:
             self._submit("eval", p)
-            pending.add(p["prompt_id"])
+            pending.add(p.prompt_id)
         results = []
         while pending:
             self._heartbeat()
@@ -366,11 +368,11 @@ class Generator:
                 if kind == "train":
                     self._send(group)
                     continue
-                pending.discard(group.prompt["prompt_id"])
-                results.append({"prompt_id": group.prompt["prompt_id"],
-                                "rewards": [group.rewards[i] for i in range(group.prompt["n"])]})
-        self.chan.send({"version": self.engine.version, "results": results,
-                        "seconds": time.monotonic() - t0}, CONTROLLER_RANK, Tag.EVAL_RESULT)
+                pending.discard(group.prompt.prompt_id)
+                results.append({"prompt_id": group.prompt.prompt_id,
+                                "rewards": [group.rewards[i] for i in range(group.prompt.n)]})
+        msgs.post(self.chan, msgs.EvalResult(self.engine.version, results, time.monotonic() - t0),
+                  CONTROLLER_RANK)
 
 
 def run_generator(cfg: RunConfig, topo: Topology) -> int:

@@ -22,9 +22,9 @@ from .. import preemption
 from ..storage.checkpoint import find_latest
 from ..storage.tensorboard import TensorBoardLog
 from ..transport import mpi as coll
-from ..transport import weights as wsync
 from . import checkpoint
 from .actor import Actor
+from .weight_publisher import WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,6 @@ class Trainer:
             cfg.train, cfg.model.path, tp=t.tp, pp=t.pp, group_size=cfg.rollout.group_size,
             temperature=cfg.rollout.temperature, device=t.device, dtype=cfg.model.dtype)
         self.version = 0
-        self.weight_plan = None         # [(stage, bucket)] of the HF weights: fixed for the run
         self.controller = None
         self.tb = None                  # TensorBoardLog (rank 0), opened when the loop starts
         self.resumed = self._resume() if cfg.checkpoint.resume == "auto" else None
@@ -54,13 +53,7 @@ class Trainer:
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
             self.controller = Controller(cfg, topo, train_rows, tokenizer,
                                          resume=self.resumed["controller"] if self.resumed else None)
-        w = cfg.weights
-        self.weight_dir = w.disk_dir or str(cfg.run_dir / "weights")
-        self.weight_group = None
-        if w.mode == "broadcast" and self.actor.is_weight_sender:   # stage s is weight rank s
-            self.weight_group = wsync.init_weight_group(
-                topo.controller_addr, topo.weight_port, self.actor.weight_stage,
-                topo.weight_group_size, t.weight_backend, w.timeout_s, w.join_timeout_s)
+        self.publisher = WeightPublisher.for_trainer(cfg, topo, self.actor, self.controller)
 
     # -- checkpoints ------------------------------------------------------------------------------
     def _resume(self) -> dict | None:
@@ -123,92 +116,6 @@ class Trainer:
             self.tb.evaluation(res)
         return res
 
-    def _weight_plan(self) -> wsync.Plan:
-        """The update plan, once per run (collective): each stage's sender lists its HF tensors,
-        trainer rank 0 buckets them per stage, every trainer rank gets the plan."""
-        a, comm = self.actor, self.topo.role_comm
-        specs = None
-        if a.weight_stage is not None:      # TP peers gather along with their sender
-            specs = [(k, tuple(v.shape), wsync.dtype_to_str(v.dtype)) for k, v in a.iter_hf_weights()]
-        bound = self.cfg.rollout.collective_timeout_s
-        sent = coll.gather(comm, (a.weight_stage, specs) if a.is_weight_sender else None, root=0,
-                           timeout_s=bound, what="weight plan: each stage's tensor list")
-        plan = None
-        if comm.Get_rank() == 0:
-            by_stage = dict(x for x in sent if x is not None)
-            plan = wsync.plan_stages([by_stage[s] for s in range(self.cfg.topology.pp)],
-                                     self.cfg.weights.bucket_mb << 20)
-        return coll.bcast(comm, plan, root=0, timeout_s=bound, what="weight plan")
-
-    def _publish_weights(self) -> float:
-        """Send version `self.version` to every generator (collective over the trainer ranks).
-
-        Each stage's data-parallel-rank-0 TP group gathers its HF tensors one at a time; its
-        tp = 0 rank broadcasts them in buckets into the engines (or writes them as a versioned
-        safetensors directory, disk mode). Trainer rank 0 announces the update and waits until
-        every generator acknowledges running the version; if one does not within
-        `weights.timeout_s`, or a collective times out, every trainer rank raises the same
-        `WeightSyncError` naming the generators (rank, host), instead of hanging.
-        """
-        t0 = time.monotonic()
-        w, a, comm = self.cfg.weights, self.actor, self.topo.role_comm
-        if self.weight_plan is None:
-            self.weight_plan = self._weight_plan()
-        plan, stage, error = self.weight_plan, a.weight_stage, None
-        try:
-            if w.mode == "broadcast":
-                if self.controller is not None:
-                    self.controller.send_weights_notice(self.version, plan=plan)
-                if a.is_weight_sender:
-                    wsync.broadcast_stage(self.weight_group, plan, stage, a.iter_hf_weights(), a.device)
-                elif stage is not None:
-                    for _ in a.iter_hf_weights():
-                        pass
-            else:
-                if a.is_weight_sender:
-                    wsync.write_stage(self.weight_dir, self.version, plan, stage, a.iter_hf_weights())
-                elif stage is not None:
-                    for _ in a.iter_hf_weights():
-                        pass
-                coll.barrier(comm, w.timeout_s,  # every stage's files are in place
-                             what=f"weight update to version {self.version}: files written")
-                if self.controller is not None:
-                    path = wsync.version_dir(self.weight_dir, self.version)
-                    self.controller.send_weights_notice(self.version, path=str(path))
-        except Exception as exc:                # rank 0 names the generators; all raise below
-            log.error("weight update to version %d failed on this rank: %s", self.version, exc)
-            error = exc
-        failure, stopping = None, False
-        if self.controller is not None:
-            # A preemption's TERM reaches vLLM's processes too, which die mid-update: no grace
-            # for acknowledgements then, the job is stopping and the checkpoint is what counts.
-            grace = 0.0 if error is not None and preemption.requested() else w.timeout_s
-            try:
-                self.controller.wait_weights_acks(self.version, grace, error)
-            except wsync.WeightSyncError as exc:
-                failure = exc
-            if failure is None and w.mode == "disk":
-                wsync.prune_versions(self.weight_dir, keep=self.version)
-            stopping = failure is not None and preemption.requested()
-        # Rank 0 arrives after the broadcast and the acknowledgements (each bounded by
-        # weights.timeout_s); rollout.collective_timeout_s bounds the whole wait of the others.
-        message, stopping = coll.bcast(
-            comm, (None if failure is None else str(failure), stopping), root=0,
-            timeout_s=self.cfg.rollout.collective_timeout_s,
-            what=f"weight update to version {self.version}: its outcome")
-        if stopping:        # every rank goes on to the stop and its checkpoint (rank 0 decides)
-            log.warning("weight update to version %d failed during a preemption (%s): going on "
-                        "to stop and checkpoint; the resumed job publishes these weights first",
-                        self.version, message)
-            return time.monotonic() - t0
-        if failure is not None:
-            raise failure
-        if message is not None:
-            raise wsync.WeightSyncError(message) from error
-        if error is not None:
-            raise error
-        return time.monotonic() - t0
-
     def _batch(self, progress) -> tuple[list[dict], dict]:
         """Rank 0 gathers the batch from the controller; every trainer rank gets all of it (the
         Actor splits it into minibatches and data-parallel shares, alike on every rank)."""
@@ -250,7 +157,7 @@ class Trainer:
         start = self.version
         self._eval_s = 0.0
         if self.resumed:
-            self._publish_weights()     # generators start from the checkpoint's weights
+            self.publisher.publish(self.version)    # generators start from the checkpoint's weights
             evals = self._previous_evals()
         else:
             evals = [e for e in [self._evaluate("initial")] if e]
@@ -287,7 +194,7 @@ class Trainer:
                 return preemption.EXIT_PREEMPTED
             train_stats = self.actor.train_step(trajs, self.version)  # decoupled PPO
             self.version = step + 1
-            weight_sync_s = self._publish_weights()         # generators go on with the new version
+            weight_sync_s = self.publisher.publish(self.version)  # generators go on with it
             if self.controller is not None:
                 self.controller.on_trained(stats.pop("rows"), step, self.version)
                 progress.step(self._record(step, stats, train_stats, weight_sync_s))

@@ -1,10 +1,11 @@
 """MPI messages between the controller (trainer rank 0) and the generator ranks.
 
 Control (prompts, weight-update notices, eval requests, stop) flows controller → generator;
-trajectories and eval results flow generator → controller. Messages are pickled dicts or lists of
-dicts (numpy arrays inside; docs/architecture.md#data-contract has every field), sent out-of-band (pickle 5, `mpi4py.util.pkl5`) so large token arrays are not copied into
-the pickle stream. Sends are non-blocking; the sender keeps the requests until they complete.
-Receives are polled (`poll`; `idle` sleeps until a message is waiting) and completed in the
+trajectories and eval results flow generator → controller. The messages are the dataclasses of
+`areal_hpc.transport.messages` (numpy arrays inside), pickled out-of-band (pickle 5,
+`mpi4py.util.pkl5`) so large token arrays are not copied into the pickle stream. The channel
+itself carries any picklable object under any tag. Sends are non-blocking; the sender keeps the
+requests until they complete. Receives are polled (`poll`; `idle` sleeps until a message is waiting) and completed in the
 background, never a blocking call, so neither side stalls the other. The controller sends every
 generator a CONTROLLER_HEARTBEAT at least every rollout.heartbeat_s; a generator that hears
 nothing for rollout.generator_timeout_s ends itself (the trainer is gone).
@@ -20,25 +21,18 @@ from typing import Any, Iterator
 
 
 class Tag(IntEnum):
-    PROMPTS = 11        # controller → generator: list of prompt dicts to generate groups for
-                        # (a prompt's optional "continue": its samples' partial outputs)
-    WEIGHTS = 12        # controller → generator: {"version", "plan"} (a broadcast follows) or
-                        # {"version", "path"} (a safetensors directory to load)
-    EVAL = 13           # controller → generator: {"prompts": [prompt dicts]} (each prompt's "n"
-                        # is its sample count; the generator evaluates at its current version)
-    STOP = 14           # controller → generator: {"preempted": bool}: stop generating, exit
-                        # (preempted: send the in-flight groups back first, PARTIAL)
-    CONTROLLER_HEARTBEAT = 15   # controller → generator: {"version"} at least every
-                                # rollout.heartbeat_s (the trainer is alive)
-    TRAJECTORIES = 21   # generator → controller: one scored group (list of trajectory dicts)
-    EVAL_RESULT = 22    # generator → controller: {"version", "results": [...], "seconds"}
-    STATS = 23          # generator → controller: {"rank", "tokens", ...} at stop
-    WEIGHTS_ACK = 24    # generator → controller: {"version", "phase": "started"|"loaded", ...}
-    HEARTBEAT = 25      # generator → controller: {"version", "running", "tokens"} every
-                        # rollout.heartbeat_s while its loop runs (liveness)
-    PARTIAL = 26        # generator → controller, at a preemption's STOP, before STATS: its
-                        # training groups still in flight, each a list of its n trajectory
-                        # dicts as far as they got (finish_reason "abort" for unfinished samples)
+    """One per message class of `areal_hpc.transport.messages` (the payloads are there)."""
+    PROMPTS = 11        # controller → generator
+    WEIGHTS = 12        # controller → generator
+    EVAL = 13           # controller → generator
+    STOP = 14           # controller → generator
+    CONTROLLER_HEARTBEAT = 15   # controller → generator
+    TRAJECTORIES = 21   # generator → controller
+    EVAL_RESULT = 22    # generator → controller
+    STATS = 23          # generator → controller
+    WEIGHTS_ACK = 24    # generator → controller
+    HEARTBEAT = 25      # generator → controller
+    PARTIAL = 26        # generator → controller
 
 
 class Channel:

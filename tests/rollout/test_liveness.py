@@ -9,6 +9,7 @@ import pytest
 from areal_hpc.config import RunConfig
 from areal_hpc.rollout.controller import Controller
 from areal_hpc.rollout.generator import ControllerLostError, Generator
+from areal_hpc.transport.messages import ControllerBeat
 from areal_hpc.transport.mpi import Tag
 
 
@@ -85,7 +86,7 @@ def test_controller_heartbeat_every_interval_to_every_generator():
     Controller._beat(ctl, now=102.5)
     assert [(d, t) for d, t, _ in ctl.chan.sent] == [(1, Tag.CONTROLLER_HEARTBEAT),
                                                      (2, Tag.CONTROLLER_HEARTBEAT)] * 2
-    assert ctl.chan.sent[0][2] == {"version": 3}
+    assert ctl.chan.sent[0][2] == ControllerBeat(version=3)
 
 
 def test_a_message_arriving_too_long_names_its_generator():

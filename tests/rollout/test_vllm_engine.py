@@ -330,7 +330,7 @@ def _wait_for(path, proc, timeout=600):
     (4, [("tp2pp2", 2, 2, "broadcast")]),
 ], ids=["world1", "world2", "world4"])
 def test_update_from_trainer_layouts(engine, model_dir, tmp_path, world, layouts):
-    """The trainer's own `_publish_weights` from Megatron layouts (TP gathered, one sender per
+    """The trainer's own `WeightPublisher` from Megatron layouts (TP gathered, one sender per
     PP stage, or versioned safetensors on disk) into the running engine: afterwards vLLM's
     log-probs match a HF forward pass of the weights the trainer was loaded with."""
     import pickle

@@ -5,6 +5,7 @@ import pytest
 
 from areal_hpc.config import RunConfig
 from areal_hpc.rollout.controller import Controller, GeneratorLostError
+from areal_hpc.transport.messages import Heartbeat
 
 
 def _controller(**rollout):
@@ -34,7 +35,7 @@ def test_starting_generators_get_the_join_allowance():
 def test_silent_generator_is_named_with_its_last_report():
     ctl = _controller()
     ctl.last_heard = {1: 1200.0, 2: 1150.0}
-    ctl.last_report = {2: {"version": 7, "running": 12, "tokens": 5}}
+    ctl.last_report = {2: Heartbeat(version=7, running=12, tokens=5)}
     check(ctl, 1179.0)
     with pytest.raises(GeneratorLostError) as e:
         check(ctl, 1181.0)

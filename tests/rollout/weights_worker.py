@@ -4,7 +4,7 @@
 
 WORKDIR/in.pkl holds {"cases": [{"tag", "tp", "pp", "port", "version", "mode", "model_dir"},
 ...], "torch_port"}. For each case Megatron is rebuilt over the W ranks (dp = W / (tp*pp)) from
-the case's `model_dir`, and the trainer's own `_weight_plan` and `_publish_weights` run (no controller:
+the case's `model_dir`, and the trainer's own `WeightPublisher` plans and publishes (no controller:
 the test process plays the generator and calls `update_weights` itself). Rank 0 writes
 WORKDIR/<tag>.plan.pkl once the plan is known (the generator needs it) and <tag>.done after
 publishing. Broadcast cases join the weight group at 127.0.0.1:<port> as stage senders.
@@ -22,7 +22,6 @@ import pickle
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -35,7 +34,7 @@ def main() -> None:
     from areal_hpc.config import RunConfig, TrainConfig
     from areal_hpc.train.actor import Actor
     from areal_hpc.train.megatron_model import init_megatron_parallel
-    from areal_hpc.train.trainer import Trainer
+    from areal_hpc.train.weight_publisher import WeightPublisher
     from areal_hpc.transport import weights as wsync
 
     work = Path(sys.argv[1])
@@ -59,21 +58,21 @@ def main() -> None:
                       pp=case["pp"], group_size=(train or {}).get("group_size", 1))
         if train is not None:
             _train_step(actor, train, comm, build_s=time.perf_counter() - t0)
-        trainer = SimpleNamespace(cfg=cfg, actor=actor, topo=SimpleNamespace(role_comm=comm),
-                                  controller=None, weight_plan=None, weight_group=None,
-                                  version=case["version"], weight_dir=str(work / "weights"))
-        trainer._weight_plan = lambda t=trainer: Trainer._weight_plan(t)
+        group = None
         if case["mode"] == "broadcast" and actor.is_weight_sender:
-            trainer.weight_group = wsync.init_weight_group(
+            group = wsync.init_weight_group(
                 "127.0.0.1", case["port"], actor.weight_stage, case["pp"] + 1, "gloo",
                 timeout_s=120, join_timeout_s=600)
-        trainer.weight_plan = trainer._weight_plan()
+        publisher = WeightPublisher(cfg.weights, actor, comm, pp=case["pp"],
+                                    collective_timeout_s=cfg.rollout.collective_timeout_s,
+                                    weight_dir=str(work / "weights"), group=group)
+        plan = publisher.plan()
         if comm.Get_rank() == 0:
-            (work / f"{case['tag']}.plan.pkl").write_bytes(pickle.dumps(trainer.weight_plan))
-        Trainer._publish_weights(trainer)
+            (work / f"{case['tag']}.plan.pkl").write_bytes(pickle.dumps(plan))
+        publisher.publish(case["version"])
         if comm.Get_rank() == 0:
             (work / f"{case['tag']}.done").write_text(
-                str(wsync.version_dir(trainer.weight_dir, case["version"])))
+                str(wsync.version_dir(publisher.weight_dir, case["version"])))
         comm.Barrier()
     dist.destroy_process_group()
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from areal_hpc.topology import free_port
+from areal_hpc.transport.messages import WeightsAck
 from areal_hpc.transport.weights import (
     AckTracker,
     WeightSyncError,
@@ -464,9 +465,9 @@ def test_plan_stages_roots_and_order():
 
 def test_ack_tracker_names_generators():
     acks = AckTracker({2: "n1", 3: "n2", 4: "n3"})
-    acks.record(2, {"version": 5, "phase": "started"})
-    acks.record(2, {"version": 5, "phase": "loaded", "paused_s": 0.1})
-    acks.record(3, {"version": 5, "phase": "started"})
+    acks.record(2, WeightsAck(5, "started"))
+    acks.record(2, WeightsAck(5, "loaded", paused_s=0.1))
+    acks.record(3, WeightsAck(5, "started"))
     assert not acks.complete(5)
     with pytest.raises(WeightSyncError) as e:
         acks.check(5, 12.0)
@@ -474,8 +475,8 @@ def test_ack_tracker_names_generators():
     assert "version 5 failed after 12.0 s" in msg and "rank 2" not in msg
     assert "generator rank 3 (host n2) started loading but did not finish" in msg
     assert "generator rank 4 (host n3) never started loading" in msg
-    acks.record(3, {"version": 5, "phase": "loaded"})
-    acks.record(4, {"version": 5, "phase": "loaded"})
+    acks.record(3, WeightsAck(5, "loaded"))
+    acks.record(4, WeightsAck(5, "loaded"))
     assert acks.complete(5)
     acks.check(5, 1.0)  # no error
     with pytest.raises(WeightSyncError, match="TimeoutError: gloo"):

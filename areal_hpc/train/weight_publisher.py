@@ -1,0 +1,175 @@
+"""The trainer side of a weight update: one object owns it, from the plan to the outcome.
+
+Every trainer rank holds a `WeightPublisher` and calls `publish(version)` after each step; the
+call is collective over the trainer ranks, and what a rank does in it depends on its place:
+
+    stage sender (dp = tp = 0 of stage s)   gathers stage s's HF tensors with its TP peers and
+                                            broadcasts them in buckets over the weight group
+                                            (or writes them as safetensors files, disk mode)
+    its TP peers (dp = 0, tp > 0)           join that gather: `iter_hf_weights` is a collective
+                                            over the TP group, so they run it and send nothing
+    other data-parallel replicas            hold the same weights: only the outcome
+    trainer rank 0 (the controller)         announces the update to the generators, waits for
+                                            their acknowledgements, decides the outcome
+
+and every rank ends with the same outcome: the update done, a `WeightSyncError` naming the
+generators that did not take it, or, during a preemption, "go on to the stop and checkpoint".
+
+The plan (which tensors go in which bucket from which stage) is computed once, collectively, at
+the first update: shapes never change during a run. The wire formats are in
+`areal_hpc.transport.weights` (plan, broadcast, disk, acknowledgements).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from .. import preemption
+from ..transport import mpi as coll
+from ..transport import weights as wsync
+
+log = logging.getLogger(__name__)
+
+
+class WeightPublisher:
+    """Publish the actor's weights to the generators, one version at a time.
+
+    Args:
+        cfg: the run's `weights` section (mode, bucket_mb, timeout_s, disk_dir).
+        actor: this rank's `Actor` (its stage, its place in the TP group, its HF weights).
+        comm: the trainer ranks' communicator (every collective of the update runs over it).
+        pp: pipeline stages (one sender each).
+        collective_timeout_s: bounds the non-root ranks' wait for the outcome.
+        weight_dir: where disk mode writes its versions.
+        group: the weight group, on stage senders in broadcast mode (else None).
+        controller: trainer rank 0's `Controller` (announces, collects acknowledgements);
+            None on every other rank, and in tests that play the generator themselves.
+    """
+
+    def __init__(self, cfg, actor, comm, *, pp: int, collective_timeout_s: float,
+                 weight_dir: str, group=None, controller=None):
+        self.cfg, self.actor, self.comm = cfg, actor, comm
+        self.pp, self.collective_timeout_s = pp, collective_timeout_s
+        self.weight_dir, self.group, self.controller = weight_dir, group, controller
+        self._plan: wsync.Plan | None = None
+
+    @classmethod
+    def for_trainer(cls, cfg, topo, actor, controller=None) -> "WeightPublisher":
+        """The trainer's publisher: stage senders join the weight group (weight rank = stage)."""
+        w, t = cfg.weights, cfg.topology
+        group = None
+        if w.mode == "broadcast" and actor.is_weight_sender:
+            group = wsync.init_weight_group(
+                topo.controller_addr, topo.weight_port, actor.weight_stage,
+                topo.weight_group_size, t.weight_backend, w.timeout_s, w.join_timeout_s)
+        return cls(w, actor, topo.role_comm, pp=t.pp,
+                   collective_timeout_s=cfg.rollout.collective_timeout_s,
+                   weight_dir=w.disk_dir or str(cfg.run_dir / "weights"), group=group,
+                   controller=controller)
+
+    # -- the plan -------------------------------------------------------------------------------
+    def plan(self) -> wsync.Plan:
+        """The update plan (collective the first time): each stage's sender lists its HF
+        tensors, trainer rank 0 buckets them per stage, every trainer rank gets the plan."""
+        if self._plan is None:
+            self._plan = self._make_plan()
+        return self._plan
+
+    def _make_plan(self) -> wsync.Plan:
+        a = self.actor
+        specs = None
+        if a.weight_stage is not None:      # TP peers gather along with their sender
+            specs = [(k, tuple(v.shape), wsync.dtype_to_str(v.dtype)) for k, v in a.iter_hf_weights()]
+        sent = coll.gather(self.comm, (a.weight_stage, specs) if a.is_weight_sender else None,
+                           root=0, timeout_s=self.collective_timeout_s,
+                           what="weight plan: each stage's tensor list")
+        plan = None
+        if self.comm.Get_rank() == 0:
+            by_stage = dict(x for x in sent if x is not None)
+            plan = wsync.plan_stages([by_stage[s] for s in range(self.pp)], self.cfg.bucket_mb << 20)
+        return coll.bcast(self.comm, plan, root=0, timeout_s=self.collective_timeout_s,
+                          what="weight plan")
+
+    # -- one update -----------------------------------------------------------------------------
+    def publish(self, version: int) -> float:
+        """Send `version` to every generator and wait until each runs it; returns the seconds.
+
+        Collective over the trainer ranks. If a generator does not acknowledge within
+        `weights.timeout_s`, or a collective times out, every trainer rank raises the same
+        `WeightSyncError` naming the generators (rank, host) instead of hanging. During a
+        preemption a failed update returns normally on every rank: the job goes on to its
+        checkpoint, and the resumed job publishes these weights first."""
+        t0 = time.monotonic()
+        plan = self.plan()
+        error = None
+        try:
+            self._send(version, plan)
+        except Exception as exc:                # rank 0 names the generators; all raise below
+            log.error("weight update to version %d failed on this rank: %s", version, exc)
+            error = exc
+        failure, stopping = self._acknowledged(version, error)
+        # Rank 0 arrives after the broadcast and the acknowledgements (each bounded by
+        # weights.timeout_s); rollout.collective_timeout_s bounds the whole wait of the others.
+        message, stopping = coll.bcast(
+            self.comm, (None if failure is None else str(failure), stopping), root=0,
+            timeout_s=self.collective_timeout_s,
+            what=f"weight update to version {version}: its outcome")
+        if stopping:        # every rank goes on to the stop and its checkpoint (rank 0 decides)
+            log.warning("weight update to version %d failed during a preemption (%s): going on "
+                        "to stop and checkpoint; the resumed job publishes these weights first",
+                        version, message)
+            return time.monotonic() - t0
+        if failure is not None:
+            raise failure
+        if message is not None:
+            raise wsync.WeightSyncError(message) from error
+        if error is not None:
+            raise error
+        return time.monotonic() - t0
+
+    def _send(self, version: int, plan: wsync.Plan) -> None:
+        """This rank's part of moving the tensors (see the module docstring's table)."""
+        a, w = self.actor, self.cfg
+        stage = a.weight_stage
+        if w.mode == "broadcast":
+            if self.controller is not None:
+                self.controller.send_weights_notice(version, plan=plan)
+            if a.is_weight_sender:
+                wsync.broadcast_stage(self.group, plan, stage, a.iter_hf_weights(), a.device)
+            elif stage is not None:
+                self._join_gather()
+            return
+        if a.is_weight_sender:
+            wsync.write_stage(self.weight_dir, version, plan, stage, a.iter_hf_weights())
+        elif stage is not None:
+            self._join_gather()
+        coll.barrier(self.comm, w.timeout_s,      # every stage's files are in place
+                     what=f"weight update to version {version}: files written")
+        if self.controller is not None:
+            path = wsync.version_dir(self.weight_dir, version)
+            self.controller.send_weights_notice(version, path=str(path))
+
+    def _join_gather(self) -> None:
+        """A TP peer of a stage sender: take part in gathering the stage's full tensors (each
+        one is a collective over the TP group) without sending anything. Skipping this would
+        leave the sender waiting in its first gather."""
+        for _ in self.actor.iter_hf_weights():
+            pass
+
+    def _acknowledged(self, version: int, error: BaseException | None) -> tuple:
+        """Rank 0: wait for every generator to run `version`; returns (failure, stopping).
+        Every other rank: (None, False); rank 0's outcome reaches it in `publish`."""
+        if self.controller is None:
+            return None, False
+        w = self.cfg
+        # A preemption's TERM reaches vLLM's processes too, which die mid-update: no grace for
+        # acknowledgements then, the job is stopping and the checkpoint is what counts.
+        grace = 0.0 if error is not None and preemption.requested() else w.timeout_s
+        failure = None
+        try:
+            self.controller.wait_weights_acks(version, grace, error)
+        except wsync.WeightSyncError as exc:
+            failure = exc
+        if failure is None and w.mode == "disk":
+            wsync.prune_versions(self.weight_dir, keep=version)
+        return failure, failure is not None and preemption.requested()

@@ -1,0 +1,187 @@
+"""Every message between the controller (trainer rank 0) and the generator ranks, typed.
+
+One dataclass per MPI tag, used by both sides: the sender builds it and posts it with `post`
+(which takes the tag from the class), the receiver matches on the class. A trajectory stays a
+dict (`Trajectory`, the data contract's fields): the rollout log, the ledger, the trainer and
+the replay tool all read it as one.
+
+    controller → generator                 generator → controller
+    Prompts          PROMPTS               Group            TRAJECTORIES
+    WeightsNotice    WEIGHTS               Partial          PARTIAL
+    EvalRequest      EVAL                  EvalResult       EVAL_RESULT
+    Stop             STOP                  GeneratorStats   STATS
+    ControllerBeat   CONTROLLER_HEARTBEAT  WeightsAck       WEIGHTS_ACK
+                                           Heartbeat        HEARTBEAT
+
+docs/architecture.md#data-contract describes each field's meaning.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypedDict
+
+import numpy as np
+
+from .mpi import Tag
+
+
+class Trajectory(TypedDict):
+    """One sample of a group, as the generator sends it and the rollout log stores it."""
+    prompt_id: int
+    sample_idx: int
+    prompt_tokens: np.ndarray       # int32
+    output_tokens: np.ndarray       # int32
+    behav_logprobs: np.ndarray      # float32, one per output token
+    versions: np.ndarray            # int32, the policy version of each output token
+    reward: float                   # 0 for an unscored sample of a PARTIAL group
+    finish_reason: str              # "stop", "length", or "abort" (cut by a preemption)
+    generator_rank: int
+    t_submit: float                 # time.time() seconds
+    t_first_token: float
+    t_end: float
+    reward_error: str               # "" when scored normally
+    reward_extra: dict              # a reward function's logged fields
+
+
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """A sample of a preempted job, read back from its PARTIAL row: the generator goes on from
+    its tokens (an unfinished one) or scores it again (a finished one)."""
+    sample_idx: int
+    output_tokens: np.ndarray
+    behav_logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: str
+    t_submit: float
+    t_first_token: float
+    t_end: float
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prompt to generate a group of `n` samples for (training) or to evaluate."""
+    prompt_id: int
+    prompt_tokens: list[int]
+    n: int
+    reward_kind: str                # "math", "code" or "custom"
+    reference: Any                  # the answer, or the code tests
+    row: dict | None = None         # the whole dataset row, for reward functions of the user's
+    continued: tuple[Continuation, ...] = ()    # a preempted job's samples of this prompt
+
+
+# -- controller → generator ----------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Prompts:
+    TAG: ClassVar[Tag] = Tag.PROMPTS
+    prompts: list[Prompt]
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsNotice:
+    """Load `version`: over the weight group by `plan` (a broadcast follows), or from `path`."""
+    TAG: ClassVar[Tag] = Tag.WEIGHTS
+    version: int
+    plan: list | None = None
+    path: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EvalRequest:
+    """Run these held-out prompts to completion at the current version (each prompt's `n` is
+    its sample count)."""
+    TAG: ClassVar[Tag] = Tag.EVAL
+    prompts: list[Prompt]
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Stop generating and exit; at a preemption, first send the in-flight groups (Partial)."""
+    TAG: ClassVar[Tag] = Tag.STOP
+    preempted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerBeat:
+    """The trainer is alive (at least every rollout.heartbeat_s)."""
+    TAG: ClassVar[Tag] = Tag.CONTROLLER_HEARTBEAT
+    version: int
+
+
+# -- generator → controller ----------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Group:
+    """One scored training group: its n trajectories."""
+    TAG: ClassVar[Tag] = Tag.TRAJECTORIES
+    trajectories: list[Trajectory]
+
+
+@dataclass(frozen=True, slots=True)
+class Partial:
+    """At a preemption's Stop, before the stats: every training group still in flight, each
+    with all its samples as far as they got (finish_reason "abort" for unfinished ones)."""
+    TAG: ClassVar[Tag] = Tag.PARTIAL
+    groups: list[list[Trajectory]]
+
+
+@dataclass(frozen=True, slots=True)
+class EvalResult:
+    """Per evaluated prompt {"prompt_id", "rewards": [one per sample]}."""
+    TAG: ClassVar[Tag] = Tag.EVAL_RESULT
+    version: int
+    results: list[dict]
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class GeneratorStats:
+    """A generator's totals at its stop (written to generators.json)."""
+    TAG: ClassVar[Tag] = Tag.STATS
+    rank: int
+    tokens: int
+    seconds: dict[str, float]       # where its time went (busy, pause, eval, idle, ...)
+    version: int
+    reward: dict[str, int]          # the reward pool's calls, errors, timeouts
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "tokens": self.tokens, "seconds": dict(self.seconds),
+                "version": self.version, "reward": dict(self.reward)}
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsAck:
+    """"started" when a generator begins loading `version`, "loaded" once its engine runs it."""
+    TAG: ClassVar[Tag] = Tag.WEIGHTS_ACK
+    version: int
+    phase: str                      # "started" | "loaded"
+    paused_s: float = 0.0           # with "loaded": how long generation was paused
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """A generator's loop still turns (at least every rollout.heartbeat_s)."""
+    TAG: ClassVar[Tag] = Tag.HEARTBEAT
+    version: int
+    running: int                    # requests in its engine
+    tokens: int                     # generated so far
+
+
+MESSAGES = (Prompts, WeightsNotice, EvalRequest, Stop, ControllerBeat,
+            Group, Partial, EvalResult, GeneratorStats, WeightsAck, Heartbeat)
+_BY_TAG = {m.TAG: m for m in MESSAGES}
+
+
+def post(chan, msg, dest: int) -> None:
+    """Send `msg` (one of MESSAGES) to `dest` under its class's tag."""
+    if type(msg) not in MESSAGES:
+        raise TypeError(f"not a controller/generator message: {type(msg).__name__}")
+    chan.send(msg, dest, msg.TAG)
+
+
+def check(tag: Tag, msg) -> Any:
+    """A received message, checked against its tag: a message of another class under a tag (a
+    mismatched peer, or a stray sender on the communicator) is a TypeError naming both."""
+    want = _BY_TAG.get(tag)
+    if want is None or type(msg) is not want:
+        raise TypeError(f"message under tag {Tag(tag).name} is a {type(msg).__name__}, "
+                        f"expected {want.__name__ if want else 'nothing'}")
+    return msg

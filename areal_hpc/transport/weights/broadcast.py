@@ -1,0 +1,181 @@
+"""The broadcast transport: the weight group, and a stage sender's side of one update.
+
+The receiver half lives inside vLLM's worker (`areal_hpc.rollout.vllm_ext`).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .plan import Bucket, Plan, bucket_dtype, bucket_numel, dtype_from_str, spec_numel
+
+
+def init_weight_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout_s: float | None = None,
+    join_timeout_s: float | None = None,
+) -> torch.distributed.ProcessGroup:
+    """Join the weight group as `rank`; blocks until all `world_size` ranks have joined.
+
+    A stateless group (no torch.distributed global state), so it lives beside Megatron's and
+    vLLM's groups. `join_timeout_s` bounds the wait for every member (generators join once their
+    engine is up: minutes at 32B); `timeout_s` bounds every later collective (None: the
+    backend's default; NCCL enforces it through its watchdog). Trainer stage senders join here;
+    vLLM workers through `WeightSyncExtension.init_weight_group`. For NCCL, set this process's
+    CUDA device first.
+    """
+    from datetime import timedelta
+
+    from torch.distributed import PrefixStore, TCPStore
+    from vllm.distributed.utils import init_gloo_process_group
+
+    default = torch.distributed.distributed_c10d._get_default_timeout(backend)
+    timeout = default if timeout_s is None else timedelta(seconds=timeout_s)
+    join = timeout if join_timeout_s is None else timedelta(seconds=join_timeout_s)
+    store = TCPStore(
+        master_address, master_port, world_size, is_master=rank == 0, timeout=join,
+        wait_for_workers=True,
+    )
+    store.set_timeout(timeout)
+    prefix = PrefixStore("areal_weights", store)
+    if backend == "gloo":
+        return init_gloo_process_group(prefix, rank, world_size, timeout)
+    from vllm.platforms import current_platform
+
+    return current_platform.stateless_init_device_torch_dist_pg(
+        backend=backend, prefix_store=prefix, group_rank=rank, group_size=world_size, timeout=timeout
+    )
+
+
+def init_sender_group(
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    backend: str,
+    timeout_s: float | None = None,
+) -> torch.distributed.ProcessGroup:
+    """Join the weight group as rank 0 (a single sender: one stage, or a test)."""
+    return init_weight_group(master_address, master_port, 0, world_size, backend, timeout_s)
+
+
+@dataclass(frozen=True, slots=True)
+class BroadcastStats:
+    num_buckets: int  # buckets this rank sent
+    num_bytes: int  # bytes this rank sent
+    seconds: float  # wall time of the whole plan (all stages), on this rank
+
+
+def _pack(bucket: Bucket, take, flat: torch.Tensor) -> None:
+    """Copy `take(name)` for every tensor of `bucket`, in order, into `flat` (the bucket's
+    dtype, exactly `bucket_numel(bucket)` elements)."""
+    offset = 0
+    for name, shape, _ in bucket:
+        tensor = take(name)
+        if tuple(tensor.shape) != shape or tensor.dtype != flat.dtype:
+            raise ValueError(
+                f"{name}: tensor is {tuple(tensor.shape)} {tensor.dtype}, plan says {shape} {flat.dtype}"
+            )
+        n = spec_numel(shape)
+        flat[offset : offset + n].view(shape).copy_(tensor.detach())
+        offset += n
+
+
+def broadcast_stage(
+    group: torch.distributed.ProcessGroup,
+    plan: Plan,
+    stage: int,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    device: torch.device | str,
+) -> BroadcastStats:
+    """Take part in every bucket of `plan` as stage `stage`'s sender (weight-group rank `stage`).
+
+    This stage's buckets are packed from `tensors` (pulled lazily: a tensor is held only until
+    its bucket is packed) and broadcast; other stages' buckets are received and dropped, since a
+    broadcast needs every group member. Every receiver must be in `recv_weights(plan)`.
+
+    Two buckets are in flight: bucket k+1 is gathered and packed while bucket k's broadcast is
+    on the wire (gloo runs it on its own thread; NCCL on its own stream), into two buffers that
+    are reused for the whole plan, so the sender holds at most its two largest buckets' bytes
+    beyond the tensors of the bucket being packed. A bucket of one contiguous tensor is sent
+    from that tensor, without a copy: `tensors` must not change a tensor it has produced until
+    this returns. Raises what the backend raises when the group's timeout passes (from the wait
+    on the oldest bucket in flight); `ValueError` when `tensors` does not match the plan.
+    """
+    t0 = time.perf_counter()
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # as tensors report it
+    source: Iterator[tuple[str, torch.Tensor]] = iter(tensors)
+    held: dict[str, torch.Tensor] = {}
+
+    def take(name: str) -> torch.Tensor:
+        while name not in held:
+            try:
+                got, tensor = next(source)
+            except StopIteration:
+                raise ValueError(f"stage {stage} produced no tensor {name!r}") from None
+            held[got] = tensor
+        return held.pop(name)
+
+    # Raw bytes, viewed as each bucket's dtype. Reused rather than allocated per bucket: a
+    # fresh host buffer costs a page fault per 4 KiB, several times the copy into it.
+    buffers: list[torch.Tensor | None] = [None, None]
+    in_flight: collections.deque = collections.deque()  # the broadcasts' Work, oldest first
+    sent = num_bytes = 0
+    for k, (root, bucket) in enumerate(plan):
+        if len(in_flight) == 2:
+            in_flight.popleft().wait()  # bucket k-2 is off the wire: its buffer is free
+        dtype = dtype_from_str(bucket_dtype(bucket))
+        nbytes = bucket_numel(bucket) * dtype.itemsize
+        flat = None
+        if root == stage and len(bucket) == 1:
+            # A one-tensor bucket goes on the wire as it is, when it can: no pack copy.
+            name, shape, _ = bucket[0]
+            tensor = take(name)
+            if (tensor.is_contiguous() and tensor.device == device
+                    and tuple(tensor.shape) == shape and tensor.dtype == dtype):
+                flat = tensor.detach().view(-1)
+            else:
+                held[name] = tensor  # for _pack: it copies it, or names the mismatch
+        if flat is None:
+            slot = k % 2
+            if buffers[slot] is None or buffers[slot].numel() < nbytes:
+                buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            flat = buffers[slot][:nbytes].view(dtype)
+            if root == stage:
+                _pack(bucket, take, flat)
+        if root == stage:
+            sent += 1
+            num_bytes += nbytes
+        in_flight.append(group.broadcast(flat, root=root))
+    while in_flight:
+        in_flight.popleft().wait()
+    for _ in source:  # TP peers gather in lock step: run the iterator to its end
+        pass
+    if held:
+        raise ValueError(f"stage {stage} produced tensors outside the plan: {sorted(held)[:5]}")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # so `seconds` measures the transfer, not the launch
+    return BroadcastStats(sent, num_bytes, time.perf_counter() - t0)
+
+
+def broadcast_weights(
+    group: torch.distributed.ProcessGroup,
+    named_tensors: Mapping[str, torch.Tensor],
+    buckets: Sequence[Bucket],
+) -> BroadcastStats:
+    """`broadcast_stage` for a single sender (rank 0) holding every tensor already."""
+    device = next(iter(named_tensors.values())).device if named_tensors else "cpu"
+    return broadcast_stage(group, [(0, list(b)) for b in buckets], 0, named_tensors.items(), device)
+
+
+# ------------------------------------------------------------------ disk fallback
