@@ -11,9 +11,13 @@ import os
 import random
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import ConfigError, TopologyConfig
+
+if TYPE_CHECKING:   # torch-free at import: the launcher uses this module before any rank starts
+    from .train.layout import ParallelLayout
+    from .transport.weights import WeightGroupAddress
 
 TRAINER, GENERATOR = "trainer", "generator"
 CONTROLLER_RANK = 0
@@ -128,6 +132,19 @@ class Topology:
         """Weight-group rank of this generator's first vLLM worker (stage senders are [0, pp))."""
         assert self.role == GENERATOR
         return self.cfg.pp + self.role_rank * self.engine_tp
+
+    def weight_group_address(self, weights) -> WeightGroupAddress:
+        """The weight group's address for this job (`weights`: the run's weights section)."""
+        from .transport.weights import WeightGroupAddress
+        return WeightGroupAddress(self.controller_addr, self.weight_port, self.weight_group_size,
+                                  self.cfg.weight_backend, weights.timeout_s, weights.join_timeout_s)
+
+    def init_trainer_layout(self, seed: int) -> ParallelLayout:
+        """This trainer rank's Megatron layout: the default process group over the trainer ranks,
+        then Megatron's TP × PP × DP groups over it (`topology.tp`, `topology.pp`)."""
+        from .train.layout import ParallelLayout
+        self.init_trainer_process_group()
+        return ParallelLayout.create(self.cfg.tp, self.cfg.pp, seed, backend=self.cfg.trainer_backend)
 
     def init_trainer_process_group(self) -> None:
         """torch.distributed default group over the trainer ranks only (Megatron builds on it)."""

@@ -271,8 +271,9 @@ def bench_weights(args, actor, model_dir: str, hf: dict, res: dict) -> None:
         res["engine_rss_before"] = engine_rss(engine)
 
         port = free_port()
-        joined = in_thread(engine.init_weight_group, "127.0.0.1", port, 1, 2, "gloo", 600, 600)
-        group = wsync.init_weight_group("127.0.0.1", port, 0, 2, "gloo", 600, 600)
+        address = wsync.WeightGroupAddress("127.0.0.1", port, 2, "gloo", 600, 600)
+        joined = in_thread(engine.init_weight_group, address, 1)
+        group = wsync.init_weight_group(address, 0)
         joined()
         specs = [(k, tuple(v.shape), wsync.dtype_to_str(v.dtype)) for k, v in actor.iter_hf_weights()]
         plan = wsync.plan_stages([specs], args.bucket_mb << 20)

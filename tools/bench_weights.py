@@ -140,8 +140,9 @@ def bench(size: str, reps: int, bucket_mb: int, work: Path, breakdown: bool = Fa
     engine = VLLMEngine(str(model_dir), dtype="float32", max_model_len=256, kv_cache_gib=1)
     try:
         port = free_port()
-        joined = in_thread(engine.init_weight_group, "127.0.0.1", port, 1, 2, "gloo", 600, 600)
-        group = wsync.init_weight_group("127.0.0.1", port, 0, 2, "gloo", 600, 600)
+        address = wsync.WeightGroupAddress("127.0.0.1", port, 2, "gloo", 600, 600)
+        joined = in_thread(engine.init_weight_group, address, 1)
+        group = wsync.init_weight_group(address, 0)
         joined()
         specs = [(k, tuple(v.shape), wsync.dtype_to_str(v.dtype)) for k, v in actor.iter_hf_weights()]
         plan = wsync.plan_stages([specs], bucket_mb << 20)

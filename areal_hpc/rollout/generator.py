@@ -106,10 +106,8 @@ class Generator:
             kv_cache_gib=r.kv_cache_gib, gpu_memory_utilization=r.gpu_memory_utilization,
             tensor_parallel_size=topo.engine_tp)
         if cfg.weights.mode == "broadcast":
-            self.engine.init_weight_group(topo.controller_addr, topo.weight_port,
-                                          topo.weight_group_rank, topo.weight_group_size,
-                                          topo.cfg.weight_backend, cfg.weights.timeout_s,
-                                          cfg.weights.join_timeout_s)
+            self.engine.init_weight_group(topo.weight_group_address(cfg.weights),
+                                          topo.weight_group_rank)
         rw = cfg.reward
         self.rewards = RewardPool(rw.workers, math_timeout_s=rw.math_timeout_s,
                                   unsafe_no_sandbox=rw.unsafe_no_sandbox, extractor=rw.extractor,

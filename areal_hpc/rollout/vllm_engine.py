@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from areal_hpc.launch.cpus import split_cpus
-from areal_hpc.transport.weights import Bucket
+from areal_hpc.transport.weights import Bucket, WeightGroupAddress
 
 logger = logging.getLogger(__name__)
 
@@ -412,23 +412,12 @@ class VLLMEngine:
 
     # ---------------------------------------------------------------- weights
 
-    def init_weight_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank: int,
-        world_size: int,
-        backend: str,
-        timeout_s: float | None = None,
-        join_timeout_s: float | None = None,
-    ) -> list[int]:
+    def init_weight_group(self, address: WeightGroupAddress, rank: int) -> list[int]:
         """Join the weight group (see `WeightSyncExtension.init_weight_group`); blocks until
-        the trainer's stage senders join with the same address, at most `join_timeout_s`;
-        later receives are bounded by `timeout_s`. Returns the workers' ranks."""
-        return self._engine.collective_rpc(
-            "init_weight_group",
-            args=(master_address, master_port, rank, world_size, backend, timeout_s, join_timeout_s),
-        )
+        the trainer's stage senders join at the same `address`, at most its `join_timeout_s`;
+        later receives are bounded by its `timeout_s`. `rank` is the first worker's; worker i
+        joins as rank + i. Returns the workers' ranks."""
+        return self._engine.collective_rpc("init_weight_group", args=(address, rank))
 
     def update_weights(self, version: int, plan: Sequence[tuple[int, Bucket]]) -> float:
         """Interrupt, receive the trainer's broadcast (`broadcast_stage` on every stage sender

@@ -34,6 +34,7 @@ import torch
 
 from areal_hpc.transport.weights import (
     Bucket,
+    WeightGroupAddress,
     bucket_dtype,
     bucket_numel,
     dtype_from_str,
@@ -117,29 +118,18 @@ def _reload(worker, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
 
 
 class WeightSyncExtension:
-    def init_weight_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank: int,
-        world_size: int,
-        backend: str,
-        timeout_s: float | None = None,
-        join_timeout_s: float | None = None,
-    ) -> int:
+    def init_weight_group(self, address: WeightGroupAddress, rank: int) -> int:
         """Join the weight group; blocks until the trainer's stage senders and all receivers join.
 
         `rank` is the weight-group rank of this engine's first worker; with vLLM TP/PP > 1 the
         engine's worker i joins as `rank + i`, so an engine spans ranks [rank, rank + tp*pp).
-        `join_timeout_s` bounds the join, `timeout_s` every later receive. Returns the rank this
-        worker joined as.
+        The address's `join_timeout_s` bounds the join, its `timeout_s` every later receive.
+        Returns the rank this worker joined as.
         """
         from areal_hpc.transport.weights import init_weight_group
 
         my_rank = rank + self.rank
-        self._weight_group = init_weight_group(
-            master_address, master_port, my_rank, world_size, backend, timeout_s, join_timeout_s
-        )
+        self._weight_group = init_weight_group(address, my_rank)
         return my_rank
 
     def recv_weights(self, plan: Sequence[tuple[int, Bucket]]) -> int:

@@ -58,6 +58,7 @@ from areal_hpc.algo.ppo import compute_advantages, decoupled_ppo_loss, loglinear
 from areal_hpc.config import TrainConfig
 from areal_hpc.train import megatron_model
 from areal_hpc.train.attention import packed_seq_params
+from areal_hpc.train.layout import ParallelLayout
 from areal_hpc.train.cpu_compat import CudaToCpuMode
 from areal_hpc.train.logprobs import chunked_token_logprobs
 
@@ -101,14 +102,16 @@ class Actor:
     Args:
         cfg: the run's `train` section (optimizer, lr schedule, PPO, advantages, packing).
         model_dir: HF directory (config.json + *.safetensors) of the initial policy.
-        tp, pp: Megatron parallel sizes; dp = world size / (tp * pp).
+        tp, pp: Megatron parallel sizes; dp = world size / (tp * pp) (ignored with `layout`).
         group_size: samples per prompt (GRPO groups are contiguous in a batch).
         temperature: sampling temperature; logits are divided by it so that recomputed
             log-probs match the inference engine's.
         device: "cpu" or "cuda" (the current CUDA device of this rank).
         dtype: parameter dtype, "float32" | "bfloat16" | "float16"; half precision keeps fp32
             main parameters and gradients in Megatron's optimizer (fp16 with loss scaling).
-    Megatron's parallel state is initialised here (seed `cfg.seed`) unless it already is;
+        layout: this rank's `ParallelLayout` (the trainer's, from `Topology.init_trainer_layout`).
+            Without it, Megatron's parallel state is initialised here (seed `cfg.seed`) unless it
+            already is, and the layout read from it.
     torch.distributed must already be initialised over the trainer ranks.
     """
 
@@ -123,6 +126,7 @@ class Actor:
         temperature: float = 1.0,
         device: str | torch.device = "cpu",
         dtype: str = "float32",
+        layout: ParallelLayout | None = None,
     ):
         if cfg.prox not in ("recompute", "loglinear", "behaviour"):
             raise ValueError(f"prox must be recompute, loglinear or behaviour, got {cfg.prox!r}")
@@ -132,9 +136,12 @@ class Actor:
         self.temperature = temperature
         self.device = torch.device(device)
         self.hf_config = megatron_model.read_hf_config(model_dir)
-        if not parallel_state.model_parallel_is_initialized():
-            megatron_model.init_megatron_parallel(tp, pp, cfg.seed)
-        self.tp, self.pp = tp, pp
+        if layout is None:      # a single process or a test: Megatron's groups, if not there yet
+            if not parallel_state.model_parallel_is_initialized():
+                megatron_model.init_megatron_parallel(tp, pp, cfg.seed)
+            layout = ParallelLayout.read()
+        self.layout = layout
+        self.tp, self.pp = tp, pp = layout.tp, layout.pp
         self.params_dtype = params_dtype = _DTYPES[dtype]
 
         model = megatron_model.build_gpt_model(
@@ -207,9 +214,9 @@ class Actor:
         rank (AReaL all-gathers the count and takes the max; so do we, by all-reduce)."""
         budget = self.cfg.max_tokens_per_mb
         groups = balanced_allocate(lengths, budget, divisor=self.pp)
-        if equalise_dp and parallel_state.get_data_parallel_world_size() > 1:
+        if equalise_dp and self.layout.dp > 1:
             k = torch.tensor(len(groups), device=self.device)
-            dist.all_reduce(k, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+            dist.all_reduce(k, op=dist.ReduceOp.MAX, group=self.layout.dp_group())
             if int(k) > len(groups):
                 groups = balanced_allocate(lengths, budget, min_groups=int(k), divisor=self.pp)
         return groups
@@ -275,8 +282,8 @@ class Actor:
         """`[N]` log π(a_t|s_t) at temperature T from the last hidden states `[1, S, H]`,
         against this TP rank's vocabulary slice, `logprob_chunk_tokens` tokens at a time."""
         weight = megatron_model.output_weight(self.model)
-        vocab_start = parallel_state.get_tensor_model_parallel_rank() * weight.shape[0]
-        group = parallel_state.get_tensor_model_parallel_group() if self.tp > 1 else None
+        vocab_start = self.layout.tp_rank * weight.shape[0]
+        group = self.layout.tp_group() if self.tp > 1 else None
         return chunked_token_logprobs(hidden[0, mb.out_pos], weight, mb.targets[0],
                                       self.temperature, self.cfg.logprob_chunk_tokens,
                                       vocab_start, group)
@@ -316,13 +323,12 @@ class Actor:
         """`[N]` float32 log-probs per micro-batch (tensors): on the last stage, and on every
         stage with `to_all_stages` (sent from the last stage); None elsewhere."""
         outputs = self._run(micro_batches, self._logprob_loss, forward_only=True)
-        last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        last = self.layout.last_stage
         per_mb = [o["logprobs"].float() for o in outputs] if last else None
         if to_all_stages and self.pp > 1:
             flat = torch.cat(per_mb) if last else torch.empty(
                 sum(mb.n_tokens for mb in micro_batches), dtype=torch.float32, device=self.device)
-            dist.broadcast(flat, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                           group=parallel_state.get_pipeline_model_parallel_group())
+            dist.broadcast(flat, src=self.layout.pp_last_rank(), group=self.layout.pp_group())
             per_mb = list(torch.split(flat, [mb.n_tokens for mb in micro_batches]))
         return per_mb if per_mb is not None else [None] * len(micro_batches)
 
@@ -386,8 +392,7 @@ class Actor:
     def _plan_step(self, seqs: list[dict], per_token: dict) -> list[list[_MicroBatch]]:
         """This rank's packed micro-batches, per minibatch (see the module docstring)."""
         lengths = [len(s["prompt_tokens"]) + len(s["output_tokens"]) for s in seqs]
-        dp = parallel_state.get_data_parallel_world_size()
-        dp_rank = parallel_state.get_data_parallel_rank()
+        dp, dp_rank = self.layout.dp, self.layout.dp_rank
         plan = []
         for mb_ids in balanced_allocate(lengths, sum(lengths), min_groups=self.cfg.ppo_minibatches):
             mb_lens = [lengths[i] for i in mb_ids]
@@ -491,16 +496,16 @@ class Actor:
         """Sums of `_SUM_KEYS` and `n_tokens` over the whole batch: from the last pipeline stage
         (the only one with loss outputs) and over data-parallel ranks. One vector, two
         all-reduces (the other stages add zeros)."""
-        last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        last = self.layout.last_stage
         vec = torch.zeros(len(_SUM_KEYS) + 1, dtype=torch.float64, device=self.device)
         if last:
             for j, key in enumerate(_SUM_KEYS):
                 vec[j] = sum(float(o[key]) for o in outputs)
             vec[-1] = n_tokens
         if self.pp > 1:
-            dist.all_reduce(vec, group=parallel_state.get_pipeline_model_parallel_group())
-        if parallel_state.get_data_parallel_world_size() > 1:
-            dist.all_reduce(vec, group=parallel_state.get_data_parallel_group())
+            dist.all_reduce(vec, group=self.layout.pp_group())
+        if self.layout.dp > 1:
+            dist.all_reduce(vec, group=self.layout.dp_group())
         return dict(zip((*_SUM_KEYS, "n_tokens"), vec.tolist()))
 
     # ---------------------------------------------------------------- weights
@@ -525,16 +530,13 @@ class Actor:
 
     @property
     def weight_stage(self) -> int | None:
-        """The pipeline stage whose weights this rank gathers for the generators, or None
-        (data-parallel replicas other than the first take no part)."""
-        if parallel_state.get_data_parallel_rank() != 0:
-            return None
-        return parallel_state.get_pipeline_model_parallel_rank()
+        """The pipeline stage whose weights this rank gathers for the generators, or None."""
+        return self.layout.weight_stage
 
     @property
     def is_weight_sender(self) -> bool:
         """This rank sends its stage's weights (dp = tp = 0); its TP peers gather along."""
-        return self.weight_stage is not None and parallel_state.get_tensor_model_parallel_rank() == 0
+        return self.layout.is_weight_sender
 
     def save_hf(self, out_dir: str) -> None:
         """Write a HF model directory loadable by transformers and vLLM.
@@ -543,8 +545,7 @@ class Actor:
         config.json, tokenizer and other non-weight files are copied from `model_dir`.
         """
         state = self.hf_state_dict()
-        if (parallel_state.get_data_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(),
-                parallel_state.get_pipeline_model_parallel_rank()) != (0, 0, 0):
+        if not self.layout.is_first:
             return
         os.makedirs(out_dir, exist_ok=True)
         for name in sorted(os.listdir(self.model_dir)):

@@ -32,11 +32,10 @@ log = logging.getLogger(__name__)
 class Trainer:
     def __init__(self, cfg: RunConfig, topo: Topology):
         self.cfg, self.topo = cfg, topo
-        topo.init_trainer_process_group()
-        t = cfg.topology
         self.actor = Actor(
-            cfg.train, cfg.model.path, tp=t.tp, pp=t.pp, group_size=cfg.rollout.group_size,
-            temperature=cfg.rollout.temperature, device=t.device, dtype=cfg.model.dtype)
+            cfg.train, cfg.model.path, group_size=cfg.rollout.group_size,
+            temperature=cfg.rollout.temperature, device=cfg.topology.device,
+            dtype=cfg.model.dtype, layout=topo.init_trainer_layout(cfg.train.seed))
         self.version = 0
         self.controller = None
         self.tb = None                  # TensorBoardLog (rank 0), opened when the loop starts

@@ -59,9 +59,7 @@ class WeightPublisher:
         w, t = cfg.weights, cfg.topology
         group = None
         if w.mode == "broadcast" and actor.is_weight_sender:
-            group = wsync.init_weight_group(
-                topo.controller_addr, topo.weight_port, actor.weight_stage,
-                topo.weight_group_size, t.weight_backend, w.timeout_s, w.join_timeout_s)
+            group = wsync.init_weight_group(topo.weight_group_address(w), actor.weight_stage)
         return cls(w, actor, topo.role_comm, pp=t.pp,
                    collective_timeout_s=cfg.rollout.collective_timeout_s,
                    weight_dir=w.disk_dir or str(cfg.run_dir / "weights"), group=group,

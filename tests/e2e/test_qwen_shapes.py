@@ -32,6 +32,7 @@ import torch
 
 from areal_hpc.rollout import vllm_engine
 from areal_hpc.topology import free_port
+from areal_hpc.transport.weights import WeightGroupAddress
 from tests.rollout.test_vllm_engine import (
     ATOL,
     WORKER,
@@ -217,7 +218,7 @@ def test_update_reaches_engine_and_tied_head(trainer, engine, engine_log, qwen_d
     no longer warns that the head loaded nothing."""
     case, work = trainer.case, trainer.work
     log_start = engine_log.stat().st_size
-    assert engine.init_weight_group("127.0.0.1", case["port"], 1, 2, "gloo", 120, 600) == [1]
+    assert engine.init_weight_group(WeightGroupAddress("127.0.0.1", case["port"], 2, "gloo", 120, 600), 1) == [1]
     _wait_for(work / "qwen.plan.pkl", trainer.proc)
     plan = pickle.loads((work / "qwen.plan.pkl").read_bytes())
     sent = {name for _, bucket in plan for name, _, _ in bucket}

@@ -15,6 +15,7 @@ import torch
 
 from areal_hpc.rollout import vllm_engine
 from areal_hpc.topology import free_port
+from areal_hpc.transport.weights import WeightGroupAddress
 
 DTYPE = "float32"  # fp32 so that behaviour logprobs can be compared with HF to ~1e-5
 ATOL = 1e-4
@@ -176,7 +177,7 @@ def _trainer(model_dir, port, sent_path, meta_queue):
     save_file({k: v.float().contiguous() for k, v in new.items()}, sent_path)
     buckets = plan_buckets([(k, v.shape, dtype_to_str(v.dtype)) for k, v in new.items()], 32 << 10)
     meta_queue.put(buckets)
-    group = init_sender_group("127.0.0.1", port, 2, "gloo", timeout_s=300)
+    group = init_sender_group(WeightGroupAddress("127.0.0.1", port, 2, "gloo", timeout_s=300))
     stats = broadcast_weights(group, new, buckets)
     meta_queue.put(stats)
 
@@ -189,7 +190,7 @@ def test_weight_update_mid_generation(engine, model_dir, tmp_path):
     trainer = ctx.Process(target=_trainer, args=(model_dir, port, sent_path, meta_queue))
     trainer.start()
     try:
-        assert engine.init_weight_group("127.0.0.1", port, 1, 2, "gloo") == [1]
+        assert engine.init_weight_group(WeightGroupAddress("127.0.0.1", port, 2, "gloo"), 1) == [1]
         buckets = meta_queue.get(timeout=120)
         assert len({b[0][2] for b in buckets}) == 2 and len(buckets) > 2
 
@@ -353,8 +354,8 @@ def test_update_from_trainer_layouts(engine, model_dir, tmp_path, world, layouts
             tag, version = case["tag"], case["version"]
             if case["mode"] == "broadcast":
                 pp = case["pp"]
-                assert engine.init_weight_group("127.0.0.1", case["port"], pp, pp + 1, "gloo",
-                                                120, 600) == [pp]
+                address = WeightGroupAddress("127.0.0.1", case["port"], pp + 1, "gloo", 120, 600)
+                assert engine.init_weight_group(address, pp) == [pp]
                 _wait_for(tmp_path / f"{tag}.plan.pkl", proc)
                 plan = pickle.loads((tmp_path / f"{tag}.plan.pkl").read_bytes())
                 assert {root for root, _ in plan} == set(range(pp)) and len(plan) >= 1

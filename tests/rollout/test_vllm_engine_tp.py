@@ -15,6 +15,7 @@ import torch
 
 from areal_hpc.rollout import vllm_engine
 from areal_hpc.topology import free_port
+from areal_hpc.transport.weights import WeightGroupAddress
 
 from .test_vllm_engine import hf_logprobs, hf_model, make_tiny_model, run_to_completion
 
@@ -146,8 +147,9 @@ def test_broadcast_reaches_every_worker(engine, model_dir, tmp_path):
 
     port, world = free_port(), 1 + TP
     with ThreadPoolExecutor(1) as pool:
-        group = pool.submit(init_weight_group, "127.0.0.1", port, 0, world, "gloo", 120, 300)
-        assert engine.init_weight_group("127.0.0.1", port, 1, world, "gloo", 120, 300) == [1, 2]
+        address = WeightGroupAddress("127.0.0.1", port, world, "gloo", 120, 300)
+        group = pool.submit(init_weight_group, address, 0)
+        assert engine.init_weight_group(address, 1) == [1, 2]
         group = group.result(timeout=60)
         sender = pool.submit(broadcast_weights, group, new, buckets)
         paused_s = engine.update_weights(1, [(0, b) for b in buckets])

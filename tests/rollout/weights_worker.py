@@ -33,7 +33,7 @@ def main() -> None:
 
     from areal_hpc.config import RunConfig, TrainConfig
     from areal_hpc.train.actor import Actor
-    from areal_hpc.train.megatron_model import init_megatron_parallel
+    from areal_hpc.train.layout import ParallelLayout
     from areal_hpc.train.weight_publisher import WeightPublisher
     from areal_hpc.transport import weights as wsync
 
@@ -46,7 +46,7 @@ def main() -> None:
     for case in spec["cases"]:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        init_megatron_parallel(case["tp"], case["pp"], seed=0, backend="gloo")
+        layout = ParallelLayout.create(case["tp"], case["pp"], seed=0, backend="gloo")
         cfg = RunConfig()
         cfg.topology.pp = case["pp"]
         cfg.weights.mode = case["mode"]
@@ -54,15 +54,15 @@ def main() -> None:
         cfg.weights.timeout_s = 120
         train = case.get("train")
         t0 = time.perf_counter()
-        actor = Actor(TrainConfig(**(train or {}).get("cfg", {})), case["model_dir"], tp=case["tp"],
-                      pp=case["pp"], group_size=(train or {}).get("group_size", 1))
+        actor = Actor(TrainConfig(**(train or {}).get("cfg", {})), case["model_dir"],
+                      group_size=(train or {}).get("group_size", 1), layout=layout)
         if train is not None:
             _train_step(actor, train, comm, build_s=time.perf_counter() - t0)
         group = None
         if case["mode"] == "broadcast" and actor.is_weight_sender:
-            group = wsync.init_weight_group(
-                "127.0.0.1", case["port"], actor.weight_stage, case["pp"] + 1, "gloo",
-                timeout_s=120, join_timeout_s=600)
+            address = wsync.WeightGroupAddress("127.0.0.1", case["port"], case["pp"] + 1, "gloo",
+                                               timeout_s=120, join_timeout_s=600)
+            group = wsync.init_weight_group(address, actor.weight_stage)
         publisher = WeightPublisher(cfg.weights, actor, comm, pp=case["pp"],
                                     collective_timeout_s=cfg.rollout.collective_timeout_s,
                                     weight_dir=str(work / "weights"), group=group)

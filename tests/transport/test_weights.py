@@ -12,6 +12,7 @@ from areal_hpc.topology import free_port
 from areal_hpc.transport.messages import WeightsAck
 from areal_hpc.transport.weights import (
     AckTracker,
+    WeightGroupAddress,
     WeightSyncError,
     bucket_dtype,
     bucket_numel,
@@ -347,7 +348,7 @@ def _receiver(port, buckets, out_queue):
         pass
 
     w = Worker()
-    assert w.init_weight_group("127.0.0.1", port, 1, 2, "gloo") == 1
+    assert w.init_weight_group(WeightGroupAddress("127.0.0.1", port, 2, "gloo"), 1) == 1
     n = w.recv_weights([(0, b) for b in buckets])
     out_queue.put((n, _to_bytes(w.received)))
 
@@ -389,7 +390,7 @@ def test_broadcast_round_trip_gloo():
     proc = ctx.Process(target=_receiver, args=(port, buckets, out))
     proc.start()
     try:
-        group = init_sender_group("127.0.0.1", port, 2, "gloo", timeout_s=120)
+        group = init_sender_group(WeightGroupAddress("127.0.0.1", port, 2, "gloo", timeout_s=120))
         stats = broadcast_weights(group, sd, buckets)
         n, received = out.get(timeout=120)
         received = _from_bytes(received)
@@ -420,7 +421,7 @@ def _failing_receiver(port, buckets, out_queue, fail_at=1):
 
     w = Worker()
     w.fail_at = fail_at
-    w.init_weight_group("127.0.0.1", port, 1, 2, "gloo")
+    w.init_weight_group(WeightGroupAddress("127.0.0.1", port, 2, "gloo"), 1)
     try:
         w.recv_weights([(0, b) for b in buckets])
     except KeyError as e:
@@ -441,7 +442,7 @@ def test_receiver_error_does_not_hang_the_sender(fail_at):
     proc = ctx.Process(target=_failing_receiver, args=(port, buckets, out, fail_at))
     proc.start()
     try:
-        group = init_sender_group("127.0.0.1", port, 2, "gloo", timeout_s=60)
+        group = init_sender_group(WeightGroupAddress("127.0.0.1", port, 2, "gloo", timeout_s=60))
         stats = broadcast_weights(group, sd, buckets)  # would block here without the drain
         assert "no such parameter" in out.get(timeout=60)
     finally:
@@ -486,7 +487,7 @@ def test_ack_tracker_names_generators():
 def _stage_sender(port, world, stage, plan, sd, out_queue):
     from areal_hpc.transport.weights import broadcast_stage, init_weight_group
 
-    group = init_weight_group("127.0.0.1", port, stage, world, "gloo", timeout_s=60)
+    group = init_weight_group(WeightGroupAddress("127.0.0.1", port, world, "gloo", timeout_s=60), stage)
     mine = {n for root, b in plan if root == stage for n, _, _ in b}
     # produced in reverse order: the sender must hold tensors until their bucket is due
     tensors = [(k, v) for k, v in reversed(list(sd.items())) if k in mine]
@@ -502,7 +503,8 @@ def _plan_receiver(port, world, rank, plan, out_queue, stall_s=0.0):
         pass
 
     w = Worker()
-    w.init_weight_group("127.0.0.1", port, rank, world, "gloo", timeout_s=8, join_timeout_s=120)
+    w.init_weight_group(WeightGroupAddress("127.0.0.1", port, world, "gloo", timeout_s=8,
+                                           join_timeout_s=120), rank)
     time.sleep(stall_s)  # a generator stuck elsewhere: it never enters the broadcast in time
     try:
         n = w.recv_weights(plan)
@@ -553,7 +555,8 @@ def test_pipelined_round_trip_gloo_many_buckets():
     for p in procs:
         p.start()
     try:
-        group = init_weight_group("127.0.0.1", port, 0, 3, "gloo", timeout_s=60, join_timeout_s=120)
+        group = init_weight_group(WeightGroupAddress("127.0.0.1", port, 3, "gloo", timeout_s=60,
+                                                     join_timeout_s=120), 0)
         # produced in reverse order: the sender holds tensors until their bucket is due
         stats = broadcast_stage(group, plan, 0, reversed(list(sd.items())), "cpu")
         got = [out.get(timeout=120) for _ in procs]
@@ -584,7 +587,8 @@ def test_stalled_receiver_times_out_everywhere():
         p.start()
     from areal_hpc.transport.weights import broadcast_stage, init_weight_group
 
-    group = init_weight_group("127.0.0.1", port, 0, 3, "gloo", timeout_s=8, join_timeout_s=120)
+    group = init_weight_group(WeightGroupAddress("127.0.0.1", port, 3, "gloo", timeout_s=8,
+                                                 join_timeout_s=120), 0)
     t0 = time.monotonic()
     with pytest.raises(Exception) as e:
         broadcast_stage(group, plan, 0, sd.items(), "cpu")

@@ -15,36 +15,40 @@ import torch
 from .plan import Bucket, Plan, bucket_dtype, bucket_numel, dtype_from_str, spec_numel
 
 
-def init_weight_group(
-    master_address: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    backend: str,
-    timeout_s: float | None = None,
-    join_timeout_s: float | None = None,
-) -> torch.distributed.ProcessGroup:
-    """Join the weight group as `rank`; blocks until all `world_size` ranks have joined.
+@dataclass(frozen=True, slots=True)
+class WeightGroupAddress:
+    """Where and how the weight group meets: every member joins with the same address and its
+    own rank (`Topology.weight_group_address` builds it for a job).
+
+    `join_timeout_s` bounds the wait for every member (generators join once their engine is up:
+    minutes at 32B); `timeout_s` bounds every later collective (None: the backend's default;
+    NCCL enforces it through its watchdog)."""
+    host: str                   # the rendezvous (TCPStore) host: trainer rank 0's
+    port: int
+    world_size: int             # pp stage senders + every vLLM worker of every generator
+    backend: str                # "nccl" or "gloo"
+    timeout_s: float | None = None
+    join_timeout_s: float | None = None
+
+
+def init_weight_group(address: WeightGroupAddress, rank: int) -> torch.distributed.ProcessGroup:
+    """Join the weight group at `address` as `rank`; blocks until every member has joined.
 
     A stateless group (no torch.distributed global state), so it lives beside Megatron's and
-    vLLM's groups. `join_timeout_s` bounds the wait for every member (generators join once their
-    engine is up: minutes at 32B); `timeout_s` bounds every later collective (None: the
-    backend's default; NCCL enforces it through its watchdog). Trainer stage senders join here;
-    vLLM workers through `WeightSyncExtension.init_weight_group`. For NCCL, set this process's
-    CUDA device first.
+    vLLM's groups. Trainer stage senders join here; vLLM workers through
+    `WeightSyncExtension.init_weight_group`. For NCCL, set this process's CUDA device first.
     """
     from datetime import timedelta
 
     from torch.distributed import PrefixStore, TCPStore
     from vllm.distributed.utils import init_gloo_process_group
 
+    a, world_size, backend = address, address.world_size, address.backend
     default = torch.distributed.distributed_c10d._get_default_timeout(backend)
-    timeout = default if timeout_s is None else timedelta(seconds=timeout_s)
-    join = timeout if join_timeout_s is None else timedelta(seconds=join_timeout_s)
-    store = TCPStore(
-        master_address, master_port, world_size, is_master=rank == 0, timeout=join,
-        wait_for_workers=True,
-    )
+    timeout = default if a.timeout_s is None else timedelta(seconds=a.timeout_s)
+    join = timeout if a.join_timeout_s is None else timedelta(seconds=a.join_timeout_s)
+    store = TCPStore(a.host, a.port, world_size, is_master=rank == 0, timeout=join,
+                     wait_for_workers=True)
     store.set_timeout(timeout)
     prefix = PrefixStore("areal_weights", store)
     if backend == "gloo":
@@ -56,15 +60,9 @@ def init_weight_group(
     )
 
 
-def init_sender_group(
-    master_address: str,
-    master_port: int,
-    world_size: int,
-    backend: str,
-    timeout_s: float | None = None,
-) -> torch.distributed.ProcessGroup:
+def init_sender_group(address: WeightGroupAddress) -> torch.distributed.ProcessGroup:
     """Join the weight group as rank 0 (a single sender: one stage, or a test)."""
-    return init_weight_group(master_address, master_port, 0, world_size, backend, timeout_s)
+    return init_weight_group(address, 0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,83 @@
+"""A trainer rank's place in the Megatron grid (TP × PP × DP), in one object.
+
+Megatron keeps its process groups in module globals (`parallel_state`), and its model code reads
+them there. This project reads ranks and sizes from a `ParallelLayout` instead: created once per
+trainer rank from the job's `Topology` (`Topology.init_trainer_layout`, which also creates
+Megatron's groups), passed to the Actor, and asked the questions the weight path and the
+checkpoint writers need (which stage's weights this rank gathers, whether it sends them, whether
+it writes the HF export).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelLayout:
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+    @classmethod
+    def create(cls, tp: int, pp: int, seed: int, backend: str | None = None) -> "ParallelLayout":
+        """Create Megatron's groups (and RNG states) over the default process group, which spans
+        the trainer ranks only; dp = trainer ranks / (tp * pp)."""
+        from .megatron_model import init_megatron_parallel
+        init_megatron_parallel(tp, pp, seed, backend)
+        return cls.read()
+
+    @classmethod
+    def read(cls) -> "ParallelLayout":
+        """The layout of the groups Megatron already has."""
+        from megatron.core import parallel_state as ps
+        return cls(tp=ps.get_tensor_model_parallel_world_size(),
+                   pp=ps.get_pipeline_model_parallel_world_size(),
+                   dp=ps.get_data_parallel_world_size(),
+                   tp_rank=ps.get_tensor_model_parallel_rank(),
+                   pp_rank=ps.get_pipeline_model_parallel_rank(),
+                   dp_rank=ps.get_data_parallel_rank())
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def weight_stage(self) -> int | None:
+        """The pipeline stage whose weights this rank gathers for the generators, or None
+        (data-parallel replicas other than the first take no part)."""
+        return self.pp_rank if self.dp_rank == 0 else None
+
+    @property
+    def is_weight_sender(self) -> bool:
+        """This rank sends its stage's weights (dp = tp = 0); its TP peers gather along."""
+        return self.dp_rank == 0 and self.tp_rank == 0
+
+    @property
+    def is_first(self) -> bool:
+        """dp = tp = pp = 0: the rank that writes what every rank computed (the HF export)."""
+        return self.dp_rank == 0 and self.tp_rank == 0 and self.pp_rank == 0
+
+    # Megatron's groups, for collectives over them.
+    @staticmethod
+    def tp_group():
+        from megatron.core import parallel_state as ps
+        return ps.get_tensor_model_parallel_group()
+
+    @staticmethod
+    def pp_group():
+        from megatron.core import parallel_state as ps
+        return ps.get_pipeline_model_parallel_group()
+
+    @staticmethod
+    def dp_group():
+        from megatron.core import parallel_state as ps
+        return ps.get_data_parallel_group()
+
+    @staticmethod
+    def pp_last_rank() -> int:
+        """The global rank of this pipeline's last stage (a broadcast's source)."""
+        from megatron.core import parallel_state as ps
+        return ps.get_pipeline_model_parallel_last_rank()
