@@ -64,6 +64,7 @@ import yaml
 from .config import ConfigError, RunConfig, load as load_config
 from .analysis.load import version_blocks
 from .storage import checkpoint as ck
+from .storage import run_dir as run_files
 from .storage.rollout_log import (DROPPED_STALE, NOT_CONSUMED, PARTIAL, ROLLED_BACK,
                                   STATUS_NAMES, RolloutLogError, RolloutReader, group_starts)
 
@@ -180,7 +181,7 @@ def _load_config(run_dir: Path, log_yaml: str, notes: list[str]) -> tuple[RunCon
     and the stale policy the run had: a config written before rollout.stale_policy existed
     (every run's config.yaml lists every key) is of a release that gave a stale group up at once,
     which is "drop"."""
-    path = run_dir / "config.yaml"
+    path = run_dir / run_files.CONFIG
     try:
         if path.is_file():
             cfg = load_config(path)
@@ -189,7 +190,7 @@ def _load_config(run_dir: Path, log_yaml: str, notes: list[str]) -> tuple[RunCon
             text = log_yaml
             notes.append("no config.yaml: using the config stored in rollouts.h5")
             with tempfile.TemporaryDirectory() as tmp:
-                copy = Path(tmp) / "config.yaml"
+                copy = Path(tmp) / run_files.CONFIG
                 copy.write_text(log_yaml)
                 try:
                     cfg = load_config(copy)
@@ -273,7 +274,7 @@ def _read_metrics(path: Path) -> list[tuple[int, dict]] | None:
 def _read(run_dir: Path, check_crc: bool, notes: list[str], block_tokens: int) -> _Run:
     if not run_dir.is_dir():
         raise AuditInputError(f"{run_dir}: no such run directory")
-    log_path = run_dir / "rollouts.h5"
+    log_path = run_dir / run_files.ROLLOUTS
     try:
         with RolloutReader(log_path) as r:
             log_yaml = r.config_yaml
@@ -297,7 +298,7 @@ def _read(run_dir: Path, check_crc: bool, notes: list[str], block_tokens: int) -
                pid=cols["prompt_id"].astype(np.int64), sidx=cols["sample_idx"].astype(np.int64),
                consumed=cols["consumed_step"].astype(np.int64),
                out_len=np.diff(ends.astype(np.int64), prepend=0), vmin=vmin, vmax=vmax,
-               metrics=_read_metrics(run_dir / "metrics.jsonl"))
+               metrics=_read_metrics(run_dir / run_files.METRICS))
     hit = ck.find_latest(run_dir, check_crc=check_crc)
     if hit is None:
         folders = ck.list_checkpoints(run_dir)
@@ -821,7 +822,7 @@ def _check_continued(run: _Run, groups: _Groups) -> Check:
         for first, k in zip(ctrl["partial_first_row"].tolist(), ctrl["partial_rows"].tolist()):
             referenced.update(range(first, first + k))
     bad, waiting, after, kept, continued = [], [], [], 0, 0
-    with RolloutReader(run.run_dir / "rollouts.h5") as r:
+    with RolloutReader(run.run_dir / run_files.ROLLOUTS) as r:
         for i in part.tolist():
             key = (int(run.pid[i]), int(run.sidx[i]))
             nxt = next((j for j in later[key] if j > i), None)
@@ -869,7 +870,7 @@ def audit(run_dir: str | Path, *, check_crc: bool = True,
     notes: list[str] = []
     with _warnings_into(notes):
         run = _read(run_dir, check_crc, notes, block_tokens)
-    attempts = sorted(p.name for p in run_dir.glob("*.attempt-*.*"))
+    attempts = run_files.RunDir(run_dir).attempt_files()
     if attempts:
         notes.append(f"earlier attempts started afresh (no usable checkpoint; their training was "
                      f"discarded), not audited: {_some(attempts)}")

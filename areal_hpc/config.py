@@ -650,7 +650,8 @@ def check_paths(cfg: RunConfig) -> None:
     if not (model / "config.json").is_file():
         hint = " (build the tiny one with: python tools/make_tiny_model.py --out models/tiny)"
         raise ConfigError(f"config key 'model.path': no HF model at {model} (config.json missing){hint}")
-    log = cfg.run_dir / "rollouts.h5"
+    from .storage.run_dir import RunDir
+    log = RunDir(cfg.run_dir).rollouts
     if log.exists() and cfg.checkpoint.resume == "never":
         raise ConfigError(f"config key 'name': run {cfg.name!r} already has {log}; choose another "
                           f"name=..., remove {cfg.run_dir}, or resume it with checkpoint.resume=auto")

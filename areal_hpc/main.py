@@ -13,6 +13,7 @@ import os
 import sys
 
 from .preemption import EXIT_PREEMPTED  # 3: stopped for a requeue after a preemption signal
+from .storage.run_dir import RunDir
 
 
 def _parse(argv):
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
               f"compute thread(s)", flush=True)
     if topo.is_controller:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        (cfg.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        RunDir(cfg.run_dir).config.write_text(to_yaml(cfg))
         print(f"run {cfg.name}: {cfg.topology.n_trainers} trainer + {cfg.topology.n_generators} "
               f"generator rank(s), output in {cfg.run_dir}", flush=True)
     # However this rank ends, its child processes (vLLM engine, reward workers) end with it.

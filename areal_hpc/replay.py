@@ -95,6 +95,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .storage import run_dir as run_files
+
 EXIT_OK, EXIT_DIFFERS, EXIT_REFUSED = 0, 1, 2
 # --check's bound on |replayed - logged loss| / max(|logged loss|, adv_abs_mean), by model
 # dtype. Measured on the tiny recipe's 40-step CPU run (B = 16, n = 8; runs/tinyv): replayed as
@@ -209,7 +211,7 @@ def load_run_config(run_dir: Path):
     from .config import ConfigError, load
     if not run_dir.is_dir():
         raise Refused(f"{run_dir}: no such run directory")
-    path = run_dir / "config.yaml"
+    path = run_dir / run_files.CONFIG
     if not path.is_file():
         raise Refused(f"{path}: no such file (the run's settings, written when it starts): give "
                       "a run directory")
@@ -342,8 +344,8 @@ def _replay(args) -> int:
         raise Refused(f"--threads must be >= 1, got {args.threads}")
     run_dir = args.run_dir
     cfg = load_run_config(run_dir)
-    metrics = read_metrics(run_dir / "metrics.jsonl")
-    batches = Batches(run_dir / "rollouts.h5", cfg.rollout.group_size)
+    metrics = read_metrics(run_dir / run_files.METRICS)
+    batches = Batches(run_dir / run_files.ROLLOUTS, cfg.rollout.group_size)
     try:
         S = batches.n_steps if args.steps is None else args.steps
         if S > batches.n_steps:
@@ -418,7 +420,7 @@ def _train(args, cfg, batches: Batches, metrics: dict[int, dict], S: int) -> int
             if out is not None:
                 out.close()
         if args.out is not None:
-            actor.save_hf(str(args.out / "policy"))
+            actor.save_hf(str(args.out / run_files.POLICY))
     finally:
         dist.destroy_process_group()
     return _summary(results, tol, args.check)

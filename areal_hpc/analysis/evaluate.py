@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..storage import run_dir as run_files
+
 EXIT_BAD_INPUT = 2
 # Two independent pass@1 estimates with standard error SE each differ by less than
 # TOLERANCE_SIGMAS·√2·SE but about once in 16,000 times (normal approximation).
@@ -164,11 +166,11 @@ def evaluate(model: str | Path, rows: list[dict], s: EvalSettings, *, ks: list[i
 def claimed_result(model: Path, config_path: Path | None, cfg) -> dict | None:
     """What the training log (the run's eval.json) claims for this model: the "final" entry for
     the run's policy/, the "initial" one for the model the run started from; else None."""
-    if config_path is None or not (config_path.parent / "eval.json").is_file():
+    if config_path is None or not (config_path.parent / run_files.EVALS).is_file():
         return None
     run_dir = config_path.parent
-    evals = json.loads((run_dir / "eval.json").read_text())
-    if model.resolve() == (run_dir / "policy").resolve():
+    evals = json.loads((run_dir / run_files.EVALS).read_text())
+    if model.resolve() == (run_dir / run_files.POLICY).resolve():
         label = "final"
     elif model.resolve() == Path(cfg.model.path).resolve():
         label = "initial"
@@ -213,9 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.model / "config.json").is_file():
         return fail(f"{args.model}: not a Hugging Face model directory (no config.json)")
     config_path = args.config
-    if config_path is None and (args.model.parent / "config.yaml").is_file() \
-            and args.model.name == "policy":
-        config_path = args.model.parent / "config.yaml"
+    if config_path is None and (args.model.parent / run_files.CONFIG).is_file() \
+            and args.model.name == run_files.POLICY:
+        config_path = args.model.parent / run_files.CONFIG
     cfg = None
     settings = EvalSettings()
     if config_path is not None:

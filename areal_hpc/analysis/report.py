@@ -10,6 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import summary as S
+from ..storage import run_dir as run_files
 from ..storage.rollout_log import STATUS_NAMES
 from .load import RunData
 
@@ -130,7 +131,7 @@ def find_tokenizer(run: RunData, explicit: str | None = None):
     """The run's tokenizer: `explicit`, else the config's model.path (as given, from the current
     directory), else the trained policy next to the log (<run>/policy). None if none loads."""
     from transformers import AutoTokenizer
-    candidates = [explicit] if explicit else [run.model_path, str(run.path.parent / "policy")]
+    candidates = [explicit] if explicit else [run.model_path, str(run.path.parent / run_files.POLICY)]
     for c in candidates:
         if c and any((Path(c) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             try:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from ..config import ConfigError, TopologyConfig
 from ..preemption import EXIT_PREEMPTED
+from ..storage.run_dir import RunDir
 from .env import export_lines, prepare
 
 
@@ -164,7 +165,7 @@ def submit(args) -> int:
     except Exception as exc:    # submitit: the job failed or was cancelled; its error is in the log
         print(f"[submit] job {job.job_id} ended as {job.state}: {str(exc).strip()[-3000:]}", file=sys.stderr)
         return 1
-    metrics = cfg.run_dir / "metrics.jsonl"
+    metrics = RunDir(cfg.run_dir).metrics
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
     print(f"[submit] job {job.job_id} {job.state}: exit code {rc}, {len(steps)} step(s) in {metrics}",
           flush=True)

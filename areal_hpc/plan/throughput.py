@@ -65,6 +65,7 @@ import numpy as np
 from ..config import ConfigError, RunConfig
 from ..launch.cpus import parse_cpus
 from ..rollout.staleness import ReadyBuffer, StaleGroups, StalenessManager, staleness_of
+from ..storage import run_dir as run_files
 from .memory import _BYTES, VLLM_MAX_NUM_SEQS, generator_estimate, kv_bytes_per_token, read_arch
 
 Z99 = 2.3263478740408408            # standard normal quantile of 0.99
@@ -518,7 +519,7 @@ def load_lengths(path: str | Path, metrics: list[dict] | None = None) -> Lengths
     """Output lengths of a rollout log (a file, or a run directory's rollouts.h5). A run
     directory without one falls back to metrics.jsonl's per-step mean response_len."""
     p = Path(path)
-    h5 = p / "rollouts.h5" if p.is_dir() else p
+    h5 = p / run_files.ROLLOUTS if p.is_dir() else p
     if h5.is_file():
         from ..storage.rollout_log import RolloutReader
         try:
@@ -542,7 +543,7 @@ def load_lengths(path: str | Path, metrics: list[dict] | None = None) -> Lengths
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / run_files.METRICS
     try:
         lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
         recs = [json.loads(ln) for ln in lines]
@@ -569,7 +570,7 @@ def calibrate(run_dir: str | Path, c_half: float = 0.0) -> Rates:
         upd = np.array([float(m.get("weight_sync_s", 0.0)) for m in metrics])
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"{d / 'metrics.jsonl'}: a step lacks 'seconds' or 'n_tokens' ({exc})") from None
-    gpath = d / "generators.json"
+    gpath = d / run_files.GENERATORS
     try:
         gens = json.loads(gpath.read_text())
         busy = sum(float(g["seconds"]["busy"]) for g in gens)
@@ -577,7 +578,7 @@ def calibrate(run_dir: str | Path, c_half: float = 0.0) -> Rates:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{gpath}: not a readable generators file ({str(exc).splitlines()[0]})") from None
     lengths = load_lengths(d, metrics)
-    if lengths.values is not None and lengths.source.endswith("rollouts.h5"):
+    if lengths.values is not None and lengths.source.endswith(run_files.ROLLOUTS):
         gen_tokens = float(lengths.values.sum())      # training samples only (no eval tokens)
     if busy <= 0 or gen_tokens <= 0 or secs.sum() <= 0 or toks.sum() <= 0:
         raise ConfigError(f"{d}: no generation or training time recorded")

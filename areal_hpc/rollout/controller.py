@@ -25,21 +25,21 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import threading
 import time
-import traceback
 
 import numpy as np
 
 from ..config import RunConfig, to_yaml
 from ..data.prompts import prompt_ids
 from ..storage.rollout_log import DROPPED_STALE, PARTIAL, RolloutWriter
+from ..storage.run_dir import RunDir
 from ..topology import Topology
 from ..transport import messages as msgs
 from ..transport.mpi import Channel
 from ..transport.weights import AckTracker
 from .ledger import Ledger
+from .liveness import GeneratorWatch, Pacer, ServiceThread
 from .staleness import staleness_of
 
 log = logging.getLogger(__name__)
@@ -72,10 +72,6 @@ def reward_extras(trajs: list[dict]) -> dict[str, float]:
     return {f"reward/{k}": float(np.mean(v)) for k, v in sorted(values.items())}
 
 
-class GeneratorLostError(RuntimeError):
-    """A generator stopped reporting while the trainer waited on it; the job must stop."""
-
-
 # How long `stop` waits for the service thread to end: one of its iterations is a non-blocking
 # poll, an HDF5 append and a few non-blocking sends (well under a second); a thread still running
 # after this is stuck (reported with its stack) rather than slow.
@@ -97,20 +93,19 @@ class Controller:
                              max_staleness=0 if r.mode == "sync" else r.max_staleness,
                              max_concurrent=r.max_concurrent_prompts,
                              stale_policy=r.stale_policy, max_reissues=r.max_reissues)
-        log_path = cfg.run_dir / "rollouts.h5"
+        log_path = RunDir(cfg.run_dir).rollouts
         # A resumed run reopens its log in `restore`.
         self.writer = RolloutWriter(log_path, to_yaml(cfg)) if resume is None else None
         self.gen_stats: dict[int, msgs.GeneratorStats] = {}
         self._eval_results: list[msgs.EvalResult] = []
         self._cond = threading.Condition(threading.RLock())
-        self._service: threading.Thread | None = None
-        self._service_stop = threading.Event()
-        self._service_error: BaseException | None = None
+        # The MPI pump runs on its own thread from the first batch on, so that groups are
+        # received, logged and their prompts' successors issued while the trainer thread computes
+        # (MPI needs at least THREAD_SERIALIZED: every MPI call here holds `_cond`).
+        self.service = ServiceThread(self._serve, "controller", on_error=self._wake)
         self.weight_acks = AckTracker({g: topo.hosts[g] for g in topo.generator_ranks})
-        self._t_start = time.monotonic()
-        self.last_heard: dict[int, float] = {}          # generator rank → monotonic time
-        self.last_report: dict[int, msgs.Heartbeat] = {}    # generator rank → its newest heartbeat
-        self._last_beat = 0.0                           # CONTROLLER_HEARTBEAT last sent
+        self.watch = GeneratorWatch(r, cfg.weights, topo.generator_ranks, topo.hosts)
+        self._beats = Pacer(r.heartbeat_s)              # ControllerBeat to every generator
         if resume is not None:
             self._restore(resume, log_path)
 
@@ -122,68 +117,46 @@ class Controller:
 
     # -- the service thread ---------------------------------------------------------------------
     def _start_service(self) -> None:
-        if self._service is None:
+        if not self.service.running:
             from mpi4py import MPI
             if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
                 raise RuntimeError("the controller needs MPI initialised with at least "
                                    "MPI_THREAD_SERIALIZED (mpi4py's default is MULTIPLE; check "
                                    "mpi4py.rc.thread_level)")
-            self._service = threading.Thread(target=self._serve, name="controller", daemon=True)
-            self._service.start()
+            self.service.start()
 
-    def _serve(self) -> None:
+    def _serve(self, stop: threading.Event) -> None:
         """Receive groups and refill the generators until stopped; wakes waiters on arrivals."""
-        try:
-            while not self._service_stop.is_set():
-                with self._cond:
-                    self._beat()
-                    got = self.receive()
-                    self.submit()
-                    if got:
-                        self._cond.notify_all()
-                if not got:
-                    time.sleep(0.002)
-        except BaseException as exc:       # surfaced in the trainer's thread by _wait
-            self._service_error = exc
+        while not stop.is_set():
             with self._cond:
-                self._cond.notify_all()
+                self._beat()
+                got = self.receive()
+                self.submit()
+                if got:
+                    self._cond.notify_all()
+            if not got:
+                time.sleep(0.002)
 
-    def _stop_service(self, join_s: float = SERVICE_JOIN_S) -> None:
-        """Stop the service thread and wait for it, at most `join_s`; one that does not end is
-        reported with where it is stuck (RuntimeError)."""
-        if self._service is not None:
-            self._service_stop.set()
-            self._service.join(timeout=join_s)
-            if self._service.is_alive():
-                frame = sys._current_frames().get(self._service.ident)
-                where = "".join(traceback.format_stack(frame)[-6:]) if frame else "(no stack)\n"
-                raise RuntimeError(f"the controller service thread did not end within {join_s:g} s "
-                                   f"of being asked to stop; it is stuck at:\n{where}")
-            self._service = None
-            self._check_service()
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
 
     def _beat(self, now: float | None = None) -> None:
         """CONTROLLER_HEARTBEAT to every generator, at most every rollout.heartbeat_s (call with
         the lock held): generators end themselves when the controller falls silent."""
-        now = time.monotonic() if now is None else now
-        if now - self._last_beat >= self.cfg.rollout.heartbeat_s:
-            self._last_beat = now
+        if self._beats.due(now):
             for g in self.topo.generator_ranks:
                 msgs.post(self.chan, msgs.ControllerBeat(self.version), g)
-
-    def _check_service(self) -> None:
-        if self._service_error is not None:
-            raise RuntimeError("controller service thread failed") from self._service_error
 
     def _wait(self, ready, on_wait=None, watch: bool = True) -> None:
         """Block (holding the lock on return) until `ready()`; without the service thread,
         receive in this thread. With `watch`, a generator silent for too long raises
-        `GeneratorLostError` (`check_generators`)."""
+        `GeneratorLostError` (`GeneratorWatch.check`)."""
         while not ready():
-            self._check_service()
+            self.service.check()
             if watch:
-                self.check_generators()
-            if self._service is not None:
+                self.watch.check(self.in_flight, self.chan.incomplete())
+            if self.service.running:
                 self._cond.wait(timeout=0.1)
             else:
                 self._beat()
@@ -191,37 +164,6 @@ class Controller:
                     self.chan.idle(timeout=0.05)
             if on_wait:
                 on_wait(len(self.buffer))
-
-    def check_generators(self, now: float | None = None) -> None:
-        """Raise `GeneratorLostError` naming every generator not heard from within
-        rollout.generator_timeout_s (before its first report: weights.join_timeout_s, the
-        allowance for starting vLLM and joining the weight group)."""
-        now = time.monotonic() if now is None else now
-        r, lines = self.cfg.rollout, []
-        for g in self.topo.generator_ranks:
-            host = self.topo.hosts[g]
-            heard = self.last_heard.get(g)
-            if heard is None:
-                if now - self._t_start > self.cfg.weights.join_timeout_s:
-                    lines.append(f"generator rank {g} (host {host}) has not reported in "
-                                 f"{now - self._t_start:.0f} s since the job started "
-                                 f"(weights.join_timeout_s = {self.cfg.weights.join_timeout_s:g}); "
-                                 f"is its vLLM engine stuck starting?")
-            elif now - heard > r.generator_timeout_s:
-                last = self.last_report.get(g)
-                lines.append(f"generator rank {g} (host {host}) silent for {now - heard:.1f} s "
-                             f"(rollout.generator_timeout_s = {r.generator_timeout_s:g}) with "
-                             f"{self.in_flight[g]} prompt(s) in flight; last report: version "
-                             f"{last.version if last else '?'}, {last.running if last else '?'} request(s) "
-                             f"running; its vLLM engine or process is hung or gone")
-        chan = getattr(self, "chan", None)
-        for src, tag, age in (chan.incomplete() if chan is not None else []):
-            if age > r.generator_timeout_s:
-                lines.append(f"a {tag.name} message from generator rank {src} (host "
-                             f"{self.topo.hosts[src]}) has been arriving for {age:.0f} s "
-                             f"(rollout.generator_timeout_s = {r.generator_timeout_s:g})")
-        if lines:
-            raise GeneratorLostError("; ".join(lines))
 
     # -- prompts out, groups in ----------------------------------------------------------------
     def encode(self, prompt_id: int, row: dict, n: int,
@@ -250,10 +192,10 @@ class Controller:
         """Take every group that has arrived; returns how many."""
         got = 0
         for src, tag, msg in self.chan.poll():
-            self.last_heard[src] = time.monotonic()
+            self.watch.heard(src)
             match msgs.check(tag, msg):
                 case msgs.Heartbeat():
-                    self.last_report[src] = msg
+                    self.watch.report(src, msg)
                 case msgs.Group(trajectories=group):
                     self.ledger.arrived(src, group, self.writer.append(group))
                     got += 1
@@ -386,7 +328,7 @@ class Controller:
         collect their statistics. At a preemption they first send their in-flight groups as far
         as they got (PARTIAL rows in the log; the prompts stay in flight, and a resume continues
         them); otherwise in-flight work is dropped. The log stays open until `close`."""
-        self._stop_service()
+        self.service.stop(SERVICE_JOIN_S)
         for g in self.topo.generator_ranks:
             msgs.post(self.chan, msgs.Stop(preempted), g)
         deadline = time.monotonic() + self.cfg.rollout.generator_timeout_s
@@ -409,7 +351,7 @@ class Controller:
                      sec["idle"] + sec["idle_scoring"], sec["idle_scoring"], loop_work(sec),
                      sec.get("submit", 0.0), sec.get("send", 0.0), sec.get("other", 0.0),
                      sec["eval"], st.reward["calls"], st.reward["errors"], st.reward["timeouts"])
-        with open(self.cfg.run_dir / "generators.json", "w") as f:
+        with open(RunDir(self.cfg.run_dir).generators, "w") as f:
             json.dump([self.gen_stats[r].to_json() for r in sorted(self.gen_stats)], f, indent=1)
 
     def close(self) -> None:

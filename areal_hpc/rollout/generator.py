@@ -34,13 +34,10 @@ from ..reward.pool import RewardPool
 from ..topology import CONTROLLER_RANK, Topology
 from ..transport import messages as msgs
 from ..transport.mpi import Channel
+from .liveness import ControllerWatch, Pacer
 from .vllm_engine import FinishedSample, VLLMEngine
 
 log = logging.getLogger(__name__)
-
-
-class ControllerLostError(RuntimeError):
-    """The controller (trainer rank 0) fell silent: the trainer is gone or hung; this rank ends."""
 
 
 @dataclass
@@ -90,11 +87,10 @@ class Generator:
                         "submit": 0.0, "send": 0.0, "other": 0.0}
         self._started = False
         self._t_started = 0.0
-        self._last_heartbeat = 0.0
+        self._heartbeats = Pacer(cfg.rollout.heartbeat_s)
         self.preempted = False
         self._engine_lost = False
-        self._t_loop = None             # when the loop started (monotonic)
-        self._heard = None              # when the controller was last heard from (monotonic)
+        self.watch: ControllerWatch | None = None   # the controller's liveness, from the loop's start
 
     def _start_children(self, cfg: RunConfig, topo: Topology) -> None:
         from ..reward.sandbox import check_available
@@ -116,12 +112,13 @@ class Generator:
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
         running = True
-        self._t_loop = time.monotonic()
+        self.watch = ControllerWatch(self.cfg.rollout, self.cfg.weights, self.topo.rank,
+                                     self.topo.hosts)
         while running:
             self._heartbeat()
-            self._check_controller()
+            self.watch.check()
             for _, tag, msg in self.chan.poll(source=CONTROLLER_RANK):
-                self._heard = time.monotonic()
+                self.watch.heard()
                 match msgs.check(tag, msg):
                     case msgs.ControllerBeat():
                         continue
@@ -143,7 +140,7 @@ class Generator:
                         running = False
                         break
                 # This rank's own work on the message (a weight load, an eval) is not silence.
-                self._heard = time.monotonic()
+                self.watch.heard()
             if not running:
                 break
             with self._timed("send"):
@@ -206,54 +203,17 @@ class Generator:
                             "the preemption (%s); waiting for stop", self.topo.rank, version, exc)
                 self._engine_lost = True
                 return
-            self._weights_failed(version, msg.path is not None, time.monotonic() - t0, exc)
+            self.watch.weights_failed(version, msg.path is not None, time.monotonic() - t0, exc)
             raise
         self.seconds["pause"] += paused_s
         msgs.post(self.chan, msgs.WeightsAck(self.engine.version, "loaded", paused_s),
                   CONTROLLER_RANK)
 
-    def _weights_failed(self, version: int, from_file: bool, waited_s: float, exc: Exception) -> None:
-        """Name a failed weight load in one line. A broadcast receive that timed out means the
-        trainer stopped sending mid-update (it is gone or hung, as when the controller falls
-        silent): `ControllerLostError`. Anything else is logged and re-raised by the caller."""
-        me = f"generator rank {self.topo.rank} (host {self.topo.hosts[self.topo.rank]})"
-        if not from_file and "timed out" in str(exc).lower():
-            msg = (f"{me}: weights v{version} from the trainer (rank {CONTROLLER_RANK}, host "
-                   f"{self.topo.hosts[CONTROLLER_RANK]}) not received in {waited_s:.0f} s "
-                   f"(weights.timeout_s = {self.cfg.weights.timeout_s:g}): the trainer is gone; "
-                   f"exiting")
-            log.error(msg)
-            raise ControllerLostError(msg) from exc
-        log.error("%s: loading weights v%d %s failed after %.1f s: %s", me, version,
-                  "from disk" if from_file else "from the trainer", waited_s, exc)
-
-    def _check_controller(self, now: float | None = None) -> None:
-        """Raise `ControllerLostError` when the controller has sent nothing (it sends a heartbeat
-        at least every rollout.heartbeat_s) for rollout.generator_timeout_s; before its first
-        message the allowance is weights.join_timeout_s (the trainer builds its model and may
-        load a checkpoint first)."""
-        now = time.monotonic() if now is None else now
-        r, w = self.cfg.rollout, self.cfg.weights
-        if self._heard is None:
-            silent, bound, key = now - self._t_loop, w.join_timeout_s, "weights.join_timeout_s"
-        else:
-            silent, bound, key = now - self._heard, r.generator_timeout_s, "rollout.generator_timeout_s"
-        if silent > bound:
-            host = self.topo.hosts[CONTROLLER_RANK]
-            what = "since this generator started " if self._heard is None else ""
-            msg = (f"generator rank {self.topo.rank} (host {self.topo.hosts[self.topo.rank]}): "
-                   f"controller (rank {CONTROLLER_RANK}, host {host}) silent for {silent:.0f} s "
-                   f"{what}({key} = {bound:g}): the trainer is gone; exiting")
-            log.error(msg)
-            raise ControllerLostError(msg)
-
     def _heartbeat(self) -> None:
         """Tell the controller this loop still turns (at most every rollout.heartbeat_s): a
         generator that falls silent (hung engine, stopped or lost process) is named by the
         trainer after rollout.generator_timeout_s instead of being waited on forever."""
-        now = time.monotonic()
-        if now - self._last_heartbeat >= self.cfg.rollout.heartbeat_s:
-            self._last_heartbeat = now
+        if self._heartbeats.due():
             msgs.post(self.chan, msgs.Heartbeat(self.engine.version, self.engine.num_running(),
                                                 self.tokens_generated), CONTROLLER_RANK)
 

@@ -40,10 +40,10 @@ import h5py
 import numpy as np
 
 from ..transport import mpi as coll
+from .run_dir import CHECKPOINTS
 
 log = logging.getLogger(__name__)
 
-CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 STATE = "state.h5"
 SHARDS = "megatron"

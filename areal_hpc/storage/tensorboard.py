@@ -20,9 +20,11 @@ import logging
 import math
 from pathlib import Path
 
+from .run_dir import METRICS
+from .run_dir import TENSORBOARD as SUBDIR
+
 log = logging.getLogger(__name__)
 
-SUBDIR = "tensorboard"
 _ROLLOUT = {"reward", "accuracy", "reward_mean", "reward_errors", "response_len", "n_tokens", "n_seqs",
             "staleness_max", "staleness_mean", "dropped_stale", "adv_abs_mean", "reissued",
             "given_up", "lost_stale"}
@@ -69,7 +71,7 @@ class TensorBoardLog:
         for old in out.glob("events.out.tfevents.*"):
             old.unlink()
         tb = cls(SummaryWriter(log_dir=str(out), flush_secs=3600))
-        metrics = Path(run_dir) / "metrics.jsonl"
+        metrics = Path(run_dir) / METRICS
         if metrics.exists():
             for line in metrics.read_text().splitlines():
                 if line.strip():

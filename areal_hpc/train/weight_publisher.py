@@ -25,6 +25,7 @@ import logging
 import time
 
 from .. import preemption
+from ..storage.run_dir import RunDir
 from ..transport import mpi as coll
 from ..transport import weights as wsync
 
@@ -62,7 +63,7 @@ class WeightPublisher:
             group = wsync.init_weight_group(topo.weight_group_address(w), actor.weight_stage)
         return cls(w, actor, topo.role_comm, pp=t.pp,
                    collective_timeout_s=cfg.rollout.collective_timeout_s,
-                   weight_dir=w.disk_dir or str(cfg.run_dir / "weights"), group=group,
+                   weight_dir=w.disk_dir or str(RunDir(cfg.run_dir).weights), group=group,
                    controller=controller)
 
     # -- the plan -------------------------------------------------------------------------------

@@ -1,0 +1,102 @@
+"""A run's directory: the name of every file in it, and the housekeeping across attempts.
+
+    <output_dir>/<name>/
+        config.yaml          the resolved config the job ran with
+        rollouts.h5          every trajectory (storage/rollout_log.py)
+        metrics.jsonl        one line per training step
+        eval.json            held-out evaluations
+        generators.json      each generator's totals at the end of an attempt
+        checkpoints/         storage/checkpoint.py
+        tensorboard/         storage/tensorboard.py (rebuilt from metrics.jsonl at every start)
+        policy/              the trained model, HF format
+        weights/             weight versions in disk mode (weights.disk_dir unset)
+        *.attempt-K.*        files of an attempt killed before its first checkpoint, set aside
+
+Writers are trainer rank 0 (`train/lead.py`), the controller (the rollout log, generators.json),
+the checkpoint code and the launcher (config.yaml); readers are the tools (audit, replay,
+evaluate, the planner's calibration).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CONFIG = "config.yaml"
+ROLLOUTS = "rollouts.h5"
+METRICS = "metrics.jsonl"
+EVALS = "eval.json"
+GENERATORS = "generators.json"
+POLICY = "policy"
+WEIGHTS = "weights"
+CHECKPOINTS = "checkpoints"
+TENSORBOARD = "tensorboard"
+# What an attempt that never reached a checkpoint leaves: set aside when the next one starts.
+ATTEMPT_FILES = (ROLLOUTS, METRICS, EVALS)
+
+
+def _file(name: str) -> property:
+    return property(lambda self: self.path / name, doc=f"<run_dir>/{name}")
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "path", Path(self.path))
+
+    config = _file(CONFIG)
+    rollouts = _file(ROLLOUTS)
+    metrics = _file(METRICS)
+    evals = _file(EVALS)
+    generators = _file(GENERATORS)
+    policy = _file(POLICY)
+    weights = _file(WEIGHTS)
+    checkpoints = _file(CHECKPOINTS)
+    tensorboard = _file(TENSORBOARD)
+
+    def attempt_files(self) -> list[str]:
+        """Names of the files set aside by earlier attempts (sorted)."""
+        return sorted(p.name for p in self.path.glob("*.attempt-*.*"))
+
+    # -- housekeeping -----------------------------------------------------------------------------
+    def set_aside_attempt(self) -> int | None:
+        """A run directory with a rollout log but no usable checkpoint (killed before its first
+        one) starts afresh: keep that attempt's files as `<name>.attempt-K.<ext>`. Returns K,
+        or None when there was nothing to set aside."""
+        if not self.rollouts.exists():
+            return None
+        k = 1 + len(list(self.path.glob(ROLLOUTS.replace(".", ".attempt-*.", 1))))
+        for name in ATTEMPT_FILES:
+            old = self.path / name
+            if old.exists():
+                old.rename(self.path / name.replace(".", f".attempt-{k}.", 1))
+        log.warning("run dir %s has no usable checkpoint: starting afresh (the previous "
+                    "attempt's files are kept as *.attempt-%d.*)", self.path, k)
+        return k
+
+    def truncate_metrics(self, steps: int) -> None:
+        """Keep the metrics of steps < `steps` (a resume trains the later ones again)."""
+        if self.metrics.exists():
+            lines = [ln for ln in self.metrics.read_text().splitlines()
+                     if ln.strip() and json.loads(ln)["step"] < steps]
+            self.metrics.write_text("".join(ln + "\n" for ln in lines))
+
+    def append_metrics(self, record: dict) -> None:
+        with open(self.metrics, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def write_evals(self, evals: list[dict]) -> None:
+        self.evals.write_text(json.dumps(evals, indent=1))
+
+    def read_evals(self, up_to_step: int) -> list[dict]:
+        """The evaluations a resume at `up_to_step` keeps: those of steps it does not train again
+        (the final one belongs to the attempt that wrote it)."""
+        if not self.evals.exists():
+            return []
+        return [e for e in json.loads(self.evals.read_text())
+                if e.get("label") != "final" and e.get("step", 0) <= up_to_step]
