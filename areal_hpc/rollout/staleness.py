@@ -8,8 +8,9 @@ groups a training step consumes (B). A prompt may be submitted only while
 
 so, consumed in order, every accepted group is trained at most η versions after the version it
 was submitted under; η = 0 is on-policy (synchronous semantics). Rejected groups free their slot
-and do not count; after a restart at version v, `accepted = v * consumer_batch_size`, so the
-capacity is what a fresh run has at version v.
+and do not count. A resumed run restores `accepted` and `rejected` from its checkpoint (the
+buffered groups count as accepted; `Ledger.restore`) and starts with nothing running: the prompts
+that were in flight count again when they are issued again.
 """
 from __future__ import annotations
 
@@ -58,12 +59,6 @@ class StalenessManager:
         with self._lock:
             self.accepted -= 1
             self.rejected += 1
-
-    def on_version_recovered(self, version: int) -> None:
-        """After a restart at `version`: everything consumed so far counts as accepted."""
-        with self._lock:
-            self.accepted = version * self.consumer_batch_size
-            self.running = 0
 
 
 @dataclass

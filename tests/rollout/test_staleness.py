@@ -40,13 +40,6 @@ def test_dropped_rollout_frees_its_slot():
     assert (m.accepted, m.rejected, m.get_capacity(0)) == (1, 1, 1)
 
 
-def test_recovery_gives_the_capacity_of_a_fresh_version():
-    m = StalenessManager(64, 8, 2)
-    m.on_rollout_submitted()
-    m.on_version_recovered(5)
-    assert (m.accepted, m.running, m.get_capacity(5)) == (40, 0, (2 + 5 + 1) * 8 - 40)
-
-
 def test_bad_arguments():
     with pytest.raises(ValueError):
         StalenessManager(0, 4, 1)
