@@ -111,36 +111,19 @@ class Generator:
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
-        running = True
         self.watch = ControllerWatch(self.cfg.rollout, self.cfg.weights, self.topo.rank,
                                      self.topo.hosts)
+        running = True
         while running:
             self._heartbeat()
             self.watch.check()
             for _, tag, msg in self.chan.poll(source=CONTROLLER_RANK):
                 self.watch.heard()
-                match msgs.check(tag, msg):
-                    case msgs.ControllerBeat():
-                        continue
-                    case msgs.Prompts(prompts=prompts):
-                        if not self._started:
-                            self._started, self._t_started = True, time.monotonic()
-                        with self._timed("submit"):
-                            for p in prompts:
-                                self._submit("train", p)
-                    case msgs.WeightsNotice() if not self._engine_lost:
-                        self._update_weights(msg)
-                    case msgs.EvalRequest():
-                        with self._timed("eval"):
-                            self._evaluate(msg)
-                    case msgs.Stop(preempted=preempted):
-                        self.preempted = preempted
-                        if preempted:   # in-flight work goes back, to be continued on resume
-                            self._send_partial()
-                        running = False
-                        break
+                running = self._handle(msgs.check(tag, msg))
                 # This rank's own work on the message (a weight load, an eval) is not silence.
                 self.watch.heard()
+                if not running:
+                    break
             if not running:
                 break
             with self._timed("send"):
@@ -148,21 +131,50 @@ class Generator:
                     self._send(group)
             if self.engine.has_unfinished() and not self._engine_lost:
                 with self._timed("busy"):
-                    try:
-                        self._step()
-                    except Exception:
-                        # SIGTERM at a preemption reaches the engine processes too: wait for the
-                        # controller's STOP instead of failing the job before its checkpoint.
-                        if not preemption.requested():
-                            log.error("generator rank %d (host %s): its vLLM engine failed",
-                                      self.topo.rank, self.topo.hosts[self.topo.rank])
-                            raise
-                        log.warning("vLLM engine lost during preemption; waiting for stop")
-                        self._engine_lost = True
+                    self._generate()
             else:       # nothing to generate: waiting on scores of finished samples, or on prompts
                 scoring = bool(self.rewards.unfinished)
                 with self._timed("idle_scoring" if scoring else "idle"):
                     self.chan.idle(source=CONTROLLER_RANK, timeout=0.005 if scoring else 0.05)
+        self._finish()
+
+    def _handle(self, msg) -> bool:
+        """Act on one message from the controller; False once it says stop."""
+        match msg:
+            case msgs.Prompts(prompts=prompts):
+                if not self._started:
+                    self._started, self._t_started = True, time.monotonic()
+                with self._timed("submit"):
+                    for p in prompts:
+                        self._submit("train", p)
+            case msgs.WeightsNotice() if not self._engine_lost:
+                self._update_weights(msg)
+            case msgs.EvalRequest():
+                with self._timed("eval"):
+                    self._evaluate(msg)
+            case msgs.Stop(preempted=preempted):
+                self.preempted = preempted
+                if preempted:   # in-flight work goes back, to be continued on resume
+                    self._send_partial()
+                return False
+        return True             # a ControllerBeat only says the controller is alive
+
+    def _generate(self) -> None:
+        """One engine step. SIGTERM at a preemption reaches the engine processes too: then the
+        engine is written off and the loop waits for the controller's STOP, instead of failing
+        the job before its checkpoint."""
+        try:
+            self._step()
+        except Exception:
+            if not preemption.requested():
+                log.error("generator rank %d (host %s): its vLLM engine failed",
+                          self.topo.rank, self.topo.hosts[self.topo.rank])
+                raise
+            log.warning("vLLM engine lost during preemption; waiting for stop")
+            self._engine_lost = True
+
+    def _finish(self) -> None:
+        """After STOP: the totals to the controller, then the reward pool and the engine end."""
         self._account_loop_work()
         msgs.post(self.chan, msgs.GeneratorStats(
             self.topo.rank, self.tokens_generated, dict(self.seconds), self.engine.version,
