@@ -24,6 +24,7 @@ alone, as its own one-sample request.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -417,7 +418,10 @@ class VLLMEngine:
         the trainer's stage senders join at the same `address`, at most its `join_timeout_s`;
         later receives are bounded by its `timeout_s`. `rank` is the first worker's; worker i
         joins as rank + i. Returns the workers' ranks."""
-        return self._engine.collective_rpc("init_weight_group", args=(address, rank))
+        # vLLM's RPC encodes its arguments with msgspec, which turns a dataclass into a dict:
+        # send the dict, and the extension rebuilds the address.
+        return self._engine.collective_rpc("init_weight_group",
+                                           args=(dataclasses.asdict(address), rank))
 
     def update_weights(self, version: int, plan: Sequence[tuple[int, Bucket]]) -> float:
         """Interrupt, receive the trainer's broadcast (`broadcast_stage` on every stage sender

@@ -118,7 +118,7 @@ def _reload(worker, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
 
 
 class WeightSyncExtension:
-    def init_weight_group(self, address: WeightGroupAddress, rank: int) -> int:
+    def init_weight_group(self, address: WeightGroupAddress | dict, rank: int) -> int:
         """Join the weight group; blocks until the trainer's stage senders and all receivers join.
 
         `rank` is the weight-group rank of this engine's first worker; with vLLM TP/PP > 1 the
@@ -128,6 +128,8 @@ class WeightSyncExtension:
         """
         from areal_hpc.transport.weights import init_weight_group
 
+        if isinstance(address, dict):   # through vLLM's RPC (msgspec sends a dataclass as a dict)
+            address = WeightGroupAddress(**address)
         my_rank = rank + self.rank
         self._weight_group = init_weight_group(address, my_rank)
         return my_rank

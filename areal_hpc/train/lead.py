@@ -40,6 +40,9 @@ class Follower:
     def evaluate(self, label: str, version: int) -> None:
         pass
 
+    def steps_done(self) -> None:
+        pass
+
     def stop(self, preempted: bool = False) -> None:
         pass
 
@@ -130,11 +133,15 @@ class Lead(Follower):
         self.evals.append(res)
         self.run.write_evals(self.evals)
 
-    def stop(self, preempted: bool = False) -> None:
-        """The training steps are over: the progress bar closes and the generators stop (what
-        is in flight lands in the buffer first; at a preemption, as PARTIAL rows)."""
+    def steps_done(self) -> None:
+        """No more training steps in this attempt: the progress bar closes."""
         if self.progress is not None:
             self.progress.close()
+
+    def stop(self, preempted: bool = False) -> None:
+        """The generators stop (what is in flight lands in the buffer first; at a preemption,
+        as PARTIAL rows)."""
+        self.steps_done()
         self.controller.stop(preempted=preempted)
 
     def close(self, version: int | None = None) -> None:

@@ -109,6 +109,7 @@ class Trainer:
             every = cfg.data.eval_every_steps
             if every and self.version % every == 0 and self.version < total:
                 self.lead.evaluate(f"step {self.version}", self.version)
+        self.lead.steps_done()
         complete_before = start >= total
         if complete_before:
             log.info("run %s was already complete (%d steps)", cfg.name, start)
