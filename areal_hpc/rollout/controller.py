@@ -23,6 +23,7 @@ nothing for that long ends itself (the trainer is gone).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -352,7 +353,8 @@ class Controller:
                      sec.get("submit", 0.0), sec.get("send", 0.0), sec.get("other", 0.0),
                      sec["eval"], st.reward["calls"], st.reward["errors"], st.reward["timeouts"])
         with open(RunDir(self.cfg.run_dir).generators, "w") as f:
-            json.dump([self.gen_stats[r].to_json() for r in sorted(self.gen_stats)], f, indent=1)
+            json.dump([dataclasses.asdict(self.gen_stats[r]) for r in sorted(self.gen_stats)], f,
+                      indent=1)
 
     def close(self) -> None:
         self.writer.close()

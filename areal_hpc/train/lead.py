@@ -141,7 +141,6 @@ class Lead(Follower):
     def stop(self, preempted: bool = False) -> None:
         """The generators stop (what is in flight lands in the buffer first; at a preemption,
         as PARTIAL rows)."""
-        self.steps_done()
         self.controller.stop(preempted=preempted)
 
     def close(self, version: int | None = None) -> None:

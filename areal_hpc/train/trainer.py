@@ -126,6 +126,7 @@ class Trainer:
         """A preemption signal arrived while waiting for a batch: generators send back what is
         in flight (PARTIAL rows), a checkpoint is written at this step, the job exits for a
         requeue."""
+        self.lead.steps_done()
         self.lead.stop(preempted=True)      # in-flight groups land in the buffer
         # Before this attempt's first step there is nothing new to save: the rerun starts from
         # the checkpoint this attempt resumed from (its rollout-log rows after it rolled back),

@@ -142,10 +142,6 @@ class GeneratorStats:
     version: int
     reward: dict[str, int]          # the reward pool's calls, errors, timeouts
 
-    def to_json(self) -> dict:
-        return {"rank": self.rank, "tokens": self.tokens, "seconds": dict(self.seconds),
-                "version": self.version, "reward": dict(self.reward)}
-
 
 @dataclass(frozen=True, slots=True)
 class WeightsAck:

@@ -77,8 +77,9 @@ def test_messages_are_immutable():
 
 
 def test_generator_stats_as_json_for_generators_json():
+    import dataclasses
     import json
     st = EXAMPLES[9]
-    assert json.loads(json.dumps(st.to_json())) == {
+    assert json.loads(json.dumps(dataclasses.asdict(st))) == {
         "rank": 1, "tokens": 100, "seconds": {"busy": 1.0}, "version": 3,
         "reward": {"calls": 2, "errors": 0, "timeouts": 0}}
