@@ -5,6 +5,7 @@
     python tools/bench_async_vs_sync.py --ablation --etas 0,1,2,4,8 --seeds 0,1  # η × π_prox
     python tools/bench_async_vs_sync.py --compare results.json      # the planner beside the runs
     python tools/bench_async_vs_sync.py --plot results.json docs/x.png
+    python tools/bench_async_vs_sync.py --tail-eval results.json    # final policies on the tail
 
 Every setting is the tiny recipe (configs/tiny_cpu.yaml) through the real launcher (mpiexec,
 Megatron-core, vLLM), one run after another, the settings interleaved within each seed so that
@@ -80,6 +81,46 @@ def longtail_data(out: Path, seed: int = 1, n: int = 2000, max_terms: int = 40) 
                              for r in rows))
         paths.append(p)
     return paths[0], paths[1]
+
+
+TAIL_BUCKETS = ((2, 10), (11, 20), (21, 40))     # term counts: the pre-trained range, the tail
+
+
+def tail_eval(path: Path, per_k: int = 10, samples: int = 4) -> None:
+    """Evaluate the final policy of every run in a results file on a held-out set that weighs
+    the tail: `per_k` problems for every term count 2..40 (uniform in k, unlike the training
+    distribution's P(k) ∝ 1/k), `samples` each, with the run's own sampling settings; accuracy
+    per bucket of term counts (TAIL_BUCKETS) is added to the records (`tail_acc`) and printed."""
+    import random
+    from areal_hpc.analysis.evaluate import EvalSettings, evaluate
+    from areal_hpc.config import load
+    from areal_hpc.data.prompts import load_prompts
+    from areal_hpc.data.tiny_task import format_question
+    data = json.loads(path.read_text())
+    rng = random.Random(4242)
+    problems = []
+    for k in range(TAIL_BUCKETS[0][0], TAIL_BUCKETS[-1][1] + 1):
+        for _ in range(per_k):
+            terms = [rng.randint(0, 9) for _ in range(k)]
+            problems.append({"question": format_question(terms), "answer": str(sum(terms))})
+    held = Path(tempfile.mkdtemp(prefix="tail_eval_")) / "tail.jsonl"
+    held.write_text("".join(json.dumps(p) + "\n" for p in problems))
+    terms_of = [q["question"].count("+") + 1 for q in problems]
+    for rec in (r for r in data["records"] if r.get("ok")):
+        run = Path(rec["run_dir"])
+        s = EvalSettings.from_config(load(str(run / "config.yaml")))
+        s.samples, s.limit = samples, 0
+        rows = load_prompts(str(held), s.kind, s.question_key, s.answer_key)
+        res = evaluate(run / "policy", rows, s, progress=False)
+        acc = {}
+        for lo, hi in TAIL_BUCKETS:
+            c = [res["correct"][i] for i, k in enumerate(terms_of) if lo <= k <= hi]
+            acc[f"{lo}-{hi}"] = sum(c) / (samples * len(c))
+        acc["all"] = res["accuracy"]
+        rec["tail_acc"] = acc
+        print(f"[tail] {rec['setting']} seed {rec['seed']}: "
+              + ", ".join(f"{k} terms {v:.3f}" for k, v in acc.items()), flush=True)
+        path.write_text(json.dumps(data, indent=1, default=str))
 
 
 def run_job(overrides: list[str], out_dir: Path, name: str, timeout: float) -> tuple[int, float, str, float]:
@@ -322,10 +363,16 @@ def main() -> int:
                     help="plot the runs of a results file")
     ap.add_argument("--table", type=Path, default=None,
                     help="print the table of a results file (with this --target)")
+    ap.add_argument("--tail-eval", type=Path, default=None,
+                    help="evaluate the final policies of a results file on a held-out set uniform "
+                         "in term count (2..40 terms), accuracy per bucket, added to the file")
     ap.add_argument("overrides", nargs="*", help="key=value for every run")
     args = ap.parse_args()
     if args.compare:
         compare(args.compare)
+        return 0
+    if args.tail_eval:
+        tail_eval(args.tail_eval)
         return 0
     if args.plot:
         plot(*args.plot)

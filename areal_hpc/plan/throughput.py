@@ -30,8 +30,11 @@ Model
 - A sample's oldest token carries the version its engine ran when it started decoding (tokens
   after a weight update carry later versions: interruptible generation); a group's is the
   minimum over its samples; scoring takes no time.
-- Trainer: when idle, it drops groups more than η versions behind (`ReadyBuffer.drop_older_than`,
-  unless stale_policy=keep; their prompts reissued first by `StaleGroups`), waits for B groups,
+- Groups more than η versions behind the earliest version they can be trained at (the current
+  one while the trainer waits, the next while it trains) are dropped as they arrive and when the
+  trainer looks for a batch (`ReadyBuffer.drop_older_than`, unless stale_policy=keep; their
+  prompts reissued first by `StaleGroups`), as the controller does.
+- Trainer: waits for B groups,
   takes the oldest B, trains for train_overhead_s + tokens / train_tok_s (tokens = output
   tokens of the batch, as metrics.jsonl's n_tokens), then updates the weights for update_s:
   every engine pauses (in-flight sequences keep their progress) and at its end the version
@@ -320,7 +323,9 @@ def simulate(setup: Setup, rates: Rates, steps: int, seed: int = 0) -> SimResult
         nonlocal dropped
         if not stale.drops:
             return
-        for g in buffer.drop_older_than(version - eta):
+        # as the controller (Ledger.drop_stale): against the earliest version a buffered group
+        # can still be trained at, the next one while a step trains
+        for g in buffer.drop_older_than(version + (trainer != "wait") - eta):
             manager.on_rollout_dropped()
             pid = g.trajectories[0]["prompt_id"]
             dropped += 1
@@ -389,6 +394,7 @@ def simulate(setup: Setup, rates: Rates, steps: int, seed: int = 0) -> SimResult
             finish(i)
             fill(i)
             schedule(i)
+            drop_stale()
             submit()
             if trainer == "wait":
                 try_train()

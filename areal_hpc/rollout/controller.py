@@ -5,9 +5,10 @@ It hands prompts to the least-loaded generator while the η bound allows, receiv
 (never blocking a generator), appends every trajectory to the rollout HDF5 log and keeps the
 groups until a training step takes them, oldest policy version first.
 
-Groups that finished more than η versions late are dropped at batch time (marked `DROPPED_STALE`
-in the log, their slots freed; `staleness.ReadyBuffer`) and, by rollout.stale_policy, their
-prompts issued again (`staleness.StaleGroups`).
+Groups more than η versions older than the batch they can earliest go into are dropped as soon
+as that is known, on arrival or when a step ends (marked `DROPPED_STALE` in the log, their slots
+freed at once; `Ledger.drop_stale`) and, by rollout.stale_policy, their prompts issued again
+(`staleness.StaleGroups`).
 
 From the first batch on, a service thread does the receiving, logging and prompt dispatch, so the
 generators are refilled while the trainer computes (the training step never stalls them, and HDF5
@@ -99,6 +100,7 @@ class Controller:
         self.writer = RolloutWriter(log_path, to_yaml(cfg)) if resume is None else None
         self.gen_stats: dict[int, msgs.GeneratorStats] = {}
         self._eval_results: list[msgs.EvalResult] = []
+        self._dropped_since_batch = 0       # groups dropped as stale since the last batch was taken
         self._cond = threading.Condition(threading.RLock())
         # The MPI pump runs on its own thread from the first batch on, so that groups are
         # received, logged and their prompts' successors issued while the trainer thread computes
@@ -132,6 +134,8 @@ class Controller:
             with self._cond:
                 self._beat()
                 got = self.receive()
+                if got:
+                    self._drop_stale()
                 self.submit()
                 if got:
                     self._cond.notify_all()
@@ -244,6 +248,7 @@ class Controller:
         stale = self.ledger.drop_stale()
         if stale:
             self.writer.mark_consumed([r for g in stale for r in g.rows], DROPPED_STALE)
+            self._dropped_since_batch += len(stale)
         return len(stale)
 
     def next_batch(self, on_wait=None, should_stop=None) -> tuple[list[dict] | None, dict | None]:
@@ -254,17 +259,15 @@ class Controller:
         t0 = time.monotonic()
         self._start_service()
         with self._cond:
-            dropped = self._drop_stale()
-
             def ready() -> bool:
-                nonlocal dropped
-                dropped += self._drop_stale()
+                self._drop_stale()
                 return len(self.buffer) >= B or bool(should_stop and should_stop())
 
             self._wait(ready, on_wait)
             if should_stop and should_stop():
                 return None, None
             groups = self.ledger.take(B)                  # oldest first
+            dropped, self._dropped_since_batch = self._dropped_since_batch, 0
         trajs = [t for g in groups for t in g.trajectories]
         stale = [staleness_of(self.version, t["versions"]) for t in trajs]
         rewards = np.array([t["reward"] for t in trajs], dtype=np.float64)

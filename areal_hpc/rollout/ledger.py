@@ -69,6 +69,7 @@ class Ledger:
                                           consumer_batch_size=batch_prompts,
                                           max_staleness=max_staleness)
         self.version = 0                # policy version the generators have (training steps done)
+        self._taken_for = -1            # the version whose batch was taken last (see next_train_version)
         self.in_flight = {g: 0 for g in generators}     # prompts out per generator rank
         self.prompts_in_flight: dict[int, int] = {}     # prompt_id → dataset index
         # (prompt_id, dataset index) to issue first: in flight at a resume, or dropped as stale
@@ -116,13 +117,22 @@ class Ledger:
         self.partial[int(prompt_id)] = (first_row, num_rows)
 
     # -- to a step ------------------------------------------------------------------------------
+    @property
+    def next_train_version(self) -> int:
+        """The earliest policy version a buffered group can still be trained at: the current one
+        until its batch is taken, the next one while that batch trains."""
+        return self.version + (self._taken_for == self.version)
+
     def drop_stale(self) -> list[ReadyGroup]:
-        """Remove the buffered groups whose oldest token is more than η versions behind, by
-        stale_policy (none under keep); their prompts are queued to be issued again or given up.
-        Returns them (the caller marks their rows in the log)."""
+        """Remove the buffered groups whose oldest token is more than η versions behind the
+        version they can earliest be trained at, by stale_policy (none under keep); their prompts
+        are queued to be issued again or given up. Returns them (the caller marks their rows in
+        the log). Called as groups arrive, not only when a batch is taken: a group that is already
+        too old for the next batch frees its slot in the η budget at once, so the generators
+        regenerate it while the trainer trains instead of idling with the budget spent."""
         if not self.stale_groups.drops:
             return []
-        stale = self.buffer.drop_older_than(self.version - self.max_staleness)
+        stale = self.buffer.drop_older_than(self.next_train_version - self.max_staleness)
         for g in stale:
             self.staleness.on_rollout_dropped()
             pid = int(g.trajectories[0]["prompt_id"])
@@ -134,6 +144,7 @@ class Ledger:
     def take(self, n: int) -> list[ReadyGroup]:
         """The n groups with the oldest tokens, for a step."""
         groups = self.buffer.take(n)
+        self._taken_for = self.version
         for g in groups:
             self.stale_groups.on_trained(int(g.trajectories[0]["prompt_id"]))
         return groups

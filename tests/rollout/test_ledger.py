@@ -145,6 +145,32 @@ def test_issue_respects_eta_and_balances_generators():
     assert [i.prompt_id for i in more] == [4, 5] and all(isinstance(i, Issue) for i in more)
 
 
+def test_group_too_old_for_the_next_batch_is_dropped_while_a_step_trains():
+    """Against the earliest version a group can still be trained at: the current one until its
+    batch is taken, the next one while that batch trains. A group that is already too old for
+    the next batch frees its slot at once, so its prompt is issued again during the step."""
+    led = ledger(max_concurrent=100)
+    a, b, c, d = led.issue()                            # at version 0
+    for it in (a, b):
+        led.arrived(it.rank, group(it.prompt_id, 0), [])
+    led.take(B)
+    led.trained(1)
+    e, f = led.issue()                                  # at version 1
+    for it in (c, e):
+        led.arrived(it.rank, group(it.prompt_id, 0 if it is c else 1), [])
+    assert led.next_train_version == 1 and led.drop_stale() == []   # c fits version 1's batch
+    led.take(B)                                         # version 1's batch: c and e, training
+    led.arrived(d.rank, group(d.prompt_id, 0), [])      # d: version 0, can go in 2's at best
+    assert led.next_train_version == 2
+    assert led.issue() == []                            # the η budget is spent, by d
+    assert [int(g.trajectories[0]["prompt_id"]) for g in led.drop_stale()] == [d.prompt_id]
+    assert [i.prompt_id for i in led.issue()] == [d.prompt_id]      # again, during the step
+    led.arrived(f.rank, group(f.prompt_id, 1), [])
+    assert led.drop_stale() == []                       # version 1 fits version 2's batch
+    led.trained(2)
+    assert led.next_train_version == 2
+
+
 def test_stale_group_is_reissued_then_given_up():
     led = ledger(max_reissues=1)
     (a, *_) = led.issue()
