@@ -104,6 +104,11 @@ class RolloutConfig:
     # rollout log, marked dropped-stale.
     stale_policy: str = "reissue"
     max_reissues: int = 2
+    # Under "reissue" and "drop": a group still being generated whose oldest token is already too
+    # old for the next batch is stopped where it is (its tokens would only be dropped) and its
+    # generator's engine moves on; the group is logged as dropped-stale as it got, with
+    # finish_reason "abort" on its unfinished samples.
+    abort_stale: bool = True
     max_model_len: int = 512
     kv_cache_gib: Optional[int] = None  # fixed KV cache size (CPU: VLLM_CPU_KVCACHE_SPACE);
                                         # None = vLLM's default / gpu_memory_utilization

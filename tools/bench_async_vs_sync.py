@@ -26,10 +26,14 @@ final held-out accuracy, and the time to a target accuracy (held-out, every --ev
 and on the training batches' accuracy, a 5-step moving mean).
 
 The **ideal bound** of a run is computed from its own measured component rates: generation
-tokens/s while busy, training seconds per step, the update's blocking seconds, tokens generated
-per step. Async on disjoint cores: steps × max(generation per step / its rate, train + update);
-sync: steps × (generation per step / rate + train + update). No schedule of the same work at the
-same rates does better. Results go to --out (JSON, one record per run) and a markdown table.
+tokens/s while busy, training seconds per step, the update's blocking seconds on the trainer
+(train + update) and on the generator (loading a version: it cannot generate meanwhile), tokens
+generated per step. Async on disjoint cores: steps × max(generation per step / its rate + load,
+train + update), as the throughput planner's bound (areal_hpc.plan.throughput); sync: steps ×
+(generation per step / rate + train + update). No schedule of the same work at the same rates
+does better. `of_ideal_no_load` is the earlier, stricter form, which treats loading weights as
+free for the generator. Results go to --out (JSON, one record per
+run) and a markdown table.
 """
 from __future__ import annotations
 
@@ -167,10 +171,13 @@ def analyse(run: Path, mode: str, target: float) -> dict:
     trained_tokens = sum(s["n_tokens"] for s in steps)
     gen_rate = gen_tokens / busy if busy else float("nan")       # tokens/s while generating
     per_step = gen_tokens / n
+    load_s = pause / n / max(1, len(gens))     # a generator's pause to load one version
     if mode == "sync":
         ideal = n * (per_step / gen_rate + train_s + sync_s)
+        ideal_no_load = ideal
     else:
-        ideal = n * max(per_step / gen_rate, train_s + sync_s)
+        ideal = n * max(per_step / gen_rate + load_s, train_s + sync_s)
+        ideal_no_load = n * max(per_step / gen_rate, train_s + sync_s)
     data = load_run(run / "rollouts.h5")
     t = data.traj
     trained = t[t["consumed_step"] >= 0]
@@ -190,7 +197,8 @@ def analyse(run: Path, mode: str, target: float) -> dict:
         "gen_loop_seconds": loop,
         "trainer_idle": wait / wall, "train_s": train_s, "sync_s": sync_s,
         "gen_tok_s_busy": gen_rate, "gen_tokens_per_step": per_step,
-        "ideal_s": ideal, "of_ideal": ideal / wall,
+        "ideal_s": ideal, "of_ideal": ideal / wall, "load_s": load_s,
+        "ideal_no_load_s": ideal_no_load, "of_ideal_no_load": ideal_no_load / wall,
         "stale_mean": float(st.mean()) if len(st) else 0.0,
         "stale_p95": float(np.percentile(st, 95)) if len(st) else 0.0,
         "dropped_groups": int(len(dropped) // max(1, int(data.config["rollout"]["group_size"]))),
@@ -300,7 +308,8 @@ def _ms(values: list, spec="{:.3g}") -> str:
 def table(records: list[dict], keys: list[str]) -> str:
     """Mean ± sd over seeds per setting."""
     cols = [("wall s", "wall_s", "{:.1f}"), ("ideal s", "ideal_s", "{:.1f}"),
-            ("of ideal", "of_ideal", "{:.2f}"), ("steps/h", "steps_per_h", "{:.0f}"),
+            ("of ideal", "of_ideal", "{:.2f}"), ("of ideal, load free", "of_ideal_no_load", "{:.2f}"),
+            ("steps/h", "steps_per_h", "{:.0f}"),
             ("trained tok/s", "trained_tok_s", "{:.0f}"), ("gen busy", "gen_busy", "{:.2f}"),
             ("trainer idle", "trainer_idle", "{:.2f}"), ("stale mean", "stale_mean", "{:.2f}"),
             ("stale p95", "stale_p95", "{:.1f}"), ("dropped", "dropped_groups", "{:.0f}"),
@@ -313,7 +322,7 @@ def table(records: list[dict], keys: list[str]) -> str:
         if not rs:
             lines.append(f"| {key} | 0 (failed) |" + " |" * len(cols))
             continue
-        lines.append(f"| {key} | {len(rs)} | " + " | ".join(_ms([r[c[1]] for r in rs], c[2]) for c in cols) + " |")
+        lines.append(f"| {key} | {len(rs)} | " + " | ".join(_ms([r.get(c[1]) for r in rs], c[2]) for c in cols) + " |")
     return "\n".join(lines)
 
 
@@ -346,7 +355,8 @@ def main() -> int:
                          "of 40 terms are 81 tokens)")
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--eta", type=int, default=1, help="η of the async runs (item 1)")
+    ap.add_argument("--eta", default="1", help="η of the async runs (item 1); several, comma-"
+                    "separated: one async setting each (async-T/G, async-T/G-eta2, ...)")
     ap.add_argument("--splits", default="1", help="trainer core counts of the async runs")
     ap.add_argument("--only", default="", help="comma-separated setting names to run")
     ap.add_argument("--ablation", action="store_true", help="η × π_prox instead (async-1/1)")
@@ -403,8 +413,14 @@ def main() -> int:
         runs = {f"eta{e}-{p}": [*split, f"rollout.max_staleness={e}", f"train.prox={p}"]
                 for e in map(int, args.etas.split(",")) for p in args.prox.split(",")}
     else:
-        runs = {k: [*v, f"rollout.max_staleness={args.eta}"] if k.startswith("async") else v
-                for k, v in settings(cpus, [int(x) for x in args.splits.split(",")]).items()}
+        etas = [int(x) for x in args.eta.split(",")]
+        runs = {}
+        for k, v in settings(cpus, [int(x) for x in args.splits.split(",")]).items():
+            if not k.startswith("async"):
+                runs[k] = v
+                continue
+            for i, e in enumerate(etas):    # the first η keeps the plain name
+                runs[k if i == 0 else f"{k}-eta{e}"] = [*v, f"rollout.max_staleness={e}"]
     if args.only:
         runs = {k: v for k, v in runs.items() if k in args.only.split(",")}
     records = []

@@ -101,6 +101,7 @@ class Controller:
         self.gen_stats: dict[int, msgs.GeneratorStats] = {}
         self._eval_results: list[msgs.EvalResult] = []
         self._dropped_since_batch = 0       # groups dropped as stale since the last batch was taken
+        self._stale_sent = 0                # the last StaleBefore version sent to the generators
         self._cond = threading.Condition(threading.RLock())
         # The MPI pump runs on its own thread from the first batch on, so that groups are
         # received, logged and their prompts' successors issued while the trainer thread computes
@@ -251,6 +252,19 @@ class Controller:
             self._dropped_since_batch += len(stale)
         return len(stale)
 
+    def _send_stale_before(self) -> None:
+        """Tell every generator the oldest version a group may still hold to be trained
+        (rollout.abort_stale, under stale_policy reissue or drop): it stops generating the groups
+        that are already too old, which would only be dropped here (call with the lock held)."""
+        r = self.cfg.rollout
+        if not (r.abort_stale and r.mode == "async" and self.ledger.stale_groups.drops):
+            return
+        version = self.ledger.next_train_version - self.ledger.max_staleness
+        if version > self._stale_sent:
+            self._stale_sent = version
+            for g in self.topo.generator_ranks:
+                msgs.post(self.chan, msgs.StaleBefore(version), g)
+
     def next_batch(self, on_wait=None, should_stop=None) -> tuple[list[dict] | None, dict | None]:
         """Block until B groups are ready; returns the flattened trajectories (group-contiguous)
         and batch stats. `on_wait(n_ready)` is called while waiting (progress display); when
@@ -268,6 +282,7 @@ class Controller:
                 return None, None
             groups = self.ledger.take(B)                  # oldest first
             dropped, self._dropped_since_batch = self._dropped_since_batch, 0
+            self._send_stale_before()
         trajs = [t for g in groups for t in g.trajectories]
         stale = [staleness_of(self.version, t["versions"]) for t in trajs]
         rewards = np.array([t["reward"] for t in trajs], dtype=np.float64)

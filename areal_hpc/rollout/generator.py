@@ -77,6 +77,7 @@ class Generator:
         self.groups: dict[tuple[str, int], _Group] = {}
         self._kept: dict[tuple[str, int, int], int] = {}   # a continued sample's earlier tokens
         self.tokens_generated = 0
+        self.stale_aborted = 0      # training groups stopped as too stale (StaleBefore)
         # Where the time went, from the first training prompt to the stop: generating (busy),
         # paused for weight updates, evaluating, or idle with nothing to generate (η bound
         # reached); idle_scoring: idle while the reward pool still scores finished samples.
@@ -149,6 +150,9 @@ class Generator:
                         self._submit("train", p)
             case msgs.WeightsNotice() if not self._engine_lost:
                 self._update_weights(msg)
+            case msgs.StaleBefore(version=version) if not self._engine_lost:
+                with self._timed("send"):
+                    self._abort_stale(version)
             case msgs.EvalRequest():
                 with self._timed("eval"):
                     self._evaluate(msg)
@@ -178,7 +182,7 @@ class Generator:
         self._account_loop_work()
         msgs.post(self.chan, msgs.GeneratorStats(
             self.topo.rank, self.tokens_generated, dict(self.seconds), self.engine.version,
-            self.rewards.stats()), CONTROLLER_RANK)
+            self.rewards.stats(), self.stale_aborted), CONTROLLER_RANK)
         self.chan.flush(timeout=60)
         self.rewards.close()
         try:
@@ -301,6 +305,34 @@ class Generator:
     def _send(self, group: _Group) -> None:
         """A scored training group to the controller."""
         msgs.post(self.chan, msgs.Group(self._trajectories(group)), CONTROLLER_RANK)
+
+    def _abort_stale(self, version: int) -> None:
+        """Stop generating every training group with a token older than `version` (the
+        controller would drop it on arrival) and send it as far as it got: its unfinished
+        samples end with finish_reason "abort" and reward 0, unscored; its finished ones keep
+        their scores (a group still being scored is sent when they arrive)."""
+        for (kind, pid), group in list(self.groups.items()):
+            if kind != "train" or group.generated:
+                continue
+            running = [_request_id(kind, pid, i) for i in range(group.prompt.n)
+                       if i not in group.samples]
+            firsts = [v for v in (self.engine.oldest_version(r) for r in running) if v is not None]
+            firsts += [int(s.versions[0]) for s in group.samples.values() if len(s.versions)]
+            if not firsts or min(firsts) >= version:
+                continue
+            for smp in self.engine.abort(running):
+                idx = _parse_request_id(smp.request_id)[2]
+                group.samples[idx] = smp
+                self.tokens_generated += len(smp.output_tokens) - self._kept.pop((kind, pid, idx), 0)
+                if smp.finish_reason == "abort":
+                    group.rewards[idx] = 0.0
+                else:               # finished before the abort: scored as any other
+                    text = self.tokenizer.decode(smp.output_tokens, skip_special_tokens=True)
+                    self.rewards.submit((kind, pid, idx), group.prompt.reward_kind, text,
+                                        group.prompt.reference, group.prompt.row)
+            self.stale_aborted += 1
+            if group.scored:
+                self._send(self.groups.pop((kind, pid)))
 
     def _send_partial(self) -> None:
         """At a preemption: abort every sample and send each training group still here (being

@@ -83,7 +83,8 @@ class ReadyBuffer:
         return len(self._groups)
 
     def add(self, trajectories: list, rows: list) -> None:
-        oldest = min(int(min(t["versions"])) for t in trajectories)
+        # (a sample stopped before its first token has none)
+        oldest = min(int(min(t["versions"])) for t in trajectories if len(t["versions"]))
         self._groups.append(ReadyGroup(oldest, trajectories, rows))
 
     def groups(self) -> list[ReadyGroup]:

@@ -351,6 +351,38 @@ class VLLMEngine:
         self._requests.clear()
         return samples
 
+    def abort(self, request_ids: Iterable[str]) -> list[FinishedSample]:
+        """Stop these samples and return them as far as they got (finish_reason "abort"), with
+        any of them that finished but `step()` has not returned yet (their own reason); ids not
+        here are ignored. A vLLM request is aborted only with all its unfinished samples: pass a
+        group's samples together (one request holds one group's first submission)."""
+        ids = set(request_ids)
+        now = time.time()
+        out = [s for s in self._pending if s.request_id in ids]
+        self._pending = [s for s in self._pending if s.request_id not in ids]
+        stop = []
+        for vid, slots in self._live.items():
+            mine = [r for r in slots if r is not None and r.request_id in ids]
+            if not mine:
+                continue
+            if len(mine) != sum(r is not None for r in slots):
+                raise ValueError(f"vLLM request {vid} holds samples not being aborted "
+                                 f"({sorted(r.request_id for r in slots if r is not None)})")
+            stop.append(vid)
+        if stop:
+            self._engine.abort_request(stop)
+        for vid in stop:
+            del self._live[vid]
+        out += [self._finish(self._requests.pop(rid), "abort", now)
+                for rid in sorted(ids) if rid in self._requests]
+        return out
+
+    def oldest_version(self, request_id: str) -> int | None:
+        """The version of an unfinished sample's first token (None: not running, or no token
+        yet)."""
+        req = self._requests.get(request_id)
+        return req.versions[0] if req is not None and req.versions else None
+
     def step(self) -> list[FinishedSample]:
         """Collect the engine's next outputs; return the samples that finished.
 

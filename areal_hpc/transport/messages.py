@@ -11,7 +11,7 @@ the replay tool all read it as one.
     EvalRequest      EVAL                  EvalResult       EVAL_RESULT
     Stop             STOP                  GeneratorStats   STATS
     ControllerBeat   CONTROLLER_HEARTBEAT  WeightsAck       WEIGHTS_ACK
-                                           Heartbeat        HEARTBEAT
+    StaleBefore      STALE_BEFORE          Heartbeat        HEARTBEAT
 
 docs/architecture.md#data-contract describes each field's meaning.
 """
@@ -107,6 +107,14 @@ class ControllerBeat:
     version: int
 
 
+@dataclass(frozen=True, slots=True)
+class StaleBefore:
+    """A training group with a token older than `version` can no longer be trained within η
+    (the controller drops it on arrival): stop generating it and send it as far as it got."""
+    TAG: ClassVar[Tag] = Tag.STALE_BEFORE
+    version: int
+
+
 # -- generator → controller ----------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Group:
@@ -141,6 +149,7 @@ class GeneratorStats:
     seconds: dict[str, float]       # where its time went (busy, pause, eval, idle, ...)
     version: int
     reward: dict[str, int]          # the reward pool's calls, errors, timeouts
+    stale_aborted: int = 0          # training groups stopped mid-generation as too stale
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +170,7 @@ class Heartbeat:
     tokens: int                     # generated so far
 
 
-MESSAGES = (Prompts, WeightsNotice, EvalRequest, Stop, ControllerBeat,
+MESSAGES = (Prompts, WeightsNotice, EvalRequest, Stop, ControllerBeat, StaleBefore,
             Group, Partial, EvalResult, GeneratorStats, WeightsAck, Heartbeat)
 _BY_TAG = {m.TAG: m for m in MESSAGES}
 

@@ -267,6 +267,96 @@ def test_abort_all_then_continue_from_the_prefix(engine):
         assert d.versions.tolist() == [engine.version] * max_new and d.t_submit == s.t_submit
 
 
+def test_abort_one_group_while_another_runs(engine):
+    """A group too stale to be trained is stopped where it is (`abort`): its samples come back
+    with what they have, the engine forgets them (no late output reaches `step`), and another
+    group in the same engine runs on to its end. A group's samples go together: aborting only
+    some of one vLLM request's samples is refused."""
+    prompt, max_new = list(range(60, 70)), 40
+    engine.submit_group(["a:0", "a:1", "a:2"], prompt, max_new, temperature=1.0, ignore_eos=True)
+    engine.submit_group(["b:0", "b:1"], prompt, max_new, temperature=1.0, ignore_eos=True)
+    while min(len(r.tokens) for r in engine._requests.values()) < 3:
+        assert not engine.step()
+    assert engine.oldest_version("a:0") == engine.version and engine.oldest_version("x:0") is None
+    with pytest.raises(ValueError, match="not being aborted"):
+        engine.abort(["a:0", "a:1"])
+    cut = engine.abort(["a:0", "a:1", "a:2", "not-here"])
+    assert sorted(s.request_id for s in cut) == ["a:0", "a:1", "a:2"]
+    for s in cut:
+        n = len(s.output_tokens)
+        assert s.finish_reason == "abort" and 3 <= n < max_new
+        assert len(s.behav_logprobs) == n and s.versions.tolist() == [engine.version] * n
+    assert sorted(engine._requests) == ["b:0", "b:1"] and engine.abort(["a:0"]) == []
+    done = run_to_completion(engine)
+    assert sorted(done) == ["b:0", "b:1"]
+    assert all(len(d.output_tokens) == max_new for d in done.values())
+
+
+class _Chan:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, obj, dest, tag):
+        self.sent.append((dest, tag, obj))
+
+
+class _NoScores:
+    """A reward pool nothing reaches in this test (no sample finishes before the abort)."""
+
+    def submit(self, *a):
+        raise AssertionError(f"nothing should be scored here: {a}")
+
+
+def test_generator_stops_a_stale_group_and_sends_it(engine):
+    """StaleBefore on a generator (Generator._abort_stale) with the real engine: a training group
+    whose oldest token predates the version is stopped and sent at once as far as it got
+    (finish_reason "abort", reward 0); a group that started later and an evaluation group are
+    left running to their end."""
+    from areal_hpc.rollout.generator import Generator, _Group, _request_id
+    from areal_hpc.topology import CONTROLLER_RANK
+    from areal_hpc.transport import messages as msgs
+    from areal_hpc.transport.mpi import Tag
+
+    gen = Generator.__new__(Generator)          # the loop's state only; no MPI, no job
+    gen.engine, gen.groups, gen._kept = engine, {}, {}
+    gen.tokens_generated, gen.stale_aborted = 0, 0
+    gen.rewards, gen.chan = _NoScores(), _Chan()
+    gen.topo = type("Topo", (), {"rank": 3})()
+    prompt, max_new, v0 = list(range(60, 70)), 40, engine.version
+
+    def submit(kind, pid, n):
+        gen.groups[(kind, pid)] = _Group(msgs.Prompt(pid, prompt, n, "math", "1"))
+        engine.submit_group([_request_id(kind, pid, i) for i in range(n)], prompt, max_new,
+                            temperature=1.0, ignore_eos=True)
+
+    try:
+        submit("train", 1, 3)
+        submit("eval", 1, 2)
+        while min(len(r.tokens) for r in engine._requests.values()) < 2:
+            assert not engine.step()
+        engine.version = v0 + 1                 # as after a weight update: later tokens carry it
+        submit("train", 2, 2)
+        while min(len(r.tokens) for r in engine._requests.values()) < 2:
+            assert not engine.step()
+        gen._abort_stale(v0)                    # nothing is older than v0
+        assert gen.chan.sent == [] and gen.stale_aborted == 0
+        gen._abort_stale(v0 + 1)
+        (dest, tag, group), = gen.chan.sent
+        assert dest == CONTROLLER_RANK and tag == Tag.TRAJECTORIES and gen.stale_aborted == 1
+        trajs = group.trajectories
+        assert [t["prompt_id"] for t in trajs] == [1, 1, 1]
+        assert [t["sample_idx"] for t in trajs] == [0, 1, 2]
+        assert all(t["finish_reason"] == "abort" and t["reward"] == 0.0 and t["generator_rank"] == 3
+                   and 2 <= len(t["output_tokens"]) < max_new and t["versions"][0] == v0
+                   for t in trajs)
+        assert gen.tokens_generated == sum(len(t["output_tokens"]) for t in trajs)
+        assert sorted(gen.groups) == [("eval", 1), ("train", 2)]
+        done = run_to_completion(engine)
+        assert sorted(done) == ["eval:1:0", "eval:1:1", "train:2:0", "train:2:1"]
+    finally:
+        engine.version = v0
+
+
 def test_update_from_file_and_prefix_cache_reset(engine, model_dir, tmp_path):
     """Weights from a directory of safetensors shards. LONG_PROMPT's first KV block is in the
     prefix cache from earlier tests, computed with other weights; it must not be reused."""
