@@ -90,7 +90,7 @@ def longtail_data(out: Path, seed: int = 1, n: int = 2000, max_terms: int = 40) 
 TAIL_BUCKETS = ((2, 10), (11, 20), (21, 40))     # term counts: the pre-trained range, the tail
 
 
-def tail_eval(path: Path, per_k: int = 10, samples: int = 4) -> None:
+def tail_eval(path: Path, per_k: int = 6, samples: int = 4) -> None:
     """Evaluate the final policy of every run in a results file on a held-out set that weighs
     the tail: `per_k` problems for every term count 2..40 (uniform in k, unlike the training
     distribution's P(k) ∝ 1/k), `samples` each, with the run's own sampling settings; accuracy

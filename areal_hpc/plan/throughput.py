@@ -33,7 +33,9 @@ Model
 - Groups more than η versions behind the earliest version they can be trained at (the current
   one while the trainer waits, the next while it trains) are dropped as they arrive and when the
   trainer looks for a batch (`ReadyBuffer.drop_older_than`, unless stale_policy=keep; their
-  prompts reissued first by `StaleGroups`), as the controller does.
+  prompts reissued first by `StaleGroups`), as the controller does. With abort_stale, once a
+  batch is taken the groups still in flight that are already too old stop where they are (their
+  tokens so far count as generated) and are dropped, as the generators do on StaleBefore.
 - Trainer: waits for B groups,
   takes the oldest B, trains for train_overhead_s + tokens / train_tok_s (tokens = output
   tokens of the batch, as metrics.jsonl's n_tokens), then updates the weights for update_s:
@@ -169,6 +171,7 @@ class Setup:
     max_new_tokens: int
     stale_policy: str = "reissue"
     max_reissues: int = 2
+    abort_stale: bool = True        # doomed groups stopped mid-generation (rollout.abort_stale)
     colocated: bool = False         # generation pauses while the trainer trains (sync baseline)
 
     @classmethod
@@ -186,7 +189,7 @@ class Setup:
                    max_staleness=0 if r.mode == "sync" else r.max_staleness,
                    max_concurrent_prompts=r.max_concurrent_prompts, seq_limit=max(1, limit),
                    max_new_tokens=r.max_new_tokens, stale_policy=r.stale_policy,
-                   max_reissues=r.max_reissues)
+                   max_reissues=r.max_reissues, abort_stale=r.abort_stale)
 
 
 def kv_budget_tokens(cfg: RunConfig) -> float | None:
@@ -334,6 +337,41 @@ def simulate(setup: Setup, rates: Rates, steps: int, seed: int = 0) -> SimResult
             else:
                 lengths_of.pop(pid, None)
 
+    def abort_stale() -> None:
+        """After a batch is taken, as the generators on StaleBefore: a group in flight with a
+        token older than the next trainable version - η stops; its tokens so far are generated
+        (and wasted), its prompt is dropped as stale."""
+        nonlocal dropped, gen_tokens
+        if not (setup.abort_stale and stale.drops and not setup.colocated):
+            return
+        limit = version + 1 - eta
+        doomed = {pid for pid, p in pending.items() if p[1] < limit}
+        if not doomed:
+            return
+        for e in engines:
+            advance(e)
+            kept = []
+            for end, key in e.running:
+                if key[0] in doomed:
+                    gen_tokens += e.progress - (end - lengths_of[key[0]][key[1]])
+                else:
+                    kept.append((end, key))
+            heapq.heapify(kept)
+            e.running = kept
+            e.queue = deque(q for q in e.queue if q[0][0] not in doomed)
+        for pid in doomed:
+            in_flight[pending.pop(pid)[2]] -= 1
+            manager.on_rollout_rejected()
+            dropped += 1
+            if stale.on_dropped(pid):
+                reissue.append(pid)
+            else:
+                lengths_of.pop(pid, None)
+        for i in range(G):
+            fill(i)
+            schedule(i)
+        submit()
+
     def try_train() -> None:
         nonlocal trainer, wait_s, trained_tokens, trained_groups
         drop_stale()
@@ -353,6 +391,7 @@ def simulate(setup: Setup, rates: Rates, steps: int, seed: int = 0) -> SimResult
         if setup.colocated:
             set_paused(True)
         heapq.heappush(events, (now + rates.train_overhead_s + tokens / rates.train_tok_s, 0, -1, 0))
+        abort_stale()
 
     def set_paused(value: bool) -> None:
         nonlocal paused

@@ -40,6 +40,21 @@ def test_staleness_bounded_unless_keep(eta, policy):
     assert keep.dropped_share == 0
 
 
+def test_stopping_doomed_groups_saves_generation_on_a_long_tail():
+    """abort_stale: a group in flight that is already too old for the next batch stops where it
+    is (as the generators do on StaleBefore), so the engine moves on to prompts that can still be
+    trained: the same steps sooner, the staleness still bounded. (Its prompt is reissued sooner
+    too, and a long one is often doomed again: more drops, not fewer.)"""
+    setup = _setup(max_staleness=1)
+    rates = _rates(lengths=LONG, train_tok_s=20000.0, update_s=0.05)
+    for seed in range(3):
+        on = simulate(setup, rates, 30, seed=seed)
+        off = simulate(replace(setup, abort_stale=False), rates, 30, seed=seed)
+        assert on.staleness_max <= 1 and off.staleness_max <= 1
+        assert off.dropped_share > 0 and on.dropped_share >= off.dropped_share
+        assert on.wall_s < off.wall_s
+
+
 def test_eta0_is_on_policy_like_sync():
     res = simulate(_setup(max_staleness=0), _rates(lengths=LONG), 10)
     assert res.staleness_max == 0 and res.dropped_share == 0
