@@ -107,8 +107,10 @@ class RolloutConfig:
     # Under "reissue" and "drop": a group still being generated whose oldest token is already too
     # old for the next batch is stopped where it is (its tokens would only be dropped) and its
     # generator's engine moves on; the group is logged as dropped-stale as it got, with
-    # finish_reason "abort" on its unfinished samples.
-    abort_stale: bool = True
+    # finish_reason "abort" on its unfinished samples. Off by default: on the long-tailed
+    # benchmark it gave up more prompts after max_reissues (the long ones, reissued sooner and
+    # doomed again) and did not shorten the run (BENCHMARKS.md).
+    abort_stale: bool = False
     max_model_len: int = 512
     kv_cache_gib: Optional[int] = None  # fixed KV cache size (CPU: VLLM_CPU_KVCACHE_SPACE);
                                         # None = vLLM's default / gpu_memory_utilization

@@ -171,7 +171,7 @@ class Setup:
     max_new_tokens: int
     stale_policy: str = "reissue"
     max_reissues: int = 2
-    abort_stale: bool = True        # doomed groups stopped mid-generation (rollout.abort_stale)
+    abort_stale: bool = False       # doomed groups stopped mid-generation (rollout.abort_stale)
     colocated: bool = False         # generation pauses while the trainer trains (sync baseline)
 
     @classmethod

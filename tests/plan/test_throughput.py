@@ -48,8 +48,8 @@ def test_stopping_doomed_groups_saves_generation_on_a_long_tail():
     setup = _setup(max_staleness=1)
     rates = _rates(lengths=LONG, train_tok_s=20000.0, update_s=0.05)
     for seed in range(3):
-        on = simulate(setup, rates, 30, seed=seed)
-        off = simulate(replace(setup, abort_stale=False), rates, 30, seed=seed)
+        on = simulate(replace(setup, abort_stale=True), rates, 30, seed=seed)
+        off = simulate(setup, rates, 30, seed=seed)
         assert on.staleness_max <= 1 and off.staleness_max <= 1
         assert off.dropped_share > 0 and on.dropped_share >= off.dropped_share
         assert on.wall_s < off.wall_s
