@@ -265,12 +265,16 @@ class Generator:
         """One engine step; every finished sample goes to the reward pool at once."""
         for smp in self.engine.step():
             kind, pid, idx = _parse_request_id(smp.request_id)
-            group = self.groups[(kind, pid)]
-            group.samples[idx] = smp
-            self.tokens_generated += len(smp.output_tokens) - self._kept.pop((kind, pid, idx), 0)
-            text = self.tokenizer.decode(smp.output_tokens, skip_special_tokens=True)
-            self.rewards.submit((kind, pid, idx), group.prompt.reward_kind, text,
-                                group.prompt.reference, group.prompt.row)
+            self._finished(kind, pid, idx, smp)
+
+    def _finished(self, kind: str, pid: int, idx: int, smp: FinishedSample) -> None:
+        """A sample is done: into its group, its tokens counted, and to the reward pool."""
+        group = self.groups[(kind, pid)]
+        group.samples[idx] = smp
+        self.tokens_generated += len(smp.output_tokens) - self._kept.pop((kind, pid, idx), 0)
+        text = self.tokenizer.decode(smp.output_tokens, skip_special_tokens=True)
+        self.rewards.submit((kind, pid, idx), group.prompt.reward_kind, text,
+                            group.prompt.reference, group.prompt.row)
 
     def _collect_rewards(self, timeout: float = 0.0) -> list[tuple[str, _Group]]:
         """Scores that arrived; returns the groups now fully generated and scored."""
@@ -322,14 +326,12 @@ class Generator:
                 continue
             for smp in self.engine.abort(running):
                 idx = _parse_request_id(smp.request_id)[2]
+                if smp.finish_reason != "abort":    # finished before the abort: scored as any
+                    self._finished(kind, pid, idx, smp)
+                    continue
                 group.samples[idx] = smp
                 self.tokens_generated += len(smp.output_tokens) - self._kept.pop((kind, pid, idx), 0)
-                if smp.finish_reason == "abort":
-                    group.rewards[idx] = 0.0
-                else:               # finished before the abort: scored as any other
-                    text = self.tokenizer.decode(smp.output_tokens, skip_special_tokens=True)
-                    self.rewards.submit((kind, pid, idx), group.prompt.reward_kind, text,
-                                        group.prompt.reference, group.prompt.row)
+                group.rewards[idx] = 0.0
             self.stale_aborted += 1
             if group.scored:
                 self._send(self.groups.pop((kind, pid)))
