@@ -142,6 +142,11 @@ class Generator:
     def _handle(self, msg) -> bool:
         """Act on one message from the controller; False once it says stop."""
         match msg:
+            case msgs.Prompts() if self._engine_lost:
+                # TERM took the engine with it (a preemption): these prompts stay in flight in
+                # the controller's books, and the checkpoint issues them again on resume.
+                log.info("generator rank %d: %d prompt(s) not started, the engine is gone",
+                         self.topo.rank, len(msg.prompts))
             case msgs.Prompts(prompts=prompts):
                 if not self._started:
                     self._started, self._t_started = True, time.monotonic()
