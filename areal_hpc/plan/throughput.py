@@ -322,13 +322,16 @@ def simulate(setup: Setup, rates: Rates, steps: int, seed: int = 0) -> SimResult
             fill(i)
             schedule(i)
 
+    def stale_before() -> int:
+        # as the controller (Ledger.stale_before): η behind the earliest version a group can
+        # still be trained at, the next one while a step trains
+        return version + (trainer != "wait") - eta
+
     def drop_stale() -> None:
         nonlocal dropped
         if not stale.drops:
             return
-        # as the controller (Ledger.drop_stale): against the earliest version a buffered group
-        # can still be trained at, the next one while a step trains
-        for g in buffer.drop_older_than(version + (trainer != "wait") - eta):
+        for g in buffer.drop_older_than(stale_before()):
             manager.on_rollout_dropped()
             pid = g.trajectories[0]["prompt_id"]
             dropped += 1
@@ -344,7 +347,7 @@ def simulate(setup: Setup, rates: Rates, steps: int, seed: int = 0) -> SimResult
         nonlocal dropped, gen_tokens
         if not (setup.abort_stale and stale.drops and not setup.colocated):
             return
-        limit = version + 1 - eta
+        limit = stale_before()
         doomed = {pid for pid, p in pending.items() if p[1] < limit}
         if not doomed:
             return

@@ -259,7 +259,7 @@ class Controller:
         r = self.cfg.rollout
         if not (r.abort_stale and r.mode == "async" and self.ledger.stale_groups.drops):
             return
-        version = self.ledger.next_train_version - self.ledger.max_staleness
+        version = self.ledger.stale_before
         if version > self._stale_sent:
             self._stale_sent = version
             for g in self.topo.generator_ranks:

@@ -272,11 +272,16 @@ class Generator:
             kind, pid, idx = _parse_request_id(smp.request_id)
             self._finished(kind, pid, idx, smp)
 
-    def _finished(self, kind: str, pid: int, idx: int, smp: FinishedSample) -> None:
-        """A sample is done: into its group, its tokens counted, and to the reward pool."""
+    def _record(self, kind: str, pid: int, idx: int, smp: FinishedSample) -> _Group:
+        """A sample ends (finished or stopped): into its group, the tokens generated here counted."""
         group = self.groups[(kind, pid)]
         group.samples[idx] = smp
         self.tokens_generated += len(smp.output_tokens) - self._kept.pop((kind, pid, idx), 0)
+        return group
+
+    def _finished(self, kind: str, pid: int, idx: int, smp: FinishedSample) -> None:
+        """A sample is done: recorded, and to the reward pool."""
+        group = self._record(kind, pid, idx, smp)
         text = self.tokenizer.decode(smp.output_tokens, skip_special_tokens=True)
         self.rewards.submit((kind, pid, idx), group.prompt.reward_kind, text,
                             group.prompt.reference, group.prompt.row)
@@ -333,10 +338,8 @@ class Generator:
                 idx = _parse_request_id(smp.request_id)[2]
                 if smp.finish_reason != "abort":    # finished before the abort: scored as any
                     self._finished(kind, pid, idx, smp)
-                    continue
-                group.samples[idx] = smp
-                self.tokens_generated += len(smp.output_tokens) - self._kept.pop((kind, pid, idx), 0)
-                group.rewards[idx] = 0.0
+                else:
+                    self._record(kind, pid, idx, smp).rewards[idx] = 0.0
             self.stale_aborted += 1
             if group.scored:
                 self._send(self.groups.pop((kind, pid)))

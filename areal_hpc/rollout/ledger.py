@@ -123,6 +123,11 @@ class Ledger:
         until its batch is taken, the next one while that batch trains."""
         return self.version + (self._taken_for == self.version)
 
+    @property
+    def stale_before(self) -> int:
+        """A group with a token older than this can no longer be trained within η."""
+        return self.next_train_version - self.max_staleness
+
     def drop_stale(self) -> list[ReadyGroup]:
         """Remove the buffered groups whose oldest token is more than η versions behind the
         version they can earliest be trained at, by stale_policy (none under keep); their prompts
@@ -132,7 +137,7 @@ class Ledger:
         regenerate it while the trainer trains instead of idling with the budget spent."""
         if not self.stale_groups.drops:
             return []
-        stale = self.buffer.drop_older_than(self.next_train_version - self.max_staleness)
+        stale = self.buffer.drop_older_than(self.stale_before)
         for g in stale:
             self.staleness.on_rollout_dropped()
             pid = int(g.trajectories[0]["prompt_id"])
