@@ -10,7 +10,8 @@ bookkeeping, `step()` driven from Python. Prints tokens/s per repetition and the
 
 `--busy` instead runs the tiny async job (configs/tiny_cpu.yaml plus overrides) and reports each
 generator's busy fraction: time generating / (generating + weight-update pauses + idle + loop
-work), from the first training prompt to the stop; held-out evaluation time is excluded.
+work), from the first training prompt until the last batch is taken; held-out evaluation time
+is excluded.
 """
 from __future__ import annotations
 

@@ -13,10 +13,12 @@ Model
 - G generator engines (topology.n_generators). The controller hands each prompt (a group of
   n = rollout.group_size samples) to the engine with the fewest prompts in flight, whenever
 
-      capacity = min(max_concurrent_prompts - running, (η + v + 1) B - (accepted + running)) > 0
+      capacity = min(max_concurrent_prompts - running,
+                     min(η + v + 1, steps) B - (accepted + running)) > 0
 
   (`StalenessManager.get_capacity`; B = train.batch_prompts, v = the policy version, η =
-  rollout.max_staleness, forced to 0 by rollout.mode=sync).
+  rollout.max_staleness, forced to 0 by rollout.mode=sync; nothing is issued for a step past
+  the simulated ones).
 - An engine runs at most C sequences at once, C = min(max_concurrent_prompts n / G,
   VLLM_MAX_NUM_SEQS, kv_tokens / (prompt_len + mean output len)) (the KV budget, when the
   memory model can tell it); the rest wait in its queue (vLLM's scheduler).
@@ -45,9 +47,11 @@ Model
   colocated baseline: η = 0, and each phase gets every device in turn (generation rates and the
   KV budget scaled by `sync_gen_scale`, training by `sync_train_scale`; by default the ratio of
   all devices to the phase's own, i.e. linear scaling, an assumption).
-- Ideal bound (async, full overlap) for S steps: wall >= max(S (step + update_s),
-  gen_tokens / (G T(C)) + S update_s): the trainer is sequential, and no engine generates faster
-  than T(C) nor during an update. `SimResult.ideal_wall_s` uses the run's own generated tokens,
+- Ideal bound (async, full overlap) for S steps: with train = S (step + update_s) and gen =
+  gen_tokens / (G T(C)) + S update_s, wall >= max(train, gen) + min(train, gen) / S: the trainer
+  is sequential, no engine generates faster than T(C) nor during an update, and the pipeline's
+  fill (the first batch, before any step) or drain (the last step, after the last batch) does
+  not overlap. `SimResult.ideal_wall_s` uses the run's own generated tokens,
   so a simulated (or measured) run never beats it.
 
 Rates: measured ones come from a finished run (`calibrate`: metrics.jsonl, generators.json,
@@ -213,7 +217,8 @@ def kv_budget_tokens(cfg: RunConfig) -> float | None:
 class SimResult:
     steps: int
     wall_s: float
-    gen_busy_frac: float            # mean over engines of generating time / wall
+    gen_busy_frac: float            # mean over engines of generating time / their span (until
+                                    # the last batch is taken)
     trainer_idle_frac: float        # trainer waiting for a batch / wall
     staleness_mean: float           # over trained samples
     staleness_p95: float
@@ -255,7 +260,7 @@ def simulate(setup: Setup, rates: Rates, steps: int, seed: int = 0) -> SimResult
     G, B, n, C = setup.n_generators, setup.batch_prompts, setup.group_size, setup.seq_limit
     eta = setup.max_staleness
     peak = rates.gen_tok_s * (C + rates.c_half) / C
-    manager = StalenessManager(setup.max_concurrent_prompts, B, eta)
+    manager = StalenessManager(setup.max_concurrent_prompts, B, eta, total_batches=steps)
     buffer = ReadyBuffer()
     stale = StaleGroups(setup.stale_policy, setup.max_reissues)
     engines = [_Engine() for _ in range(G)]
@@ -275,6 +280,7 @@ def simulate(setup: Setup, rates: Rates, steps: int, seed: int = 0) -> SimResult
     trainer = "wait"                     # wait | train | update
     wait_since, wait_s = 0.0, 0.0
     step_end: list[float] = []
+    span = [0.0, 0.0]                    # when the last batch was taken, engine busy seconds then
 
     def seq_rate(e: _Engine) -> float:
         return peak / (len(e.running) + rates.c_half) if e.running else 0.0
@@ -390,6 +396,10 @@ def simulate(setup: Setup, rates: Rates, steps: int, seed: int = 0) -> SimResult
             stal.extend(staleness_of(version, t["versions"]) for t in g.trajectories)
         trained_tokens += tokens
         trained_groups += B
+        if trained_groups == steps * B:  # the last batch: the generators' span ends (as theirs)
+            for e in engines:
+                advance(e)
+            span[:] = [now, sum(e.busy_s for e in engines)]
         trainer = "train"
         if setup.colocated:
             set_paused(True)
@@ -457,9 +467,14 @@ def simulate(setup: Setup, rates: Rates, steps: int, seed: int = 0) -> SimResult
     wall = step_end[-1]
     for e in engines:
         advance(e)
-    busy = sum(min(e.busy_s, wall) for e in engines) / (G * wall) if wall > 0 else 0.0
+    # generating over the generators' span, from the start until the last batch is taken (their
+    # generators.json accounting): the last step's training is the pipeline's drain
+    busy = span[1] / (G * span[0]) if span[0] > 0 else 0.0
     total_train = steps * rates.update_s + rates.train_overhead_s * steps + trained_tokens / rates.train_tok_s
-    ideal = max(total_train, gen_tokens / (G * rates.gen_tok_s) + steps * rates.update_s)
+    total_gen = gen_tokens / (G * rates.gen_tok_s) + steps * rates.update_s
+    # full overlap, but the first batch is generated before any step and the last step trains
+    # after the last batch: one step of the shorter side cannot overlap
+    ideal = max(total_train, total_gen) + min(total_train, total_gen) / steps
     arr = np.asarray(stal, dtype=np.float64)
     return SimResult(steps=steps, wall_s=wall, gen_busy_frac=busy, trainer_idle_frac=wait_s / wall,
                      staleness_mean=float(arr.mean()), staleness_p95=float(np.percentile(arr, 95)),

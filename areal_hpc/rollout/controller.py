@@ -54,7 +54,8 @@ LOOP_WORK = ("submit", "send", "other")
 
 def busy_share(seconds: dict) -> float:
     """A generator's busy share (generators.json "seconds"): generating over its whole span
-    from the first training prompt to the stop (every bucket), held-out evaluations set apart."""
+    from the first training prompt until the run's last batch is taken (every bucket), held-out
+    evaluations set apart."""
     total = sum(v for k, v in seconds.items() if k != "eval")
     return seconds["busy"] / total if total > 0 else 0.0
 
@@ -94,7 +95,8 @@ class Controller:
                              batch_prompts=cfg.train.batch_prompts,
                              max_staleness=0 if r.mode == "sync" else r.max_staleness,
                              max_concurrent=r.max_concurrent_prompts,
-                             stale_policy=r.stale_policy, max_reissues=r.max_reissues)
+                             stale_policy=r.stale_policy, max_reissues=r.max_reissues,
+                             total_steps=cfg.train.total_steps)
         log_path = RunDir(cfg.run_dir).rollouts
         # A resumed run reopens its log in `restore`.
         self.writer = RolloutWriter(log_path, to_yaml(cfg)) if resume is None else None
@@ -283,6 +285,11 @@ class Controller:
             groups = self.ledger.take(B)                  # oldest first
             dropped, self._dropped_since_batch = self._dropped_since_batch, 0
             self._send_stale_before()
+            if self.version + 1 >= self.cfg.train.total_steps:
+                # the run's last batch: nothing more to generate for training (the η window
+                # is capped at total_steps); the generators' time accounting ends here
+                for g in self.topo.generator_ranks:
+                    msgs.post(self.chan, msgs.StepsDone(), g)
         trajs = [t for g in groups for t in g.trajectories]
         stale = [staleness_of(self.version, t["versions"]) for t in trajs]
         rewards = np.array([t["reward"] for t in trajs], dtype=np.float64)

@@ -7,6 +7,7 @@
                       weights over the weight group (or load them from disk), drop the KV
                       cache, resume (later tokens carry the new version); acknowledge "loaded"
             EVAL    → run the held-out prompts to completion at the current version
+            STEPS_DONE → the run's last batch is taken: the time accounting ends
             STOP    → finish; at a preemption, first abort the engine's requests and send back
                       every training group still in flight as far as it got (PARTIAL): the
                       resumed job continues each sample from its prefix
@@ -78,7 +79,8 @@ class Generator:
         self._kept: dict[tuple[str, int, int], int] = {}   # a continued sample's earlier tokens
         self.tokens_generated = 0
         self.stale_aborted = 0      # training groups stopped as too stale (StaleBefore)
-        # Where the time went, from the first training prompt to the stop: generating (busy),
+        # Where the time went, from the first training prompt until the run's last batch is
+        # taken (STEPS_DONE; else the stop): generating (busy),
         # paused for weight updates, evaluating, or idle with nothing to generate (η bound
         # reached); idle_scoring: idle while the reward pool still scores finished samples.
         # The loop's own work: submit (prompts into the engine), send (scores collected, scored
@@ -88,6 +90,7 @@ class Generator:
                         "submit": 0.0, "send": 0.0, "other": 0.0}
         self._started = False
         self._t_started = 0.0
+        self._t_ended: float | None = None      # STEPS_DONE: the accounting's span ends
         self._heartbeats = Pacer(cfg.rollout.heartbeat_s)
         self.preempted = False
         self._engine_lost = False
@@ -158,6 +161,8 @@ class Generator:
             case msgs.StaleBefore(version=version) if not self._engine_lost:
                 with self._timed("send"):
                     self._abort_stale(version)
+            case msgs.StepsDone():
+                self._end_span()
             case msgs.EvalRequest():
                 with self._timed("eval"):
                     self._evaluate(msg)
@@ -184,7 +189,7 @@ class Generator:
 
     def _finish(self) -> None:
         """After STOP: the totals to the controller, then the reward pool and the engine end."""
-        self._account_loop_work()
+        self._end_span()
         msgs.post(self.chan, msgs.GeneratorStats(
             self.topo.rank, self.tokens_generated, dict(self.seconds), self.engine.version,
             self.rewards.stats(), self.stale_aborted), CONTROLLER_RANK)
@@ -198,10 +203,13 @@ class Generator:
             log.warning("generator rank %d: shutting down the lost vLLM engine: %s",
                         self.topo.rank, exc)
 
-    def _account_loop_work(self) -> None:
-        """seconds["other"]: what of the span since the first prompt no other bucket holds."""
-        if self._started:
-            span = time.monotonic() - self._t_started
+    def _end_span(self) -> None:
+        """The span of `seconds` ends (the run's last batch is taken, or the stop): what follows,
+        the last step, the final evaluation and the trainer saving the policy, is not this
+        rank's time to account for. seconds["other"]: what of the span no other bucket holds."""
+        if self._started and self._t_ended is None:
+            self._t_ended = time.monotonic()
+            span = self._t_ended - self._t_started
             timed = sum(v for k, v in self.seconds.items() if k != "other")
             self.seconds["other"] = max(0.0, span - timed)
 
@@ -226,7 +234,7 @@ class Generator:
                 return
             self.watch.weights_failed(version, msg.path is not None, time.monotonic() - t0, exc)
             raise
-        self.seconds["pause"] += paused_s
+        self._count("pause", paused_s)
         msgs.post(self.chan, msgs.WeightsAck(self.engine.version, "loaded", paused_s),
                   CONTROLLER_RANK)
 
@@ -242,8 +250,12 @@ class Generator:
     def _timed(self, what: str):
         t0 = time.monotonic()
         yield
-        if self._started:
-            self.seconds[what] += time.monotonic() - t0
+        self._count(what, time.monotonic() - t0)
+
+    def _count(self, what: str, seconds: float) -> None:
+        """Into bucket `what`, within the span (from the first training prompt to its end)."""
+        if self._started and self._t_ended is None:
+            self.seconds[what] += seconds
 
     def _submit(self, kind: str, prompt: msgs.Prompt) -> None:
         r = self.cfg.rollout

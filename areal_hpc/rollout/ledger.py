@@ -62,12 +62,13 @@ class Issue:
 class Ledger:
     def __init__(self, *, num_prompts: int, data_seed: int, generators: list[int],
                  batch_prompts: int, max_staleness: int, max_concurrent: int,
-                 stale_policy: str, max_reissues: int):
+                 stale_policy: str, max_reissues: int, total_steps: int | None = None):
         self.cursor = PromptCursor(num_prompts, data_seed)
         self.max_staleness = max_staleness
         self.staleness = StalenessManager(max_concurrent_rollouts=max_concurrent,
                                           consumer_batch_size=batch_prompts,
-                                          max_staleness=max_staleness)
+                                          max_staleness=max_staleness,
+                                          total_batches=total_steps)
         self.version = 0                # policy version the generators have (training steps done)
         self._taken_for = -1            # the version whose batch was taken last (see next_train_version)
         self.in_flight = {g: 0 for g in generators}     # prompts out per generator rank

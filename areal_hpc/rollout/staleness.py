@@ -7,7 +7,10 @@ groups a training step consumes (B). A prompt may be submitted only while
                    (max_staleness + version + 1) * consumer_batch_size - (accepted + running)) > 0
 
 so, consumed in order, every accepted group is trained at most η versions after the version it
-was submitted under; η = 0 is on-policy (synchronous semantics). Rejected groups free their slot
+was submitted under; η = 0 is on-policy (synchronous semantics). With `total_batches` (the run's
+training steps) the window `max_staleness + version + 1` is capped at it: no prompt is issued
+for a step the run will never take, so the generators finish the last batch and stop (their
+engines free for the final evaluation) instead of generating groups no step trains. Rejected groups free their slot
 and do not count. A resumed run restores `accepted` and `rejected` from its checkpoint (the
 buffered groups count as accepted; `Ledger.restore`) and starts with nothing running: the prompts
 that were in flight count again when they are issued again.
@@ -19,14 +22,18 @@ from dataclasses import dataclass
 
 
 class StalenessManager:
-    def __init__(self, max_concurrent_rollouts: int, consumer_batch_size: int, max_staleness: int):
-        if max_concurrent_rollouts < 1 or consumer_batch_size < 1 or max_staleness < 0:
+    def __init__(self, max_concurrent_rollouts: int, consumer_batch_size: int, max_staleness: int,
+                 total_batches: int | None = None):
+        if max_concurrent_rollouts < 1 or consumer_batch_size < 1 or max_staleness < 0 \
+                or (total_batches is not None and total_batches < 0):
             raise ValueError("need max_concurrent_rollouts >= 1, consumer_batch_size >= 1, "
-                             f"max_staleness >= 0; got {max_concurrent_rollouts}, "
-                             f"{consumer_batch_size}, {max_staleness}")
+                             "max_staleness >= 0, total_batches >= 0 or None; got "
+                             f"{max_concurrent_rollouts}, {consumer_batch_size}, {max_staleness}, "
+                             f"{total_batches}")
         self.max_concurrent_rollouts = max_concurrent_rollouts
         self.consumer_batch_size = consumer_batch_size
         self.max_staleness = max_staleness
+        self.total_batches = total_batches
         self.running = 0        # submitted, not yet returned
         self.accepted = 0       # returned and kept for training (consumed ones included)
         self.rejected = 0       # returned and discarded (for the record; frees its slot)
@@ -36,8 +43,10 @@ class StalenessManager:
         """How many more rollouts may be submitted now (may be negative)."""
         with self._lock:
             concurrency = self.max_concurrent_rollouts - self.running
-            staleness = (self.max_staleness + current_version + 1) * self.consumer_batch_size \
-                - (self.accepted + self.running)
+            window = self.max_staleness + current_version + 1
+            if self.total_batches is not None:
+                window = min(window, self.total_batches)
+            staleness = window * self.consumer_batch_size - (self.accepted + self.running)
             return min(concurrency, staleness)
 
     def on_rollout_submitted(self) -> None:

@@ -12,6 +12,7 @@ the replay tool all read it as one.
     Stop             STOP                  GeneratorStats   STATS
     ControllerBeat   CONTROLLER_HEARTBEAT  WeightsAck       WEIGHTS_ACK
     StaleBefore      STALE_BEFORE          Heartbeat        HEARTBEAT
+    StepsDone        STEPS_DONE
 
 docs/architecture.md#data-contract describes each field's meaning.
 """
@@ -115,6 +116,14 @@ class StaleBefore:
     version: int
 
 
+@dataclass(frozen=True, slots=True)
+class StepsDone:
+    """The run's last batch is taken: no training group is needed any more (what follows: the
+    last step, the final evaluation, saving the policy, STOP). The generator's time accounting
+    ends here, so that none of that counts as its idle time."""
+    TAG: ClassVar[Tag] = Tag.STEPS_DONE
+
+
 # -- generator → controller ----------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Group:
@@ -170,7 +179,7 @@ class Heartbeat:
     tokens: int                     # generated so far
 
 
-MESSAGES = (Prompts, WeightsNotice, EvalRequest, Stop, ControllerBeat, StaleBefore,
+MESSAGES = (Prompts, WeightsNotice, EvalRequest, Stop, ControllerBeat, StaleBefore, StepsDone,
             Group, Partial, EvalResult, GeneratorStats, WeightsAck, Heartbeat)
 _BY_TAG = {m.TAG: m for m in MESSAGES}
 

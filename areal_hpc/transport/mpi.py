@@ -28,6 +28,7 @@ class Tag(IntEnum):
     STOP = 14           # controller → generator
     CONTROLLER_HEARTBEAT = 15   # controller → generator
     STALE_BEFORE = 16   # controller → generator
+    STEPS_DONE = 17     # controller → generator
     TRAJECTORIES = 21   # generator → controller
     EVAL_RESULT = 22    # generator → controller
     STATS = 23          # generator → controller

@@ -9,12 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from areal_hpc.storage.rollout_log import RolloutReader
+from areal_hpc.storage.rollout_log import DROPPED_STALE, RolloutReader
 
 @pytest.mark.parametrize("mode,eta,generators", [("async", 1, 1), ("async", 4, 2), ("sync", 0, 1)])
 def test_short_run(jobs, tiny_model, tmp_path, mode, eta, generators):
     """A few steps; from rollouts.h5: every step took B groups, no trained token is older than η,
-    weight updates reached the generators mid-run, groups never span generators."""
+    weight updates reached the generators mid-run, groups never span generators, and nothing
+    was generated for a step the run never takes."""
     steps, B, n = 3, 2, 2
     r = jobs.run(jobs.args(tiny_model, tmp_path, "e2e", f"train.total_steps={steps}",
                        f"train.batch_prompts={B}", f"rollout.group_size={n}",
@@ -36,6 +37,8 @@ def test_short_run(jobs, tiny_model, tmp_path, mode, eta, generators):
         assert f"total_steps: {steps}" in log.config_yaml
     assert sorted({c for c in consumed.tolist() if c >= 0}) == list(range(steps))
     assert (consumed >= 0).sum() == steps * B * n           # each step took exactly B groups
+    # the η window is capped at total_steps: every logged group was trained or dropped as stale
+    assert set(consumed.tolist()) <= set(range(steps)) | {DROPPED_STALE}, sorted(set(consumed.tolist()))
     for row in rows:
         assert len(row["output_tokens"]) == len(row["behav_logprobs"]) == len(row["versions"]) >= 1
         assert np.all(row["behav_logprobs"] <= 0)
@@ -58,8 +61,9 @@ def test_short_run(jobs, tiny_model, tmp_path, mode, eta, generators):
     if generators > 1:
         assert len(used) == generators
     assert (run / "policy" / "config.json").exists() and (run / "eval.json").exists()
-    # Each generator's time buckets add up to its whole span (first prompt to stop): at least
-    # from its first sample's submission to its last sample's end, at most until now.
+    # Each generator's time buckets add up to its whole span (first prompt until the last batch
+    # is taken): at least from its first sample's submission to its last sample's end, at most
+    # until now.
     stats = json.loads((run / "generators.json").read_text())
     assert sorted(g["rank"] for g in stats) == list(range(1, 1 + generators))
     for g in stats:

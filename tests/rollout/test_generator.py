@@ -1,4 +1,6 @@
 """The generator's message handling that needs no engine."""
+import time
+
 from areal_hpc.rollout.generator import Generator
 from areal_hpc.transport import messages as msgs
 
@@ -19,3 +21,24 @@ def test_prompts_after_the_engine_was_lost_are_left_in_flight():
     assert gen._handle(msgs.Prompts([prompt])) is True
     assert gen._handle(msgs.StaleBefore(3)) is True
     assert gen.groups == {}
+
+
+def test_time_accounting_ends_with_the_training_steps():
+    """STEPS_DONE (the run's last batch is taken) closes the span of generators.json's
+    `seconds`: the last step, the final evaluation and the trainer saving the policy, which
+    follow, are not counted as the generator's idle time."""
+    gen = Generator.__new__(Generator)
+    gen.seconds = dict.fromkeys(("busy", "pause", "eval", "idle", "idle_scoring", "submit",
+                                 "send", "other"), 0.0)
+    gen._started, gen._t_ended = True, None
+    gen._t_started = time.monotonic() - 10.0     # 10 s since the first prompt
+    gen._count("busy", 7.0)
+    gen._count("pause", 0.5)
+    assert gen._handle(msgs.StepsDone()) is True
+    span = sum(gen.seconds.values())
+    assert 10.0 <= span < 10.5 and gen.seconds["other"] >= 2.5
+    gen._count("idle", 60.0)                # a long save of the policy after the steps
+    with gen._timed("busy"):
+        pass
+    gen._end_span()                         # again at the stop: the span stays closed
+    assert sum(gen.seconds.values()) == span and gen.seconds["idle"] == 0.0

@@ -9,10 +9,10 @@ from areal_hpc.rollout.ledger import Issue, Ledger
 B, N, ETA = 2, 2, 1
 
 
-def ledger(policy="reissue", max_reissues=1, max_concurrent=6) -> Ledger:
+def ledger(policy="reissue", max_reissues=1, max_concurrent=6, total_steps=None) -> Ledger:
     return Ledger(num_prompts=5, data_seed=0, generators=[1, 2], batch_prompts=B,
                   max_staleness=ETA, max_concurrent=max_concurrent, stale_policy=policy,
-                  max_reissues=max_reissues)
+                  max_reissues=max_reissues, total_steps=total_steps)
 
 
 def group(pid: int, oldest: int) -> list[dict]:
@@ -169,6 +169,25 @@ def test_group_too_old_for_the_next_batch_is_dropped_while_a_step_trains():
     assert led.drop_stale() == []                       # version 1 fits version 2's batch
     led.trained(2)
     assert led.next_train_version == 2
+
+
+def test_no_prompt_is_issued_for_a_step_the_run_never_takes():
+    """With the run's total_steps, the last batch is the last thing issued: a group of it
+    dropped as too stale is issued again, and nothing else."""
+    led = ledger(max_concurrent=100, total_steps=2)
+    first = led.issue()
+    assert len(first) == 2 * B
+    for it in first[:B]:
+        led.arrived(it.rank, group(it.prompt_id, 0), [])
+    led.take(B)
+    led.trained(1)
+    assert led.issue() == []                            # the window 1 + η + 1 is capped at 2
+    late = first[B]
+    led.arrived(late.rank, group(late.prompt_id, 0), [])
+    led.trained(2)                                      # (as if trained without it): now stale
+    assert [int(g.trajectories[0]["prompt_id"]) for g in led.drop_stale()] == [late.prompt_id]
+    assert [i.prompt_id for i in led.issue()] == [late.prompt_id]
+    assert led.issue() == []
 
 
 def test_stale_group_is_reissued_then_given_up():

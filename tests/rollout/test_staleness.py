@@ -40,11 +40,25 @@ def test_dropped_rollout_frees_its_slot():
     assert (m.accepted, m.rejected, m.get_capacity(0)) == (1, 1, 1)
 
 
+def test_window_is_capped_at_the_run_s_steps():
+    m = StalenessManager(100, 4, max_staleness=2, total_batches=2)
+    assert m.get_capacity(0) == 2 * 4               # not (2 + 0 + 1) * 4: step 3 never comes
+    for _ in range(8):
+        m.on_rollout_submitted()
+        m.on_rollout_accepted()
+    assert m.get_capacity(1) == 0                   # the last batch is out: nothing more
+    m.on_rollout_dropped()                          # one of it dropped as too stale
+    assert m.get_capacity(1) == 1                   # its replacement, and only that
+    assert StalenessManager(100, 4, 1, total_batches=10).get_capacity(0) == 8   # cap not reached
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError):
         StalenessManager(0, 4, 1)
     with pytest.raises(ValueError):
         StalenessManager(4, 4, -1)
+    with pytest.raises(ValueError):
+        StalenessManager(4, 4, 1, total_batches=-1)
 
 
 @pytest.mark.parametrize("eta", [0, 1, 2, 4])

@@ -35,6 +35,7 @@ EXAMPLES = [
     msgs.Stop(preempted=True),
     msgs.ControllerBeat(3),
     msgs.StaleBefore(2),
+    msgs.StepsDone(),
     msgs.Group([_trajectory(0), _trajectory(1)]),
     msgs.Partial([[_trajectory(0), _trajectory(1)]]),
     msgs.EvalResult(3, [{"prompt_id": 0, "rewards": [1.0, 0.0]}], 0.25),
