@@ -157,12 +157,15 @@ def test_resume_equivalence_sync(jobs, tiny_model, tmp_path):
     mid-generation: they are kept as PARTIAL rows, the checkpoint names
     them, and the resume continues each from its prefix, which keeps its tokens,
     log-probabilities and versions; a sample that had finished is kept whole."""
-    # One group in flight at a time, each LONG_TOKENS decode steps long (about 1 s here): the
-    # first group of step N/2 is issued just before step N/2 - 1's metrics line is written, and
-    # the batch is generated group by group for about 3 s. The signal goes out 0.4 s after that
-    # line, and the job stops its generator 0.01-0.1 s later (measured), in the first group.
-    # (Before: the batch's groups issued together, most samples ending at an early EOS, a whole
-    # batch took 0.3-0.5 s, and the stop could find nothing in flight.)
+    # One group in flight at a time, each LONG_TOKENS decode steps long (0.5-1 s here, by the
+    # build of the tiny model): the first group of step N/2 is issued just before step N/2 - 1's
+    # metrics line is written, and the batch is generated group by group. A group's time is
+    # measured from that line (its wait for the batch, B groups one after another); the signal
+    # goes out half a group minus 0.1 s after the line, and the job stops its generator
+    # 0.01-0.17 s later (measured), so in the middle of the first group. (A fixed 0.4 s once
+    # stopped it between two 0.55 s groups, with nothing mid-generation. Before that: the
+    # batch's groups issued together, most samples ending at an early EOS, a whole batch took
+    # 0.3-0.5 s, and the stop could find nothing in flight.)
     sync = [*SMALL, *LONG, "rollout.mode=sync", "checkpoint.every_steps=0",
             "rollout.max_concurrent_prompts=1"]
     code, out = _finish(jobs.start(jobs.args(tiny_model, tmp_path, "straight", *sync)))
@@ -175,7 +178,8 @@ def test_resume_equivalence_sync(jobs, tiny_model, tmp_path):
     _wait_for(lambda: _steps_done(run_dir) >= 1, proc)
     ranks = jobs.processes(ranks_only=True)    # found once: the signal goes out without a scan
     _wait_for(lambda: _steps_done(run_dir) >= half, proc, poll=0.05)
-    time.sleep(0.4)
+    group_s = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["wait_s"] / B
+    time.sleep(max(0.05, group_s / 2 - 0.1))
     for p in ranks:
         p.send_signal(signal.SIGUSR1)
     code, out = _finish(proc)
