@@ -20,9 +20,8 @@ load drifting on a shared box hits them alike. The CPU placement is the launcher
 Per run (from its metrics.jsonl, generators.json, eval.json and rollouts.h5): training wall time
 (the trainer's clock from its first step, held-out evaluations excluded), steps/hour, trained
 tokens/s, generator busy share (generating over its span from the first prompt until the last
-batch is taken: generating + weight-update pauses + idle + loop work, held-out evaluations set apart),
-trainer idle share
-(waiting for rollouts / wall), staleness mean / p95 of trained samples, dropped-stale groups,
+batch is taken: generating + weight-update pauses + idle + loop work, held-out evaluations set
+apart), trainer idle share (waiting for rollouts / wall), staleness mean / p95 of trained samples, dropped-stale groups,
 final held-out accuracy, and the time to a target accuracy (held-out, every --eval-every steps;
 and on the training batches' accuracy, a 5-step moving mean).
 
@@ -32,11 +31,10 @@ tokens/s while busy, training seconds per step, the update's blocking seconds on
 generated per step. Async on disjoint cores, with g = generation per step / its rate + load and
 t = train + update: steps × max(g, t) + min(g, t) (the pipeline's fill or drain: the first batch
 is generated before any step, the last step trains after the last batch), as the throughput
-planner's bound (areal_hpc.plan.throughput); sync: steps × (generation per step / rate + train +
-update). No schedule of the same work at the same rates
-does better. `of_ideal_no_load` is the earlier, stricter form, which treats loading weights as
-free for the generator. Results go to --out (JSON, one record per
-run) and a markdown table.
+planner's bound (`pipelined_bound` in areal_hpc.plan.throughput); sync: steps × (generation per
+step / rate + train + update). No schedule of the same work at the same rates does better.
+`of_ideal_no_load` is the earlier, stricter form, which treats loading weights as free for the
+generator. Results go to --out (JSON, one record per run) and a markdown table.
 """
 from __future__ import annotations
 
@@ -155,7 +153,7 @@ def first_time_at(points: list[tuple[float, float]], target: float) -> float | N
 
 def analyse(run: Path, mode: str, target: float) -> dict:
     from areal_hpc.analysis.load import load_run
-    from areal_hpc.plan.throughput import read_metrics
+    from areal_hpc.plan.throughput import pipelined_bound, read_metrics
     from areal_hpc.rollout.controller import LOOP_WORK, busy_share, loop_work
     steps = read_metrics(run)
     gens = json.loads((run / "generators.json").read_text())
@@ -179,12 +177,8 @@ def analyse(run: Path, mode: str, target: float) -> dict:
         ideal = n * (per_step / gen_rate + train_s + sync_s)
         ideal_no_load = ideal
     else:
-        # one step of the shorter side cannot overlap: the first batch is generated before
-        # any step trains, the last step trains after the last batch
-        g, t = per_step / gen_rate + load_s, train_s + sync_s
-        ideal = n * max(g, t) + min(g, t)
-        g = per_step / gen_rate
-        ideal_no_load = n * max(g, t) + min(g, t)
+        ideal = pipelined_bound(n, per_step / gen_rate + load_s, train_s + sync_s)
+        ideal_no_load = pipelined_bound(n, per_step / gen_rate, train_s + sync_s)
     data = load_run(run / "rollouts.h5")
     t = data.traj
     trained = t[t["consumed_step"] >= 0]

@@ -213,6 +213,14 @@ def kv_budget_tokens(cfg: RunConfig) -> float | None:
 
 # ------------------------------------------------------------------------------ the simulation
 
+def pipelined_bound(steps: int, gen_s: float, train_s: float) -> float:
+    """The least wall time of `steps` steps when generating a batch takes `gen_s` (weight loads
+    included) and training it `train_s` (update included), fully overlapped but for one step of
+    the shorter side: the first batch is generated before any step trains, and the last step
+    trains after the last batch."""
+    return steps * max(gen_s, train_s) + min(gen_s, train_s)
+
+
 @dataclass
 class SimResult:
     steps: int
@@ -280,7 +288,7 @@ def simulate(setup: Setup, rates: Rates, steps: int, seed: int = 0) -> SimResult
     trainer = "wait"                     # wait | train | update
     wait_since, wait_s = 0.0, 0.0
     step_end: list[float] = []
-    span = [0.0, 0.0]                    # when the last batch was taken, engine busy seconds then
+    span_s = span_busy_s = 0.0           # when the last batch was taken, engine busy seconds then
 
     def seq_rate(e: _Engine) -> float:
         return peak / (len(e.running) + rates.c_half) if e.running else 0.0
@@ -382,7 +390,7 @@ def simulate(setup: Setup, rates: Rates, steps: int, seed: int = 0) -> SimResult
         submit()
 
     def try_train() -> None:
-        nonlocal trainer, wait_s, trained_tokens, trained_groups
+        nonlocal trainer, wait_s, trained_tokens, trained_groups, span_s, span_busy_s
         drop_stale()
         if len(buffer) < B:
             return
@@ -399,7 +407,7 @@ def simulate(setup: Setup, rates: Rates, steps: int, seed: int = 0) -> SimResult
         if trained_groups == steps * B:  # the last batch: the generators' span ends (as theirs)
             for e in engines:
                 advance(e)
-            span[:] = [now, sum(e.busy_s for e in engines)]
+            span_s, span_busy_s = now, sum(e.busy_s for e in engines)
         trainer = "train"
         if setup.colocated:
             set_paused(True)
@@ -469,12 +477,10 @@ def simulate(setup: Setup, rates: Rates, steps: int, seed: int = 0) -> SimResult
         advance(e)
     # generating over the generators' span, from the start until the last batch is taken (their
     # generators.json accounting): the last step's training is the pipeline's drain
-    busy = span[1] / (G * span[0]) if span[0] > 0 else 0.0
+    busy = span_busy_s / (G * span_s) if span_s > 0 else 0.0
     total_train = steps * rates.update_s + rates.train_overhead_s * steps + trained_tokens / rates.train_tok_s
     total_gen = gen_tokens / (G * rates.gen_tok_s) + steps * rates.update_s
-    # full overlap, but the first batch is generated before any step and the last step trains
-    # after the last batch: one step of the shorter side cannot overlap
-    ideal = max(total_train, total_gen) + min(total_train, total_gen) / steps
+    ideal = pipelined_bound(steps, total_gen / steps, total_train / steps)
     arr = np.asarray(stal, dtype=np.float64)
     return SimResult(steps=steps, wall_s=wall, gen_busy_frac=busy, trainer_idle_frac=wait_s / wall,
                      staleness_mean=float(arr.mean()), staleness_p95=float(np.percentile(arr, 95)),
