@@ -21,7 +21,9 @@ Per run (from its metrics.jsonl, generators.json, eval.json and rollouts.h5): tr
 (the trainer's clock from its first step, held-out evaluations excluded), steps/hour, trained
 tokens/s, generator busy share (generating over its span from the first prompt until the last
 batch is taken: generating + weight-update pauses + idle + loop work, held-out evaluations set
-apart), trainer idle share (waiting for rollouts / wall), staleness mean / p95 of trained samples, dropped-stale groups,
+apart), engine busy share (of the same span, the time its vLLM engine had training requests,
+weight-update pauses apart: the EngineCore generates in its own process while the loop works),
+trainer idle share (waiting for rollouts / wall), staleness mean / p95 of trained samples, dropped-stale groups,
 final held-out accuracy, and the time to a target accuracy (held-out, every --eval-every steps;
 and on the training batches' accuracy, a 5-step moving mean).
 
@@ -154,7 +156,7 @@ def first_time_at(points: list[tuple[float, float]], target: float) -> float | N
 def analyse(run: Path, mode: str, target: float) -> dict:
     from areal_hpc.analysis.load import load_run
     from areal_hpc.plan.throughput import pipelined_bound, read_metrics
-    from areal_hpc.rollout.controller import LOOP_WORK, busy_share, loop_work
+    from areal_hpc.rollout.controller import LOOP_WORK, busy_share, engine_share, loop_work
     steps = read_metrics(run)
     gens = json.loads((run / "generators.json").read_text())
     evals = json.loads((run / "eval.json").read_text())
@@ -194,6 +196,8 @@ def analyse(run: Path, mode: str, target: float) -> dict:
         "steps": n, "wall_s": wall, "steps_per_h": 3600 * n / wall,
         "trained_tok_s": trained_tokens / wall,
         "gen_busy": statistics.mean(busy_share(g["seconds"]) for g in gens),
+        "engine_busy": statistics.mean(engine_share(g["seconds"], g.get("engine_s", 0.0))
+                                       for g in gens),
         "gen_seconds": {"busy": busy, "pause": pause, "idle": idle, "other": other},
         "gen_loop_seconds": loop,
         "trainer_idle": wait / wall, "train_s": train_s, "sync_s": sync_s,
@@ -237,11 +241,12 @@ def compare(path: Path) -> None:
         cross = None if sync else predict(cfg, rates, steps=rec["steps"])
         by.setdefault(rec["setting"], []).append((rec, mine, cross))
         rows.append(f"| {rec['setting']} | {rec['seed']} | {rec['wall_s']:.1f} | {mine.wall_s:.1f} | "
-                    f"{rec['gen_busy']:.2f} | {mine.gen_busy_frac:.2f} | {rec['stale_mean']:.2f} | "
+                    f"{rec['gen_busy']:.2f} | {rec.get('engine_busy', float('nan')):.2f} | "
+                    f"{mine.gen_busy_frac:.2f} | {rec['stale_mean']:.2f} | "
                     f"{mine.staleness_mean:.2f} |")
-    print("| setting | seed | measured wall s | predicted wall s | measured gen busy | predicted | "
-          "measured stale mean | predicted |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| setting | seed | measured wall s | predicted wall s | measured gen busy | engine busy | "
+          "predicted | measured stale mean | predicted |")
+    print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     for base in (k for k in by if k.startswith("sync")):
         m_sync = statistics.mean(r["wall_s"] for r, _, _ in by[base])
@@ -312,7 +317,8 @@ def table(records: list[dict], keys: list[str]) -> str:
             ("of ideal", "of_ideal", "{:.2f}"), ("of ideal, load free", "of_ideal_no_load", "{:.2f}"),
             ("steps/h", "steps_per_h", "{:.0f}"),
             ("trained tok/s", "trained_tok_s", "{:.0f}"), ("gen busy", "gen_busy", "{:.2f}"),
-            ("trainer idle", "trainer_idle", "{:.2f}"), ("stale mean", "stale_mean", "{:.2f}"),
+            ("engine busy", "engine_busy", "{:.2f}"), ("trainer idle", "trainer_idle", "{:.2f}"),
+            ("stale mean", "stale_mean", "{:.2f}"),
             ("stale p95", "stale_p95", "{:.1f}"), ("dropped", "dropped_groups", "{:.0f}"),
             ("final acc", "final_acc", "{:.3f}"), ("t→target held-out s", "t_target_heldout", "{:.1f}"),
             ("t→target train s", "t_target_train", "{:.1f}")]

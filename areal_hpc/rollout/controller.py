@@ -60,6 +60,15 @@ def busy_share(seconds: dict) -> float:
     return seconds["busy"] / total if total > 0 else 0.0
 
 
+def engine_share(seconds: dict, engine_s: float) -> float:
+    """The share of the same span (evaluations apart) in which a generator's engine had training
+    requests to generate, not paused for a weight update (GeneratorStats.engine_s). The engine
+    generates in its own process while the loop works, so this is the generation resource's
+    busy share; `busy_share` counts only the loop's time inside the engine's step."""
+    total = sum(v for k, v in seconds.items() if k != "eval")
+    return min(1.0, engine_s / total) if total > 0 else 0.0
+
+
 def loop_work(seconds: dict) -> float:
     """Seconds of a generator's span spent in its own loop (LOOP_WORK buckets)."""
     return sum(seconds.get(k, 0.0) for k in LOOP_WORK)
@@ -369,11 +378,13 @@ class Controller:
         self.chan.flush(timeout=60)
         for rank, st in sorted(self.gen_stats.items()):
             sec = st.seconds
-            log.info("generator rank %d: %d tokens, busy %.1f%% of its time (generating %.1fs, "
+            log.info("generator rank %d: %d tokens, engine busy %.1f%% of its time; loop in the "
+                     "engine's step %.1f%% (generating %.1fs, "
                      "weight-update pauses %.1fs, idle %.1fs of which %.1fs waiting on scores, "
                      "loop work %.1fs (submitting %.1fs, sending %.1fs, other %.1fs); eval %.1fs "
                      "apart); reward calls %d, errors %d, timeouts %d",
-                     rank, st.tokens, 100 * busy_share(sec), sec["busy"], sec["pause"],
+                     rank, st.tokens, 100 * engine_share(sec, st.engine_s),
+                     100 * busy_share(sec), sec["busy"], sec["pause"],
                      sec["idle"] + sec["idle_scoring"], sec["idle_scoring"], loop_work(sec),
                      sec.get("submit", 0.0), sec.get("send", 0.0), sec.get("other", 0.0),
                      sec["eval"], st.reward["calls"], st.reward["errors"], st.reward["timeouts"])

@@ -88,6 +88,12 @@ class Generator:
         # buckets add up to the whole span. LOOP_WORK names those three.
         self.seconds = {"busy": 0.0, "pause": 0.0, "eval": 0.0, "idle": 0.0, "idle_scoring": 0.0,
                         "submit": 0.0, "send": 0.0, "other": 0.0}
+        # The engine's occupancy: vLLM's EngineCore generates in its own process while this loop
+        # does anything else (messages, submitting, scores), so the loop's "busy" bucket
+        # understates how long the engine had work. engine_s: seconds of the span the engine had
+        # training requests in flight, weight-update pauses and evaluations apart (_tick).
+        self.engine_s = 0.0
+        self._occupied_since: float | None = None
         self._started = False
         self._t_started = 0.0
         self._t_ended: float | None = None      # STEPS_DONE: the accounting's span ends
@@ -119,11 +125,14 @@ class Generator:
                                      self.topo.hosts)
         running = True
         while running:
+            self._tick()
             self._heartbeat()
             self.watch.check()
             for _, tag, msg in self.chan.poll(source=CONTROLLER_RANK):
                 self.watch.heard()
+                self._tick()
                 running = self._handle(msgs.check(tag, msg))
+                self._tick(count=not isinstance(msg, (msgs.WeightsNotice, msgs.EvalRequest)))
                 # This rank's own work on the message (a weight load, an eval) is not silence.
                 self.watch.heard()
                 if not running:
@@ -192,7 +201,7 @@ class Generator:
         self._end_span()
         msgs.post(self.chan, msgs.GeneratorStats(
             self.topo.rank, self.tokens_generated, dict(self.seconds), self.engine.version,
-            self.rewards.stats(), self.stale_aborted), CONTROLLER_RANK)
+            self.rewards.stats(), self.stale_aborted, self.engine_s), CONTROLLER_RANK)
         self.chan.flush(timeout=60)
         self.rewards.close()
         try:
@@ -245,6 +254,20 @@ class Generator:
         if self._heartbeats.due():
             msgs.post(self.chan, msgs.Heartbeat(self.engine.version, self.engine.num_running(),
                                                 self.tokens_generated), CONTROLLER_RANK)
+
+    def _tick(self, count: bool = True) -> None:
+        """The engine's occupancy clock, called as the loop turns and around each message: the
+        time since the last tick goes to `engine_s` if the engine had training work then (and
+        `count`: not across a weight-update pause or an evaluation, which the message was);
+        whether it has work from now on is read afresh. Outside an evaluation the engine holds
+        only training requests, and its state changes only in this loop's calls (submit, step,
+        abort, load), each followed by a tick: exact to one loop turn (a request the EngineCore
+        has finished is counted until `step()` returns it)."""
+        now = time.monotonic()
+        if count and self._occupied_since is not None and self._started and self._t_ended is None:
+            self.engine_s += now - self._occupied_since
+        busy = not self._engine_lost and self.engine.has_unfinished()
+        self._occupied_since = now if busy else None
 
     @contextmanager
     def _timed(self, what: str):

@@ -102,13 +102,15 @@ class TensorBoardLog:
 
     def generators(self, path: Path, step: int) -> None:
         """Each generator's totals (generators.json) at the run's last step."""
-        from ..rollout.controller import busy_share
+        from ..rollout.controller import busy_share, engine_share
 
         if not Path(path).exists():
             return
         for st in json.loads(Path(path).read_text()):
             prefix = f"generator/{st['rank']}"
             self.writer.add_scalar(f"{prefix}/busy_share", busy_share(st["seconds"]), step)
+            self.writer.add_scalar(f"{prefix}/engine_share",
+                                   engine_share(st["seconds"], st.get("engine_s", 0.0)), step)
             self.writer.add_scalar(f"{prefix}/tokens", float(st["tokens"]), step)
             for bucket, seconds in st["seconds"].items():
                 self.writer.add_scalar(f"{prefix}/seconds_{bucket}", float(seconds), step)

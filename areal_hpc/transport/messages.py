@@ -159,6 +159,8 @@ class GeneratorStats:
     version: int
     reward: dict[str, int]          # the reward pool's calls, errors, timeouts
     stale_aborted: int = 0          # training groups stopped mid-generation as too stale
+    engine_s: float = 0.0           # of the span, seconds its engine had training work: see
+                                    # Generator._tick (overlaps the loop's buckets)
 
 
 @dataclass(frozen=True, slots=True)

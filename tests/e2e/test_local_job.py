@@ -77,6 +77,9 @@ def test_short_run(jobs, tiny_model, tmp_path, mode, eta, generators):
         mine = [r for r in rows if r["generator_rank"] == g["rank"]]
         first = min(r["t_submit"] for r in mine)
         assert max(r["t_end"] for r in mine) - first - 0.5 <= sum(sec.values()) <= time.time() - first, sec
+        # The engine had work at least while the loop was inside its step, at most the span.
+        span = sum(v for k, v in sec.items() if k != "eval")
+        assert sec["busy"] - 1e-6 <= g["engine_s"] <= span + 1e-6, g
     assert not jobs.leftovers(), "processes of the job are still running"
 
 

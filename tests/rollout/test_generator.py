@@ -42,3 +42,47 @@ def test_time_accounting_ends_with_the_training_steps():
         pass
     gen._end_span()                         # again at the stop: the span stays closed
     assert sum(gen.seconds.values()) == span and gen.seconds["idle"] == 0.0
+
+
+class _Engine:
+    unfinished = False
+
+    def has_unfinished(self):
+        return self.unfinished
+
+
+def test_engine_occupancy_counts_work_in_flight_not_weight_loads_or_the_time_after_the_span(
+        monkeypatch):
+    """`engine_s` counts the time the engine had training requests, whatever the loop did
+    meanwhile (vLLM's EngineCore generates in its own process), and not the time it had none,
+    a weight load's pause (a tick with count=False), or anything after the span's end."""
+    from areal_hpc.rollout import generator as mod
+    now = [100.0]
+    monkeypatch.setattr(mod.time, "monotonic", lambda: now[0])
+    gen = Generator.__new__(Generator)
+    gen.engine, gen._engine_lost = _Engine(), False
+    gen.engine_s, gen._occupied_since = 0.0, None
+    gen._started, gen._t_ended = True, None
+
+    def after(seconds, unfinished=None, count=True):
+        now[0] += seconds
+        if unfinished is not None:
+            gen.engine.unfinished = unfinished
+        gen._tick(count)
+
+    after(0.0)
+    after(1.0, unfinished=True)         # idle 1 s, then prompts submitted
+    after(2.0)                          # the loop sent scores for 2 s: the engine generated
+    after(0.5, count=False)             # a weight load paused it 0.5 s
+    after(1.0, unfinished=False)        # its last request came back from a step
+    after(3.0)                          # idle, waiting for the η budget
+    assert gen.engine_s == 3.0
+    after(0.0, unfinished=True)
+    gen._t_ended = now[0]               # the run's last batch was taken
+    after(5.0)
+    assert gen.engine_s == 3.0
+    gen._engine_lost = True             # a lost engine has no work, whatever its books say
+    after(0.0)
+    gen._t_ended = None
+    after(1.0)
+    assert gen.engine_s == 3.0

@@ -39,7 +39,7 @@ EXAMPLES = [
     msgs.Group([_trajectory(0), _trajectory(1)]),
     msgs.Partial([[_trajectory(0), _trajectory(1)]]),
     msgs.EvalResult(3, [{"prompt_id": 0, "rewards": [1.0, 0.0]}], 0.25),
-    msgs.GeneratorStats(1, 100, {"busy": 1.0}, 3, {"calls": 2, "errors": 0, "timeouts": 0}, 4),
+    msgs.GeneratorStats(1, 100, {"busy": 1.0}, 3, {"calls": 2, "errors": 0, "timeouts": 0}, 4, 0.9),
     msgs.WeightsAck(3, "loaded", paused_s=0.1),
     msgs.Heartbeat(3, running=5, tokens=100),
 ]
@@ -84,4 +84,5 @@ def test_generator_stats_as_json_for_generators_json():
     st = next(m for m in EXAMPLES if isinstance(m, msgs.GeneratorStats))
     assert json.loads(json.dumps(dataclasses.asdict(st))) == {
         "rank": 1, "tokens": 100, "seconds": {"busy": 1.0}, "version": 3,
-        "reward": {"calls": 2, "errors": 0, "timeouts": 0}, "stale_aborted": 4}
+        "reward": {"calls": 2, "errors": 0, "timeouts": 0}, "stale_aborted": 4,
+        "engine_s": 0.9}
