@@ -333,6 +333,45 @@ def table(records: list[dict], keys: list[str]) -> str:
     return "\n".join(lines)
 
 
+def eta_plot(out: Path, paths: list[Path]) -> None:
+    """The ablation over η: final held-out accuracy and the last 10 steps' batch reward, mean ±
+    sd over seeds, one line per π_prox, from the ablation results files given (cells repeated
+    across files are pooled), to a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cells: dict[tuple[str, int], list[dict]] = {}
+    for path in paths:
+        for r in json.loads(path.read_text())["records"]:
+            if r.get("ok") and r["setting"].startswith("eta"):
+                eta, prox = r["setting"][3:].split("-", 1)
+                cells.setdefault((prox, int(eta)), []).append(r)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    measures = (("final held-out accuracy", lambda r: r["final_acc"]),
+                ("batch reward, last 10 steps", lambda r: float(np.mean(r["reward_curve"][-10:]))))
+    for ax, (title, value) in zip(axes, measures):
+        for i, prox in enumerate(dict.fromkeys(p for p, _ in sorted(cells))):
+            etas = sorted(e for p, e in cells if p == prox)
+            ys = [[value(r) for r in cells[(prox, e)]] for e in etas]
+            ax.errorbar(etas, [np.mean(y) for y in ys], yerr=[np.std(y, ddof=1) if len(y) > 1 else 0
+                                                              for y in ys],
+                        marker="o", capsize=3, lw=1, color=plt.cm.tab10(i),
+                        label="behaviour (naive PPO)" if prox == "behaviour" else prox,
+                        alpha=0.9)
+        ax.set_xscale("symlog", linthresh=1)
+        ax.set_xticks(sorted({e for _, e in cells}), [str(e) for e in sorted({e for _, e in cells})])
+        ax.set_xlabel("η (max staleness)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    n = sorted({len(v) for v in cells.values()})
+    axes[0].legend(fontsize=8, title="π_prox")
+    fig.suptitle(f"η × π_prox, mean ± sd over {'/'.join(map(str, n))} seeds per cell", fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
 def ablation_table(records: list[dict]) -> str:
     """η × π_prox: accuracy, the last steps' batch reward, and the off-policy statistics."""
     cols = [("final held-out acc", lambda r: r["final_acc"], "{:.3f}"),
@@ -378,6 +417,9 @@ def main() -> int:
                     help="print the throughput planner beside the runs of this results file")
     ap.add_argument("--plot", type=Path, nargs=2, metavar=("RESULTS", "PNG"), default=None,
                     help="plot the runs of a results file")
+    ap.add_argument("--eta-plot", type=Path, nargs="+", metavar=("PNG", "RESULTS"), default=None,
+                    help="plot the ablation over η (held-out accuracy, batch reward) from these "
+                         "ablation results files")
     ap.add_argument("--table", type=Path, default=None,
                     help="print the table of a results file (with this --target)")
     ap.add_argument("--tail-eval", type=Path, default=None,
@@ -390,6 +432,9 @@ def main() -> int:
         return 0
     if args.tail_eval:
         tail_eval(args.tail_eval)
+        return 0
+    if args.eta_plot:
+        eta_plot(args.eta_plot[0], args.eta_plot[1:])
         return 0
     if args.plot:
         plot(*args.plot)
