@@ -2,6 +2,7 @@
 
     python tools/bench_generation.py [--model models/tiny] [--prompts 256] [--n 4] [--reps 3]
     python tools/bench_generation.py --busy [key=value ...]    # busy fraction in an async job
+    python tools/bench_generation.py --runs-ahead [--model models/tiny]   # the engine, unstepped
 
 Both engines are up at once and measured in alternation (bare, ours, bare, ours, ...), so the
 ratio is not skewed by the machine's load drifting between two separate runs. Our side is the
@@ -11,7 +12,12 @@ bookkeeping, `step()` driven from Python. Prints tokens/s per repetition and the
 `--busy` instead runs the tiny async job (configs/tiny_cpu.yaml plus overrides) and reports each
 generator's busy fraction: time generating / (generating + weight-update pauses + idle + loop
 work), from the first training prompt until the last batch is taken; held-out evaluation time
-is excluded.
+is excluded; and the engine's own busy share (the time it had training requests, weight loads
+apart), which also counts the loop's work: the EngineCore generates in its own process.
+
+`--runs-ahead` shows that: one batch of samples generated with `step()` called back to back,
+then the same batch with the caller asleep for as long as that took before it steps at all. If
+the EngineCore went on generating meanwhile, the steps after the sleep only drain what it made.
 """
 from __future__ import annotations
 
@@ -37,11 +43,13 @@ def busy_fraction(overrides: list[str]) -> None:
         run = Path(out) / "bench-busy"
         gens = json.loads((run / "generators.json").read_text())
         steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    from areal_hpc.rollout.controller import busy_share, loop_work
+    from areal_hpc.rollout.controller import busy_share, engine_share, loop_work
     for g in gens:
         sec = g["seconds"]
         idle = sec["idle"] + sec.get("idle_scoring", 0.0)
-        print(f"generator rank {g['rank']}: busy {100 * busy_share(sec):.1f}% (generating "
+        print(f"generator rank {g['rank']}: engine busy "
+              f"{100 * engine_share(sec, g.get('engine_s', 0.0)):.1f}%, loop in its step "
+              f"{100 * busy_share(sec):.1f}% (generating "
               f"{sec['busy']:.1f}s, pauses {sec['pause']:.1f}s, idle {idle:.1f}s of which waiting on "
               f"scores {sec.get('idle_scoring', 0.0):.1f}s, loop work {loop_work(sec):.1f}s), "
               f"{g['tokens']} tokens")
@@ -51,9 +59,41 @@ def busy_fraction(overrides: list[str]) -> None:
           f"({100 * wait / (wait + train):.0f}% waiting) over {len(steps)} steps")
 
 
+def runs_ahead(model: str, samples: int = 32, max_new_tokens: int = 200) -> None:
+    """Seconds to generate one batch stepping back to back, and with the caller asleep first."""
+    from areal_hpc.rollout.vllm_engine import VLLMEngine
+
+    eng = VLLMEngine(model, dtype="float32", max_model_len=512, kv_cache_gib=0.25)
+
+    def batch(label: str, sleep_s: float) -> float:
+        eng.submit_group([f"{label}:{i}" for i in range(samples)], list(range(5, 25)),
+                         max_new_tokens=max_new_tokens, ignore_eos=True)
+        t0 = time.perf_counter()
+        time.sleep(sleep_s)
+        t1, calls = time.perf_counter(), 0
+        while eng.has_unfinished():
+            eng.step()
+            calls += 1
+        t2 = time.perf_counter()
+        print(f"{label}: asleep {t1 - t0:.3f} s, then {calls} step() calls in {t2 - t1:.3f} s; "
+              f"total {t2 - t0:.3f} s", flush=True)
+        return t2 - t0
+
+    batch("warm-up", 0.0)
+    stepped = batch("stepped", 0.0)
+    batch("asleep first", stepped)
+    batch("stepped again", 0.0)
+    eng.shutdown()
+
+
 def main() -> None:
     if "--busy" in sys.argv:
         return busy_fraction([a for a in sys.argv[1:] if a != "--busy"])
+    if "--runs-ahead" in sys.argv:
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--runs-ahead", action="store_true")
+        ap.add_argument("--model", default="models/tiny")
+        return runs_ahead(ap.parse_args().model)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="models/tiny")
     ap.add_argument("--prompts", type=int, default=256)
