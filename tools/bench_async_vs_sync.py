@@ -23,9 +23,9 @@ tokens/s, generator busy share (generating over its span from the first prompt u
 batch is taken: generating + weight-update pauses + idle + loop work, held-out evaluations set
 apart), engine busy share (of the same span, the time its vLLM engine had training requests,
 weight-update pauses apart: the EngineCore generates in its own process while the loop works),
-trainer idle share (waiting for rollouts / wall), staleness mean / p95 of trained samples, dropped-stale groups,
-final held-out accuracy, and the time to a target accuracy (held-out, every --eval-every steps;
-and on the training batches' accuracy, a 5-step moving mean).
+trainer idle share (waiting for rollouts / wall), staleness mean / p95 of trained samples,
+dropped-stale groups, final held-out accuracy, and the time to a target accuracy (held-out,
+every --eval-every steps; and on the training batches' accuracy, a 5-step moving mean).
 
 The **ideal bound** of a run is computed from its own measured component rates: generation
 tokens/s while busy, training seconds per step, the update's blocking seconds on the trainer
@@ -349,17 +349,17 @@ def eta_plot(out: Path, paths: list[Path]) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     measures = (("final held-out accuracy", lambda r: r["final_acc"]),
                 ("batch reward, last 10 steps", lambda r: float(np.mean(r["reward_curve"][-10:]))))
+    all_etas = sorted({e for _, e in cells})
     for ax, (title, value) in zip(axes, measures):
         for i, prox in enumerate(dict.fromkeys(p for p, _ in sorted(cells))):
-            etas = sorted(e for p, e in cells if p == prox)
+            etas = [e for e in all_etas if (prox, e) in cells]
             ys = [[value(r) for r in cells[(prox, e)]] for e in etas]
-            ax.errorbar(etas, [np.mean(y) for y in ys], yerr=[np.std(y, ddof=1) if len(y) > 1 else 0
-                                                              for y in ys],
-                        marker="o", capsize=3, lw=1, color=plt.cm.tab10(i),
-                        label="behaviour (naive PPO)" if prox == "behaviour" else prox,
-                        alpha=0.9)
+            sds = [np.std(y, ddof=1) if len(y) > 1 else 0.0 for y in ys]
+            ax.errorbar(etas, [np.mean(y) for y in ys], yerr=sds, marker="o", capsize=3, lw=1,
+                        color=plt.cm.tab10(i), alpha=0.9,
+                        label="behaviour (naive PPO)" if prox == "behaviour" else prox)
         ax.set_xscale("symlog", linthresh=1)
-        ax.set_xticks(sorted({e for _, e in cells}), [str(e) for e in sorted({e for _, e in cells})])
+        ax.set_xticks(all_etas, [str(e) for e in all_etas])
         ax.set_xlabel("η (max staleness)")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)

@@ -52,20 +52,23 @@ log = logging.getLogger(__name__)
 LOOP_WORK = ("submit", "send", "other")
 
 
+def _span_s(seconds: dict) -> float:
+    """A generator's span (generators.json "seconds"): from the first training prompt until the
+    run's last batch is taken (every bucket), held-out evaluations set apart."""
+    return sum(v for k, v in seconds.items() if k != "eval")
+
+
 def busy_share(seconds: dict) -> float:
-    """A generator's busy share (generators.json "seconds"): generating over its whole span
-    from the first training prompt until the run's last batch is taken (every bucket), held-out
-    evaluations set apart."""
-    total = sum(v for k, v in seconds.items() if k != "eval")
+    """A generator's busy share: the loop's time inside the engine's step over its span."""
+    total = _span_s(seconds)
     return seconds["busy"] / total if total > 0 else 0.0
 
 
 def engine_share(seconds: dict, engine_s: float) -> float:
-    """The share of the same span (evaluations apart) in which a generator's engine had training
-    requests to generate, not paused for a weight update (GeneratorStats.engine_s). The engine
-    generates in its own process while the loop works, so this is the generation resource's
-    busy share; `busy_share` counts only the loop's time inside the engine's step."""
-    total = sum(v for k, v in seconds.items() if k != "eval")
+    """The share of the same span in which a generator's engine had training requests to
+    generate, not paused for a weight update (GeneratorStats.engine_s). The engine generates in
+    its own process while the loop works, so this is the generation resource's busy share."""
+    total = _span_s(seconds)
     return min(1.0, engine_s / total) if total > 0 else 0.0
 
 

@@ -130,9 +130,8 @@ class Generator:
             self.watch.check()
             for _, tag, msg in self.chan.poll(source=CONTROLLER_RANK):
                 self.watch.heard()
-                self._tick()
                 running = self._handle(msgs.check(tag, msg))
-                self._tick(count=not isinstance(msg, (msgs.WeightsNotice, msgs.EvalRequest)))
+                self._tick()
                 # This rank's own work on the message (a weight load, an eval) is not silence.
                 self.watch.heard()
                 if not running:
@@ -166,14 +165,15 @@ class Generator:
                     for p in prompts:
                         self._submit("train", p)
             case msgs.WeightsNotice() if not self._engine_lost:
-                self._update_weights(msg)
+                with self._engine_paused():
+                    self._update_weights(msg)
             case msgs.StaleBefore(version=version) if not self._engine_lost:
                 with self._timed("send"):
                     self._abort_stale(version)
             case msgs.StepsDone():
                 self._end_span()
             case msgs.EvalRequest():
-                with self._timed("eval"):
+                with self._timed("eval"), self._engine_paused():
                     self._evaluate(msg)
             case msgs.Stop(preempted=preempted):
                 self.preempted = preempted
@@ -256,18 +256,24 @@ class Generator:
                                                 self.tokens_generated), CONTROLLER_RANK)
 
     def _tick(self, count: bool = True) -> None:
-        """The engine's occupancy clock, called as the loop turns and around each message: the
+        """The engine's occupancy clock, called as the loop turns and after each message: the
         time since the last tick goes to `engine_s` if the engine had training work then (and
-        `count`: not across a weight-update pause or an evaluation, which the message was);
-        whether it has work from now on is read afresh. Outside an evaluation the engine holds
-        only training requests, and its state changes only in this loop's calls (submit, step,
-        abort, load), each followed by a tick: exact to one loop turn (a request the EngineCore
-        has finished is counted until `step()` returns it)."""
+        `count`); whether it has work from now on is read afresh. Outside an evaluation the
+        engine holds only training requests, and its state changes only in this loop's calls
+        (submit, step, abort, load), each followed by a tick: exact to one loop turn (a request
+        the EngineCore has finished is counted until `step()` returns it)."""
         now = time.monotonic()
         if count and self._occupied_since is not None and self._started and self._t_ended is None:
             self.engine_s += now - self._occupied_since
         busy = not self._engine_lost and self.engine.has_unfinished()
         self._occupied_since = now if busy else None
+
+    @contextmanager
+    def _engine_paused(self):
+        """A weight load or an evaluation: not the engine's training work (`engine_s`)."""
+        self._tick()
+        yield
+        self._tick(count=False)
 
     @contextmanager
     def _timed(self, what: str):

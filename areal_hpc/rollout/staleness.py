@@ -11,9 +11,9 @@ was submitted under; η = 0 is on-policy (synchronous semantics). With `total_ba
 training steps) the window `max_staleness + version + 1` is capped at it: no prompt is issued
 for a step the run will never take, so the generators finish the last batch and stop (their
 engines free for the final evaluation) instead of generating groups no step trains. Rejected
-groups free their slot and do not count. A resumed run restores `accepted` and `rejected` from its checkpoint (the
-buffered groups count as accepted; `Ledger.restore`) and starts with nothing running: the prompts
-that were in flight count again when they are issued again.
+groups free their slot and do not count. A resumed run restores `accepted` and `rejected` from
+its checkpoint (the buffered groups count as accepted; `Ledger.restore`) and starts with nothing
+running: the prompts that were in flight count again when they are issued again.
 """
 from __future__ import annotations
 
