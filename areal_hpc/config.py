@@ -71,6 +71,8 @@ class TopologyConfig:
     # Memory of one GPU, for the preflight (`python -m areal_hpc.plan memory`): every launcher
     # refuses a config whose per-GPU estimate exceeds it before any rank starts. 0 = no check.
     gpu_mem_gib: float = 80.0
+    gpu: str = ""                       # GPU model for the step-time preflight (h100, h200, a100, b200: areal_hpc/plan/budget.py); "" = no time check
+    mfu: float = 0.35                   # model-FLOPs utilisation the step-time estimate assumes (python -m areal_hpc.plan time)
     # CPU placement on each node (areal_hpc.launch.cpus), as taskset writes a list: "0", "0-3",
     # "0,2-5". A role's ranks on one node share its cores in equal parts; each rank runs as many
     # compute threads as it has cores. Disjoint lists: the roles compute side by side (async);
@@ -139,6 +141,8 @@ class RolloutConfig:
     # on CPU, this rank's allowed CPUs split among them). Each worker joins the weight group, so
     # it has pp + n_generators * engine_tp members.
     engine_tp: int = 1
+    max_num_seqs: Optional[int] = None  # vLLM max_num_seqs: sequences one engine decodes at once; None = vLLM's default
+    max_num_batched_tokens: Optional[int] = None  # vLLM max_num_batched_tokens: tokens per engine step (chunked prefill); None = vLLM's default
 
 
 @dataclass
@@ -251,6 +255,8 @@ class CheckpointConfig:
     # Signals that ask the job to checkpoint at the next step boundary and exit with code 3
     # (EXIT_PREEMPTED) for the batch script to requeue. Slurm: --signal=B:USR1@<seconds>.
     signals: list = field(default_factory=lambda: ["USR1", "TERM"])
+    signal_lead_s: float = 0.0          # seconds from the signal to the time limit (Slurm --signal=B:USR1@N) for the step-time preflight; 0 = read from the batch script
+    time_limit_s: float = 0.0           # the attempt's time limit in seconds for the step-time preflight; 0 = from Slurm (SLURM_JOB_END_TIME, squeue)
 
 
 @dataclass
@@ -439,6 +445,7 @@ RANGES: dict[str, Range] = {
     "topology.tp": _RANKS,
     "topology.pp": _RANKS,
     "topology.gpu_mem_gib": Range(0, 65536, why=" (0 = no memory preflight)"),
+    "topology.mfu": Range(0, 1, lo_open=True, why=" (model-FLOPs utilisation)"),
     "rollout.group_size": Range(1, 65536),
     "rollout.max_new_tokens": _COUNT,
     # vLLM refuses temperatures above 2 and raises those below 0.01 to 0.01, which would no
@@ -455,6 +462,8 @@ RANGES: dict[str, Range] = {
     "rollout.generator_timeout_s": _TIMEOUT,
     "rollout.collective_timeout_s": _TIMEOUT,
     "rollout.engine_tp": _RANKS,
+    "rollout.max_num_seqs": _COUNT,
+    "rollout.max_num_batched_tokens": _COUNT,
     "train.total_steps": _COUNT,
     "train.batch_prompts": _COUNT,
     "train.lr": Range(0, 1, lo_open=True),
@@ -483,6 +492,8 @@ RANGES: dict[str, Range] = {
     "weights.join_timeout_s": _TIMEOUT,
     "checkpoint.every_steps": Range(0, INT_MAX, why=" (0 = none on a timer)"),
     "checkpoint.keep": _COUNT,
+    "checkpoint.signal_lead_s": Range(0, MAX_TIMEOUT_S, why=" (seconds; 0 = from the batch script)"),
+    "checkpoint.time_limit_s": Range(0, MAX_TIMEOUT_S, why=" (seconds; 0 = from Slurm)"),
 }
 
 # Preemption signals must be catchable (KILL, STOP are not), not synchronous faults (a handler

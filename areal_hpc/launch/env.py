@@ -68,13 +68,16 @@ def ensure_tiny_model(cfg: RunConfig) -> None:
 
 def prepare(config: str, overrides: list[str]) -> RunConfig:
     """Load and validate the config, check that every rank's memory estimate fits its GPU
-    (`areal_hpc.plan.check_fits`; before the paths, which a login node may not have), build the
+    (`areal_hpc.plan.check_fits`; before the paths, which a login node may not have) and that a
+    step and its checkpoint fit the preemption signal's lead (`areal_hpc.plan.budget`), build the
     tiny model if needed, check the input paths. Raises ConfigError with a message that names
     the key."""
     from ..plan import check_fits
 
     cfg = load(config, overrides)
     check_fits(cfg)
+    from ..plan.budget import check_time
+    check_time(cfg)  # topology.gpu set: a step + its checkpoint within the signal's lead (else a warning)
     from ..versions import check_versions  # VersionMismatch: installed torch/vLLM/Megatron differ
     check_versions(cfg.topology.device)
     ensure_tiny_model(cfg)

@@ -2,9 +2,12 @@
 
     python -m areal_hpc.plan memory CONFIG [key=value ...] [--gpu-mem 80GiB]
     python -m areal_hpc.plan throughput CONFIG [key=value ...] [--from-run DIR] [--search] ...
+    python -m areal_hpc.plan time CONFIG [key=value ...] --gpu h100 [--mfu 0.35] ...
 
 `memory`: per-GPU memory estimate (exit 2 when a rank does not fit; `memory.py`).
 `throughput`: simulated steps/hour, async vs the sync baseline (`throughput.py`).
+`time`: estimated seconds per training step on a named GPU, and whether the checkpoint cadence
+and the preemption signal's lead fit the job's time limit (`budget.py`).
 Bad input: one line `error: ...` on stderr, exit 2.
 """
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import memory, throughput
+from . import budget, memory, throughput
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     memory.add_memory_parser(sub)
     throughput.add_parser(sub)
+    budget.add_time_parser(sub)
     args, extra = ap.parse_known_args(argv)     # key=value overrides may follow the options
     if any(e.startswith("-") for e in extra):
         ap.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -31,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=max(Console().width, 120))
     if args.cmd == "memory":
         return memory.memory_command(args, console)
+    if args.cmd == "time":
+        return budget.time_command(args, console)
     return throughput.throughput_command(args, console)
 
 

@@ -1,0 +1,401 @@
+"""Time economics of a run: a training step's seconds on a named GPU, and the preflight that
+checks them against the job's time limit and its preemption signal's lead.
+
+    python -m areal_hpc.plan time CONFIG.yaml [key=value ...] --gpu h100 [--mfu 0.35]
+        [--gen-tok-s X] [--out-len N] [--ckpt-gb-s X] [--time-limit 24h] [--signal-lead 1200]
+
+prints the FLOPs of one step, the seconds they take at the stated MFU, the weight update, the
+checkpoint, the generation of a batch at the stated throughput, and every assumption. The same
+numbers feed `check_time(cfg)`, which every launcher runs before any rank starts
+(`areal_hpc.launch.env.prepare`): it refuses, with one line naming the keys, a config whose
+single step plus its checkpoint cannot finish between the preemption signal and the time limit
+(a preempted job stops at the next step boundary, areal_hpc/preemption.py, so the step in
+progress and the checkpoint must fit in the lead), and warns when `checkpoint.every_steps` steps
+take longer than the time limit (no timed checkpoint within an attempt: a kill loses it all).
+Skipped on CPU and when `topology.gpu` is "".
+
+FLOPs of one training step (the whole trainer), n = B x group_size sequences of s tokens each,
+s = prompt + output tokens, T = n s tokens, N = n x output tokens:
+- layers, forward: 2 x (layer matmul parameters) x T, plus causal attention 2 s^2 heads
+  head_dim per sequence and layer (QK^T and AV at 2 s^2 head_dim each, half of them masked);
+- the output layer, forward: 2 V h N (log-probs are computed at the output positions only,
+  train/logprobs.py);
+- training (forward + backward = 3 forwards) of the layers, plus the output layer's 4 forwards
+  (its chunk is recomputed in backward);
+- activation recompute: full = one more forward of the recomputed layers (uniform: all; block:
+  recompute_num_layers of each stage's layers), selective = one more forward of core attention;
+- `train.prox: recompute`: one more forward of the layers and the output layer (π_prox).
+Seconds = FLOPs / (n_trainers x the GPU's dense bf16 peak x MFU). Every sequence has the same
+length (mean output `--out-len`, default max_new_tokens / 2, after a prompt of max_model_len -
+max_new_tokens tokens, the room the config leaves for it): with long-tailed lengths the attention
+term is larger (sum of squares). ASSUMPTIONS, not measurements: MFU, the output length, the
+checkpoint filesystem's bandwidth, the weight broadcast's (throughput.py's constants) and the
+generation throughput (throughput.py's decode roofline scaled to the GPU's bandwidth, or
+`--gen-tok-s`).
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from ..config import ConfigError, RunConfig, load
+from .memory import Arch, read_arch
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    bf16_flops: float           # dense (no sparsity) bf16 tensor-core FLOP/s
+    hbm_bytes_s: float          # HBM bandwidth, bytes/s
+    mem_gib: float              # memory, for reference
+
+
+# Vendor datasheet values (dense bf16: NVIDIA quotes "with sparsity" figures, twice these).
+GPUS: dict[str, Gpu] = {
+    # NVIDIA H100 Tensor Core GPU datasheet, SXM: BF16 1,979 TFLOPS with sparsity, HBM3 3.35 TB/s, 80 GB
+    "h100": Gpu("H100 SXM", 989e12, 3.35e12, 80),
+    # NVIDIA H200 Tensor Core GPU datasheet, SXM: BF16 1,979 TFLOPS with sparsity, HBM3e 4.8 TB/s, 141 GB
+    "h200": Gpu("H200 SXM", 989e12, 4.8e12, 141),
+    # NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM: BF16 312 TFLOPS dense, HBM2e 2,039 GB/s
+    "a100": Gpu("A100-80G SXM", 312e12, 2.039e12, 80),
+    # NVIDIA HGX B200 datasheet, per GPU: FP16/BF16 4.5 PFLOPS with sparsity, HBM3e 8 TB/s, 180 GB
+    "b200": Gpu("B200", 2.25e15, 8.0e12, 180),
+}
+ALIASES = {"h100-sxm": "h100", "h100_sxm": "h100", "a100-80g": "a100", "a100-80gb": "a100",
+           "a100_80g": "a100", "h200-sxm": "h200"}
+
+# ASSUMPTIONS: the checkpoint's writes and the manifest's CRC-32 read-back go through a shared
+# parallel filesystem at this aggregate rate (one step's checkpoint = every parameter's bf16
+# weight, fp32 main weight and two Adam moments: 14 B per parameter in half precision).
+CKPT_BYTES_S = 5e9
+CKPT_PASSES = 2                 # written once, read once for the CRC-32 of the manifest
+
+
+def gpu_spec(name: str, key: str = "topology.gpu") -> Gpu:
+    g = ALIASES.get(name.strip().lower(), name.strip().lower())
+    if g not in GPUS:
+        raise ConfigError(f"config key '{key}': unknown GPU {name!r}; one of {', '.join(GPUS)} "
+                          f"(or \"\" for no time check)")
+    return GPUS[g]
+
+
+@dataclass
+class StepFlops:
+    """One training step's FLOPs, by part (the whole trainer)."""
+    train: float                # forward + backward of the layers and the output layer
+    recompute: float            # activation recompute's extra forward
+    prox: float                 # π_prox's forward (train.prox = recompute)
+    attention: float            # of which: core attention, all passes
+    tokens: float               # T: tokens trained
+    out_tokens: float           # N: output tokens
+
+    @property
+    def total(self) -> float:
+        return self.train + self.recompute + self.prox
+
+
+def lengths(cfg: RunConfig, out_len: float | None = None) -> tuple[float, float]:
+    """(prompt tokens, output tokens) per sequence: the output `out_len` (default half of
+    rollout.max_new_tokens), the prompt the room max_model_len leaves besides max_new_tokens."""
+    r = cfg.rollout
+    prompt = max(1, r.max_model_len - r.max_new_tokens)
+    out = r.max_new_tokens / 2 if out_len is None else out_len
+    return float(prompt), float(min(out, r.max_new_tokens))
+
+
+def step_flops(cfg: RunConfig, arch: Arch, out_len: float | None = None) -> StepFlops:
+    tr = cfg.train
+    prompt, out = lengths(cfg, out_len)
+    n = cfg.train.batch_prompts * cfg.rollout.group_size
+    s = prompt + out
+    tokens, out_tokens = n * s, n * out
+    attn_fwd = 2.0 * s * s * arch.heads * arch.head_dim * arch.layers * n
+    layers_fwd = 2.0 * arch.layers * arch.layer_matmul_params * tokens + attn_fwd
+    head_fwd = 2.0 * arch.vocab * arch.hidden * out_tokens
+    if tr.recompute_granularity == "full":
+        per_stage = arch.layers // cfg.topology.pp
+        share = 1.0 if tr.recompute_method == "uniform" else \
+            min(tr.recompute_num_layers or 0, per_stage) / per_stage
+        recompute, recompute_attn = share * layers_fwd, share * attn_fwd
+    elif tr.recompute_granularity == "selective":
+        recompute = recompute_attn = attn_fwd
+    else:
+        recompute = recompute_attn = 0.0
+    prox = layers_fwd + head_fwd if tr.prox == "recompute" else 0.0
+    attention = 3 * attn_fwd + recompute_attn + (attn_fwd if prox else 0.0)
+    return StepFlops(train=3 * layers_fwd + 4 * head_fwd, recompute=recompute, prox=prox,
+                     attention=attention, tokens=tokens, out_tokens=out_tokens)
+
+
+@dataclass
+class StepTime:
+    cfg: RunConfig
+    gpu: Gpu
+    mfu: float
+    flops: StepFlops
+    train_s: float              # the training step
+    update_s: float             # the weight update after it
+    ckpt_s: float               # one checkpoint
+    gen_s: float                # generating one batch over all engines
+    gen_tok_s: float            # per engine
+    gen_source: str
+    ckpt_bytes: float
+    ckpt_bytes_s: float
+
+    @property
+    def step_s(self) -> float:
+        """The trainer's side of a step: training, then the weight update."""
+        return self.train_s + self.update_s
+
+    @property
+    def interval_s(self) -> float:
+        """Async steady state: a step every max(trainer, generation of a batch)."""
+        return max(self.step_s, self.gen_s)
+
+
+def estimate_time(cfg: RunConfig, gpu: str | None = None, mfu: float | None = None,
+                  gen_tok_s: float | None = None, out_len: float | None = None,
+                  ckpt_bytes_s: float | None = None, arch: Arch | None = None) -> StepTime:
+    """The step-time estimate of `cfg` on `gpu` (default topology.gpu) at `mfu` (default
+    topology.mfu)."""
+    from .throughput import UPDATE_FIXED_S, WEIGHT_BCAST_BYTES_S, GPU_HBM_BYTES_S, assumed_rates
+
+    spec = gpu_spec(gpu if gpu is not None else cfg.topology.gpu, "--gpu" if gpu is not None else "topology.gpu")
+    mfu = cfg.topology.mfu if mfu is None else mfu
+    if not (0 < mfu <= 1):
+        raise ConfigError(f"--mfu: must be in (0, 1], got {mfu:g}")
+    arch = arch or read_arch(cfg)
+    fl = step_flops(cfg, arch, out_len)
+    train_s = fl.total / (cfg.topology.n_trainers * spec.bf16_flops * mfu)
+    p = float(arch.total_params)
+    b = 2 if cfg.model.dtype != "float32" else 4
+    update_s = b * p / WEIGHT_BCAST_BYTES_S + UPDATE_FIXED_S
+    ckpt_bytes = p * (14 if b == 2 else 12)
+    rate = CKPT_BYTES_S if ckpt_bytes_s is None else ckpt_bytes_s
+    ckpt_s = CKPT_PASSES * ckpt_bytes / rate
+    if gen_tok_s is None:
+        gen_tok_s = assumed_rates(cfg)[0] * spec.hbm_bytes_s / GPU_HBM_BYTES_S
+        source = (f"ASSUMED decode roofline (throughput.py) at {spec.name} bandwidth, "
+                  f"output {int(cfg.rollout.max_new_tokens / 2)} tokens mean")
+    else:
+        source = "--gen-tok-s"
+    gen_s = fl.out_tokens / (cfg.topology.n_generators * gen_tok_s)
+    return StepTime(cfg, spec, mfu, fl, train_s, update_s, ckpt_s, gen_s, gen_tok_s, source,
+                    ckpt_bytes, rate)
+
+
+# ------------------------------------------------------------------------------ the job's clock
+
+_SLURM_TIME = re.compile(r"^(?:(\d+)-)?(?:(\d+):)?(?:(\d+):)?(\d+)$")
+
+
+def parse_slurm_time(text: str) -> float | None:
+    """A Slurm time (sbatch --time, squeue %l: 'D-HH[:MM[:SS]]', 'HH:MM:SS', 'MM:SS', 'MM')
+    -> seconds; None for UNLIMITED, NOT_SET, INVALID or anything else."""
+    t = text.strip()
+    m = _SLURM_TIME.match(t)
+    if not m:
+        return None
+    days, a, b, c = m.groups()
+    parts = [int(x) for x in (a, b, c) if x is not None]
+    if days is not None:        # D-HH, D-HH:MM, D-HH:MM:SS
+        h, mi, s = (parts + [0, 0])[:3]
+        return float(((int(days) * 24 + h) * 60 + mi) * 60 + s)
+    if len(parts) == 3:
+        return float((parts[0] * 60 + parts[1]) * 60 + parts[2])
+    if len(parts) == 2:
+        return float(parts[0] * 60 + parts[1])
+    return float(parts[0] * 60)  # a bare number is minutes (sbatch --time)
+
+
+_SIGNAL = re.compile(r"--signal[= ]+(?:[BR]{1,2}:)?(?:SIG)?([A-Z0-9]+)(?:@(\d+))?")
+
+
+def lead_from_script(text: str, signals: list) -> float | None:
+    """The `@N` of the first `--signal=[B:]SIG@N` in a batch script's #SBATCH lines whose signal
+    is one of `signals` (Slurm's default lead is 60 s)."""
+    for line in text.splitlines():
+        if not line.startswith("#SBATCH"):
+            continue
+        for sig, lead in _SIGNAL.findall(line):
+            if sig in signals or sig.isdigit():
+                return float(lead) if lead else 60.0
+    return None
+
+
+def _run(cmd: list[str]) -> str | None:
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout if r.returncode == 0 else None
+
+
+def job_clock(cfg: RunConfig, env=None) -> tuple[float | None, str, float | None, str]:
+    """(time limit s, where from, signal lead s, where from), each None when unknown: the config
+    keys checkpoint.time_limit_s / signal_lead_s when set, else the Slurm job's
+    (SLURM_JOB_END_TIME - SLURM_JOB_START_TIME, else `squeue -o %l`; the batch script's #SBATCH
+    --signal through `scontrol write batch_script`)."""
+    env = os.environ if env is None else env
+    ck = cfg.checkpoint
+    limit, limit_src, lead, lead_src = None, "", None, ""
+    if ck.time_limit_s > 0:
+        limit, limit_src = ck.time_limit_s, "checkpoint.time_limit_s"
+    if ck.signal_lead_s > 0:
+        lead, lead_src = ck.signal_lead_s, "checkpoint.signal_lead_s"
+    job = env.get("SLURM_JOB_ID")
+    if limit is None and job:
+        start, end = env.get("SLURM_JOB_START_TIME"), env.get("SLURM_JOB_END_TIME")
+        if start and end and start.isdigit() and end.isdigit() and int(end) > int(start):
+            limit, limit_src = float(int(end) - int(start)), "SLURM_JOB_END_TIME"
+        else:
+            out = _run(["squeue", "-h", "-j", job, "-o", "%l"])
+            limit = parse_slurm_time(out.splitlines()[0]) if out and out.strip() else None
+            limit_src = "the job's --time (squeue)" if limit else ""
+    if lead is None and job:
+        out = _run(["scontrol", "write", "batch_script", job, "-"])
+        lead = lead_from_script(out, list(ck.signals)) if out else None
+        lead_src = "the batch script's --signal" if lead else ""
+    return limit, limit_src, lead, lead_src
+
+
+def _fmt_s(s: float) -> str:
+    if s >= 3600:
+        return f"{s / 3600:.2f} h"
+    return f"{s / 60:.1f} min" if s >= 120 else f"{s:.0f} s"
+
+
+def budget_problems(est: StepTime, limit: float | None, lead: float | None,
+                    limit_src: str = "", lead_src: str = "") -> tuple[str | None, str | None]:
+    """(refusal, warning): one line each, or None."""
+    cfg = est.cfg
+    need = est.step_s + est.ckpt_s
+    keys = (f"topology.gpu={cfg.topology.gpu or est.gpu.name}, topology.mfu={est.mfu:g}, "
+            f"train.batch_prompts, rollout.group_size")
+    refuse = warn = None
+    if lead is not None and need > lead:
+        refuse = (f"checkpoint.signal_lead_s: a step ({_fmt_s(est.step_s)}) and its checkpoint "
+                  f"({_fmt_s(est.ckpt_s)}) need {need:.0f} s but the preemption signal comes "
+                  f"{lead:.0f} s before the time limit ({lead_src or 'lead'}): the job would be "
+                  f"killed mid-step (raise --signal=B:USR1@ to >= {math.ceil(need)} and "
+                  f"checkpoint.signal_lead_s, or shrink the step: {keys}; estimate: python -m "
+                  f"areal_hpc.plan time CONFIG)")
+    every = cfg.checkpoint.every_steps
+    if limit is not None and every > 0 and every * est.interval_s > limit:
+        warn = (f"checkpoint.every_steps={every}: {every} steps take {_fmt_s(every * est.interval_s)} "
+                f"(estimated, {_fmt_s(est.interval_s)} each), more than the time limit "
+                f"{_fmt_s(limit)} ({limit_src or 'limit'}): no timed checkpoint within an attempt, "
+                f"a kill loses all its steps (lower checkpoint.every_steps to "
+                f"<= {max(1, int(limit // est.interval_s))})")
+    return refuse, warn
+
+
+def check_time(cfg: RunConfig, env=None, warn=None) -> StepTime | None:
+    """The launchers' step-time preflight: ConfigError (one line) when a step and its checkpoint
+    cannot finish within the preemption signal's lead; a warning line (to `warn`, default stderr)
+    when the checkpoint cadence exceeds the time limit. Skipped on CPU and for topology.gpu=""."""
+    if cfg.topology.device == "cpu" or not cfg.topology.gpu.strip():
+        return None
+    est = estimate_time(cfg)
+    limit, limit_src, lead, lead_src = job_clock(cfg, env)
+    refuse, warning = budget_problems(est, limit, lead, limit_src, lead_src)
+    if refuse:
+        raise ConfigError(refuse)
+    if warning:
+        (warn or (lambda line: print(f"[launch] warning: {line}", file=sys.stderr, flush=True)))(warning)
+    return est
+
+
+# ------------------------------------------------------------------------------ CLI
+
+def add_time_parser(sub) -> None:
+    tp = sub.add_parser("time", help="estimated seconds per training step on a named GPU")
+    tp.add_argument("config")
+    tp.add_argument("overrides", nargs="*", help="key=value")
+    tp.add_argument("--gpu", default=None, help=f"one of {', '.join(GPUS)} (default topology.gpu)")
+    tp.add_argument("--mfu", type=float, default=None, help="model-FLOPs utilisation (default topology.mfu)")
+    tp.add_argument("--gen-tok-s", type=float, default=None, help="one engine's generation tokens/s")
+    tp.add_argument("--out-len", type=float, default=None, help="mean output tokens (default max_new_tokens/2)")
+    tp.add_argument("--ckpt-gb-s", type=float, default=None,
+                    help=f"checkpoint filesystem GB/s, aggregate (default {CKPT_BYTES_S / 1e9:g})")
+    tp.add_argument("--time-limit", default=None, help="the job's --time (e.g. 24:00:00)")
+    tp.add_argument("--signal-lead", type=float, default=None, help="seconds of --signal=B:USR1@N")
+
+
+def time_command(args, console) -> int:
+    """`python -m areal_hpc.plan time`: the estimate and its assumptions; exit 2 with one line
+    `error: ...` on bad input or when the step cannot fit the signal lead."""
+    try:
+        cfg = load(args.config, args.overrides)
+        for flag in ("gen_tok_s", "out_len", "ckpt_gb_s", "signal_lead"):
+            v = getattr(args, flag)
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise ConfigError(f"--{flag.replace('_', '-')}: must be positive, got {v:g}")
+        gpu = args.gpu if args.gpu is not None else (cfg.topology.gpu or None)
+        if gpu is None:
+            raise ConfigError("no GPU: pass --gpu (one of " + ", ".join(GPUS) + ") or set topology.gpu")
+        est = estimate_time(cfg, gpu, args.mfu, args.gen_tok_s, args.out_len,
+                            None if args.ckpt_gb_s is None else args.ckpt_gb_s * 1e9)
+        limit = None
+        if args.time_limit is not None:
+            limit = parse_slurm_time(args.time_limit)
+            if limit is None:
+                raise ConfigError(f"--time-limit: expected a Slurm time like 24:00:00, got {args.time_limit!r}")
+        limit = limit or (cfg.checkpoint.time_limit_s or None)
+        lead = args.signal_lead or (cfg.checkpoint.signal_lead_s or None)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    render_time(est, console)
+    refuse, warning = budget_problems(est, limit, lead, "--time-limit", "--signal-lead")
+    if warning:
+        console.print(f"[yellow]warning[/]: {warning}")
+    if refuse:
+        print(f"error: {refuse}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def render_time(est: StepTime, console) -> None:
+    from rich.table import Table
+
+    cfg, fl, g = est.cfg, est.flops, est.gpu
+    t, r, tr = cfg.topology, cfg.rollout, cfg.train
+    prompt, out = lengths(cfg, fl.out_tokens / (tr.batch_prompts * r.group_size))
+    console.print(f"[bold]{cfg.name}[/]: {t.n_trainers} trainer GPU(s) {g.name} "
+                  f"({g.bf16_flops / 1e12:.0f} TFLOP/s dense bf16, {g.hbm_bytes_s / 1e12:.2f} TB/s) at "
+                  f"MFU {est.mfu:g}; {t.n_generators} generator engine(s) of {r.engine_tp} GPU(s)")
+    console.print(f"step: B {tr.batch_prompts} x n {r.group_size} = {tr.batch_prompts * r.group_size} "
+                  f"sequences of {prompt:.0f} prompt + {out:.0f} output tokens = {fl.tokens / 1e6:.1f} M "
+                  f"tokens ({fl.out_tokens / 1e6:.1f} M output); recompute "
+                  f"{tr.recompute_granularity or 'none'}, π_prox {tr.prox}")
+    tab = Table(title="one training step, estimated")
+    tab.add_column("part")
+    tab.add_column("PFLOP", justify="right")
+    tab.add_column("seconds", justify="right")
+    per_s = t.n_trainers * g.bf16_flops * est.mfu
+    for name, f in (("forward + backward", fl.train), ("activation recompute", fl.recompute),
+                    ("π_prox forward", fl.prox)):
+        tab.add_row(name, f"{f / 1e15:,.0f}", f"{f / per_s:,.0f}")
+    tab.add_row("(of which core attention)", f"{fl.attention / 1e15:,.0f}", f"{fl.attention / per_s:,.0f}")
+    tab.add_row("[bold]training[/]", f"[bold]{fl.total / 1e15:,.0f}[/]", f"[bold]{est.train_s:,.0f}[/]")
+    tab.add_row("weight update", "", f"{est.update_s:,.0f}")
+    tab.add_row("[bold]trainer step[/]", "", f"[bold]{est.step_s:,.0f}[/]")
+    tab.add_row(f"generation of a batch ({est.gen_tok_s:,.0f} tok/s per engine)", "", f"{est.gen_s:,.0f}")
+    tab.add_row("[bold]async step interval[/] (max of the two)", "", f"[bold]{est.interval_s:,.0f}[/]")
+    tab.add_row(f"checkpoint ({est.ckpt_bytes / 1e9:,.0f} GB, written + CRC read at "
+                f"{est.ckpt_bytes_s / 1e9:g} GB/s)", "", f"{est.ckpt_s:,.0f}")
+    console.print(tab)
+    console.print(f"  {_fmt_s(est.interval_s)} per step: {3600 / est.interval_s:.2f} steps/h, "
+                  f"{tr.total_steps} steps in {_fmt_s(tr.total_steps * est.interval_s)}; a preemption "
+                  f"needs a lead >= {est.step_s + est.ckpt_s:,.0f} s (step + checkpoint); "
+                  f"checkpoint.every_steps={cfg.checkpoint.every_steps} = "
+                  f"{_fmt_s(cfg.checkpoint.every_steps * est.interval_s)}")
+    console.print(f"  assumptions: MFU {est.mfu:g} (topology.mfu / --mfu); every sequence "
+                  f"{prompt:.0f} + {out:.0f} tokens (--out-len; long tails raise the attention term); "
+                  f"generation {est.gen_source}; weight broadcast and checkpoint bandwidths as "
+                  f"stated (--ckpt-gb-s)")

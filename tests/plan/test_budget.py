@@ -1,0 +1,170 @@
+"""The step-time estimate and its preflight (areal_hpc.plan.budget): pure logic, no GPU."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from areal_hpc import plan
+from areal_hpc.config import ConfigError, load
+from areal_hpc.plan import budget
+
+ROOT = Path(__file__).resolve().parents[2]
+R32 = ROOT / "configs/qwen2_5_32b_math.yaml"
+
+# The small Qwen2 of test_plan.py: h 64, ffn 128, 2 layers, 4 heads of 16, 2 kv heads, vocab 128.
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def _small(tmp_path, *extra):
+    d = tmp_path / "model"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(SMALL))
+    # B 8 x n 4 = 32 sequences; prompt 256 - 128 = 128 tokens, output 128 / 2 = 64: s = 192
+    return load(None, [f"model.path={d}", "data.train_path=x.jsonl", "rollout.max_model_len=256",
+                       "rollout.max_new_tokens=128", "train.batch_prompts=8", "rollout.group_size=4",
+                       "train.max_tokens_per_mb=512", *extra])
+
+
+# By hand. Layer matmuls: qkv (4 + 2 * 2) * 16 = 128 outputs of 64 inputs + its bias, the output
+# projection 64 x 64, fc1 (2 x 128) and fc2 (128) x 64.
+LAYER = 128 * 64 + 128 + 64 * 64 + 3 * 128 * 64          # 36992
+T, N, S = 32 * 192, 32 * 64, 192                          # tokens, output tokens, sequence length
+ATTN = 2 * S * S * 4 * 16 * 2 * 32                        # 2 s^2 heads head_dim layers, 32 sequences
+LAYERS_FWD = 2 * 2 * LAYER * T + ATTN                     # 909,115,392 + 301,989,888
+HEAD_FWD = 2 * 128 * 64 * N                               # log-probs at the output positions only
+
+
+def test_flops_by_hand(tmp_path):
+    assert (LAYER, ATTN, LAYERS_FWD, HEAD_FWD) == (36992, 301_989_888, 1_211_105_280, 33_554_432)
+    cfg = _small(tmp_path)                                # prox recompute, no activation recompute
+    fl = budget.step_flops(cfg, plan.read_arch(cfg))
+    assert (fl.tokens, fl.out_tokens) == (T, N)
+    assert fl.train == 3 * LAYERS_FWD + 4 * HEAD_FWD == 3_767_533_568
+    assert fl.recompute == 0
+    assert fl.prox == LAYERS_FWD + HEAD_FWD == 1_244_659_712
+    assert fl.total == 5_012_193_280
+    assert fl.attention == 4 * ATTN                       # 3 (train) + 1 (π_prox)
+    # full recompute: one more forward of every layer; selective: of core attention only
+    full = _small(tmp_path, "train.recompute_granularity=full", "train.recompute_method=uniform",
+                  "train.recompute_num_layers=1")
+    assert budget.step_flops(full, plan.read_arch(full)).total == 5_012_193_280 + LAYERS_FWD == 6_223_298_560
+    sel = _small(tmp_path, "train.recompute_granularity=selective", "train.prox=loglinear")
+    fl = budget.step_flops(sel, plan.read_arch(sel))
+    assert (fl.prox, fl.recompute, fl.total) == (0, ATTN, 3 * LAYERS_FWD + 4 * HEAD_FWD + ATTN)
+    # block recompute of 1 of the stage's 2 layers: half a forward more
+    blk = _small(tmp_path, "train.recompute_granularity=full", "train.recompute_method=block",
+                 "train.recompute_num_layers=1")
+    assert budget.step_flops(blk, plan.read_arch(blk)).recompute == LAYERS_FWD / 2
+    # --out-len 32: s = 160
+    fl = budget.step_flops(cfg, plan.read_arch(cfg), out_len=32)
+    assert (fl.tokens, fl.out_tokens) == (32 * 160, 32 * 32)
+
+
+def test_seconds_at_the_stated_mfu(tmp_path):
+    cfg = _small(tmp_path, "topology.device=cuda", "topology.n_trainers=2", "topology.mfu=0.5",
+                 "topology.gpu=a100", "model.dtype=bfloat16")
+    est = budget.estimate_time(cfg, gen_tok_s=1000.0)
+    assert est.gpu.bf16_flops == 312e12
+    assert est.train_s == pytest.approx(5_012_193_280 / (2 * 312e12 * 0.5), rel=1e-12)
+    p = 2 * 128 * 64 + 2 * LAYER + 2 * 2 * 64 + 64           # embedding, output layer, layers + norms, final norm
+    assert est.update_s == pytest.approx(2 * p / 20e9 + 2.0)  # throughput.py's broadcast constants
+    assert est.ckpt_bytes == 14 * p and est.ckpt_s == pytest.approx(2 * 14 * p / 5e9)
+    assert est.gen_s == pytest.approx(N / (1 * 1000.0))
+    # the CLI flags win over the config's keys
+    h = budget.estimate_time(cfg, gpu="H100", mfu=0.25, gen_tok_s=1000.0)
+    assert h.train_s == pytest.approx(5_012_193_280 / (2 * 989e12 * 0.25), rel=1e-12)
+    with pytest.raises(ConfigError, match="'topology.gpu': unknown GPU 'v100'"):
+        budget.estimate_time(_small(tmp_path, "topology.gpu=v100"))
+
+
+def test_slurm_times_and_the_batch_scripts_lead():
+    p = budget.parse_slurm_time
+    assert (p("24:00:00"), p("1-00:00:00"), p("1-02"), p("1-02:03"), p("03:04"), p("90")) == \
+        (86400, 86400, 93600, 93780, 184, 5400)
+    assert p("UNLIMITED") is None and p("INVALID") is None
+    for name, lead in (("areal_32b.sh", 1200), ("areal_7b.sh", 900), ("areal_tiny.sh", 120)):
+        text = (ROOT / "slurm" / name).read_text()
+        assert budget.lead_from_script(text, ["USR1", "TERM"]) == lead
+    assert budget.lead_from_script("#SBATCH --signal=USR2\n", ["USR2"]) == 60   # Slurm's default
+    assert budget.lead_from_script("# --signal=B:USR1@5\n", ["USR1"]) is None    # not an #SBATCH line
+
+
+def _lines():
+    out = []
+    return out, out.append
+
+
+def test_32b_step_cannot_fit_the_scripts_lead_and_is_refused_naming_the_keys():
+    cfg = load(R32, ["topology.gpu=h100", "checkpoint.signal_lead_s=1200", "checkpoint.time_limit_s=86400"])
+    est = budget.estimate_time(cfg)
+    assert est.step_s + est.ckpt_s > 1200
+    with pytest.raises(ConfigError) as err:
+        budget.check_time(cfg, env={})
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("checkpoint.signal_lead_s: a step (")
+    assert f">= {int(est.step_s + est.ckpt_s) + 1}" in line
+    for key in ("topology.gpu=h100", "topology.mfu=0.35", "train.batch_prompts", "rollout.group_size"):
+        assert key in line
+    # a lead that holds it, and a cadence that fits the limit: silent
+    ok = load(R32, ["topology.gpu=h100", "checkpoint.signal_lead_s=9000", "checkpoint.time_limit_s=86400",
+                    "checkpoint.every_steps=2"])
+    got, warn = _lines()
+    assert budget.check_time(ok, env={}, warn=warn) is not None and got == []
+    # ten 2.2-hour steps between checkpoints: a warning naming checkpoint.every_steps
+    slow = load(R32, ["topology.gpu=h100", "checkpoint.signal_lead_s=9000", "checkpoint.time_limit_s=72000",
+                      "checkpoint.every_steps=10"])
+    budget.check_time(slow, env={}, warn=warn)
+    assert len(got) == 1 and got[0].startswith("checkpoint.every_steps=10: 10 steps take ")
+    assert "lower checkpoint.every_steps to <= 8" in got[0]
+
+
+def test_skipped_on_cpu_without_a_gpu_name_or_without_a_clock():
+    assert budget.check_time(load(ROOT / "configs/tiny_cpu.yaml"), env={}) is None
+    assert budget.check_time(load(R32, ["topology.gpu=''"]), env={}) is None
+    got, warn = _lines()
+    assert budget.check_time(load(R32, ["topology.gpu=h100"]), env={}, warn=warn) is not None and got == []
+
+
+def test_job_clock_from_slurm(monkeypatch):
+    cfg = load(R32, ["topology.gpu=h100"])
+    calls = []
+
+    def fake(cmd):
+        calls.append(cmd[0])
+        return {"squeue": "1-00:00:00\n",
+                "scontrol": (ROOT / "slurm/areal_32b.sh").read_text()}[cmd[0]]
+
+    monkeypatch.setattr(budget, "_run", fake)
+    assert budget.job_clock(cfg, {"SLURM_JOB_ID": "7"}) == (86400.0, "the job's --time (squeue)", 1200.0,
+                                                            "the batch script's --signal")
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_START_TIME": "1000", "SLURM_JOB_END_TIME": "4600"}
+    assert budget.job_clock(cfg, env)[:2] == (3600.0, "SLURM_JOB_END_TIME")
+    keys = load(R32, ["checkpoint.time_limit_s=600", "checkpoint.signal_lead_s=60"])
+    calls.clear()
+    assert budget.job_clock(keys, {"SLURM_JOB_ID": "7"}) == (600, "checkpoint.time_limit_s", 60,
+                                                             "checkpoint.signal_lead_s")
+    assert calls == []
+
+
+def test_time_command_prints_the_assumptions(capsys):
+    assert plan.main(["time", str(R32), "--gpu", "h100", "--mfu", "0.35"]) == 0
+    out = capsys.readouterr().out
+    assert "H100 SXM" in out and "MFU 0.35" in out and "trainer step" in out and "assumptions" in out
+    assert plan.main(["time", str(R32), "--gpu", "h100", "--signal-lead", "1200"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: checkpoint.signal_lead_s: a step")
+    assert plan.main(["time", str(R32), "topology.gpu=''"]) == 2
+    assert "--gpu" in capsys.readouterr().err
+
+
+def test_launch_env_refuses_a_step_longer_than_the_lead():
+    r = subprocess.run([sys.executable, "-m", "areal_hpc.launch.env", str(R32), "topology.gpu=h100",
+                        "checkpoint.signal_lead_s=1200"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: checkpoint.signal_lead_s: a step"), lines
+    assert r.stdout == ""
