@@ -10,12 +10,21 @@ background, never a blocking call, so neither side stalls the other. The control
 generator a CONTROLLER_HEARTBEAT at least every rollout.heartbeat_s; a generator that hears
 nothing for rollout.generator_timeout_s ends itself (the trainer is gone).
 
+Every numpy array of a message is its own MPI message there; a trajectory's arrays hold one
+sequence each (4 bytes a token), so no Channel message nears the 2 GiB that MPIs without MPI-4
+large counts (Open MPI 4/5, Cray MPICH) cannot carry in one message.
+
 Collectives: `bcast`, `gather` and `barrier` below are the bounded forms the ranks use instead of
-the blocking mpi4py calls (see `CollectiveTimeout`).
+the blocking mpi4py calls (see `CollectiveTimeout`); `GroupScatter` hands each group of ranks its
+own part of an object (the trainer's batch: each data-parallel rank its share). `bcast` and
+`GroupScatter` send a pickled payload in pieces of at most `MAX_MESSAGE_BYTES`; `TRAFFIC` counts
+what this process sent and received through them.
 """
 from __future__ import annotations
 
+import os
 import time
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Iterator
 
@@ -152,12 +161,18 @@ def _describe(comm) -> str:
 
 
 def _complete(req, comm, op: str, what: str, timeout_s: float | None, t0: float | None = None) -> None:
-    """Poll `req` until it completes; `CollectiveTimeout` once `timeout_s` has passed since t0."""
+    """Poll `req` (one request or a list) until it completes; `CollectiveTimeout` once
+    `timeout_s` has passed since t0."""
     timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     t0 = time.monotonic() if t0 is None else t0
     deadline = t0 + timeout_s
     pause = 1e-4
-    while not req.Test():
+    if isinstance(req, list):
+        from mpi4py import MPI
+        done = lambda: MPI.Request.Testall(req)     # noqa: E731
+    else:
+        done = req.Test
+    while not done():
         if time.monotonic() > deadline:
             raise CollectiveTimeout(
                 f"{what}: MPI {op} on the {_describe(comm)} not complete after "
@@ -165,6 +180,94 @@ def _complete(req, comm, op: str, what: str, timeout_s: float | None, t0: float 
                 f"gone (stopped, killed, its node lost) or far slower than the bound allows")
         time.sleep(pause)
         pause = min(pause * 2, 0.02)      # quick for fast collectives, ~50 polls/s when waiting
+
+
+# -- large payloads in pieces ----------------------------------------------------------------------
+# MPI counts are C ints: one message of 2 GiB or more needs MPI-4 large counts (or derived
+# datatypes), which Open MPI 4/5 and Cray MPICH lack or get wrong. `bcast` and `GroupScatter` send
+# a pickled payload as a header (its size and the piece size, 2 int64) and then pieces of at most
+# MAX_MESSAGE_BYTES each. The receivers take the piece size from the header, so ranks that
+# disagree on the limit still agree on the pieces.
+
+MAX_MESSAGE_BYTES = int(os.environ.get("AREAL_MPI_MAX_MESSAGE_BYTES", 2**31 - 2**20))
+
+
+@dataclass
+class Traffic:
+    """Payload pieces this process sent and received through `bcast` and `GroupScatter` (the
+    16-byte headers not counted)."""
+    sent_messages: int = 0
+    sent_bytes: int = 0
+    received_messages: int = 0
+    received_bytes: int = 0
+    largest_message: int = 0
+
+    def count(self, nbytes: int, sent: bool) -> None:
+        if sent:
+            self.sent_messages += 1
+            self.sent_bytes += nbytes
+        else:
+            self.received_messages += 1
+            self.received_bytes += nbytes
+        self.largest_message = max(self.largest_message, nbytes)
+
+
+TRAFFIC = Traffic()
+
+
+def _dumps(obj: Any):
+    """`obj` pickled, as a writable uint8 array (MPI's send buffers of a bcast must be writable),
+    without copying the pickle."""
+    import io
+    import pickle
+
+    import numpy as np
+    f = io.BytesIO()
+    pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
+    return np.frombuffer(f.getbuffer(), dtype=np.uint8)
+
+
+def _loads(buf) -> Any:
+    import pickle
+    return pickle.loads(memoryview(buf))
+
+
+def _header(nbytes: int):
+    import numpy as np
+    piece = int(MAX_MESSAGE_BYTES)
+    if piece < 1:
+        raise ValueError(f"MAX_MESSAGE_BYTES must be >= 1, got {piece}")
+    return np.array([nbytes, piece], dtype=np.int64)
+
+
+def _pieces(buf, header) -> list:
+    """`buf` (uint8) cut into the views the header announces."""
+    n, piece = int(header[0]), int(header[1])
+    return [buf[off:off + piece] for off in range(0, n, piece)]
+
+
+def _isend_bytes(comm, data, dest: int, tag: int) -> list:
+    """Post the header and the pieces of `data` (uint8) to `dest`; the requests to complete."""
+    header = _header(data.size)
+    reqs = [comm.Isend(header, dest=dest, tag=tag)]
+    for part in _pieces(data, header):
+        reqs.append(comm.Isend(part, dest=dest, tag=tag))
+        TRAFFIC.count(part.size, sent=True)
+    return reqs
+
+
+def _recv_bytes(comm, source: int, tag: int, what: str, timeout_s: float | None, t0: float):
+    """What `_isend_bytes` sent from `source` (uint8), bounded by `timeout_s` since t0."""
+    import numpy as np
+    header = np.zeros(2, dtype=np.int64)
+    _complete(comm.Irecv(header, source=source, tag=tag), comm, "recv (size)", what, timeout_s, t0)
+    buf = np.empty(int(header[0]), dtype=np.uint8)
+    parts = _pieces(buf, header)
+    _complete([comm.Irecv(p, source=source, tag=tag) for p in parts], comm, "recv", what,
+              timeout_s, t0)
+    for p in parts:
+        TRAFFIC.count(p.size, sent=False)
+    return buf
 
 
 def barrier(comm, timeout_s: float | None = None, what: str = "barrier") -> None:
@@ -177,10 +280,8 @@ def barrier(comm, timeout_s: float | None = None, what: str = "barrier") -> None
 
 
 def bcast(comm, obj: Any, root: int = 0, timeout_s: float | None = None, what: str = "bcast") -> Any:
-    """`comm.bcast(obj, root)` (pickled objects) bounded by `timeout_s` in all: the size, then the
-    bytes, each an Ibcast."""
-    import pickle
-
+    """`comm.bcast(obj, root)` (pickled objects) bounded by `timeout_s` in all: the header (size,
+    piece size), then the bytes in pieces of at most MAX_MESSAGE_BYTES, each an Ibcast."""
     import numpy as np
     if comm.Get_size() == 1:
         return obj
@@ -188,18 +289,24 @@ def bcast(comm, obj: Any, root: int = 0, timeout_s: float | None = None, what: s
         return comm.bcast(obj, root=root)
     t0 = time.monotonic()
     me = comm.Get_rank()
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if me == root else b""
-    size = np.array([len(data)], dtype=np.int64)
-    _complete(comm.Ibcast(size, root=root), comm, "bcast (size)", what, timeout_s, t0)
-    buf = np.frombuffer(data, dtype=np.uint8).copy() if me == root else np.empty(int(size[0]), np.uint8)
-    _complete(comm.Ibcast(buf, root=root), comm, "bcast", what, timeout_s, t0)
-    return obj if me == root else pickle.loads(buf.tobytes())
+    data = _dumps(obj) if me == root else None
+    header = _header(data.size) if me == root else np.zeros(2, dtype=np.int64)
+    _complete(comm.Ibcast(header, root=root), comm, "bcast (size)", what, timeout_s, t0)
+    buf = data if me == root else np.empty(int(header[0]), dtype=np.uint8)
+    parts = _pieces(buf, header)
+    _complete([comm.Ibcast(p, root=root) for p in parts], comm, "bcast", what, timeout_s, t0)
+    for p in parts:
+        TRAFFIC.count(p.size, sent=me == root)
+    return obj if me == root else _loads(buf)
 
 
 def gather(comm, obj: Any, root: int = 0, timeout_s: float | None = None,
            what: str = "gather") -> list | None:
     """`comm.gather(obj, root)` (pickled objects) bounded by `timeout_s` in all: the sizes
-    (Igather), then the bytes (Igatherv). Returns the list on `root`, None elsewhere."""
+    (Igather), then the bytes (Igatherv). Returns the list on `root`, None elsewhere.
+
+    One message of all ranks' bytes, not cut into pieces: for small objects (flags, RNG states,
+    checksums, weight specs), well below MAX_MESSAGE_BYTES in all."""
     import pickle
 
     import numpy as np
@@ -225,3 +332,78 @@ def gather(comm, obj: Any, root: int = 0, timeout_s: float | None = None,
     if me != root:
         return None
     return [pickle.loads(out[d:d + s].tobytes()) for d, s in zip(displs.tolist(), sizes.tolist())]
+
+
+class GroupScatter:
+    """Every rank of `comm` gets the part of an object meant for its group, and only that part.
+
+    The trainer's batch: the group is the data-parallel rank, so the TP/PP peers of one
+    data-parallel rank get the same share and no rank receives another's. Built once,
+    collectively over `comm` (two `Split`s and a bounded gather): the ranks of each group form a
+    communicator (`peers`) whose first rank is the group's leader (`root` in its own group), and
+    the leaders one (`leaders`, `root` first). `scatter` then sends each other group's part,
+    pickled, point to point from `root` to that group's leader, in pieces of at most
+    MAX_MESSAGE_BYTES; each leader broadcasts it within its group (`bcast`, in pieces too).
+    Every step is non-blocking and bounded by `timeout_s`, like the collectives above.
+    """
+
+    def __init__(self, comm, group: int, root: int = 0, timeout_s: float | None = None,
+                 what: str = "group scatter"):
+        from mpi4py import MPI
+        self.comm, self.group, self.root = comm, int(group), root
+        self.single = comm.Get_size() == 1
+        self.peers = self.leaders = None
+        self.leader_of: dict[int, int] = {}     # on root: group -> its leader's rank in `leaders`
+        if self.single:
+            self.leader_of = {self.group: 0}
+            return
+        me = comm.Get_rank()
+        key = 0 if me == root else me + 1       # root first in its group and among the leaders
+        self.peers = comm.Split(self.group, key)
+        leader = self.peers.Get_rank() == 0
+        leaders = comm.Split(0 if leader else MPI.UNDEFINED, key)
+        self.leaders = leaders if leader else None
+        name = comm.Get_name() or "communicator"
+        self.peers.Set_name(f"{name}, group {self.group}")
+        if leader:
+            self.leaders.Set_name(f"{name}, group leaders")
+            groups = gather(self.leaders, self.group, root=0, timeout_s=timeout_s,
+                            what=f"{what}: the groups of the leaders")
+            if me == root:
+                self.leader_of = {g: r for r, g in enumerate(groups)}
+                if len(self.leader_of) != len(groups):
+                    raise ValueError(f"{what}: a group has two leaders: {groups}")
+
+    @property
+    def groups(self) -> list[int]:
+        """On root: every group, in ascending order."""
+        return sorted(self.leader_of)
+
+    def scatter(self, parts, timeout_s: float | None = None, what: str = "group scatter") -> Any:
+        """On root, `parts[g]` for every group g (a list or a dict); elsewhere ignored. Returns
+        this rank's group's part (root's own part is not copied)."""
+        if self.single:
+            return parts[self.group]
+        t0 = time.monotonic()
+        timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+        if self.comm.Get_rank() == self.root:
+            reqs = []
+            for g, r in self.leader_of.items():
+                if r != 0:
+                    reqs += _isend_bytes(self.leaders, _dumps(parts[g]), r, tag=0)
+            mine = bcast(self.peers, parts[self.group], root=0,
+                         timeout_s=timeout_s - (time.monotonic() - t0), what=what)
+            _complete(reqs, self.leaders, "send", what, timeout_s, t0)
+            return mine
+        obj = None
+        if self.leaders is not None:
+            obj = _loads(_recv_bytes(self.leaders, 0, 0, what, timeout_s, t0))
+        return bcast(self.peers, obj, root=0, timeout_s=timeout_s - (time.monotonic() - t0),
+                     what=what)
+
+    def free(self) -> None:
+        """Free the two communicators (collective over `comm`)."""
+        for c in (self.peers, self.leaders):
+            if c is not None:
+                c.Free()
+        self.peers = self.leaders = None
