@@ -377,7 +377,7 @@ def report(args, hf: dict, res: dict) -> None:
             print(f"| {t.name} | {gib(t.bytes)} | {'' if t.concurrent else 'alt'} |")
         print(f"| **total, step alone (weight_sync=False)** | **{gib(so.total)}** | |")
         print(f"| **total with weight sync** | **{gib(ws.total)}** | |")
-        print("\n(alt): peaks at different times, only the largest counts. CUDA context + NCCL is 0 "
+        print("\n(alt): peaks at different times, only the largest counts. CUDA context and NCCL are 0 "
               "on CPU; fragmentation = CPU_FRAGMENTATION x dynamic part.\n")
         meas = peak - rss0
         print("| compared | measured GiB | predicted GiB | measured / predicted |")

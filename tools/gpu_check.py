@@ -332,7 +332,8 @@ def flops_per_step(dims: dict, seqs: list[dict]) -> float:
 
 # Terms of the memory model that the caching allocator's max_memory_allocated does not see
 # (CUDA context, NCCL, allocator fragmentation) or that this check does not exercise (weights sync).
-NOT_ALLOCATED_TERMS = ("CUDA context + NCCL", "fragmentation", "weight sync buffers")
+NOT_ALLOCATED_TERMS = ("CUDA context", "NCCL + NVLS buffers", "fragmentation", "weight sync buffers",
+                       "weight gather, TP peers")
 
 
 def predicted_trainer(env: Env, dims: dict, model_dir: str, train: dict, n_tokens: int) -> dict:

@@ -46,6 +46,13 @@ Pipeline (1F1B): stage r keeps the activations of pp - r in-flight micro-batches
 `train.max_tokens_per_mb` tokens, plus the input and output tensors the schedule holds (S h b / P
 each). The last stage also keeps the final norm's fp32 tensors and the gathered hidden states
 of the output positions.
+The step's packed batch: every trainer rank packs its data-parallel share of the whole step
+(all minibatches) onto the device before the first forward (`Actor._plan_step`): per token the
+ids and positions (int64, 16 B), per output token the output positions and targets (int64) and
+the behaviour log-probs and advantages (fp32): 24 B, + 8 B of versions (prox loglinear), + 4 B
+of π_prox log-probs on the last stage (prox recompute); at full length (B x group_size
+sequences of rollout.max_model_len tokens, max_new_tokens of them output, over dp): term
+"step batch (packed)".
 Working set on top of that (the largest of, at different times): the backward of one layer
 (`BWD_FFN * ffn / T + BWD_H * h / P` values of b bytes per token, the largest weight gradient,
 the chunk recomputed under full recompute); the chunked log-probs (last stage,
@@ -54,7 +61,12 @@ logits reused in place for the softmax and its gradient, and one copy in b; plus
 `[V/T, h]` gradient buffer of the output layer and, in half precision, its cast); the
 optimizer step (torch's foreach Adam on CUDA: one fp32 temporary of all local main weights; on
 CPU: two of the largest); a weight update (two `weights.bucket_mb` buckets and the TP-gathered
-copy of the largest tensor, 3x). Only the largest of these counts (rows marked "(alt)").
+copy of the largest tensor, 3x); with tp > 1 the sender's TP peers in the weight gather
+(term "weight gather, TP peers": each runs the stage's gathering iterator and drops every tensor,
+and nothing in `WeightPublisher._join_gather` waits for the sender, so its host runs ahead by up
+to the rest of the stage; counted as every gather it may have enqueued and NCCL holds until the
+sender joins it: the whole stage's full tensors in b bytes. Synchronising the peers every
+weights.bucket_mb would bound it to a bucket). Only the largest of these counts (rows marked "(alt)").
 
 Generator rank (one vLLM worker; `rollout.engine_tp` workers per engine)
 ----------------------------------------------------------------------
@@ -70,8 +82,20 @@ exceeds the GPU; fewer sequences than asked is a note (vLLM queues the rest).
 Constants (per GPU), stated here and used below
 ----------------------------------------------
 CUDA_CONTEXT_GIB = 0.75   CUDA context, cuBLAS workspaces, kernels of one process
-NCCL_GIB = 0.5            NCCL communicator buffers (trainer: TP/PP/DP/weight groups; generator:
-                          TP + weight group)
+NCCL_COMM_GIB = 0.6       per NCCL communicator a rank uses: NCCL's buffers per connection, SIMPLE
+                          (NCCL_BUFFSIZE, 4 MiB) + LL128 (4.7 MiB) + LL (0.5 MiB) = 9.2 MiB, a send
+                          and a receive peer on each of up to 32 channels (NVLink): 0.57 GiB;
+                          measured 544-688 MB per group on A100 NVLink (NVIDIA/nccl issue #964)
+NVLS_COMM_GIB = 0.25      NVLink SHARP buffers (NVSwitch nodes: H100/H200/B200; not A100) per
+                          communicator of more than 2 ranks, an upper bound: 16 channels x 2 x 1 MiB
+                          (128 KiB chunks x 8 steps) x 8 local heads = 256 MiB, NCCL's
+                          "NVLS comm ... nvlsTotalSize" INFO line; NCCL_NVLS_ENABLE=0 removes it
+                          Communicators (`nccl_communicators`): trainer, with trainer_backend nccl:
+                          the trainer world (checkpoint collectives), Megatron's TP, PP, DP and
+                          model-parallel (TP x PP) groups, the embedding group (tied, pp > 1); the
+                          weight group (weight_backend nccl, broadcast) on each stage's sender;
+                          generator: vLLM's TP group twice (torch.distributed + its PyNccl) with
+                          engine_tp > 1, the weight group. Each counted with more than one rank.
 FRAGMENTATION = 0.10      caching-allocator fragmentation, on the dynamic part (activations and
                           working sets; parameter/gradient buffers are contiguous)
 CUDA_GRAPHS_GIB = 1.5     vLLM CUDA graphs (rollout.enforce_eager=false), outside its budget
@@ -97,7 +121,9 @@ REPO = Path(__file__).resolve().parents[2]
 MODELS_DIR = REPO / "configs" / "models"
 
 CUDA_CONTEXT_GIB = 0.75
-NCCL_GIB = 0.5
+NCCL_COMM_GIB = 0.6
+NVLS_COMM_GIB = 0.25
+NO_NVLS_GPUS = ("a100",)          # topology.gpu without NVLink SHARP
 FRAGMENTATION = 0.10
 CPU_FRAGMENTATION = 0.10
 CUDA_GRAPHS_GIB = 1.5
@@ -302,6 +328,46 @@ def mask_score_bytes(arch: Arch, b: int, tp: int, s: int) -> float:
     return arch.heads / tp * s * s * (4 + (b if b != 4 else 0))
 
 
+def nccl_communicators(cfg: RunConfig, role: str, tied: bool = False,
+                       sender: bool = True) -> list[tuple[str, int]]:
+    """(name, ranks) of every NCCL communicator with more than one rank that a rank of `role`
+    ("trainer": a stage's weight sender when `sender`; "generator": one vLLM worker) uses;
+    `tied`: the model ties its embeddings."""
+    t, w = cfg.topology, cfg.weights
+    group = t.pp + t.n_generators * cfg.rollout.engine_tp
+    weights = [("weight group", group)] if w.mode == "broadcast" and t.weight_backend == "nccl" else []
+    if role == "generator":
+        etp = cfg.rollout.engine_tp
+        return [c for c in [("vLLM TP (torch)", etp), ("vLLM TP (PyNccl)", etp), *weights] if c[1] > 1]
+    if t.trainer_backend != "nccl":
+        comms = []
+    else:
+        dp = t.n_trainers // (t.tp * t.pp)
+        comms = [("trainer world", t.n_trainers), ("TP", t.tp), ("PP", t.pp), ("DP", dp),
+                 ("TP x PP", t.tp * t.pp), ("embedding", 2 if tied and t.pp > 1 else 1)]
+    return [c for c in [*comms, *(weights if sender else [])] if c[1] > 1]
+
+
+def nccl_bytes(cfg: RunConfig, role: str, tied: bool = False) -> float:
+    """NCCL's device memory on a rank of `role` (0 on CPU): NCCL_COMM_GIB per communicator, plus
+    NVLS_COMM_GIB per communicator of more than 2 ranks on NVSwitch GPUs."""
+    if cfg.topology.device != "cuda":
+        return 0.0
+    nvls = cfg.topology.gpu.strip().lower() not in NO_NVLS_GPUS
+    return sum(NCCL_COMM_GIB + (NVLS_COMM_GIB if nvls and n > 2 else 0.0)
+               for _, n in nccl_communicators(cfg, role, tied)) * GiB
+
+
+def batch_bytes(cfg: RunConfig, last_stage: bool) -> float:
+    """The step's packed tensors on one trainer rank: its data-parallel share of B x group_size
+    sequences at full length (see the module docstring)."""
+    t, r, tr = cfg.topology, cfg.rollout, cfg.train
+    dp = t.n_trainers // (t.tp * t.pp)
+    seqs = tr.batch_prompts * r.group_size / dp
+    per_out = 24 + (8 if tr.prox == "loglinear" else 0) + (4 if tr.prox == "recompute" and last_stage else 0)
+    return seqs * (16 * r.max_model_len + per_out * min(r.max_new_tokens, r.max_model_len))
+
+
 def trainer_estimates(cfg: RunConfig, arch: Arch, weight_sync: bool = True) -> list[RankEstimate]:
     """One estimate per pipeline stage; `weight_sync=False` leaves out the weight update's buffers
     (a training step alone, as tools/bench_memory.py measures)."""
@@ -391,15 +457,21 @@ def trainer_estimates(cfg: RunConfig, arch: Arch, weight_sync: bool = True) -> l
             logprob = chunk * v_local * (4 + extra) + v_local * h * (4 + extra)
         opt_temp = (n_params / opt_shard * 4) if on_cuda else 2 * largest * 4
         sync = (2 * cfg.weights.bucket_mb * MiB + 3 * largest * tp * b) if weight_sync else 0.0
-        dynamic = activations + attn_scores + masks + max(working, logprob, opt_temp, sync)
+        # a TP peer's gathers not yet joined by the sender: up to the stage's full tensors
+        full_stage = n_layers * arch.layer_matmul_params + arch.vocab * h * (first + (last and (not arch.tied or pp > 1)))
+        gather_ahead = full_stage * b if weight_sync and tp > 1 else 0.0
+        batch = batch_bytes(cfg, last)
+        dynamic = activations + attn_scores + masks + batch + max(working, logprob, opt_temp, sync, gather_ahead)
         frag = (FRAGMENTATION if on_cuda else CPU_FRAGMENTATION) * dynamic
-        reserve = (CUDA_CONTEXT_GIB + NCCL_GIB) * GiB if on_cuda else 0.0
+        reserve = CUDA_CONTEXT_GIB * GiB if on_cuda else 0.0
 
         terms = [
             Term("params", params, ("topology.tp", "topology.pp")),
             Term("grads", grads, ("topology.tp", "topology.pp")),
             Term("optimizer state", optim, tuple(opt_keys)),
             Term("activations", activations, tuple(act_keys)),
+            Term("step batch (packed)", batch, ("train.batch_prompts", "rollout.group_size",
+                                                "rollout.max_model_len", "topology.n_trainers")),
         ]
         if attention == "mask":
             terms += [
@@ -412,8 +484,10 @@ def trainer_estimates(cfg: RunConfig, arch: Arch, weight_sync: bool = True) -> l
             Term("backward working set", working, ("train.max_tokens_per_mb", "topology.tp"), False),
             Term("log-prob chunk", logprob, ("train.logprob_chunk_tokens", "topology.tp"), False),
             Term("optimizer step temp", opt_temp, tuple(opt_keys), False),
+            Term("weight gather, TP peers", gather_ahead, ("topology.pp",), False),
             Term("weight sync buffers", sync, ("weights.bucket_mb",), False),
-            Term("CUDA context + NCCL", reserve),
+            Term("CUDA context", reserve),
+            Term("NCCL + NVLS buffers", nccl_bytes(cfg, "trainer", arch.tied), ("NCCL_NVLS_ENABLE=0",)),
             Term("fragmentation", frag, tuple(act_keys)),
         ]
         est = RankEstimate(f"trainer stage {r}", terms)
@@ -463,7 +537,8 @@ def generator_estimate(cfg: RunConfig, arch: Arch, gpu_mem_gib: float | None) ->
         Term("CUDA graphs", CUDA_GRAPHS_GIB * GiB if on_cuda and not r.enforce_eager else 0.0,
              ("rollout.enforce_eager=true",)),
         Term("weight sync buffers", buckets, ("weights.bucket_mb",)),
-        Term("CUDA context + NCCL", (CUDA_CONTEXT_GIB + NCCL_GIB) * GiB if on_cuda else 0.0),
+        Term("CUDA context", CUDA_CONTEXT_GIB * GiB if on_cuda else 0.0),
+        Term("NCCL + NVLS buffers", nccl_bytes(cfg, "generator"), ("NCCL_NVLS_ENABLE=0",)),
     ]
     est = RankEstimate("generator", terms)
     est.notes.append(f"KV budget ({budget_txt}) {kv / GiB:.1f} GiB holds {holds} sequence(s) of "

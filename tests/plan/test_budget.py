@@ -1,5 +1,4 @@
 """The step-time estimate and its preflight (areal_hpc.plan.budget): pure logic, no GPU."""
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -9,23 +8,14 @@ import pytest
 from areal_hpc import plan
 from areal_hpc.config import ConfigError, load
 from areal_hpc.plan import budget
+from tests.plan.test_memory_terms import small_config
 
 ROOT = Path(__file__).resolve().parents[2]
 R32 = ROOT / "configs/qwen2_5_32b_math.yaml"
 
-# The small Qwen2 of test_plan.py: h 64, ffn 128, 2 layers, 4 heads of 16, 2 kv heads, vocab 128.
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, tie_word_embeddings=False)
-
-
-def _small(tmp_path, *extra):
-    d = tmp_path / "model"
-    d.mkdir(exist_ok=True)
-    (d / "config.json").write_text(json.dumps(SMALL))
-    # B 8 x n 4 = 32 sequences; prompt 256 - 128 = 128 tokens, output 128 / 2 = 64: s = 192
-    return load(None, [f"model.path={d}", "data.train_path=x.jsonl", "rollout.max_model_len=256",
-                       "rollout.max_new_tokens=128", "train.batch_prompts=8", "rollout.group_size=4",
-                       "train.max_tokens_per_mb=512", *extra])
+# The small Qwen2 of test_plan.py (h 64, ffn 128, 2 layers, 4 heads of 16, 2 kv heads, vocab 128):
+# B 8 x n 4 = 32 sequences; prompt 256 - 128 = 128 tokens, output 128 / 2 = 64: s = 192.
+_small = small_config
 
 
 # By hand. Layer matmuls: qkv (4 + 2 * 2) * 16 = 128 outputs of 64 inputs + its bias, the output
