@@ -9,8 +9,9 @@ What it does: reads the run's `config.yaml`, builds a single-process trainer the
 `train.seed` as the trainer's `Actor` seeds it, `Actor` from the run's `model.path`: the initial
 policy, with the run's `train` section, group size, temperature and dtype), then for each step
 s = 0..S-1 takes the trajectories the run consumed at step s from `rollouts.h5` and calls
-`Actor.train_step(trajs, version=s)`, exactly as `train/trainer.py` does (the version of the
-weights is the number of steps trained before). It prints the replayed loss and grad_norm beside
+`Actor.train_step(trajs, version=s)`, which trains the split of the batch `train/trainer.py`
+trains (`train/shares.py:split_batch`; the version of the weights is the number of steps trained
+before). It prints the replayed loss and grad_norm beside
 the ones `metrics.jsonl` logged, and their differences.
 
 The trajectories. Each is the dict the controller handed the trainer (prompt_tokens,
@@ -38,7 +39,7 @@ Were the order unknown, the loss would still agree up to floating-point summatio
 train.ppo_minibatches = 1: the advantages are per group (GRPO, groups contiguous in any order of
 groups) and the step's loss is a token mean over the whole batch, so a different order only
 changes how sequences are packed into micro-batches. With several minibatches it would not:
-`Actor._plan_step` splits the batch with `balanced_allocate`, which breaks ties between equal
+`shares.dp_split` splits the batch with `balanced_allocate`, which breaks ties between equal
 lengths by sequence index, so another order can put other sequences into each minibatch, each
 minibatch is one optimizer step, and from the second minibatch on the loss is taken with other
 weights (the whole step's logged loss and everything after differ by a real amount, not by

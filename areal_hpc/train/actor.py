@@ -3,18 +3,23 @@
 One `train_step` is one decoupled-PPO step on a batch (AReaL's `ppo_update`):
 
     advantages (reward shaping, GRPO group norm, optional token-level norm), whole batch
-    split the batch into `ppo_minibatches` minibatches; each into data-parallel shares; each
-        share into packed micro-batches (equal counts on every data-parallel rank)
+    split the batch into `ppo_minibatches` minibatches; each into data-parallel shares
+        (`shares.split_batch`; these two lines run once, on trainer rank 0, in the trainer)
+    this rank's share of each minibatch into packed micro-batches (equal counts on every
+        data-parallel rank)  (`train_share`, on every rank)
     π_prox: one forward pass over all of them with the step's initial weights (recompute), or
         π_behav (behaviour), or AReaL's loglinear approximation inside the loss (loglinear)
     per minibatch: forward/backward over its micro-batches, one optimizer step, lr schedule step
 
-Every trainer rank gets the same whole batch, so the minibatch and data-parallel splits are
-computed alike everywhere and do not depend on the data-parallel size: DP = 2 trains on exactly
-the minibatches DP = 1 does. Loss aggregation is a token mean over the minibatch (across
-micro-batches and data-parallel ranks): each micro-batch returns its loss *sum* and token count,
-and Megatron (`calculate_per_token_loss`) divides the accumulated gradient by the minibatch's
-global token count.
+The minibatch split depends on the sequence lengths only, not on the data-parallel size: DP = 2
+trains on exactly the minibatches DP = 1 does. The trainer splits each batch once, on its rank 0,
+and sends every rank only its data-parallel share (`train_share`); `train_step` on a whole batch
+takes its share from the same split, so both train the same sequences in the same order.
+
+Loss aggregation is a token mean over the minibatch (across micro-batches and data-parallel
+ranks): each micro-batch returns its loss *sum* and token count, and Megatron
+(`calculate_per_token_loss`) divides the accumulated gradient by the minibatch's global token
+count.
 
 Micro-batches are padding-free: their sequences are concatenated into one row. With
 `train.attention` varlen (the default) each sequence attends within itself through Megatron's THD
@@ -54,13 +59,14 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from safetensors.torch import save_file
 
 from areal_hpc.algo.packing import balanced_allocate
-from areal_hpc.algo.ppo import compute_advantages, decoupled_ppo_loss, loglinear_prox_logprobs
+from areal_hpc.algo.ppo import decoupled_ppo_loss, loglinear_prox_logprobs
 from areal_hpc.config import TrainConfig
 from areal_hpc.train import megatron_model
 from areal_hpc.train.attention import packed_seq_params
 from areal_hpc.train.layout import ParallelLayout
 from areal_hpc.train.cpu_compat import CudaToCpuMode
 from areal_hpc.train.logprobs import chunked_token_logprobs
+from areal_hpc.train.shares import BatchShare, dp_split, sequence_lengths, split_batch
 
 # Files of a HF model directory that are weights (rewritten by save_hf); all others are copied.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
@@ -390,20 +396,25 @@ class Actor:
         return loss_sum, self._n_tokens(n), sums
 
     def _plan_step(self, seqs: list[dict], per_token: dict) -> list[list[_MicroBatch]]:
-        """This rank's packed micro-batches, per minibatch (see the module docstring)."""
-        lengths = [len(s["prompt_tokens"]) + len(s["output_tokens"]) for s in seqs]
-        dp, dp_rank = self.layout.dp, self.layout.dp_rank
+        """This rank's packed micro-batches, per minibatch (see the module docstring), of a
+        whole batch."""
+        per_rank = dp_split(sequence_lengths(seqs), self.cfg.ppo_minibatches, self.layout.dp)
+        return self._pack_minibatches(seqs, per_token, per_rank[self.layout.dp_rank])
+
+    def _pack_minibatches(self, seqs: list[dict], per_token: dict,
+                          minibatches: list[list[int]]) -> list[list[_MicroBatch]]:
+        """Micro-batches of each minibatch (indices into `seqs`; this rank's share), the same
+        number on every data-parallel rank."""
+        lengths = sequence_lengths(seqs)
         plan = []
-        for mb_ids in balanced_allocate(lengths, sum(lengths), min_groups=self.cfg.ppo_minibatches):
-            mb_lens = [lengths[i] for i in mb_ids]
-            shares = balanced_allocate(mb_lens, max(sum(mb_lens), 1), min_groups=dp)
-            share = [mb_ids[j] for j in shares[dp_rank]]
+        for share in minibatches:
             groups = self._plan([lengths[i] for i in share], equalise_dp=True)
             plan.append([self._pack(seqs, [share[j] for j in g], per_token) for g in groups])
         return plan
 
     def train_step(self, seqs: list[dict], version: int = 0) -> dict[str, float]:
-        """One decoupled-PPO step (`ppo_minibatches` optimizer steps) on a whole batch.
+        """One decoupled-PPO step (`ppo_minibatches` optimizer steps) on a whole batch: this
+        rank's share of it (`shares.split_batch`), trained by `train_share`.
 
         Args:
             seqs: the whole batch, identical on every trainer rank, group-contiguous
@@ -412,34 +423,44 @@ class Actor:
                 `prox="loglinear"` `versions` (the policy version of each output token).
             version: the version of the current weights (0 before the first step).
         Returns:
+            see `train_share`.
+        """
+        t0 = time.perf_counter()
+        share = split_batch(seqs, self.cfg, self.group_size, self.layout.dp)[self.layout.dp_rank]
+        return self.train_share(share, version, t0=t0)
+
+    def train_share(self, share: BatchShare, version: int = 0,
+                    t0: float | None = None) -> dict[str, float]:
+        """One decoupled-PPO step on this data-parallel rank's share of a batch (every rank of
+        the same data-parallel rank calls it with the same share; all ranks together).
+
+        Args:
+            share: this rank's `BatchShare` (`shares.split_batch` of the whole batch, on the
+                trainer's rank 0): its sequences per minibatch, with their advantages, and the
+                whole batch's statistics.
+            version: the version of the current weights (0 before the first step).
+            t0: `time.perf_counter()` when the step began (default: now).
+        Returns:
             loss (token mean over the batch), grad_norm (mean over minibatches), lr (last
             optimizer step), reward_mean (raw), adv_abs_mean, clip_frac, ratio_mean,
             imp_weight_mean, dropped_frac, approx_kl, n_tokens, n_seqs, n_micro_batches (this
             rank, all minibatches), skipped_steps (fp16 overflow), and seconds spent packing,
             recomputing π_prox, in forward/backward, in the optimizer, and in the whole step.
         """
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if t0 is None else t0
         cfg = self.cfg
-        if len(seqs) < cfg.ppo_minibatches:
-            raise ValueError(f"{len(seqs)} sequences cannot fill {cfg.ppo_minibatches} minibatches")
-        needed = ["behav_logprobs"] + (["versions"] if cfg.prox == "loglinear" else [])
-        for i, s in enumerate(seqs):
-            for key in needed:
-                if len(s[key]) != len(s["output_tokens"]):
-                    raise ValueError(f"sequence {i}: {key} and output_tokens differ in length")
-        n_out = torch.tensor([len(s["output_tokens"]) for s in seqs])
-        rewards = torch.tensor([float(s["reward"]) for s in seqs], dtype=torch.float64)
-        adv = compute_advantages(
-            rewards, n_out, self.group_size, cfg.reward_bias, cfg.reward_scaling, cfg.reward_clip,
-            cfg.reward_norm, cfg.adv_norm,
-        ).numpy()
+        seqs = [s for minibatch in share.minibatches for s in minibatch]
         per_token = {
             "behav_logprobs": [s["behav_logprobs"] for s in seqs],
-            "advantages": [np.full(len(s["output_tokens"]), a) for s, a in zip(seqs, adv)],
+            "advantages": [np.full(len(s["output_tokens"]), s["advantage"]) for s in seqs],
         }
         if cfg.prox == "loglinear":
             per_token["versions"] = [s["versions"] for s in seqs]
-        plan = self._plan_step(seqs, per_token)
+        ids, offset = [], 0
+        for minibatch in share.minibatches:
+            ids.append(list(range(offset, offset + len(minibatch))))
+            offset += len(minibatch)
+        plan = self._pack_minibatches(seqs, per_token, ids)
         t_pack = time.perf_counter() - t0
 
         # π_prox once, with the weights at the start of the step, before the first minibatch.
@@ -474,15 +495,15 @@ class Actor:
             "loss": sums["loss"] / denom,
             "grad_norm": float(np.mean(grad_norms)),
             "lr": self.optimizer.param_groups[0]["lr"],
-            "reward_mean": float(rewards.mean()),
-            "adv_abs_mean": float(np.abs(adv).mean()),
+            "reward_mean": share.reward_mean,
+            "adv_abs_mean": share.adv_abs_mean,
             "clip_frac": sums["clip_frac"] / denom,
             "ratio_mean": sums["ratio_mean"] / denom,
             "imp_weight_mean": sums["imp_weight_mean"] / max(sums["kept"], 1.0),
             "dropped_frac": sums["dropped_frac"] / denom,
             "approx_kl": sums["approx_kl"] / denom,
             "n_tokens": int(sums["n_tokens"]),
-            "n_seqs": len(seqs),
+            "n_seqs": share.n_seqs,
             "n_micro_batches": len(all_mbs),
             "skipped_steps": skipped,
             "pack_seconds": t_pack,

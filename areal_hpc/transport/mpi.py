@@ -282,14 +282,21 @@ def barrier(comm, timeout_s: float | None = None, what: str = "barrier") -> None
 def bcast(comm, obj: Any, root: int = 0, timeout_s: float | None = None, what: str = "bcast") -> Any:
     """`comm.bcast(obj, root)` (pickled objects) bounded by `timeout_s` in all: the header (size,
     piece size), then the bytes in pieces of at most MAX_MESSAGE_BYTES, each an Ibcast."""
-    import numpy as np
     if comm.Get_size() == 1:
         return obj
     if not hasattr(comm, "Ibcast"):
         return comm.bcast(obj, root=root)
-    t0 = time.monotonic()
     me = comm.Get_rank()
-    data = _dumps(obj) if me == root else None
+    buf = _bcast_bytes(comm, _dumps(obj) if me == root else None, root, timeout_s, what)
+    return obj if me == root else _loads(buf)
+
+
+def _bcast_bytes(comm, data, root: int, timeout_s: float | None, what: str,
+                 t0: float | None = None):
+    """`data` (uint8, on root) on every rank of `comm`: the header, then the pieces."""
+    import numpy as np
+    t0 = time.monotonic() if t0 is None else t0
+    me = comm.Get_rank()
     header = _header(data.size) if me == root else np.zeros(2, dtype=np.int64)
     _complete(comm.Ibcast(header, root=root), comm, "bcast (size)", what, timeout_s, t0)
     buf = data if me == root else np.empty(int(header[0]), dtype=np.uint8)
@@ -297,7 +304,7 @@ def bcast(comm, obj: Any, root: int = 0, timeout_s: float | None = None, what: s
     _complete([comm.Ibcast(p, root=root) for p in parts], comm, "bcast", what, timeout_s, t0)
     for p in parts:
         TRAFFIC.count(p.size, sent=me == root)
-    return obj if me == root else _loads(buf)
+    return buf
 
 
 def gather(comm, obj: Any, root: int = 0, timeout_s: float | None = None,
@@ -343,8 +350,9 @@ class GroupScatter:
     communicator (`peers`) whose first rank is the group's leader (`root` in its own group), and
     the leaders one (`leaders`, `root` first). `scatter` then sends each other group's part,
     pickled, point to point from `root` to that group's leader, in pieces of at most
-    MAX_MESSAGE_BYTES; each leader broadcasts it within its group (`bcast`, in pieces too).
-    Every step is non-blocking and bounded by `timeout_s`, like the collectives above.
+    MAX_MESSAGE_BYTES; each leader broadcasts those bytes within its group (as `bcast` does, in
+    pieces too). Every step is non-blocking and bounded by `timeout_s` in all, like the
+    collectives above.
     """
 
     def __init__(self, comm, group: int, root: int = 0, timeout_s: float | None = None,
@@ -385,21 +393,22 @@ class GroupScatter:
         if self.single:
             return parts[self.group]
         t0 = time.monotonic()
-        timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         if self.comm.Get_rank() == self.root:
             reqs = []
             for g, r in self.leader_of.items():
                 if r != 0:
                     reqs += _isend_bytes(self.leaders, _dumps(parts[g]), r, tag=0)
-            mine = bcast(self.peers, parts[self.group], root=0,
-                         timeout_s=timeout_s - (time.monotonic() - t0), what=what)
+            mine = parts[self.group]
+            if self.peers.Get_size() > 1:
+                _bcast_bytes(self.peers, _dumps(mine), 0, timeout_s, what, t0)
             _complete(reqs, self.leaders, "send", what, timeout_s, t0)
             return mine
-        obj = None
+        data = None     # a leader forwards the bytes it received, unpickled once, at the end
         if self.leaders is not None:
-            obj = _loads(_recv_bytes(self.leaders, 0, 0, what, timeout_s, t0))
-        return bcast(self.peers, obj, root=0, timeout_s=timeout_s - (time.monotonic() - t0),
-                     what=what)
+            data = _recv_bytes(self.leaders, 0, 0, what, timeout_s, t0)
+        if self.peers.Get_size() > 1:
+            data = _bcast_bytes(self.peers, data, 0, timeout_s, what, t0)
+        return _loads(data)
 
     def free(self) -> None:
         """Free the two communicators (collective over `comm`)."""

@@ -1,0 +1,109 @@
+"""Each trainer rank gets only its data-parallel share of a batch (`shares.split_batch` on rank
+0, `transport.mpi.GroupScatter` by data-parallel rank), equal to the split the trainer used to
+compute on every rank from the whole batch; training a sent share is bit for bit training the
+whole batch."""
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from areal_hpc.config import TrainConfig
+from areal_hpc.launch.local import mpiexec
+from areal_hpc.train.shares import split_batch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from shares_worker import CFG, GROUP_SIZE, make_batch, old_share  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("shares_worker.py")
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3, 4])
+def test_split_is_the_old_whole_batch_split(dp):
+    seqs = make_batch(seed=dp, groups=5)
+    shares = split_batch(seqs, CFG, GROUP_SIZE, dp)
+    assert len(shares) == dp
+    seen = []
+    for rank, share in enumerate(shares):
+        ids, adv = old_share(seqs, dp, rank)
+        assert [[id(s["output_tokens"]) for s in mb] for mb in share.minibatches] == \
+            [[id(seqs[i]["output_tokens"]) for i in mb] for mb in ids]
+        assert [s["advantage"] for mb in share.minibatches for s in mb] == \
+            [adv[i] for mb in ids for i in mb]
+        seen += [i for mb in ids for i in mb]
+    assert sorted(seen) == list(range(len(seqs)))       # every sequence in exactly one share
+
+
+def test_a_batch_that_cannot_be_split_is_refused():
+    seqs = make_batch(groups=1)
+    with pytest.raises(ValueError, match="cannot fill 8 minibatches"):
+        split_batch(seqs[:4], TrainConfig(ppo_minibatches=8), GROUP_SIZE, 2)
+    seqs[2] = {**seqs[2], "versions": seqs[2]["versions"][:-1]}
+    with pytest.raises(ValueError, match="sequence 2: versions"):
+        split_batch(seqs, CFG, GROUP_SIZE, 2)
+
+
+def test_a_sent_share_trains_bit_for_bit_like_the_whole_batch(megatron_ws1, model_dir):
+    """dp = 1: `train_share` on a pickled share (what a rank receives) against `train_step` on
+    the whole batch, each on a fresh Actor: the same statistics and weights, exactly."""
+    from areal_hpc.train.actor import Actor
+
+    cfg = TrainConfig(lr=1e-3, max_tokens_per_mb=64, ppo_minibatches=2, adv_norm="batch",
+                      prox="loglinear")
+    rng = np.random.default_rng(0)
+    seqs = []
+    for _ in range(8):
+        out = rng.integers(0, 128, rng.integers(1, 20)).astype(np.int32)
+        seqs.append(dict(prompt_tokens=rng.integers(0, 128, rng.integers(1, 10)).astype(np.int32),
+                         output_tokens=out, reward=float(rng.integers(0, 2)),
+                         behav_logprobs=-rng.random(len(out)).astype(np.float32) - 3,
+                         versions=np.zeros(len(out), np.int32)))
+    results = []
+    for sent in (False, True):
+        actor = Actor(cfg, model_dir, group_size=4, temperature=0.7)
+        if sent:
+            share = pickle.loads(pickle.dumps(split_batch(seqs, cfg, 4, 1)[0]))
+            stats = actor.train_share(share, version=1)
+        else:
+            stats = actor.train_step(seqs, version=1)
+        results.append((stats, actor.hf_state_dict()))
+    (a, wa), (b, wb) = results
+    for key in a:
+        if not key.endswith("seconds"):
+            assert a[key] == b[key], key
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_each_trainer_rank_receives_only_its_data_parallel_share(tmp_path):
+    """4 ranks, dp2 x tp2 and dp2 x pp2 (Megatron's groups, gloo), pieces of at most 64 KiB."""
+    env = {**os.environ, "AREAL_MPI_MAX_MESSAGE_BYTES": str(64 * 1024), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([mpiexec(), "-n", "4", sys.executable, "-m", "mpi4py", str(WORKER),
+                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env=env)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    reports = {k: json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(4)}
+    whole = reports[0]["whole_bytes"]
+    for name in ("dp2xtp2", "dp2xpp2"):
+        by_dp: dict[int, list] = {}
+        sent = reports[0][name]["part_bytes"]
+        # about half of the whole batch each (less: only the fields training reads travel)
+        assert all(0.2 * whole < b < 0.6 * whole for b in sent), (sent, whole)
+        for rank, rep in sorted(reports.items()):
+            mine = rep[name]
+            by_dp.setdefault(mine["dp_rank"], []).append(mine)
+            # rank 0 keeps its share; every other rank received its own share, nothing more
+            assert mine["received"] == (0 if rank == 0 else sent[mine["dp_rank"]]), (name, rank)
+        # two data-parallel ranks, two ranks each (the TP or PP peers), with the same share
+        assert sorted(by_dp) == [0, 1] and all(len(v) == 2 for v in by_dp.values())
+        for peers in by_dp.values():
+            assert peers[0]["seq_ids"] == peers[1]["seq_ids"]
+        assert sorted(by_dp[0][0]["seq_ids"] + by_dp[1][0]["seq_ids"]) == list(range(64))
+    # dp2 x pp2 interleaves the data-parallel ranks (rank 1 is dp 1), dp2 x tp2 does not
+    assert [reports[r]["dp2xpp2"]["dp_rank"] for r in range(4)] == [0, 1, 0, 1]
+    assert [reports[r]["dp2xtp2"]["dp_rank"] for r in range(4)] == [0, 0, 1, 1]
