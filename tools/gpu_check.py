@@ -5,6 +5,9 @@ peak memory. Results print as markdown tables (ready for BENCHMARKS.md) to stdou
     python tools/gpu_check.py [--quick]              # one GPU (bash tools/gpu_check.sh sets up)
     python tools/gpu_check.py --device cpu --tiny    # the same code paths on CPU: a dry run
 
+Imports: the standard library at module level; torch, numpy, transformers, Megatron-core and
+areal_hpc inside the checks. vLLM is not needed (the lent GPU machine has none).
+
 Checks, each timed and guarded (a failure is printed and the next check runs):
 1. Megatron-core on CUDA with NCCL (world size 1), bf16, tp = pp = 1: `Actor` builds on a small
    Qwen2 and one `train_step` runs (attention=mask, the path that needs nothing new).
@@ -240,10 +243,11 @@ def check_environment(report: Report, env: Env) -> None:
                  "transformer-engine", "vllm"):
         rows.append([dist, version(dist)])
     try:
-        from areal_hpc.train.attention import varlen_kernel
+        from areal_hpc.train.attention import varlen_call_plan, varlen_kernel
 
         dt = torch.bfloat16 if env.dtype == "bfloat16" else torch.float32
         rows.append(["varlen kernel", varlen_kernel(torch.device(env.device), dt)])
+        rows.append(["varlen_attn call", varlen_call_plan()])
     except Exception as exc:  # noqa: BLE001
         rows.append(["varlen kernel", f"unavailable ({type(exc).__name__})"])
     rows.append(["mode", f"device={env.device}, dtype={env.dtype}" + (", tiny" if env.tiny else "")])

@@ -8,9 +8,17 @@ attends within each sequence only, from the cumulative sequence lengths that Meg
 
 Kernels, chosen per device at call time:
 - CUDA: PyTorch's `torch.nn.attention.varlen.varlen_attn` (FlashAttention-2 varlen, one launch
-  for the whole pack, GQA without repeating k/v, forward and backward), when this torch has it
-  and the dtype is half precision. Otherwise (fp32 on a GPU, an older torch) one fused
-  `scaled_dot_product_attention` call per sequence (flash / memory-efficient backends).
+  for the whole pack, forward and backward), when this torch has it and the dtype is half
+  precision. Otherwise (fp32 on a GPU, an older torch) one fused `scaled_dot_product_attention`
+  call per sequence (flash / memory-efficient backends).
+  `varlen_attn`'s keywords differ between releases (torch 2.10: `is_causal`, no `scale`; 2.11:
+  `scale`, `window_size`; 2.12 and later also `enable_gqa`), so `_flash_varlen` passes only
+  what the installed function's signature names (read once, cached): causal masking as
+  `window_size=(-1, 0)` or `is_causal=True`; GQA as `enable_gqa=True`, or, where that keyword is
+  absent, k and v repeated to the query's heads (`repeat_interleave` over heads, the grouping
+  SDPA's `enable_gqa` uses: query head i reads kv head i // (heads / groups)), which gives the
+  same result at the cost of the repeated copies; a `scale` it does not take is folded into
+  the query (`q * scale * sqrt(d)`; the kernel's default is 1 / sqrt(d)), skipped when equal.
 - CPU: one `scaled_dot_product_attention(is_causal=True)` per sequence (PyTorch's CPU flash
   kernel: no `[L, L]` scores are kept).
 TransformerEngine is not used: it does not install on the CPU test platform, so no path through
@@ -24,6 +32,8 @@ relative); they differ by float rounding only.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import math
 
 import torch
@@ -50,7 +60,8 @@ def packed_seq_params(seq_lens: list[int], device) -> PackedSeqParams:
 
 def varlen_kernel(device: torch.device, dtype: torch.dtype) -> str:
     """Which kernel `PackedAttention` uses for tensors on `device` of `dtype`."""
-    if device.type == "cuda" and _varlen_attn is not None and dtype in (torch.float16, torch.bfloat16):
+    if (device.type == "cuda" and _varlen_attn is not None and dtype in (torch.float16, torch.bfloat16)
+            and not varlen_keywords(_varlen_attn).isdisjoint({"window_size", "is_causal"})):
         return "flash_varlen"
     return "sdpa_per_sequence"
 
@@ -80,12 +91,57 @@ class PackedAttention(MegatronModule):
         dropout = self.dropout if self.training else 0.0
         cu = packed_seq_params.cu_seqlens_q
         if varlen_kernel(query.device, query.dtype) == "flash_varlen" and dropout == 0.0:
-            m = int(packed_seq_params.max_seqlen_q)
-            out = _varlen_attn(query, key, value, cu, cu, m, m, scale=self.scale,
-                               window_size=(-1, 0), enable_gqa=key.shape[1] != query.shape[1])
+            out = _flash_varlen(query, key, value, cu, int(packed_seq_params.max_seqlen_q), self.scale)
         else:
             out = _sdpa_per_sequence(query, key, value, cu, self.scale, dropout)
         return out.reshape(out.shape[0], 1, -1)
+
+
+@functools.lru_cache(maxsize=None)
+def varlen_keywords(fn) -> frozenset[str]:
+    """The parameter names of `fn` (a `varlen_attn`), read once per function."""
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def varlen_call_plan(fn=None) -> str:
+    """How `_flash_varlen` calls `fn` (default the installed `varlen_attn`), in words: for the
+    GPU check's report, and to see on CPU what a torch release would get."""
+    fn = fn or _varlen_attn
+    if fn is None:
+        return "varlen_attn absent"
+    kw = varlen_keywords(fn)
+    causal = "window_size=(-1, 0)" if "window_size" in kw else "is_causal=True" if "is_causal" in kw else None
+    if causal is None:
+        return "varlen_attn takes neither window_size nor is_causal: not used"
+    return ", ".join([causal, "scale=" if "scale" in kw else "scale folded into q",
+                      "enable_gqa=True" if "enable_gqa" in kw else "GQA: k/v repeat_interleave"])
+
+
+def _flash_varlen(q, k, v, cu, max_len: int, scale: float, fn=None) -> torch.Tensor:
+    """Causal `varlen_attn` over the pack (`[T, h, d]` q, `[T, g, d]` k and v), with only the
+    keywords `fn`'s signature has (module docstring)."""
+    fn = fn or _varlen_attn
+    kw = varlen_keywords(fn)
+    kwargs = {}
+    if "window_size" in kw:
+        kwargs["window_size"] = (-1, 0)
+    elif "is_causal" in kw:
+        kwargs["is_causal"] = True
+    else:
+        raise TypeError(f"{getattr(fn, '__qualname__', fn)} takes neither window_size nor is_causal")
+    if "scale" in kw:
+        kwargs["scale"] = scale
+    elif not math.isclose(scale * math.sqrt(q.shape[-1]), 1.0, rel_tol=1e-6):
+        q = q * (scale * math.sqrt(q.shape[-1]))
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in kw:
+            kwargs["enable_gqa"] = True
+        else:
+            if q.shape[1] % k.shape[1]:
+                raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return fn(q, k, v, cu, cu, max_len, max_len, **kwargs)
 
 
 def _sdpa_per_sequence(q, k, v, cu, scale: float, dropout: float) -> torch.Tensor:
