@@ -257,6 +257,7 @@ class CheckpointConfig:
     signals: list = field(default_factory=lambda: ["USR1", "TERM"])
     signal_lead_s: float = 0.0          # seconds from the signal to the time limit (Slurm --signal=B:USR1@N) for the step-time preflight; 0 = read from the batch script
     time_limit_s: float = 0.0           # the attempt's time limit in seconds for the step-time preflight; 0 = from Slurm (SLURM_JOB_END_TIME, squeue)
+    export_chunk_mb: int = 2048         # policy/: shard size, the most a rank holds of the export
 
 
 @dataclass
@@ -492,6 +493,7 @@ RANGES: dict[str, Range] = {
     "weights.join_timeout_s": _TIMEOUT,
     "checkpoint.every_steps": Range(0, INT_MAX, why=" (0 = none on a timer)"),
     "checkpoint.keep": _COUNT,
+    "checkpoint.export_chunk_mb": Range(1, 65536),
     "checkpoint.signal_lead_s": Range(0, MAX_TIMEOUT_S, why=" (seconds; 0 = from the batch script)"),
     "checkpoint.time_limit_s": Range(0, MAX_TIMEOUT_S, why=" (seconds; 0 = from Slurm)"),
 }

@@ -38,15 +38,25 @@ def main(argv=None) -> int:
             print(f"error: {exc}", file=sys.stderr)
         return 2
 
+    export_only = False
     if cfg.checkpoint.resume == "auto":     # a rerun of a finished run: nothing to start
         from .storage.checkpoint import find_latest
+        from .train.hf_export import is_complete
         found = find_latest(cfg.run_dir, check_crc=False)
         if found and found[1]["step"] >= cfg.train.total_steps:
+            if is_complete(RunDir(cfg.run_dir).policy, found[1]["step"]):
+                if rank_env == "0":
+                    print(f"run {cfg.name} is already complete ({found[1]['step']} steps, "
+                          f"{found[0]}); raise train.total_steps to continue it, or choose "
+                          f"another name=...", flush=True)
+                return 0
+            # trained and checkpointed, but its policy/ export is missing or incomplete: the
+            # trainer ranks export it from the final checkpoint (no training, no generation)
+            export_only = True
             if rank_env == "0":
-                print(f"run {cfg.name} is already complete ({found[1]['step']} steps, "
-                      f"{found[0]}); raise train.total_steps to continue it, or choose another "
-                      f"name=...", flush=True)
-            return 0
+                print(f"run {cfg.name} is complete ({found[1]['step']} steps, {found[0]}) but "
+                      f"its policy/ export is missing or incomplete: exporting it only",
+                      flush=True)
 
     from mpi4py import MPI
 
@@ -85,8 +95,10 @@ def main(argv=None) -> int:
     # install it after their engines are up (preemption.shield_children).
     preemption.install(cfg.checkpoint.signals)
     if topo.role == TRAINER:
-        from .train.trainer import run_trainer
-        code = run_trainer(cfg, topo)
+        from .train.trainer import run_export, run_trainer
+        code = run_export(cfg, topo) if export_only else run_trainer(cfg, topo)
+    elif export_only:
+        code = 0
     else:
         from .rollout.generator import run_generator
         code = run_generator(cfg, topo)

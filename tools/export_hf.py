@@ -10,7 +10,9 @@ The checkpoint's own config gives the architecture and the tokenizer (its `model
 shards are loaded into a single-process Megatron model (dist-checkpointing reshards any TP x PP
 layout) and written with the same HF names the generators receive. Step 0, the policy the run
 started from, has no checkpoint: it is the run's `model.path` (from the run's config.yaml), put
-through the same model and writer, so every step exports alike.
+through the same model and writer, so every step exports alike. The weights are written as they
+are gathered, in shards of at most --chunk-mb (train/hf_export.py), into `<out>.partial`, renamed
+to --out when complete.
 """
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="HF directory to write")
     ap.add_argument("--step", type=int, default=None,
                     help="the checkpoint of this step in the run directory (0: the initial policy)")
+    ap.add_argument("--chunk-mb", type=int, default=None,
+                    help="shard size, the most of the model held at once beyond its parameters "
+                         "(default: the run's checkpoint.export_chunk_mb)")
     args = ap.parse_args(argv)
 
     from areal_hpc.config import ConfigError, load
@@ -82,6 +87,7 @@ def main(argv=None) -> int:
     from areal_hpc.topology import free_port
     from areal_hpc.train.actor import Actor
     from areal_hpc.train.checkpoint import load_model
+    from areal_hpc.train.hf_export import ExportError, export
     from areal_hpc.train.megatron_model import init_megatron_parallel
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
@@ -91,9 +97,17 @@ def main(argv=None) -> int:
                   temperature=cfg.rollout.temperature, dtype=cfg.model.dtype)
     if ckpt is not None:
         load_model(ckpt, actor.model)
-    actor.save_hf(str(args.out))
-    dist.destroy_process_group()
-    print(f"exported step {step} of {source} to {args.out}")
+    chunk_mb = args.chunk_mb or cfg.checkpoint.export_chunk_mb
+    try:
+        stats = export(actor, args.out, chunk_bytes=chunk_mb << 20, step=step)
+    except ExportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        dist.destroy_process_group()
+    print(f"exported step {step} of {source} to {args.out}: {stats.files} file(s), "
+          f"{stats.bytes / 2**20:.1f} MiB; at most {stats.peak_bytes / 2**20:.1f} MiB held at once "
+          f"(chunk {chunk_mb} MiB)")
     return 0
 
 

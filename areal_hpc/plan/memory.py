@@ -66,7 +66,8 @@ copy of the largest tensor, 3x); with tp > 1 the sender's TP peers in the weight
 and nothing in `WeightPublisher._join_gather` waits for the sender, so its host runs ahead by up
 to the rest of the stage; counted as every gather it may have enqueued and NCCL holds until the
 sender joins it: the whole stage's full tensors in b bytes. Synchronising the peers every
-weights.bucket_mb would bound it to a bucket). Only the largest of these counts (rows marked "(alt)").
+weights.bucket_mb would bound it to a bucket); the final HF export (`export_bytes`). Only the
+largest of these counts (rows marked "(alt)").
 
 Generator rank (one vLLM worker; `rollout.engine_tp` workers per engine)
 ----------------------------------------------------------------------
@@ -368,9 +369,17 @@ def batch_bytes(cfg: RunConfig, last_stage: bool) -> float:
     return seqs * (16 * r.max_model_len + per_out * min(r.max_new_tokens, r.max_model_len))
 
 
+def export_bytes(largest_full: float, b: int, chunk_mb: int, on_cuda: bool) -> float:
+    """The final HF export (train/hf_export.py) on a rank of a stage: streamed, it never gathers
+    the model, only one parameter at a time (its TP-gathered tensor and the HF tensors split from
+    it: twice the largest full tensor) on the device, moved to a host bucket of at most
+    `checkpoint.export_chunk_mb`; on CPU that bucket is in the same memory."""
+    return 2 * largest_full * b + (0.0 if on_cuda else chunk_mb * MiB)
+
+
 def trainer_estimates(cfg: RunConfig, arch: Arch, weight_sync: bool = True) -> list[RankEstimate]:
     """One estimate per pipeline stage; `weight_sync=False` leaves out the weight update's buffers
-    (a training step alone, as tools/bench_memory.py measures)."""
+    and the final export (a training step alone, as tools/bench_memory.py measures)."""
     t, tr = cfg.topology, cfg.train
     tp, pp = t.tp, t.pp
     dp = t.n_trainers // (tp * pp)
@@ -486,6 +495,9 @@ def trainer_estimates(cfg: RunConfig, arch: Arch, weight_sync: bool = True) -> l
             Term("optimizer step temp", opt_temp, tuple(opt_keys), False),
             Term("weight gather, TP peers", gather_ahead, ("topology.pp",), False),
             Term("weight sync buffers", sync, ("weights.bucket_mb",), False),
+            Term("final HF export", export_bytes(largest * tp, b, cfg.checkpoint.export_chunk_mb,
+                                                 on_cuda) if weight_sync else 0.0,
+                 ("checkpoint.export_chunk_mb",), False),
             Term("CUDA context", reserve),
             Term("NCCL + NVLS buffers", nccl_bytes(cfg, "trainer", arch.tied), ("NCCL_NVLS_ENABLE=0",)),
             Term("fragmentation", frag, tuple(act_keys)),

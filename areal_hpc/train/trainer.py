@@ -6,7 +6,7 @@
         decoupled-PPO update on the batch (GRPO advantages, π_prox, ppo_minibatches steps)
         version += 1; send the HF-named weights to every generator engine (one sender per
             pipeline stage) and wait until all of them run the new version
-    evaluate the final policy; stop generators; save the trained policy
+    evaluate the final policy; stop generators; checkpoint; export the policy (HF, streamed)
 
 The loop reads the same on every trainer rank: rank 0's duties (the controller, metrics,
 evaluations, TensorBoard, progress) sit behind `self.lead` (train/lead.py), which does nothing on
@@ -115,11 +115,14 @@ class Trainer:
             log.info("run %s was already complete (%d steps)", cfg.name, start)
         else:
             self.lead.evaluate("final", self.version)
-            self.actor.save_hf(self.run_dir.policy)
         self.lead.stop()                # what is still in flight lands in the buffer first
         if not complete_before:
             self._checkpoint()
         self.lead.close(self.version)
+        # The export comes after the final checkpoint: a failed one is redone from it, without
+        # training (main.py: a complete run whose policy/ is missing exports only).
+        export_policy(self.actor, cfg, self.topo.role_comm, self.version,
+                      force=not complete_before)
         return 0
 
     def _preempted(self, start: int) -> int:
@@ -147,3 +150,38 @@ class Trainer:
 
 def run_trainer(cfg: RunConfig, topo: Topology) -> int:
     return Trainer(cfg, topo).run()
+
+
+def export_policy(actor: Actor, cfg: RunConfig, comm, step: int, force: bool = True) -> None:
+    """Write the run's policy/ (collective over the trainer ranks), streamed in chunks of
+    `checkpoint.export_chunk_mb` (train/hf_export.py); unless `force`, only when policy/ is not
+    already a complete export of `step` (trainer rank 0 looks)."""
+    from . import hf_export
+    policy = RunDir(cfg.run_dir).policy
+    t = cfg.rollout.collective_timeout_s
+    if not force:
+        done = hf_export.is_complete(policy, step) if comm.Get_rank() == 0 else None
+        if coll.bcast(comm, done, root=0, timeout_s=t, what="export: is policy/ complete"):
+            return
+    hf_export.export(actor, policy, chunk_bytes=cfg.checkpoint.export_chunk_mb << 20, step=step,
+                     comm=comm, timeout_s=t)
+
+
+def run_export(cfg: RunConfig, topo: Topology) -> int:
+    """Export only: the run is complete (its final checkpoint exists) but its policy/ is not.
+    The trainer ranks load the model of the newest checkpoint (no optimizer state, no
+    generators, no weight group) and write policy/."""
+    comm, t = topo.role_comm, cfg.rollout.collective_timeout_s
+    actor = Actor(cfg.train, cfg.model.path, group_size=cfg.rollout.group_size,
+                  temperature=cfg.rollout.temperature, device=cfg.topology.device,
+                  dtype=cfg.model.dtype, layout=topo.init_trainer_layout(cfg.train.seed))
+    hit = find_latest(cfg.run_dir) if comm.Get_rank() == 0 else None
+    found = coll.bcast(comm, (str(hit[0]), hit[1]["step"]) if hit else None, root=0, timeout_s=t,
+                       what="export: the checkpoint to load (trainer rank 0 validates it)")
+    if found is None:
+        raise RuntimeError(f"{cfg.run_dir}: no valid checkpoint to export")
+    checkpoint.load_model(Path(found[0]), actor.model)
+    log.info("exporting the policy of %s (step %d) to %s", found[0], found[1],
+             RunDir(cfg.run_dir).policy)
+    export_policy(actor, cfg, comm, found[1])
+    return 0

@@ -20,18 +20,18 @@ def megatron_ws1():
         init_megatron_parallel(tp=1, pp=1, seed=0, backend="gloo")
 
 
-def _tiny_qwen2_dir(path, tie: bool) -> str:
-    """A random 2-layer Qwen2 (vocab 128, GQA, informative biases) saved as a HF directory."""
+def _tiny_qwen2_dir(path, tie: bool, **shape) -> str:
+    """A random 2-layer Qwen2 (vocab 128, GQA, informative biases) saved as a HF directory;
+    `shape` overrides Qwen2Config fields (a bigger model)."""
     import json
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=tie,
-    )
+    cfg = Qwen2Config(**{
+        **dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+        **shape, "tie_word_embeddings": tie})
     model = Qwen2ForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -36,7 +36,10 @@ def run_case(model_dir, tp, pp, cfg, actor_kw, batches) -> dict:
     return out
 
 
-def main() -> None:
+def each_case():
+    """Join the gloo world of `sys.argv` (RANK WORLD_SIZE PORT WORKDIR) and, for each case of
+    WORKDIR/in.pkl, rebuild Megatron's parallel state for it; yields (case, spec, the path of
+    this rank's output). Also used by export_worker.py."""
     rank, world, port, work = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -50,11 +53,16 @@ def main() -> None:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         init_megatron_parallel(case["tp"], case["pp"], seed=spec["cfg"].seed, backend="gloo")
+        yield case, spec, f"{work}/{case['tag']}.{rank}.pkl"
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    for case, spec, out_path in each_case():
         cfg = dataclasses.replace(spec["cfg"], **case.get("train", {}))
         out = run_case(case["model_dir"], case["tp"], case["pp"], cfg, spec["actor"], case["batches"])
-        with open(f"{work}/{case['tag']}.{rank}.pkl", "wb") as f:
+        with open(out_path, "wb") as f:
             pickle.dump(out, f)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
