@@ -75,7 +75,7 @@ Weights `params * b / engine_tp`; KV cache `2 * layers * max(1, kv_heads / engin
 per token. vLLM's budget is `rollout.gpu_memory_utilization * GPU memory` (or weights +
 activations + `rollout.kv_cache_gib` when that is set): weights + profile activations + the KV
 cache. The KV cache the config asks for is `min(max_concurrent_prompts * group_size /
-n_generators, VLLM_MAX_NUM_SEQS)` sequences of `rollout.max_model_len` tokens; the table reports
+n_generators, max_num_seqs)` sequences of `rollout.max_model_len` tokens; the table reports
 how many the budget holds. Refused when it cannot hold one sequence (vLLM would not start) or
 when the budget plus what lies outside it (CUDA context, NCCL, CUDA graphs, two weight buckets)
 exceeds the GPU; fewer sequences than asked is a note (vLLM queues the rest).
@@ -100,7 +100,8 @@ NVLS_COMM_GIB = 0.25      NVLink SHARP buffers (NVSwitch nodes: H100/H200/B200; 
 FRAGMENTATION = 0.10      caching-allocator fragmentation, on the dynamic part (activations and
                           working sets; parameter/gradient buffers are contiguous)
 CUDA_GRAPHS_GIB = 1.5     vLLM CUDA graphs (rollout.enforce_eager=false), outside its budget
-VLLM_MAX_NUM_SEQS = 128, VLLM_MAX_BATCHED_TOKENS = 2048: vLLM's defaults for
+VLLM_MAX_NUM_SEQS = 128, VLLM_MAX_BATCHED_TOKENS = 2048: vLLM's defaults (unless
+                          rollout.max_num_seqs / max_num_batched_tokens set them) for
                           `LLMEngine.from_engine_args` (which the generator uses, no override)
 On CPU (tools/bench_memory.py) there is no CUDA context or NCCL and the fragmentation constant is
 `CPU_FRAGMENTATION`.
@@ -509,6 +510,13 @@ def trainer_estimates(cfg: RunConfig, arch: Arch, weight_sync: bool = True) -> l
     return stages
 
 
+def vllm_limits(cfg: RunConfig) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) of one vLLM engine: the rollout keys, else vLLM's
+    defaults for `LLMEngine.from_engine_args`."""
+    r = cfg.rollout
+    return r.max_num_seqs or VLLM_MAX_NUM_SEQS, r.max_num_batched_tokens or VLLM_MAX_BATCHED_TOKENS
+
+
 def kv_bytes_per_token(arch: Arch, dtype_bytes: int, engine_tp: int = 1) -> int:
     """KV-cache bytes one token takes on one vLLM worker of an engine over `engine_tp` GPUs
     (K and V of every layer; kv heads split over the workers, at least one each)."""
@@ -524,10 +532,10 @@ def generator_estimate(cfg: RunConfig, arch: Arch, gpu_mem_gib: float | None) ->
     kv_per_token = kv_bytes_per_token(arch, b, etp)
     h, hd, ffn = arch.hidden, arch.head_dim, arch.ffn
     qkv = (arch.heads + 2 * arch.kv_heads) * hd
-    act = VLLM_MAX_BATCHED_TOKENS * b * (2 * qkv / etp + 6 * ffn / etp + 6 * h) \
-        + VLLM_MAX_NUM_SEQS * arch.vocab * 4 * 4
+    max_seqs, max_tokens = vllm_limits(cfg)
+    act = max_tokens * b * (2 * qkv / etp + 6 * ffn / etp + 6 * h) + max_seqs * arch.vocab * 4 * 4
     asked = math.ceil(r.max_concurrent_prompts * r.group_size / t.n_generators)
-    seqs = min(asked, VLLM_MAX_NUM_SEQS)
+    seqs = min(asked, max_seqs)
     per_seq = kv_per_token * r.max_model_len
     kv_need = seqs * per_seq
     buckets = 2 * cfg.weights.bucket_mb * MiB
@@ -556,8 +564,8 @@ def generator_estimate(cfg: RunConfig, arch: Arch, gpu_mem_gib: float | None) ->
     est.notes.append(f"KV budget ({budget_txt}) {kv / GiB:.1f} GiB holds {holds} sequence(s) of "
                      f"rollout.max_model_len={r.max_model_len} ({per_seq / GiB:.2f} GiB each); the config "
                      f"asks {asked} per engine (max_concurrent_prompts x group_size / n_generators)"
-                     + (f", vLLM runs at most {VLLM_MAX_NUM_SEQS} (max_num_seqs)"
-                        if asked > VLLM_MAX_NUM_SEQS else "")
+                     + (f", vLLM runs at most {max_seqs} (rollout.max_num_seqs)"
+                        if asked > max_seqs else "")
                      + f": {kv_need / GiB:.1f} GiB at full length")
     if holds < seqs:
         est.notes.append(f"the KV cache holds {holds} of {seqs} sequences at full length: vLLM queues "

@@ -20,7 +20,7 @@ Model
   rollout.max_staleness, forced to 0 by rollout.mode=sync; nothing is issued for a step past
   the simulated ones).
 - An engine runs at most C sequences at once, C = min(max_concurrent_prompts n / G,
-  VLLM_MAX_NUM_SEQS, kv_tokens / (prompt_len + mean output len)) (the KV budget, when the
+  max_num_seqs, kv_tokens / (prompt_len + mean output len)) (the KV budget, when the
   memory model can tell it); the rest wait in its queue (vLLM's scheduler).
 - Decode with c running sequences: engine tokens/s T(c) = peak c / (c + c_half), every running
   sequence advancing at T(c) / c = peak / (c + c_half). `Rates.gen_tok_s` is T(C), the rate of
@@ -75,7 +75,7 @@ from ..config import ConfigError, RunConfig
 from ..launch.cpus import parse_cpus
 from ..rollout.staleness import ReadyBuffer, StaleGroups, StalenessManager, staleness_of
 from ..storage import run_dir as run_files
-from .memory import _BYTES, VLLM_MAX_NUM_SEQS, generator_estimate, kv_bytes_per_token, read_arch
+from .memory import _BYTES, generator_estimate, kv_bytes_per_token, read_arch, vllm_limits
 
 Z99 = 2.3263478740408408            # standard normal quantile of 0.99
 ETAS = (0, 1, 2, 4, 8)
@@ -183,7 +183,7 @@ class Setup:
                     n_generators: int | None = None, kv_scale: float = 1.0) -> "Setup":
         r, t = cfg.rollout, cfg.topology
         g = n_generators or t.n_generators
-        limit = min(math.ceil(r.max_concurrent_prompts * r.group_size / g), VLLM_MAX_NUM_SEQS)
+        limit = min(math.ceil(r.max_concurrent_prompts * r.group_size / g), vllm_limits(cfg)[0])
         if kv_tokens is None:
             kv_tokens = kv_budget_tokens(cfg)
         if kv_tokens:
@@ -686,7 +686,7 @@ def assumed_rates(cfg: RunConfig, lengths: "Lengths | None" = None) -> tuple[flo
     train_tok_s = cfg.topology.n_trainers * GPU_BF16_FLOPS * TRAIN_MFU / flops
     r = cfg.rollout
     c = max(1, min(math.ceil(r.max_concurrent_prompts * r.group_size / cfg.topology.n_generators),
-                   VLLM_MAX_NUM_SEQS))
+                   vllm_limits(cfg)[0]))
     mean_len = lengths.mean(r.max_new_tokens) if lengths is not None else r.max_new_tokens / 2
     prompt = lengths.prompt_len if lengths is not None else 0.0
     kv_per_token = kv_bytes_per_token(arch, 2)      # bf16, the whole engine

@@ -36,7 +36,7 @@ from ..topology import CONTROLLER_RANK, Topology
 from ..transport import messages as msgs
 from ..transport.mpi import Channel
 from .liveness import ControllerWatch, Pacer
-from .vllm_engine import FinishedSample, VLLMEngine
+from .vllm_engine import FinishedSample, VLLMEngine, engine_options
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +106,8 @@ class Generator:
         from ..reward.sandbox import check_available
         check_available(cfg)  # on this node: code rewards need the sandbox (or the unsafe opt-out)
         r = cfg.rollout
-        self.engine = VLLMEngine(
-            cfg.model.path, dtype=cfg.model.dtype, max_model_len=r.max_model_len,
-            seed=cfg.train.seed + topo.rank, enforce_eager=r.enforce_eager,
-            kv_cache_gib=r.kv_cache_gib, gpu_memory_utilization=r.gpu_memory_utilization,
-            tensor_parallel_size=topo.engine_tp)
+        self.engine = VLLMEngine(cfg.model.path, dtype=cfg.model.dtype, seed=cfg.train.seed + topo.rank,
+                                 tensor_parallel_size=topo.engine_tp, **engine_options(r))
         if cfg.weights.mode == "broadcast":
             self.engine.init_weight_group(topo.weight_group_address(cfg.weights),
                                           topo.weight_group_rank)

@@ -80,6 +80,15 @@ class _Request:
     attempt: int = 0  # resubmissions so far; part of the vLLM request id
 
 
+def engine_options(r) -> dict:
+    """`VLLMEngine` keyword arguments from a run's `rollout` section (RolloutConfig): lengths,
+    memory and the scheduler's limits (max_num_seqs, max_num_batched_tokens; None = vLLM's
+    defaults)."""
+    return dict(max_model_len=r.max_model_len, enforce_eager=r.enforce_eager,
+                kv_cache_gib=r.kv_cache_gib, gpu_memory_utilization=r.gpu_memory_utilization,
+                max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens)
+
+
 @contextlib.contextmanager
 def _child_process_environment() -> Iterator[None]:
     """Start vLLM's children with spawn and without the MPI job's environment.
