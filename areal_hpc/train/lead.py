@@ -4,7 +4,8 @@ the same on every rank.
 Trainer rank 0 is the `Lead`: it owns the controller (prompts out, groups in, the batch, weight
 notices, evaluations), the run directory's files (metrics.jsonl, eval.json, generators.json),
 TensorBoard and the progress display. Every other trainer rank holds a `Follower`, whose methods
-do nothing and return nothing: the batch reaches it through the trainer's broadcast.
+do nothing and return nothing: its data-parallel share of each batch reaches it from rank 0
+(`Trainer._batch`).
 """
 from __future__ import annotations
 

@@ -3,7 +3,9 @@
     evaluate the initial policy on held-out prompts
     for step in 0..total_steps-1:
         batch ← controller: B groups, each at most η versions old   (generators never wait)
-        decoupled-PPO update on the batch (GRPO advantages, π_prox, ppo_minibatches steps)
+            split on rank 0 (advantages, minibatches, data-parallel shares); each trainer rank
+            receives only its data-parallel share
+        decoupled-PPO update on the share (π_prox, ppo_minibatches steps)
         version += 1; send the HF-named weights to every generator engine (one sender per
             pipeline stage) and wait until all of them run the new version
     evaluate the final policy; stop generators; checkpoint; export the policy (HF, streamed)
@@ -26,6 +28,7 @@ from ..transport import mpi as coll
 from . import checkpoint
 from .actor import Actor
 from .lead import lead_of
+from .shares import BatchShare, split_batch
 from .weight_publisher import WeightPublisher
 
 log = logging.getLogger(__name__)
@@ -42,6 +45,10 @@ class Trainer:
         self.resumed = self._resume() if cfg.checkpoint.resume == "auto" else None
         self.lead = lead_of(cfg, topo, self.resumed["controller"] if self.resumed else None)
         self.publisher = WeightPublisher.for_trainer(cfg, topo, self.actor, self.lead.controller)
+        # each batch: rank 0 -> one rank per data-parallel rank -> its TP/PP peers
+        self.shares = coll.GroupScatter(topo.role_comm, group=self.actor.layout.dp_rank,
+                                        timeout_s=cfg.rollout.collective_timeout_s,
+                                        what="the trainer's batch route")
 
     # -- checkpoints ------------------------------------------------------------------------------
     def _resume(self) -> dict | None:
@@ -78,12 +85,28 @@ class Trainer:
                         config_yaml=to_yaml(self.cfg), keep=self.cfg.checkpoint.keep,
                         comm=self.topo.role_comm)
 
-    def _batch(self) -> tuple[list[dict] | None, dict | None]:
-        """Rank 0 gathers the batch from the controller; every trainer rank gets all of it (the
-        Actor splits it into minibatches and data-parallel shares, alike on every rank)."""
-        return coll.bcast(self.topo.role_comm, self.lead.batch(), root=0,
-                          timeout_s=self.cfg.rollout.collective_timeout_s,
-                          what=f"the batch of step {self.version} (trainer rank 0 waits for it)")
+    def _batch(self) -> tuple[BatchShare | None, dict | None]:
+        """Rank 0 gathers the batch from the controller and splits it (advantages, batch
+        statistics, minibatches, data-parallel shares: `shares.split_batch`); every trainer
+        rank receives only its data-parallel share (TP/PP peers the same one), in messages of
+        at most `transport.mpi.MAX_MESSAGE_BYTES` (`GroupScatter`). Returns (share, the
+        controller's batch statistics on rank 0, None elsewhere); (None, stats) when a
+        preemption signal arrived. A batch that cannot be split raises on every rank."""
+        layout = self.actor.layout
+        parts = None
+        trajs, stats = self.lead.batch()
+        if self.topo.is_controller:
+            try:
+                parts = ([None] * layout.dp if trajs is None else
+                         split_batch(trajs, self.cfg.train, self.cfg.rollout.group_size, layout.dp))
+            except ValueError as exc:       # every rank raises it, none waits for a share
+                parts = [exc] * layout.dp
+        share = self.shares.scatter(
+            parts, timeout_s=self.cfg.rollout.collective_timeout_s,
+            what=f"the batch of step {self.version} (trainer rank 0 waits for it)")
+        if isinstance(share, Exception):
+            raise share
+        return share, stats
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> int:
@@ -97,10 +120,10 @@ class Trainer:
             self.publisher.publish(self.version)    # generators start from the checkpoint's weights
         self.lead.begin(self.version, resumed=bool(self.resumed))
         for step in range(start, total):
-            trajs, stats = self._batch()                    # B groups, none older than η
-            if trajs is None:                               # preempted: stop, checkpoint, requeue
+            share, stats = self._batch()                    # B groups, none older than η
+            if share is None:                               # preempted: stop, checkpoint, requeue
                 return self._preempted(start)
-            train_stats = self.actor.train_step(trajs, self.version)  # decoupled PPO
+            train_stats = self.actor.train_share(share, self.version)  # decoupled PPO
             self.version = step + 1
             weight_sync_s = self.publisher.publish(self.version)  # generators go on with it
             self.lead.trained(step, self.version, stats, train_stats, weight_sync_s)
