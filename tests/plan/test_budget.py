@@ -158,3 +158,14 @@ def test_launch_env_refuses_a_step_longer_than_the_lead():
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: checkpoint.signal_lead_s: a step"), lines
     assert r.stdout == ""
+
+
+def test_1_5b_recipe_fits_its_batch_scripts_lead():
+    cfg = load(ROOT / "configs/qwen2_5_1_5b_math.yaml", ["checkpoint.time_limit_s=86400"])
+    lead = budget.lead_from_script((ROOT / "slurm/areal_1_5b.sh").read_text(), ["USR1"])
+    est = budget.estimate_time(cfg)
+    assert cfg.topology.gpu == "h100" and est.step_s + est.ckpt_s < lead
+    got, warn = _lines()
+    assert budget.check_time(load(ROOT / "configs/qwen2_5_1_5b_math.yaml",
+                                  [f"checkpoint.signal_lead_s={lead}", "checkpoint.time_limit_s=86400"]),
+                             env={}, warn=warn) is not None and got == []
