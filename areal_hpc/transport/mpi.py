@@ -10,9 +10,11 @@ background, never a blocking call, so neither side stalls the other. The control
 generator a CONTROLLER_HEARTBEAT at least every rollout.heartbeat_s; a generator that hears
 nothing for rollout.generator_timeout_s ends itself (the trainer is gone).
 
-Every numpy array of a message is its own MPI message there; a trajectory's arrays hold one
-sequence each (4 bytes a token), so no Channel message nears the 2 GiB that MPIs without MPI-4
-large counts (Open MPI 4/5, Cray MPICH) cannot carry in one message.
+Sizes: pkl5 sends a message's pickle stream (arrays under 256 KiB inside it) and each larger
+array as one MPI message each, with a derived datatype (BigMPI) above 2**31 - 1 bytes, so no MPI
+count overflows on MPIs without MPI-4 large counts (Open MPI 4/5, Cray MPICH). A `Group` holds
+one group's sequences (megabytes); the largest message is the `Partial` at a preemption (every
+group in flight). These are not cut to MAX_MESSAGE_BYTES (below); the trainer's batch is.
 
 Collectives: `bcast`, `gather` and `barrier` below are the bounded forms the ranks use instead of
 the blocking mpi4py calls (see `CollectiveTimeout`); `GroupScatter` hands each group of ranks its
