@@ -107,3 +107,33 @@ def test_each_trainer_rank_receives_only_its_data_parallel_share(tmp_path):
     # dp2 x pp2 interleaves the data-parallel ranks (rank 1 is dp 1), dp2 x tp2 does not
     assert [reports[r]["dp2xpp2"]["dp_rank"] for r in range(4)] == [0, 1, 0, 1]
     assert [reports[r]["dp2xtp2"]["dp_rank"] for r in range(4)] == [0, 0, 1, 1]
+
+
+def test_the_trainers_batch_is_a_share_none_at_a_preemption_and_a_bad_batch_raises():
+    """`Trainer._batch` on a single trainer rank (MPI.COMM_SELF, no copy of the share)."""
+    from types import SimpleNamespace
+
+    from mpi4py import MPI
+
+    from areal_hpc.train.layout import ParallelLayout
+    from areal_hpc.train.trainer import Trainer
+    from areal_hpc.transport import mpi as coll
+
+    seqs = make_batch(groups=3)
+    batches = iter([(seqs, {"rows": [1]}), (None, {"rows": []}), (seqs[:1], {"rows": [2]})])
+    t = object.__new__(Trainer)
+    t.cfg = SimpleNamespace(train=CFG, rollout=SimpleNamespace(group_size=GROUP_SIZE,
+                                                               collective_timeout_s=10.0))
+    t.topo = SimpleNamespace(is_controller=True)
+    t.actor = SimpleNamespace(layout=ParallelLayout(1, 1, 1, 0, 0, 0))
+    t.lead = SimpleNamespace(batch=lambda: next(batches))
+    t.version = 0
+    t.shares = coll.GroupScatter(MPI.COMM_SELF, group=0)
+    share, stats = t._batch()
+    want = split_batch(seqs, CFG, GROUP_SIZE, 1)[0]
+    assert stats == {"rows": [1]} and share.n_seqs == len(seqs) == want.n_seqs
+    assert [[id(s["output_tokens"]) for s in mb] for mb in share.minibatches] == \
+        [[id(s["output_tokens"]) for s in mb] for mb in want.minibatches]
+    assert t._batch() == (None, {"rows": []})
+    with pytest.raises(ValueError, match="cannot fill 2 minibatches"):
+        t._batch()

@@ -77,17 +77,18 @@ def main() -> None:
     report["bcast_expected_received"] = sum(b for root, b in enumerate(pickled) if root != me)
 
     # GroupScatter: two groups, interleaved (dp2 x pp2: dp rank = rank % 2) and in blocks
-    # (dp2 x tp2: dp rank = rank // 2); each group's part of a different size
-    for name, group in (("interleaved", me % 2), ("blocks", me // 2)):
+    # (dp2 x tp2: dp rank = rank // 2), each group's part of a different size; one group (dp1)
+    for name, group, groups in (("interleaved", me % 2, 2), ("blocks", me // 2, 2),
+                                ("one", 0, 1)):
         route = coll.GroupScatter(comm, group, timeout_s=BOUND)
-        parts = {g: payload(100 + g, 10_000 * (g + 1)) for g in range(2)} if me == 0 else None
+        parts = {g: payload(100 + g, 10_000 * (g + 1)) for g in range(groups)} if me == 0 else None
         before = coll.TRAFFIC.received_bytes
         got = route.scatter(parts, timeout_s=BOUND, what=f"test scatter {name}")
         assert same(got, payload(100 + group, 10_000 * (group + 1))), f"{name}: wrong part"
         report[f"{name}_received"] = coll.TRAFFIC.received_bytes - before
         report[f"{name}_part_bytes"] = len(coll._dumps(got))
         if me == 0:
-            assert route.groups == [0, 1]
+            assert route.groups == list(range(groups))
         route.free()
     report["messages"], report["largest"] = len(sizes), max(sizes)
     report["traffic_largest"] = coll.TRAFFIC.largest_message

@@ -30,7 +30,7 @@ def test_large_payloads_go_in_pieces_below_the_limit():
         assert rep["bcast_messages"] == rep["bcast_expected_messages"] > 4 * 100, rep
         # a rank receives the three payloads it is not the root of, intact (checked there)
         assert rep["bcast_received"] == rep["bcast_expected_received"] > 3 * 100_000, rep
-        for name in ("interleaved", "blocks"):
+        for name in ("interleaved", "blocks", "one"):
             # root keeps its own part; every other rank receives its group's part, only that
             received, part = rep[f"{name}_received"], rep[f"{name}_part_bytes"]
             assert received == (0 if rank == 0 else part), (name, rep)
