@@ -21,7 +21,8 @@ so every row the state refers to is on disk. Only the newest `keep` checkpoints 
 A save is `begin_save` (the empty folder), the shards, then `finish_save` (state.h5, manifest,
 pruning), both collective over the trainer ranks (the MPI trainer communicator); a load reads
 `read_state` and restores each rank's RNG states with `restore_rng`. `find_latest` runs on one
-rank. Nothing here knows a model or an optimizer.
+process, or collectively over the trainer ranks, which then split the CRC-32 checks of each
+candidate's files by bytes (`split_files`). Nothing here knows a model or an optimizer.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ import shutil
 import time
 import zlib
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Callable
 
 import h5py
 import numpy as np
@@ -83,11 +84,17 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
 # ---------------------------------------------------------------------------- checksums
 
 def crc32_file(path: Path, chunk: int = 1 << 24) -> int:
-    crc = 0
+    return _crc32_counted(path, chunk)[0]
+
+
+def _crc32_counted(path: Path, chunk: int = 1 << 24) -> tuple[int, int]:
+    """The CRC-32 of the file at `path` and how many bytes were read for it."""
+    crc, n = 0, 0
     with open(path, "rb") as f:
         while block := f.read(chunk):
             crc = zlib.crc32(block, crc)
-    return crc
+            n += len(block)
+    return crc, n
 
 
 def _files(ckpt: Path) -> list[str]:
@@ -137,7 +144,19 @@ def validate(ckpt: Path, check_crc: bool = True) -> dict:
     """The manifest of a complete checkpoint; CheckpointError naming what is wrong otherwise
     (no manifest, a manifest that is not JSON or not of the schema `write_manifest` writes, a file
     name that leads out of the folder, a file missing, of another size or CRC-32, a file on
-    disk that the manifest does not list)."""
+    disk that the manifest does not list). One process reads every file for the CRC-32s;
+    `find_latest` with a communicator splits them over the ranks."""
+    manifest = _validate_listing(ckpt)
+    if check_crc:
+        bad = _verify_crc(ckpt, [(rel, meta["crc32"]) for rel, meta in manifest["files"].items()])
+        if bad["error"] is not None:
+            raise CheckpointError(bad["error"])
+    return manifest
+
+
+def _validate_listing(ckpt: Path) -> dict:
+    """`validate` without the CRC-32s: the manifest, and every file it lists there with its size,
+    nothing else (metadata only, no file is read but the manifest)."""
     mpath = ckpt / MANIFEST
     if not mpath.is_file():
         raise CheckpointError(f"{ckpt}: no {MANIFEST} (the save did not finish)")
@@ -155,8 +174,6 @@ def validate(ckpt: Path, check_crc: bool = True) -> dict:
             if size != meta["size"]:
                 raise CheckpointError(f"{ckpt}: {rel} has {size} bytes, the manifest says "
                                       f"{meta['size']}")
-            if check_crc and crc32_file(p) != meta["crc32"]:
-                raise CheckpointError(f"{ckpt}: {rel} fails its CRC-32 check (corrupted)")
         extra = sorted(set(_files(ckpt)) - set(manifest["files"]))
     except OSError as exc:
         raise CheckpointError(f"{ckpt}: unreadable ({exc})") from None
@@ -166,33 +183,230 @@ def validate(ckpt: Path, check_crc: bool = True) -> dict:
     return manifest
 
 
+def _verify_crc(ckpt: Path, files: list[tuple[str, int]]) -> dict:
+    """Check the CRC-32 of `files` ([(relative path, expected CRC-32)], in the manifest's order),
+    stopping at the first that fails. Returns {"error": the message naming it or None, "file": its
+    path or None, "bytes": how many bytes were read, "files": how many files were checked}."""
+    read = checked = 0
+    for rel, want in files:
+        try:
+            crc, n = _crc32_counted(ckpt / rel)
+        except OSError as exc:
+            return {"error": f"{ckpt}: unreadable ({exc})", "file": rel, "bytes": read,
+                    "files": checked}
+        read, checked = read + n, checked + 1
+        if crc != want:
+            return {"error": f"{ckpt}: {rel} fails its CRC-32 check (corrupted)", "file": rel,
+                    "bytes": read, "files": checked}
+    return {"error": None, "file": None, "bytes": read, "files": checked}
+
+
 def _no_constant(name: str):
     raise ValueError(f"{name} is not a number here")
 
 
-def find_latest(run_dir: str | os.PathLike, check_crc: bool = True) -> tuple[Path, dict] | None:
+def find_latest(run_dir: str | os.PathLike, check_crc: bool = True, comm=None, *,
+                owner: Callable[[str], int | None] | None = None, timeout_s: float | None = None,
+                stats: dict | None = None) -> tuple[Path, dict] | None:
     """The newest valid checkpoint and its manifest, or None. Every newer folder that is not
     valid (`validate`, and a state.h5 that `read_state` accepts, of the manifest's step) is
-    reported (a warning naming it and why) and passed over; this never raises."""
+    reported (a warning naming it and why) and passed over; this never raises (but for a
+    collective that times out: a rank hung or gone).
+
+    Args:
+        comm: None (or one rank): this process alone reads every file for the CRC-32s. The MPI
+            communicator of the trainer ranks: collective, every rank calls it and gets the same
+            answer. Rank 0 lists the folders and checks each candidate's manifest and file sizes;
+            the CRC-32 checks of its files are split over the ranks (`split_files`), each rank
+            reads its part, the verdicts meet on rank 0 (one bounded gather) and a checkpoint
+            with a file that fails is passed over on every rank, the next older one tried.
+        owner: see `split_files` (which rank reads a file itself when loading).
+        timeout_s: the bound of each collective (None: transport.mpi's default); where a rank
+            may still be reading its part, plus that part's bytes at CRC_FLOOR_BYTES_PER_S.
+        stats: a dict, filled with what this rank did: "bytes" and "files" read for CRC-32s
+            (over every candidate), "rejected" the messages of the folders passed over.
+    """
+    if stats is not None:
+        stats.update(bytes=0, files=0, rejected=[])
+    if comm is None or comm.Get_size() == 1:
+        return _find_latest_here(run_dir, check_crc, stats)
+    if comm.Get_rank() == 0:
+        return _find_latest_root(run_dir, check_crc, comm, owner, timeout_s, stats)
+    return _find_latest_other(comm, timeout_s, stats)
+
+
+# The gather of the CRC-32 verdicts waits for the slowest rank's reads: its bound is the
+# collective's plus the time to read the largest part at this rate (a slow shared file system).
+CRC_FLOOR_BYTES_PER_S = 32 << 20
+# `split_files` keeps the files with an owner on their owner unless that makes the largest part
+# more than this many times the largest part of the split by bytes alone.
+_OWNER_SLACK = 1.25
+
+
+def split_files(sizes: dict[str, int], n: int,
+                owner: Callable[[str], int | None] | None = None) -> list[list[str]]:
+    """The files of a checkpoint ({relative path: size}) split over `n` ranks for their CRC-32
+    checks: every file in exactly one part, the parts balanced by bytes, the same on every rank
+    (it depends on the names and sizes only). Greedy: the largest file first (ties: by name)
+    onto the least-loaded rank (ties: the lowest). `owner(rel)`, a rank or None: the files that
+    rank reads itself on load (its own shard files) go to it, the others by bytes after them;
+    unless that leaves the largest part over _OWNER_SLACK times the largest of the split by bytes
+    alone, which is then used. Each part lists its files in the order of `sizes`."""
+    if n < 1:
+        raise ValueError(f"split over {n} ranks")
+
+    def greedy(loads: list[int], parts: list[list[str]], rels) -> list[int]:
+        for rel in sorted(rels, key=lambda r: (-sizes[r], r)):
+            k = min(range(n), key=lambda i: (loads[i], i))
+            parts[k].append(rel)
+            loads[k] += sizes[rel]
+        return loads
+
+    chosen: list[list[str]] = [[] for _ in range(n)]
+    by_bytes = greedy([0] * n, chosen, sizes)
+    if owner is not None:
+        parts: list[list[str]] = [[] for _ in range(n)]
+        loads, rest = [0] * n, []
+        for rel in sizes:
+            k = owner(rel)
+            if _is_int(k) and 0 <= k < n:
+                parts[k].append(rel)
+                loads[k] += sizes[rel]
+            else:
+                rest.append(rel)
+        if max(greedy(loads, parts, rest)) <= _OWNER_SLACK * max(by_bytes):
+            chosen = parts
+    order = {rel: i for i, rel in enumerate(sizes)}
+    return [sorted(part, key=order.__getitem__) for part in chosen]
+
+
+def _folders(run_dir) -> list[Path]:
     try:
-        folders = list_checkpoints(run_dir)
+        return list_checkpoints(run_dir)
     except OSError as exc:
         log.warning("cannot list the checkpoints of %s: %s", run_dir, exc)
-        return None
-    for ckpt in folders:
+        return []
+
+
+def _skip(ckpt: Path, exc: Exception, rejected: list[str]) -> None:
+    """Report a checkpoint passed over (a warning) and note why in `rejected`."""
+    why = str(exc) if isinstance(exc, CheckpointError) else f"{ckpt}: {type(exc).__name__}: {exc}"
+    log.warning("skipping checkpoint: %s; trying the previous one", why)
+    rejected.append(why)
+
+
+def _check_state(ckpt: Path, manifest: dict) -> None:
+    state = read_state(ckpt / STATE)
+    if state["step"] != manifest["step"]:
+        raise CheckpointError(f"{ckpt}: {STATE} is of step {state['step']}, the "
+                              f"{MANIFEST} of step {manifest['step']}")
+
+
+def _count(stats: dict | None, verdict: dict) -> None:
+    if stats is not None:
+        stats["bytes"] += verdict["bytes"]
+        stats["files"] += verdict["files"]
+
+
+def _verify_part(ckpt: Path, files: list[tuple[str, int]]) -> dict:
+    """`_verify_crc`, never raising: a verdict for the gather."""
+    try:
+        return _verify_crc(ckpt, files)
+    except Exception as exc:        # noqa: BLE001 -- the verdict of this rank, not a crash
+        return {"error": f"{ckpt}: {type(exc).__name__}: {exc}", "file": None, "bytes": 0,
+                "files": 0}
+
+
+def _find_latest_here(run_dir, check_crc: bool, stats: dict | None):
+    rejected = stats["rejected"] if stats is not None else []
+    for ckpt in _folders(run_dir):
         try:
-            manifest = validate(ckpt, check_crc)
-            state = read_state(ckpt / STATE)
-            if state["step"] != manifest["step"]:
-                raise CheckpointError(f"{ckpt}: {STATE} is of step {state['step']}, the "
-                                      f"{MANIFEST} of step {manifest['step']}")
+            manifest = _validate_listing(ckpt)
+            if check_crc:
+                verdict = _verify_crc(ckpt, [(rel, m["crc32"])
+                                             for rel, m in manifest["files"].items()])
+                _count(stats, verdict)
+                if verdict["error"] is not None:
+                    raise CheckpointError(verdict["error"])
+            _check_state(ckpt, manifest)
             return ckpt, manifest
-        except CheckpointError as exc:
-            log.warning("skipping checkpoint: %s; trying the previous one", exc)
         except Exception as exc:        # noqa: BLE001 -- a bad checkpoint must not stop a resume
-            log.warning("skipping checkpoint: %s: %s: %s; trying the previous one", ckpt,
-                        type(exc).__name__, exc)
+            _skip(ckpt, exc, rejected)
     return None
+
+
+def _allowance(parts: list[list[tuple[str, int, int]]]) -> float:
+    """Seconds for the largest part's reads at CRC_FLOOR_BYTES_PER_S."""
+    return max(sum(size for _, _, size in part) for part in parts) / CRC_FLOOR_BYTES_PER_S
+
+
+def _find_latest_root(run_dir, check_crc: bool, comm, owner, timeout_s, stats):
+    """Rank 0 of the collective `find_latest`: one bcast per candidate (its folder and every
+    rank's part), a gather of the verdicts, and a last bcast of the answer."""
+    t = coll.DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    rejected: list[str] = []
+    found = None
+    for ckpt in _folders(run_dir):
+        try:
+            manifest = _validate_listing(ckpt)
+        except Exception as exc:        # noqa: BLE001 -- a bad checkpoint must not stop a resume
+            _skip(ckpt, exc, rejected)
+            continue
+        if check_crc:
+            files = manifest["files"]
+            parts = [[(rel, files[rel]["crc32"], files[rel]["size"]) for rel in part]
+                     for part in split_files({r: m["size"] for r, m in files.items()},
+                                             comm.Get_size(), owner)]
+            coll.bcast(comm, {"ckpt": str(ckpt), "parts": parts}, root=0, timeout_s=t,
+                       what=f"resume: the CRC-32 checks of {ckpt.name} (rank 0 hands them out)")
+            mine = _verify_part(ckpt, [(rel, crc) for rel, crc, _ in parts[0]])
+            _count(stats, mine)
+            verdicts = coll.gather(comm, mine, root=0, timeout_s=t + _allowance(parts),
+                                   what=f"resume: the CRC-32 verdicts on {ckpt.name}")
+            order = {rel: i for i, rel in enumerate(files)}
+            bad = [v for v in verdicts if v["error"] is not None]
+            if bad:     # the first failing file in the manifest's order, as one process finds it
+                first = min(bad, key=lambda v: order.get(v["file"], -1))
+                _skip(ckpt, CheckpointError(first["error"]), rejected)
+                continue
+        try:
+            _check_state(ckpt, manifest)
+        except Exception as exc:        # noqa: BLE001 -- a bad checkpoint must not stop a resume
+            _skip(ckpt, exc, rejected)
+            continue
+        found = (ckpt, manifest)
+        break
+    if stats is not None:
+        stats["rejected"] = rejected
+    coll.bcast(comm, {"found": (str(found[0]), found[1]) if found else None,
+                      "rejected": rejected}, root=0, timeout_s=t,
+               what="resume: the checkpoint found (rank 0 decides)")
+    return found
+
+
+def _find_latest_other(comm, timeout_s, stats):
+    """A rank but 0 of the collective `find_latest`: check the parts rank 0 hands out until it
+    sends the answer."""
+    t = coll.DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    me, wait = comm.Get_rank(), t
+    while True:
+        # after a gather, rank 0 may still be reading its own part
+        job = coll.bcast(comm, None, root=0, timeout_s=wait,
+                         what="resume: the next checkpoint to check or the one found (from rank 0)")
+        if "found" in job:
+            break
+        ckpt, parts = Path(job["ckpt"]), job["parts"]
+        mine = _verify_part(ckpt, [(rel, crc) for rel, crc, _ in parts[me]])
+        _count(stats, mine)
+        if mine["error"] is not None:
+            log.debug("trainer rank %d: %s", me, mine["error"])
+        wait = t + _allowance(parts)
+        coll.gather(comm, mine, root=0, timeout_s=wait,
+                    what=f"resume: the CRC-32 verdicts on {ckpt.name}")
+    if stats is not None:
+        stats["rejected"] = list(job["rejected"])
+    found = job["found"]
+    return (Path(found[0]), found[1]) if found else None
 
 
 def _write_atomic(path: Path, text: str) -> None:

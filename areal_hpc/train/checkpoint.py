@@ -7,10 +7,13 @@ the manifest and its checksums, validation, pruning) is areal_hpc/storage/checkp
 
 `save` and `load` are collective over the trainer ranks (torch.distributed default group for the
 shards, the MPI trainer communicator for small objects); `load_model` runs on one process.
+`find_resume` (collective) finds the checkpoint to resume from, every trainer rank checking the
+CRC-32s of the shard files it wrote itself.
 """
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,33 @@ from .. import preemption
 from ..storage import checkpoint as store
 from ..storage.checkpoint import DISTRIBUTED, PLAIN, SHARDS, STATE, CheckpointError
 from ..transport import mpi as coll
+
+
+# torch dist-checkpointing names the shard files `[prefix]__<rank>_<n>.distcp`, by the writer's
+# torch.distributed rank: the trainer rank (the default group is over the trainer ranks).
+_SHARD_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
+
+
+def shard_owner(rel: str) -> int | None:
+    """The trainer rank that wrote the file `rel` (a path inside a checkpoint folder) of the
+    `megatron/` shards, and reads most of it again on a resume with the same layout; None for
+    any other file."""
+    if not rel.startswith(SHARDS + "/"):
+        return None
+    m = _SHARD_FILE.search(rel.rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None
+
+
+def find_resume(run_dir: str | os.PathLike, comm=None, timeout_s: float | None = None,
+                stats: dict | None = None) -> tuple[Path, dict] | None:
+    """The newest valid checkpoint of `run_dir` and its manifest, or None, on every trainer rank
+    (collective over `comm`, the MPI trainer communicator): `find_latest` of
+    areal_hpc/storage/checkpoint.py with the CRC-32 checks split over the ranks, each rank taking
+    the shard files it wrote (`shard_owner`) while that keeps the parts balanced by bytes, the
+    other files by bytes. A file that fails its check rejects the checkpoint on every rank, and
+    the next older one is tried. `timeout_s`, `stats`: see `find_latest`."""
+    return store.find_latest(run_dir, comm=comm, owner=shard_owner, timeout_s=timeout_s,
+                             stats=stats)
 
 
 def _module(model):

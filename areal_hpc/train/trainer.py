@@ -21,7 +21,6 @@ from pathlib import Path
 
 from .. import preemption
 from ..config import RunConfig
-from ..storage.checkpoint import find_latest
 from ..storage.run_dir import RunDir
 from ..topology import Topology
 from ..transport import mpi as coll
@@ -56,16 +55,15 @@ class Trainer:
         A run dir with a rollout log but no usable checkpoint (killed before its first one) is
         started afresh, its old files kept under an attempt name."""
         cfg, comm = self.cfg, self.topo.role_comm
-        found = None
-        if comm.Get_rank() == 0:
-            hit = find_latest(cfg.run_dir)
-            found = str(hit[0]) if hit else None
-            if hit is None:
+        # collective: every trainer rank checks the CRC-32s of its share of the files
+        hit = checkpoint.find_resume(cfg.run_dir, comm, timeout_s=cfg.rollout.collective_timeout_s)
+        if hit is None:
+            if comm.Get_rank() == 0:
                 self.run_dir.set_aside_attempt()
-        found = coll.bcast(comm, found, root=0, timeout_s=cfg.rollout.collective_timeout_s,
-                           what="resume: the checkpoint to load (trainer rank 0 validates it)")
-        if found is None:
+            coll.barrier(comm, timeout_s=cfg.rollout.collective_timeout_s,
+                         what="resume: the old run files set aside (trainer rank 0)")
             return None
+        found = str(hit[0])
         a = self.actor
         state = checkpoint.load(Path(found), model=a.model, optimizer=a.optimizer,
                                 scheduler=a.lr_scheduler, comm=comm)
@@ -198,9 +196,8 @@ def run_export(cfg: RunConfig, topo: Topology) -> int:
     actor = Actor(cfg.train, cfg.model.path, group_size=cfg.rollout.group_size,
                   temperature=cfg.rollout.temperature, device=cfg.topology.device,
                   dtype=cfg.model.dtype, layout=topo.init_trainer_layout(cfg.train.seed))
-    hit = find_latest(cfg.run_dir) if comm.Get_rank() == 0 else None
-    found = coll.bcast(comm, (str(hit[0]), hit[1]["step"]) if hit else None, root=0, timeout_s=t,
-                       what="export: the checkpoint to load (trainer rank 0 validates it)")
+    hit = checkpoint.find_resume(cfg.run_dir, comm, timeout_s=t)     # collective
+    found = (str(hit[0]), hit[1]["step"]) if hit else None
     if found is None:
         raise RuntimeError(f"{cfg.run_dir}: no valid checkpoint to export")
     checkpoint.load_model(Path(found[0]), actor.model)
