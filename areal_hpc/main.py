@@ -74,6 +74,17 @@ def main(argv=None) -> int:
         if world.Get_rank() == 0:
             print(f"error: {exc}", file=sys.stderr)
         return 2
+    # Every rank's GPUs (CUDA_VISIBLE_DEVICES narrowed to its own), cores and interface, checked
+    # together on rank 0 before torch or vLLM touch a device: a wrong layout stops here.
+    from .launch.placement import gather_and_check
+    _, _, problems = gather_and_check(world, cfg.topology, cfg.rollout.engine_tp, topo.rank, topo.role,
+                                      topo.controller_addr)
+    if problems:
+        if world.Get_rank() == 0:
+            print(f"error: placement: {problems[0]}" + (f" (and {len(problems) - 1} more; "
+                  f"slurm/job.sh --dry-run prints the table)" if len(problems) > 1 else ""),
+                  file=sys.stderr, flush=True)
+        return 2
     from .launch.cpus import bind_rank, check_cpus, format_cpus
     try:
         check_cpus(cfg.topology)

@@ -81,7 +81,7 @@ class Topology:
     controller_addr: str        # host of trainer rank 0 (torch.distributed rendezvous)
     trainer_port: int           # rendezvous of the trainer-only default process group
     weight_port: int            # rendezvous of the weight group {stage senders} ∪ generator engines
-    local_rank: int             # rank among this role's ranks on this node (picks the GPU)
+    local_rank: int             # rank among this role's ranks on this node (launch.placement)
     hosts: list                 # host name of every world rank (names a rank in error messages)
     engine_tp: int = 1          # vLLM workers per generator engine (rollout.engine_tp); each
                                 # joins the weight group
@@ -103,10 +103,10 @@ class Topology:
                                    what="start-up: the rendezvous from rank 0 (did every rank start?)")
         role_comm = world.Split(0 if role == TRAINER else 1, rank)
         role_comm.Set_name(f"{role} communicator")       # named in collective timeouts
-        from mpi4py import MPI
-        node_comm = role_comm.Split_type(MPI.COMM_TYPE_SHARED)
-        local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
-        node_comm.Free()
+        # Ranks of this role on this node, by Slurm node name: fake nodes of a local cluster (and
+        # containers) share a host, where MPI's shared-memory split would count them as one node.
+        from .launch.placement import local_index, node_name
+        local_rank, local_size = local_index(role_comm.allgather(node_name()), role_comm.Get_rank())
         hosts = world.allgather(socket.gethostname())
         return cls(cfg=cfg, world=world, role_comm=role_comm, rank=rank, role=role,
                    role_rank=role_comm.Get_rank(), controller_addr=addr, trainer_port=tport,
@@ -152,7 +152,8 @@ class Topology:
         assert self.role == TRAINER
         if self.cfg.device == "cuda":
             import torch
-            torch.cuda.set_device(self.local_rank)
+            # launch.placement narrowed CUDA_VISIBLE_DEVICES to this rank's one GPU.
+            torch.cuda.set_device(0)
         dist.init_process_group(
             backend=self.cfg.trainer_backend,
             init_method=f"tcp://{self.controller_addr}:{self.trainer_port}",

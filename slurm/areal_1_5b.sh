@@ -8,6 +8,7 @@
 # The task counts must match the config's topology (tests/launch/test_slurm.py checks it): change
 # both together. Each attempt runs up to --time; SIGUSR1 900 s before the limit makes the ranks
 # checkpoint, and slurm/job.sh requeues the job, which resumes in the same run dir.
+# `sbatch slurm/areal_1_5b.sh --dry-run` places every rank and prints which GPUs and cores each holds.
 #SBATCH --job-name=areal-1_5b
 #SBATCH --output=slurm-%x-%j.out
 #SBATCH --open-mode=append

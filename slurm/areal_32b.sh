@@ -7,13 +7,16 @@
 # Component 1: 12 generator ranks (topology.n_generators), one vLLM engine with TP 8 on all 8 GPUs
 #   of its node, on 12 nodes.
 # The task counts must match the config's topology (tests/launch/test_slurm.py checks it): change
-# both together. Each attempt runs up to --time; SIGUSR1 1200 s before the limit makes the ranks
-# checkpoint, and slurm/job.sh requeues the job, which resumes in the same run dir.
+# both together. Each attempt runs up to --time; SIGUSR1 9000 s before the limit makes the
+# ranks checkpoint (at the next step boundary: a step + its checkpoint take ~8270 s on H100s by
+# `python -m areal_hpc.plan time`, and the launcher refuses a lead shorter than that), and
+# slurm/job.sh requeues the job, which resumes in the same run dir.
+# `sbatch slurm/areal_32b.sh --dry-run` places every rank and prints which GPUs and cores each holds.
 #SBATCH --job-name=areal-32b
 #SBATCH --output=slurm-%x-%j.out
 #SBATCH --open-mode=append
 #SBATCH --requeue
-#SBATCH --signal=B:USR1@1200
+#SBATCH --signal=B:USR1@9000
 #SBATCH --time=24:00:00
 #SBATCH --nodes=4 --ntasks-per-node=8 --gpus-per-node=8 --cpus-per-task=12 --exclusive
 #SBATCH hetjob

@@ -6,13 +6,16 @@
 # Component 0: 32 trainer ranks (topology.n_trainers; tp1 x pp4 x dp8), one GPU each, on 4 nodes.
 # Component 1: 96 generator ranks (topology.n_generators), one vLLM engine per GPU, on 12 nodes.
 # The task counts must match the config's topology (tests/launch/test_slurm.py checks it): change
-# both together. Each attempt runs up to --time; SIGUSR1 900 s before the limit makes the ranks
-# checkpoint, and slurm/job.sh requeues the job, which resumes in the same run dir.
+# both together. Each attempt runs up to --time; SIGUSR1 1200 s before the limit makes the
+# ranks checkpoint (at the next step boundary: a step + its checkpoint take ~980 s on H100s by
+# `python -m areal_hpc.plan time`, and the launcher refuses a lead shorter than that), and
+# slurm/job.sh requeues the job, which resumes in the same run dir.
+# `sbatch slurm/areal_7b.sh --dry-run` places every rank and prints which GPUs and cores each holds.
 #SBATCH --job-name=areal-7b
 #SBATCH --output=slurm-%x-%j.out
 #SBATCH --open-mode=append
 #SBATCH --requeue
-#SBATCH --signal=B:USR1@900
+#SBATCH --signal=B:USR1@1200
 #SBATCH --time=24:00:00
 #SBATCH --nodes=4 --ntasks-per-node=8 --gpus-per-node=8 --cpus-per-task=12 --exclusive
 #SBATCH hetjob

@@ -7,9 +7,18 @@
 #    the tiny model if the recipe needs it, export the rank environment.
 # 2. Check that the allocation matches the config: het group 0 = topology.n_trainers tasks,
 #    het group 1 = topology.n_generators tasks.
-# 3. One MPI world over both components: `srun --het-group=0,1 --mpi=pmi2`, in the background so
-#    that a trapped USR1/TERM is handled at once (bash runs traps only between commands); its
-#    output goes to <run dir>/logs/job-<id>/attempt-<SLURM_RESTART_COUNT>/ranks.log.
+# 3. One MPI world over both components: one `srun` in the colon form (component 0's options :
+#    component 1's), so that each component gets its own `-c` (Slurm >= 22.05 does not pass
+#    --cpus-per-task on to srun: without -c every rank would be bound to one core) and its own
+#    GPUs per task (--gpus-per-task: 1 per trainer rank, rollout.engine_tp per generator rank),
+#    in the background so that a trapped USR1/TERM is handled at once (bash runs traps only
+#    between commands); its output goes to <run dir>/logs/job-<id>/attempt-<SLURM_RESTART_COUNT>/
+#    ranks.log. Each rank then checks its placement (areal_hpc/launch/placement.py: disjoint GPUs
+#    per node, the cores asked for, the network interface) before any work, and the job stops
+#    with one line if it is wrong.
+#    `bash slurm/job.sh CONFIG --dry-run [key=value ...]` (so `sbatch slurm/areal_7b.sh --dry-run`)
+#    starts the same step with the placement check alone: it prints, per node, which rank holds
+#    which GPUs and cores and the interface it would use, and exits (2 on a problem).
 # 4. USR1 (time limit near) or TERM: forwarded to the ranks (as USR1), which stop at the next step boundary,
 #    checkpoint and exit with EXIT_PREEMPTED (= 3, areal_hpc/preemption.py). Then this script requeues
 #    the job (`scontrol requeue`) and exits 0; the next attempt runs the same command in the same
@@ -18,8 +27,10 @@ set -uo pipefail
 EXIT_PREEMPTED=3   # areal_hpc/preemption.py EXIT_PREEMPTED: the ranks checkpointed after a signal
 
 say() { echo "[job $(date +%T)] $*"; }
-config=${1:?usage: bash slurm/job.sh CONFIG [key=value ...]}
+config=${1:?usage: bash slurm/job.sh CONFIG [--dry-run] [key=value ...]}
 shift
+dry_run=
+if [ "${1:-}" = --dry-run ]; then dry_run=1; shift; fi
 [ -f slurm/job.sh ] || { say "error: submit from the repository root (cwd is $PWD)"; exit 2; }
 if [ -n "${AREAL_PYTHON:-}" ]; then py=$AREAL_PYTHON
 elif [ -x .venv/bin/python ]; then py=$PWD/.venv/bin/python
@@ -60,11 +71,47 @@ if [ "${SLURM_HET_SIZE:-1}" != 2 ] || [ "${SLURM_NTASKS_HET_GROUP_0:-}" != "$ARE
 fi
 [ -z "$signal" ] || requeue "SIG$signal before the ranks started"
 
+mpi=${AREAL_SRUN_MPI:-pmi2}
+if ! srun --mpi=list 2>&1 | grep -qx "[[:space:]]*$mpi"; then
+  say "error: AREAL_SRUN_MPI=$mpi is not an MPI plugin of this srun (srun --mpi=list:" \
+      "$(srun --mpi=list 2>&1 | tail -n +2 | tr -s '\n\t ' ' '))"
+  exit 2
+fi
+# Each component's GPUs: tasks per node x GPUs per task must fit the GPUs per node it was given
+# (--gpus-per-node), or ranks would share a GPU (or srun would refuse the step mid-way).
+role=(trainer generator)
+for k in 0 1; do
+  need=$AREAL_GPUS_PER_TRAINER; [ $k = 0 ] || need=$AREAL_GPUS_PER_GENERATOR
+  [ "$need" -gt 0 ] || continue
+  have=$(printenv "SLURM_GPUS_PER_NODE_HET_GROUP_$k" || true); have=${have##*:}
+  tasks=$(printenv "SLURM_TASKS_PER_NODE_HET_GROUP_$k" || true); tasks=${tasks%%(*}
+  if [ -z "$have" ] || [ "$((${tasks:-1} * need))" -gt "$have" ]; then
+    say "error: het component $k (${role[$k]}s) runs ${tasks:-?} task(s) per node x $need GPU(s) each" \
+        "but has ${have:-no} GPU(s) per node: fix --ntasks-per-node / --gpus-per-node in the #SBATCH lines"
+    exit 2
+  fi
+done
+# Each component's step options: its cores per task and, on GPUs, its GPUs per task.
+component() {   # component K GPUS_PER_TASK
+  local cpt
+  cpt=$(printenv "SLURM_CPUS_PER_TASK_HET_GROUP_$1" || true)
+  echo "--het-group=$1 --mpi=$mpi --kill-on-bad-exit=1 --label${cpt:+ --cpus-per-task=$cpt}"
+  if [ "$2" -gt 0 ]; then echo "--gpus-per-task=$2 --gpu-bind=per_task:$2"; fi
+}
+# shellcheck disable=SC2046   # word splitting of the options is intended
+read -ra opts0 <<<"$(component 0 "$AREAL_GPUS_PER_TRAINER" | tr '\n' ' ')"
+read -ra opts1 <<<"$(component 1 "$AREAL_GPUS_PER_GENERATOR" | tr '\n' ' ')"
+if [ -n "$dry_run" ]; then
+  say "dry run: the placement of every rank (srun ${opts0[*]} : ${opts1[*]})"
+  rank=(-m mpi4py -m areal_hpc.launch.placement "$config" "$@")
+  srun "${opts0[@]}" "$py" "${rank[@]}" : "${opts1[@]}" "$py" "${rank[@]}"
+  exit $?
+fi
 logs=$AREAL_RUN_DIR/logs/job-$SLURM_JOB_ID/attempt-$attempt
 mkdir -p "$logs"
-say "ranks' output: $logs/ranks.log"
-srun --het-group=0,1 --mpi="${AREAL_SRUN_MPI:-pmi2}" --kill-on-bad-exit=1 --label \
-  "$py" -m mpi4py -m areal_hpc.main "$config" "$@" >"$logs/ranks.log" 2>&1 &
+say "ranks' output: $logs/ranks.log (srun ${opts0[*]} : ${opts1[*]})"
+rank=(-m mpi4py -m areal_hpc.main "$config" "$@")
+srun "${opts0[@]}" "$py" "${rank[@]}" : "${opts1[@]}" "$py" "${rank[@]}" >"$logs/ranks.log" 2>&1 &
 srun_pid=$!
 # `wait` returns early (> 128) when a trapped signal arrives; wait again until srun has ended.
 while :; do

@@ -6,7 +6,8 @@ place, so the three launchers cannot drift apart.
     eval "$(python -m areal_hpc.launch.env CONFIG.yaml [key=value ...])"
 
 prints `export` lines: the rank environment (only variables not already set, so a user's or a
-site's choice wins) and, for batch scripts, AREAL_RUN_DIR / AREAL_N_TRAINERS / AREAL_N_GENERATORS.
+site's choice wins) and, for batch scripts, AREAL_RUN_DIR / AREAL_N_TRAINERS / AREAL_N_GENERATORS
+and the GPUs per task of each role (AREAL_GPUS_PER_TRAINER / AREAL_GPUS_PER_GENERATOR).
 A bad config prints the error on stderr and exits 2, before any node time is spent on ranks.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError, RunConfig, check_paths, load
+from .placement import GENERATOR, TRAINER, gpus_needed
 
 TINY_MODEL = Path("models/tiny")
 # The models the project builds itself when a config names them and they are not there yet:
@@ -101,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join([*export_lines(cfg),
                      f"export AREAL_RUN_DIR={shlex.quote(str(cfg.run_dir.resolve()))}",
                      f"export AREAL_N_TRAINERS={t.n_trainers}",
-                     f"export AREAL_N_GENERATORS={t.n_generators}"]))
+                     f"export AREAL_N_GENERATORS={t.n_generators}",
+                     # GPUs per task of each het component (slurm/job.sh's srun --gpus-per-task)
+                     f"export AREAL_GPUS_PER_TRAINER={gpus_needed(t, TRAINER, cfg.rollout.engine_tp)}",
+                     f"export AREAL_GPUS_PER_GENERATOR={gpus_needed(t, GENERATOR, cfg.rollout.engine_tp)}"]))
     return 0
 
 

@@ -153,7 +153,10 @@ def submit(args) -> int:
         gpus_per_node=trainers.gpus_per_node or None, signal_delay_s=args.signal_delay_s,
         stderr_to_stdout=True,
         srun_args=["--het-group=0,1", f"--mpi={args.mpi}", "--kill-on-bad-exit=1"],
-        setup=[*export_lines(cfg), "export SUBMITIT_PREEMPT_SIGNAL=USR1"],
+        # srun (Slurm >= 22.05) does not inherit --cpus-per-task: without this every rank of
+        # the step would be bound to one core. Both components ask for the same count here.
+        setup=[*export_lines(cfg), "export SUBMITIT_PREEMPT_SIGNAL=USR1",
+               f"export SRUN_CPUS_PER_TASK={args.cpus_per_task}"],
         additional_parameters={"requeue": True, "signal": signal}, **common)
     job = executor.submit(run_rank, args.config, list(args.overrides))
     print(f"[submit] job {job.job_id}: {trainers.ntasks} trainer + {generators.ntasks} generator "

@@ -3,11 +3,14 @@
     python -m areal_hpc.plan memory CONFIG [key=value ...] [--gpu-mem 80GiB]
     python -m areal_hpc.plan throughput CONFIG [key=value ...] [--from-run DIR] [--search] ...
     python -m areal_hpc.plan time CONFIG [key=value ...] --gpu h100 [--mfu 0.35] ...
+    python -m areal_hpc.plan placement CONFIG [key=value ...] --script slurm/areal_7b.sh
 
 `memory`: per-GPU memory estimate (exit 2 when a rank does not fit; `memory.py`).
 `throughput`: simulated steps/hour, async vs the sync baseline (`throughput.py`).
 `time`: estimated seconds per training step on a named GPU, and whether the checkpoint cadence
 and the preemption signal's lead fit the job's time limit (`budget.py`).
+`placement`: which rank holds which GPUs and cores under a batch script's #SBATCH layout, and
+whether they overlap (`areal_hpc.launch.placement`; on the cluster itself: `sbatch S --dry-run`).
 Bad input: one line `error: ...` on stderr, exit 2.
 """
 from __future__ import annotations
@@ -26,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     memory.add_memory_parser(sub)
     throughput.add_parser(sub)
     budget.add_time_parser(sub)
+    from ..launch import placement
+    placement.add_parser(sub)
     args, extra = ap.parse_known_args(argv)     # key=value overrides may follow the options
     if any(e.startswith("-") for e in extra):
         ap.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -37,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         return memory.memory_command(args, console)
     if args.cmd == "time":
         return budget.time_command(args, console)
+    if args.cmd == "placement":
+        return placement.plan_command(args, console)
     return throughput.throughput_command(args, console)
 
 

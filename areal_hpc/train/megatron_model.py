@@ -46,7 +46,7 @@ def init_megatron_parallel(tp: int, pp: int, seed: int, backend: str | None = No
     """Create Megatron's model-parallel groups and RNG states over the default process group.
 
     The caller has already run `torch.distributed.init_process_group` over the trainer ranks only
-    (and on GPU, `torch.cuda.set_device(local_rank)`). World size = tp * pp * dp.
+    (and on GPU, `torch.cuda.set_device(0)`: launch.placement left it one GPU). World size = tp * pp * dp.
     `backend`, when given, is checked against the default group's ("nccl" on GPU, "gloo" on CPU).
     """
     if not dist.is_initialized():

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from areal_hpc.config import load
+from areal_hpc.launch.placement import sbatch_components
 from areal_hpc.launch.submit import Component, hetjob_layout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,18 +122,7 @@ def test_scripts_are_valid_bash(script):
 
 def _sbatch_components(script: Path) -> tuple[str, list[Component]]:
     """The config a recipe script runs and its het components, read from its #SBATCH lines."""
-    comps, opts = [], {}
-    for line in script.read_text().splitlines():
-        if line.startswith("#SBATCH"):
-            words = line.split()[1:]
-            if words == ["hetjob"]:
-                comps.append(opts)
-                opts = {}
-            for w in words:
-                if w.startswith("--") and "=" in w:
-                    k, v = w[2:].split("=", 1)
-                    opts[k] = v
-    comps.append(opts)
+    comps = sbatch_components(script.read_text())
     config = re.search(r"slurm/job\.sh (configs/\S+\.yaml)", script.read_text()).group(1)
     return config, [Component(int(c["nodes"]), int(c["ntasks-per-node"]), int(c.get("gpus-per-node", 0)))
                     for c in comps]
@@ -339,3 +329,115 @@ def test_preempted_submitit_job_resumes_after_requeue(slurm_env, jobs, tiny_mode
     rank0 = (run / "submitit" / f"{job_id()}_0_log.out").read_text()
     assert "[submit] preempted: requeueing job" in rank0, rank0[-3000:]
     assert not jobs.leftovers(), "processes of the job are still running"
+
+
+# --- the GPU recipes on the simulated GPU cluster (tools/local_slurm.sh: 8 placeholder GPUs and
+# 128 CPUs per fake node, as GRES; Slurm binds them as on a real cluster) -----------------------
+
+GPU_RECIPES = [p for p in RECIPES if p.name != "areal_tiny.sh"]
+PLACED = re.compile(r"^(?:\d+:)?\s+rank\s+(\d+) (trainer|generator)\s+local (\d+)/(\d+)\s+(?:GPU (\S+)|no GPU)\s+"
+                    r"cores unbound, (\d+) allocated \(asked (\d+)\)\s+iface (\S+)", re.M)
+
+
+def _recipe_model(script: Path, tiny_model, tmp_path) -> Path:
+    """A model directory for a recipe's dry run: the recipe model's config.json (shapes for the
+    memory preflight), the tiny model's tokenizer, a weight index naming an empty shard (the
+    dry run reads no weights)."""
+    config = re.search(r"slurm/job\.sh (configs/\S+\.yaml)", script.read_text()).group(1)
+    name = Path(str(load(ROOT / config, ["data.train_path=x"]).model.path)).name
+    out = tmp_path / name
+    out.mkdir()
+    shutil.copy(ROOT / "configs/models" / name / "config.json", out)
+    for f in Path(tiny_model).glob("tokenizer*"):
+        shutil.copy(f, out)
+    (out / "model.safetensors.index.json").write_text('{"weight_map": {"x": "model-1.safetensors"}}')
+    (out / "model-1.safetensors").write_bytes(b"")
+    return out
+
+
+def _scaled_recipe(script: Path, tmp_path, tiny_model, edit=lambda text: text):
+    """The recipe's batch script with each component on one node (its other #SBATCH options as
+    they are), and the overrides that make its config's topology match: (script, args)."""
+    config, (trainers, generators) = _sbatch_components(script)
+    topo = load(ROOT / config, ["model.path=x", "data.train_path=x"]).topology
+    n_t, n_g = trainers.ntasks_per_node, generators.ntasks_per_node
+    pp = min(topo.pp, n_t // topo.tp)
+    scaled = tmp_path / script.name
+    scaled.write_text(edit(re.sub(r"--nodes=\d+", "--nodes=1", script.read_text())))
+    model = _recipe_model(script, tiny_model, tmp_path)
+    args = [f"model.path={model}", f"data.train_path={tiny_model}/train.jsonl", "data.eval_path=null",
+            f"output_dir={tmp_path}", f"topology.n_trainers={n_t}", f"topology.n_generators={n_g}",
+            f"topology.pp={pp}",
+            # the memory plan and the step-time budget are for the full size, not this slice of it
+            "topology.gpu_mem_gib=0", "topology.gpu=''"]
+    return scaled, args
+
+
+def _gpu_env(jobs, slurm_env):
+    # The GPU software stack is not on this box: the version check is for the real cluster.
+    return {**jobs.env(slurm_env), "AREAL_PYTHON": sys.executable, "AREAL_SKIP_VERSION_CHECK": "1"}
+
+
+@pytest.mark.parametrize("script", GPU_RECIPES, ids=lambda p: p.name)
+def test_gpu_recipe_places_every_rank_on_its_own_gpus_and_cores(slurm_env, jobs, tiny_model, tmp_path, script):
+    """Each GPU recipe's #SBATCH layout (one node per component) through sbatch and the real
+    slurm/job.sh --dry-run: every rank reports the GPUs Slurm bound to it, disjoint on every node
+    (1 per trainer rank, rollout.engine_tp per generator rank), and the CPUs its component asked
+    for; the 7B recipe's allocation also runs the placement under a plain `srun --het-group=0,1`
+    (what submitit starts: every task sees the node's 8 GPUs) and each rank takes its own slice."""
+    config, comps = _sbatch_components(script)
+    cpt = [int(re.findall(r"--cpus-per-task=(\d+)", script.read_text())[k]) for k in (0, 1)]
+    plain = script.name == "areal_7b.sh"
+    edit = (lambda t: t.replace("exec bash slurm/job.sh", 'srun --het-group=0,1 --mpi=pmi2 "$AREAL_PYTHON" '
+                                '-m mpi4py -m areal_hpc.launch.placement ' + config + ' "${@:2}"\n'
+                                'exec bash slurm/job.sh')) if plain else (lambda t: t)
+    scaled, args = _scaled_recipe(script, tmp_path, tiny_model, edit)
+    engine_tp = load(ROOT / config, ["model.path=x", "data.train_path=x"]).rollout.engine_tp
+    out = tmp_path / "batch.out"
+    r = _sh("sbatch", "--wait", f"--output={out}", str(scaled), "--dry-run", *args,
+            env=_gpu_env(jobs, slurm_env), timeout=600, check=False)
+    log = out.read_text() if out.exists() else ""
+    assert r.returncode == 0, (r.stderr[-2000:], log[-4000:])
+    runs = log.split("dry run: the placement")
+    assert len(runs) == 2, log[-3000:]
+    srun_line = runs[1].splitlines()[0]
+    assert f"--cpus-per-task={cpt[0]} " in srun_line.split(" : ")[0], srun_line
+    assert f"--cpus-per-task={cpt[1]} " in srun_line.split(" : ")[1], srun_line
+    for i, part in enumerate(runs if plain else runs[1:]):
+        placed = [(int(rk), role, int(lr), int(ls), g.split(",") if g else [], int(alloc), int(asked), iface)
+                  for rk, role, lr, ls, g, alloc, asked, iface in PLACED.findall(part)]
+        n_t, n_g = comps[0].ntasks_per_node, comps[1].ntasks_per_node
+        assert [p[0] for p in placed] == list(range(n_t + n_g)), part[-3000:]
+        assert "GPUs disjoint on every node" in part and "rendezvous: " in part
+        for rk, role, lr, ls, gpus, alloc, asked, iface in placed:
+            assert role == ("trainer" if rk < n_t else "generator")
+            assert len(gpus) == (1 if role == "trainer" else engine_tp), (rk, gpus)
+            assert asked == cpt[rk >= n_t] and iface == "auto"
+            if i == len(runs) - 1 or not plain:     # job.sh's step: exactly the component's -c
+                assert alloc == asked, (rk, alloc, asked)
+        for role, n in (("trainer", n_t), ("generator", n_g)):   # one node per role: disjoint
+            held = [g for p in placed if p[1] == role for g in p[4]]
+            assert sorted(held, key=int) == [str(g) for g in range(len(held))] and len(held) <= 8, held
+
+
+def test_overlapping_gpu_layout_is_refused_before_any_rank_starts(slurm_env, jobs, tiny_model, tmp_path):
+    """The 32B recipe with two 8-GPU engines asked per 8-GPU node: job.sh refuses in one line,
+    before srun starts a rank."""
+    script = ROOT / "slurm/areal_32b.sh"
+    lines = script.read_text().splitlines()
+    last = max(i for i, line in enumerate(lines) if line.startswith("#SBATCH --nodes"))
+    lines[last] = lines[last].replace("--ntasks-per-node=1", "--ntasks-per-node=2").replace(
+        "--cpus-per-task=96", "--cpus-per-task=48")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / script.name).write_text("\n".join(lines) + "\n")
+    scaled, args = _scaled_recipe(bad / script.name, tmp_path, tiny_model)
+    out = tmp_path / "batch.out"
+    r = _sh("sbatch", "--wait", f"--output={out}", str(scaled), *args, env=_gpu_env(jobs, slurm_env),
+            timeout=600, check=False)
+    log = out.read_text()
+    assert r.returncode != 0, log
+    errors = [line for line in log.splitlines() if "error" in line]
+    assert len(errors) == 1 and "het component 1 (generators) runs 2 task(s) per node x 8 GPU(s) each " \
+        "but has 8 GPU(s) per node" in errors[0], log
+    assert not list(tmp_path.glob("*/logs/job-*/attempt-*/ranks.log")), "no rank may have started"

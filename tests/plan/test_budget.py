@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import re
+
 import pytest
 
 from areal_hpc import plan
@@ -75,7 +77,7 @@ def test_slurm_times_and_the_batch_scripts_lead():
     assert (p("24:00:00"), p("1-00:00:00"), p("1-02"), p("1-02:03"), p("03:04"), p("90")) == \
         (86400, 86400, 93600, 93780, 184, 5400)
     assert p("UNLIMITED") is None and p("INVALID") is None
-    for name, lead in (("areal_32b.sh", 1200), ("areal_7b.sh", 900), ("areal_tiny.sh", 120)):
+    for name, lead in (("areal_32b.sh", 9000), ("areal_7b.sh", 1200), ("areal_tiny.sh", 120)):
         text = (ROOT / "slurm" / name).read_text()
         assert budget.lead_from_script(text, ["USR1", "TERM"]) == lead
     assert budget.lead_from_script("#SBATCH --signal=USR2\n", ["USR2"]) == 60   # Slurm's default
@@ -128,7 +130,7 @@ def test_job_clock_from_slurm(monkeypatch):
                 "scontrol": (ROOT / "slurm/areal_32b.sh").read_text()}[cmd[0]]
 
     monkeypatch.setattr(budget, "_run", fake)
-    assert budget.job_clock(cfg, {"SLURM_JOB_ID": "7"}) == (86400.0, "the job's --time (squeue)", 1200.0,
+    assert budget.job_clock(cfg, {"SLURM_JOB_ID": "7"}) == (86400.0, "the job's --time (squeue)", 9000.0,
                                                             "the batch script's --signal")
     env = {"SLURM_JOB_ID": "7", "SLURM_JOB_START_TIME": "1000", "SLURM_JOB_END_TIME": "4600"}
     assert budget.job_clock(cfg, env)[:2] == (3600.0, "SLURM_JOB_END_TIME")
@@ -169,3 +171,16 @@ def test_1_5b_recipe_fits_its_batch_scripts_lead():
     assert budget.check_time(load(ROOT / "configs/qwen2_5_1_5b_math.yaml",
                                   [f"checkpoint.signal_lead_s={lead}", "checkpoint.time_limit_s=86400"]),
                              env={}, warn=warn) is not None and got == []
+
+
+@pytest.mark.parametrize("name", ["areal_1_5b.sh", "areal_7b.sh", "areal_32b.sh"])
+def test_each_gpu_recipe_fits_its_own_batch_scripts_clock(name):
+    """The preflight accepts every shipped recipe as its batch script submits it: the USR1 lead
+    holds a step and its checkpoint, and checkpoint.every_steps x step fits --time."""
+    text = (ROOT / "slurm" / name).read_text()
+    config = re.search(r"slurm/job\.sh (configs/\S+\.yaml)", text).group(1)
+    lead = budget.lead_from_script(text, ["USR1", "TERM"])
+    limit = budget.parse_slurm_time(re.search(r"--time=(\S+)", text).group(1))
+    cfg = load(ROOT / config, [f"checkpoint.signal_lead_s={lead}", f"checkpoint.time_limit_s={limit}"])
+    got, warn = _lines()
+    assert budget.check_time(cfg, env={}, warn=warn) is not None and got == []

@@ -1,0 +1,376 @@
+"""Where each rank runs: its GPUs, its cores, its network interface, checked before any rank works.
+
+A trainer rank owns one GPU; a generator rank owns `rollout.engine_tp` GPUs (one vLLM engine, its
+TP workers one GPU each). Slurm tells a task its GPUs through CUDA_VISIBLE_DEVICES, in one of two
+ways, and a rank must be right under both:
+- bound per task (`srun --gpus-per-task=N`, what slurm/job.sh asks for): the list holds exactly
+  this rank's N GPUs;
+- the node's whole list (a plain `srun`, submitit, `mpiexec` inside an allocation, or no Slurm at
+  all): every rank on the node sees every GPU, and a TP = 1 engine or `torch.cuda.set_device(0)`
+  would put every rank on GPU 0. The rank then takes the slice `local_rank * N ... + N` of it.
+Either way the rank narrows CUDA_VISIBLE_DEVICES to its own GPUs before CUDA starts, so device 0
+is its first GPU for torch and vLLM alike.
+
+Cores: since Slurm 22.05 `srun` does not inherit `--cpus-per-task`; a step started without `-c`
+binds every task to one core (at 32B a generator's loop, vLLM's EngineCore, its TP workers and
+the reward pool on one core). slurm/job.sh passes each het component's `-c`. A rank reads what its
+component asked (SLURM_CPUS_PER_TASK_HET_GROUP_k, in the batch environment srun passes on), what
+the step allocated on its node (SLURM_CPUS_ON_NODE over the ranks there) and, where a task plugin
+binds, its affinity; fewer than asked is refused.
+
+`gather_and_check` collects every rank's `RankPlacement` on world rank 0, which refuses a GPU
+held by two ranks of one node, a core given to two bound ranks, too few cores, an interface that
+does not exist, or a loopback rendezvous address with ranks on several hosts — in one line, before
+the trainer or the engines start. `python -m areal_hpc.launch.placement CONFIG` (what
+`slurm/job.sh --dry-run` runs on every rank instead of the job) prints the table per node.
+Torch-free: it runs before torch or vLLM look at a GPU.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import sys
+from dataclasses import asdict, dataclass, field
+
+from .cpus import format_cpus
+
+TRAINER, GENERATOR = "trainer", "generator"   # as topology.TRAINER / GENERATOR (no import circle)
+
+
+class PlacementError(ValueError):
+    """A rank's GPUs, cores or network are not what the job needs; the message is one line."""
+
+
+def node_name(env=None) -> str:
+    """The Slurm node this task runs on (SLURMD_NODENAME; fake nodes of a local cluster share a
+    host name), else the host name."""
+    env = os.environ if env is None else env
+    return env.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def local_index(nodes: list[str], me: int) -> tuple[int, int]:
+    """(index of rank `me` among the ranks on its node, ranks on that node), from every rank's
+    node name in rank order."""
+    mine = nodes[me]
+    return sum(1 for n in nodes[:me] if n == mine), nodes.count(mine)
+
+
+def gpus_needed(topology, role: str, engine_tp: int) -> int:
+    if topology.device != "cuda":
+        return 0
+    return 1 if role == TRAINER else engine_tp
+
+
+def visible_gpus(env=None) -> list[str] | None:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them; without that variable
+    the node's NVIDIA devices (/proc/driver/nvidia/gpus), or None when there is no driver."""
+    env = os.environ if env is None else env
+    if "CUDA_VISIBLE_DEVICES" in env:
+        return [g.strip() for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    try:
+        return [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
+    except OSError:
+        return None
+
+
+def choose_gpus(visible: list[str] | None, need: int, local_rank: int, local_size: int) -> list[str]:
+    """This rank's GPUs out of what it sees (see the module docstring). PlacementError when the
+    node has too few for its ranks."""
+    if need == 0:
+        return []
+    if not visible:
+        raise PlacementError(
+            f"no GPU visible ({'CUDA_VISIBLE_DEVICES is empty' if visible == [] else 'no NVIDIA driver'})"
+            f" but this rank needs {need}: ask for --gpus-per-node in the #SBATCH lines")
+    if len(visible) == need:                 # bound per task by Slurm (or a single rank)
+        return list(visible)
+    if len(visible) >= need * local_size:    # the node's whole list: take this rank's slice
+        return list(visible[local_rank * need:(local_rank + 1) * need])
+    raise PlacementError(
+        f"{local_size} rank(s) on this node need {need} GPU(s) each but see {len(visible)} "
+        f"(CUDA_VISIBLE_DEVICES={','.join(visible)})")
+
+
+def interface_matches(spec: str, names: list[str]) -> list[str]:
+    """The interfaces NCCL / gloo would accept for `spec` (NCCL_SOCKET_IFNAME syntax: a comma
+    list of prefixes; '=' before the list: exact names; '^' before it: every interface but
+    those)."""
+    exclude = spec.startswith("^")
+    spec = spec[1:] if exclude else spec
+    exact = spec.startswith("=")
+    spec = spec[1:] if exact else spec
+    wanted = [w for w in spec.split(",") if w]
+
+    def hit(name):
+        return any(name == w if exact else name.startswith(w) for w in wanted)
+    return [n for n in names if hit(n) != exclude]
+
+
+def is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address in ("localhost",)
+
+
+@dataclass
+class RankPlacement:
+    """Where one rank runs (what `gather_and_check` compares and the dry-run prints)."""
+    rank: int
+    role: str
+    node: str                   # Slurm node name (fake nodes share a host)
+    host: str                   # the machine's host name
+    local_rank: int             # among the ranks on its node
+    local_size: int
+    gpus: list[str] = field(default_factory=list)      # CUDA_VISIBLE_DEVICES after narrowing
+    cpus: list[int] = field(default_factory=list)      # affinity
+    bound: bool = False         # affinity narrower than the host: a task plugin placed it
+    cpus_asked: int | None = None       # the het component's --cpus-per-task
+    cpus_allocated: int | None = None   # the step's CPUs on this node over its ranks there
+    ifname: str = "auto"        # NCCL_SOCKET_IFNAME (GPU) or GLOO_SOCKET_IFNAME (CPU) spec
+    interfaces: list[str] = field(default_factory=list)   # what that spec matches here
+    address: str = ""           # the rendezvous address (trainer rank 0's)
+    problems: list[str] = field(default_factory=list)     # found by this rank itself
+
+
+def place_rank(topology, engine_tp: int, rank: int, role: str, nodes: list[str], address: str,
+               env=None, apply: bool = True) -> RankPlacement:
+    """This rank's placement, from its node and every rank's node name (`nodes`, world order).
+    With `apply`, CUDA_VISIBLE_DEVICES is narrowed to the rank's GPUs (before CUDA starts)."""
+    env = os.environ if env is None else env
+    local_rank, local_size = local_index(nodes, rank)
+    p = RankPlacement(rank=rank, role=role, node=nodes[rank], host=socket.gethostname(),
+                      local_rank=local_rank, local_size=local_size, address=address)
+    try:
+        p.gpus = choose_gpus(visible_gpus(env), gpus_needed(topology, role, engine_tp),
+                             local_rank, local_size)
+    except PlacementError as exc:
+        p.problems.append(str(exc))
+    if apply and p.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(p.gpus)
+    p.cpus = sorted(os.sched_getaffinity(0))
+    p.bound = len(p.cpus) < (os.cpu_count() or len(p.cpus))
+    group = 0 if role == TRAINER else 1
+    asked = env.get(f"SLURM_CPUS_PER_TASK_HET_GROUP_{group}")
+    if asked is None and env.get("SLURM_HET_SIZE") is None:
+        asked = env.get("SLURM_CPUS_PER_TASK")
+    p.cpus_asked = int(asked) if asked and asked.isdigit() else None
+    on_node = env.get("SLURM_CPUS_ON_NODE")
+    if on_node and on_node.isdigit() and "SLURM_STEP_ID" in env:
+        p.cpus_allocated = int(on_node) // local_size
+    if p.cpus_asked:
+        if p.bound and len(p.cpus) < p.cpus_asked:
+            p.problems.append(f"runs on {len(p.cpus)} core(s) ({format_cpus(p.cpus)}) but its het "
+                              f"component asked --cpus-per-task={p.cpus_asked}: start the step with "
+                              f"srun -c (Slurm >= 22.05 does not pass it on)")
+        elif p.cpus_allocated is not None and p.cpus_allocated < p.cpus_asked:
+            p.problems.append(f"the step gave it {p.cpus_allocated} CPU(s) but its het component "
+                              f"asked --cpus-per-task={p.cpus_asked}: start the step with srun -c")
+    key = "NCCL_SOCKET_IFNAME" if topology.device == "cuda" else "GLOO_SOCKET_IFNAME"
+    p.ifname = env.get(key, "auto")
+    names = [n for _, n in socket.if_nameindex()]
+    p.interfaces = interface_matches(p.ifname, names) if p.ifname != "auto" else []
+    if p.ifname != "auto" and not p.interfaces:
+        p.problems.append(f"{key}={p.ifname} matches no interface here (have {','.join(names)})")
+    return p
+
+
+def check(placements: list[RankPlacement]) -> list[str]:
+    """Every problem of the job's placement, one line each (empty: it is sound)."""
+    out = [f"rank {p.rank} ({p.role}) on {p.node}: {msg}" for p in placements for msg in p.problems]
+    by_node: dict[str, list[RankPlacement]] = {}
+    for p in placements:
+        by_node.setdefault(p.node, []).append(p)
+    for node, ps in by_node.items():
+        seen: dict[str, int] = {}
+        for p in ps:
+            for g in p.gpus:
+                if g in seen:
+                    out.append(f"{node}: GPU {g} is given to rank {seen[g]} and rank {p.rank}")
+                seen.setdefault(g, p.rank)
+        cores: dict[int, int] = {}
+        for p in (q for q in ps if q.bound):
+            for c in p.cpus:
+                if c in cores:
+                    out.append(f"{node}: core {c} is given to rank {cores[c]} and rank {p.rank}")
+                    break
+                cores[c] = p.rank
+    hosts = {p.host for p in placements}
+    if placements and len(hosts) > 1 and is_loopback(placements[0].address):
+        out.append(f"rank 0's rendezvous address {placements[0].address} is a loopback address "
+                   f"but the ranks run on {len(hosts)} hosts: set AREAL_HOST_ADDR (or fix the "
+                   f"host name's entry in /etc/hosts)")
+    return out
+
+
+def table(placements: list[RankPlacement]) -> str:
+    """Per node, which rank holds which GPUs and cores, and its interface."""
+    lines = []
+    for node in dict.fromkeys(p.node for p in placements):
+        lines.append(f"{node}:")
+        for p in (q for q in placements if q.node == node):
+            cpus = (f"cores {format_cpus(p.cpus)}" if p.bound else "cores unbound" if p.cpus
+                    else "cores planned") + (
+                f", {p.cpus_allocated} allocated" if p.cpus_allocated is not None else "") + (
+                f" (asked {p.cpus_asked})" if p.cpus_asked else "")
+            gpus = f"GPU {','.join(p.gpus)}" if p.gpus else "no GPU"
+            net = p.ifname if p.ifname == "auto" else f"{p.ifname} -> {','.join(p.interfaces) or 'none'}"
+            lines.append(f"  rank {p.rank:>4} {p.role:<9} local {p.local_rank}/{p.local_size}  {gpus:<18} "
+                         f"{cpus}  iface {net}")
+    if placements:
+        lines.append(f"rendezvous: {placements[0].address} (trainer rank 0 on {placements[0].node})")
+    return "\n".join(lines)
+
+
+def gather_and_check(world, topology, engine_tp: int, rank: int, role: str, address: str,
+                     apply: bool = True) -> tuple[RankPlacement, list[RankPlacement] | None, list[str]]:
+    """Collective over `world`: place this rank, gather every placement on rank 0, check them
+    there, and share the verdict. Returns (mine, all (rank 0) or None, problems (every rank))."""
+    from ..transport.mpi import bcast, gather
+    nodes = world.allgather(node_name())
+    mine = place_rank(topology, engine_tp, rank, role, nodes, address, apply=apply)
+    every = gather(world, asdict(mine), root=0, what="start-up: every rank's placement")
+    placements = [RankPlacement(**d) for d in every] if every is not None else None
+    problems = check(placements) if placements is not None else None
+    problems = bcast(world, problems, root=0, what="start-up: the placement verdict")
+    return mine, placements, problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m mpi4py -m areal_hpc.launch.placement CONFIG [key=value ...]` on every rank of
+    the job's step: place, check, print the table on rank 0; exit 2 on a problem."""
+    argv = sys.argv[1:] if argv is None else argv
+    from ..config import ConfigError, load
+    try:
+        cfg = load(argv[0], argv[1:])
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from mpi4py import MPI
+
+    from ..topology import check_world, host_address
+    world = MPI.COMM_WORLD
+    try:
+        check_world(cfg.topology, world.Get_size())
+    except ConfigError as exc:
+        if world.Get_rank() == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
+    rank = world.Get_rank()
+    role = TRAINER if rank < cfg.topology.n_trainers else GENERATOR
+    address = world.bcast(host_address() if rank == 0 else None, root=0)
+    _, placements, problems = gather_and_check(world, cfg.topology, cfg.rollout.engine_tp, rank,
+                                               role, address, apply=False)
+    if rank == 0:
+        print(table(placements), flush=True)
+        for line in problems:
+            print(f"error: placement: {line}", file=sys.stderr, flush=True)
+        if not problems:
+            print(f"placement: {len(placements)} rank(s) on {len({p.node for p in placements})} "
+                  f"node(s), GPUs disjoint on every node", flush=True)
+    return 2 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+# --- the static plan: a recipe's #SBATCH layout, before any job --------------------------------
+
+def sbatch_components(script_text: str) -> list[dict[str, str]]:
+    """The het components' `--key=value` options from a batch script's #SBATCH lines."""
+    comps, opts = [], {}
+    for line in script_text.splitlines():
+        if not line.startswith("#SBATCH"):
+            continue
+        words = line.split()[1:]
+        if words == ["hetjob"]:
+            comps.append(opts)
+            opts = {}
+        for w in words:
+            if w.startswith("--") and "=" in w:
+                k, v = w[2:].split("=", 1)
+                opts[k] = v
+    comps.append(opts)
+    return comps
+
+
+def plan_layout(cfg, comps: list[dict[str, str]], cores_per_node: int = 0) -> tuple[list[RankPlacement], list[str]]:
+    """Every rank's placement as slurm/job.sh's step would make it from these components
+    (component 0 = trainers, 1 = generators): GPUs bound per task in node order, the cores its
+    component asks for. With `cores_per_node`, more cores asked than a node has is refused."""
+    t = cfg.topology
+    if len(comps) != 2:
+        return [], [f"the script has {len(comps)} het component(s); the job needs 2 (trainers, generators)"]
+    placements, problems, rank = [], [], 0
+    for k, (role, opts) in enumerate(zip((TRAINER, GENERATOR), comps)):
+        nodes, per_node = int(opts.get("nodes", 1)), int(opts.get("ntasks-per-node", 1))
+        gpus = int(str(opts.get("gpus-per-node", "0")).rsplit(":", 1)[-1])
+        cpt = int(opts.get("cpus-per-task", 1))
+        need = gpus_needed(t, role, cfg.rollout.engine_tp)
+        want = t.n_trainers if role == TRAINER else t.n_generators
+        if nodes * per_node != want:
+            problems.append(f"het component {k} has {nodes} x {per_node} task(s) but the config has "
+                            f"{want} {role} rank(s)")
+        if cores_per_node and per_node * cpt > cores_per_node:
+            problems.append(f"het component {k}: {per_node} task(s) x {cpt} CPU(s) oversubscribe a "
+                            f"{cores_per_node}-core node")
+        for n in range(nodes):
+            for lr in range(per_node):
+                p = RankPlacement(rank=rank, role=role, node=f"{role}-node{n}", host=f"{role}-node{n}",
+                                  local_rank=lr, local_size=per_node, cpus_asked=cpt,
+                                  cpus_allocated=cpt, address="(trainer-node0)")
+                try:
+                    p.gpus = choose_gpus([str(g) for g in range(gpus)], need, lr, per_node)
+                except PlacementError as exc:
+                    p.problems.append(str(exc))
+                placements.append(p)
+                rank += 1
+    return placements, problems + check(placements)
+
+
+def summary(placements: list[RankPlacement]) -> str:
+    """`table` of the first node of each role, and a count of the nodes laid out like it."""
+    out = []
+    for role in (TRAINER, GENERATOR):
+        ps = [p for p in placements if p.role == role]
+        if not ps:
+            continue
+        nodes = list(dict.fromkeys(p.node for p in ps))
+        first = [p for p in ps if p.node == nodes[0]]
+        out.append(table(first).rsplit("\nrendezvous:", 1)[0])
+        if len(nodes) > 1:
+            out.append(f"  ... and {len(nodes) - 1} more {role} node(s) laid out alike")
+    return "\n".join(out)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("placement", help="which rank holds which GPUs and cores, from a batch script")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--script", required=True, help="the batch script whose #SBATCH lines to lay out "
+                                                   "(e.g. slurm/areal_7b.sh)")
+    p.add_argument("--cores-per-node", type=int, default=0, help="refuse more CPUs asked than this")
+
+
+def plan_command(args, console=None) -> int:
+    """`python -m areal_hpc.plan placement CONFIG --script S`: the plan, exit 2 on a problem."""
+    from pathlib import Path
+
+    from ..config import ConfigError, load
+    try:
+        cfg = load(args.config, args.overrides)
+        text = Path(args.script).read_text()
+    except (ConfigError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    placements, problems = plan_layout(cfg, sbatch_components(text), args.cores_per_node)
+    print(summary(placements))
+    for line in problems:
+        print(f"error: placement: {line}", file=sys.stderr)
+    if not problems:
+        nodes = len({p.node for p in placements})
+        print(f"placement: {len(placements)} rank(s) on {nodes} node(s), GPUs disjoint on every node "
+              f"(on the cluster: sbatch {args.script} --dry-run)")
+    return 2 if problems else 0

@@ -1,0 +1,157 @@
+"""launch.placement's pure logic: which GPUs a rank takes from what Slurm shows it, the interface
+spec, and the job-wide check (disjoint GPUs and cores per node, cores asked for, rendezvous
+address). The same code runs on the simulated GPU cluster in tests/launch/test_slurm_gpu.py."""
+import os
+
+import pytest
+
+from areal_hpc.config import load
+from areal_hpc.launch.placement import (GENERATOR, TRAINER, PlacementError, RankPlacement, check, choose_gpus,
+                                        interface_matches, local_index, place_rank)
+
+EIGHT = [str(i) for i in range(8)]
+
+
+def test_local_index_by_node_name():
+    nodes = ["node1", "node1", "node2", "node1", "node2"]
+    assert [local_index(nodes, r) for r in range(5)] == [(0, 3), (1, 3), (0, 2), (2, 3), (1, 2)]
+
+
+def test_a_rank_bound_by_slurm_keeps_its_gpus():
+    assert choose_gpus(["5"], 1, local_rank=5, local_size=8) == ["5"]
+    assert choose_gpus(["4", "5", "6", "7"], 4, local_rank=1, local_size=2) == ["4", "5", "6", "7"]
+
+
+def test_the_nodes_whole_list_is_sliced_by_local_rank():
+    """A plain srun (or submitit, or mpiexec) shows every rank all 8 GPUs: each takes its own."""
+    assert [choose_gpus(EIGHT, 1, r, 8) for r in range(8)] == [[g] for g in EIGHT]
+    assert [choose_gpus(EIGHT, 2, r, 4) for r in range(4)] == [["0", "1"], ["2", "3"], ["4", "5"], ["6", "7"]]
+    assert choose_gpus(EIGHT, 8, 0, 1) == EIGHT
+
+
+def test_too_few_gpus_is_one_line():
+    with pytest.raises(PlacementError, match="3 rank.* need 4 GPU.* see 8"):
+        choose_gpus(EIGHT, 4, 1, 3)
+    # Two ranks that each see the node's 8 GPUs and need 8 take the same ones (it may be per-task
+    # binding on a 16-GPU node): the job-wide check refuses the overlap.
+    both = [RankPlacement(rank=r, role=GENERATOR, node="n1", host="h", local_rank=r, local_size=2,
+                          gpus=choose_gpus(EIGHT, 8, r, 2), address="10.0.0.1") for r in range(2)]
+    assert check(both)[0] == "n1: GPU 0 is given to rank 0 and rank 1"
+    with pytest.raises(PlacementError, match="--gpus-per-node"):
+        choose_gpus([], 1, 0, 1)
+    assert choose_gpus(None, 0, 0, 1) == []     # CPU ranks need none
+
+
+def test_interface_spec_as_nccl_reads_it():
+    names = ["lo", "eth0", "ib0", "ib1"]
+    assert interface_matches("ib", names) == ["ib0", "ib1"]
+    assert interface_matches("=ib0", names) == ["ib0"]
+    assert interface_matches("^lo,ib", names) == ["eth0"]
+    assert interface_matches("hsn", names) == []
+
+
+def _cuda_topology(**kw):
+    return load("configs/tiny_cpu.yaml", ["topology.device=cuda", "topology.trainer_backend=nccl",
+                                          "topology.weight_backend=nccl", *[f"{k}={v}" for k, v in kw.items()]]).topology
+
+
+def test_place_rank_narrows_cuda_visible_devices(monkeypatch):
+    topo = _cuda_topology()
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(EIGHT), "SLURMD_NODENAME": "node2"}
+    p = place_rank(topo, 4, rank=3, role=GENERATOR, nodes=["node1", "node2", "node2", "node2"],
+                   address="10.0.0.1", env=env)
+    assert (p.local_rank, p.local_size, p.gpus) == (2, 3, [])
+    assert p.problems == ["3 rank(s) on this node need 4 GPU(s) each but see 8 (CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7)"]
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(EIGHT)}
+    p = place_rank(topo, 4, rank=2, role=GENERATOR, nodes=["node1", "node2", "node2"], address="10.0.0.1", env=env)
+    assert p.gpus == ["4", "5", "6", "7"] and env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7" and not p.problems
+
+
+def test_place_rank_refuses_fewer_cores_than_the_component_asked():
+    """The Slurm >= 22.05 pitfall: a step started without -c binds each task to one core."""
+    topo = _cuda_topology()
+    mine = sorted(os.sched_getaffinity(0))
+    env = {"CUDA_VISIBLE_DEVICES": "0", "SLURM_HET_SIZE": "2", "SLURM_CPUS_PER_TASK_HET_GROUP_0": "12",
+           "SLURM_STEP_ID": "0", "SLURM_CPUS_ON_NODE": "8"}
+    p = place_rank(topo, 1, rank=0, role=TRAINER, nodes=["node1"] * 8, address="10.0.0.1", env=env)
+    assert p.cpus == mine and p.cpus_asked == 12 and p.cpus_allocated == 1
+    assert any("gave it 1 CPU(s) but its het component asked --cpus-per-task=12" in m for m in p.problems)
+    env["SLURM_CPUS_ON_NODE"] = "96"
+    p = place_rank(topo, 1, rank=0, role=TRAINER, nodes=["node1"] * 8, address="10.0.0.1", env=env)
+    assert p.cpus_allocated == 12 and not p.problems
+
+
+def test_place_rank_refuses_an_interface_that_is_not_there():
+    topo = _cuda_topology()
+    p = place_rank(topo, 1, 0, TRAINER, ["n"], "10.0.0.1",
+                   env={"CUDA_VISIBLE_DEVICES": "0", "NCCL_SOCKET_IFNAME": "=nosuchif9"})
+    assert p.problems and "NCCL_SOCKET_IFNAME==nosuchif9 matches no interface" in p.problems[0]
+    p = place_rank(topo, 1, 0, TRAINER, ["n"], "10.0.0.1", env={"CUDA_VISIBLE_DEVICES": "0", "NCCL_SOCKET_IFNAME": "lo"})
+    assert p.interfaces == ["lo"] and not p.problems
+
+
+def _p(rank, node, gpus=(), cpus=(), bound=False, host="h", address="10.0.0.1"):
+    return RankPlacement(rank=rank, role=TRAINER, node=node, host=host, local_rank=0, local_size=1,
+                         gpus=list(gpus), cpus=list(cpus), bound=bound, address=address)
+
+
+def test_check_refuses_shared_gpus_and_cores_per_node_only():
+    ok = [_p(0, "n1", ["0"]), _p(1, "n1", ["1"]), _p(2, "n2", ["0"])]
+    assert check(ok) == []
+    assert check([_p(0, "n1", ["0"]), _p(1, "n1", ["0"])]) == ["n1: GPU 0 is given to rank 0 and rank 1"]
+    assert check([_p(0, "n1", cpus=[0, 1], bound=True), _p(1, "n1", cpus=[1, 2], bound=True)]) \
+        == ["n1: core 1 is given to rank 0 and rank 1"]
+    assert check([_p(0, "n1", cpus=[0, 1]), _p(1, "n1", cpus=[0, 1])]) == []   # unbound: the OS shares
+
+
+def test_check_refuses_a_loopback_rendezvous_across_hosts():
+    one_host = [_p(0, "n1", address="127.0.0.1"), _p(1, "n2", address="127.0.0.1")]
+    assert check(one_host) == []        # fake nodes of one machine: loopback reaches every rank
+    two = [_p(0, "n1", address="127.0.1.1", host="a"), _p(1, "n2", address="127.0.1.1", host="b")]
+    assert "loopback" in check(two)[0] and "AREAL_HOST_ADDR" in check(two)[0]
+
+
+RECIPE_SCRIPTS = {"configs/qwen2_5_1_5b_math.yaml": "slurm/areal_1_5b.sh",
+                  "configs/qwen2_5_7b_math.yaml": "slurm/areal_7b.sh",
+                  "configs/qwen2_5_32b_math.yaml": "slurm/areal_32b.sh"}
+
+
+def _recipe(config):
+    from pathlib import Path
+    return load(config, ["model.path=x", "data.train_path=x"]), Path(RECIPE_SCRIPTS[config]).read_text()
+
+
+@pytest.mark.parametrize("config", sorted(RECIPE_SCRIPTS))
+def test_plan_placement_of_each_recipe(config):
+    """`python -m areal_hpc.plan placement`: every recipe's layout gives each rank its own GPUs
+    (1 per trainer, rollout.engine_tp per generator) and fits a 128-core node."""
+    from areal_hpc.launch.placement import plan_layout, sbatch_components
+    cfg, script = _recipe(config)
+    placements, problems = plan_layout(cfg, sbatch_components(script), cores_per_node=128)
+    assert problems == []
+    assert len(placements) == cfg.topology.n_trainers + cfg.topology.n_generators
+    for p in placements:
+        assert len(p.gpus) == (1 if p.role == TRAINER else cfg.rollout.engine_tp)
+
+
+def test_plan_placement_refuses_overlap_oversubscription_and_a_wrong_count(capsys):
+    import argparse
+
+    from areal_hpc.launch.placement import plan_command, plan_layout, sbatch_components
+    cfg, script = _recipe("configs/qwen2_5_32b_math.yaml")
+    comps = sbatch_components(script)
+    comps[1].update({"nodes": "6", "ntasks-per-node": "2"})      # two 8-GPU engines per 8-GPU node
+    _, problems = plan_layout(cfg, comps)
+    assert problems[0] == "generator-node0: GPU 0 is given to rank 32 and rank 33"
+    comps = sbatch_components(script)
+    _, problems = plan_layout(cfg, comps, cores_per_node=64)
+    assert problems == ["het component 0: 8 task(s) x 12 CPU(s) oversubscribe a 64-core node",
+                        "het component 1: 1 task(s) x 96 CPU(s) oversubscribe a 64-core node"]
+    comps[0]["nodes"] = "3"
+    assert plan_layout(cfg, comps)[1][0] == "het component 0 has 3 x 8 task(s) but the config has 32 trainer rank(s)"
+    args = argparse.Namespace(config="configs/qwen2_5_32b_math.yaml", overrides=["model.path=x", "data.train_path=x"],
+                              script="slurm/areal_32b.sh", cores_per_node=64)
+    assert plan_command(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: placement: het component 0: 8 task(s) x 12 CPU(s) oversubscribe a 64-core node",
+                   "error: placement: het component 1: 1 task(s) x 96 CPU(s) oversubscribe a 64-core node"]
