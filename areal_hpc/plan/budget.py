@@ -285,19 +285,26 @@ def budget_problems(est: StepTime, limit: float | None, lead: float | None,
                   f"checkpoint.signal_lead_s, or shrink the step: {keys}; estimate: python -m "
                   f"areal_hpc.plan time CONFIG)")
     every = cfg.checkpoint.every_steps
-    if limit is not None and every > 0 and every * est.interval_s > limit:
-        warn = (f"checkpoint.every_steps={every}: {every} steps take {_fmt_s(every * est.interval_s)} "
-                f"(estimated, {_fmt_s(est.interval_s)} each), more than the time limit "
-                f"{_fmt_s(limit)} ({limit_src or 'limit'}): no timed checkpoint within an attempt, "
-                f"a kill loses all its steps (lower checkpoint.every_steps to "
-                f"<= {max(1, int(limit // est.interval_s))})")
+    if limit is not None and every > 0 and every * est.interval_s > limit / 2:
+        line = (f"checkpoint.every_steps={every}: {every} steps take {_fmt_s(every * est.interval_s)} "
+                f"(estimated, {_fmt_s(est.interval_s)} each), "
+                + ("more than" if every * est.interval_s > limit else "over half of")
+                + f" the time limit {_fmt_s(limit)} ({limit_src or 'limit'}): ")
+        if every * est.interval_s > limit:
+            # No timed checkpoint in any attempt: a crash or a kill loses the attempt, every time.
+            refuse = refuse or (line + f"no timed checkpoint within an attempt, a kill loses all its "
+                                f"steps (lower checkpoint.every_steps to <= {max(1, int(limit // est.interval_s))})")
+        else:
+            warn = line + (f"a kill loses up to that much (lower checkpoint.every_steps to "
+                           f"<= {max(1, int(limit / 2 // est.interval_s))})")
     return refuse, warn
 
 
 def check_time(cfg: RunConfig, env=None, warn=None) -> StepTime | None:
     """The launchers' step-time preflight: ConfigError (one line) when a step and its checkpoint
-    cannot finish within the preemption signal's lead; a warning line (to `warn`, default stderr)
-    when the checkpoint cadence exceeds the time limit. Skipped on CPU and for topology.gpu=""."""
+    cannot finish within the preemption signal's lead, or when checkpoint.every_steps steps
+    outlast the time limit (no timed checkpoint in any attempt); a warning line (to `warn`,
+    default stderr) when they outlast half of it. Skipped on CPU and for topology.gpu=""."""
     if cfg.topology.device == "cpu" or not cfg.topology.gpu.strip():
         return None
     est = estimate_time(cfg)

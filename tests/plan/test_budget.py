@@ -105,12 +105,20 @@ def test_32b_step_cannot_fit_the_scripts_lead_and_is_refused_naming_the_keys():
                     "checkpoint.every_steps=2"])
     got, warn = _lines()
     assert budget.check_time(ok, env={}, warn=warn) is not None and got == []
-    # ten 2.2-hour steps between checkpoints: a warning naming checkpoint.every_steps
+    # ten 2.2-hour steps between checkpoints in a 20-hour attempt: no timed checkpoint ever, refused
     slow = load(R32, ["topology.gpu=h100", "checkpoint.signal_lead_s=9000", "checkpoint.time_limit_s=72000",
                       "checkpoint.every_steps=10"])
-    budget.check_time(slow, env={}, warn=warn)
-    assert len(got) == 1 and got[0].startswith("checkpoint.every_steps=10: 10 steps take ")
-    assert "lower checkpoint.every_steps to <= 8" in got[0]
+    with pytest.raises(ConfigError) as err:
+        budget.check_time(slow, env={}, warn=warn)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("checkpoint.every_steps=10: 10 steps take ")
+    assert "more than the time limit" in line and "lower checkpoint.every_steps to <= 8" in line
+    # five of them: over half the attempt, a warning
+    half = load(R32, ["topology.gpu=h100", "checkpoint.signal_lead_s=9000", "checkpoint.time_limit_s=72000",
+                      "checkpoint.every_steps=5"])
+    budget.check_time(half, env={}, warn=warn)
+    assert len(got) == 1 and got[0].startswith("checkpoint.every_steps=5: 5 steps take ")
+    assert "over half of the time limit" in got[0] and "lower checkpoint.every_steps to <= 4" in got[0]
 
 
 def test_skipped_on_cpu_without_a_gpu_name_or_without_a_clock():
