@@ -189,13 +189,18 @@ def check(placements: list[RankPlacement]) -> list[str]:
                 if g in seen:
                     out.append(f"{node}: GPU {g} is given to rank {seen[g]} and rank {p.rank}")
                 seen.setdefault(g, p.rank)
-        cores: dict[int, int] = {}
+        # Cores: ranks with the same mask share a pool on purpose (task/cgroup confines a step's
+        # tasks to one cpuset; mpiexec under taskset); masks that differ but intersect are a
+        # binding gone wrong (two tasks pinned to one core).
+        masks: dict[tuple, int] = {}
         for p in (q for q in ps if q.bound):
-            for c in p.cpus:
-                if c in cores:
-                    out.append(f"{node}: core {c} is given to rank {cores[c]} and rank {p.rank}")
-                    break
-                cores[c] = p.rank
+            masks.setdefault(tuple(p.cpus), p.rank)
+        seen_masks = list(masks.items())
+        for i, (a, ra) in enumerate(seen_masks):
+            for b, rb in seen_masks[i + 1:]:
+                common = sorted(set(a) & set(b))
+                if common:
+                    out.append(f"{node}: core {common[0]} is given to rank {ra} and rank {rb}")
     hosts = {p.host for p in placements}
     if placements and len(hosts) > 1 and is_loopback(placements[0].address):
         out.append(f"rank 0's rendezvous address {placements[0].address} is a loopback address "

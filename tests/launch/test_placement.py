@@ -102,6 +102,8 @@ def test_check_refuses_shared_gpus_and_cores_per_node_only():
     assert check([_p(0, "n1", cpus=[0, 1], bound=True), _p(1, "n1", cpus=[1, 2], bound=True)]) \
         == ["n1: core 1 is given to rank 0 and rank 1"]
     assert check([_p(0, "n1", cpus=[0, 1]), _p(1, "n1", cpus=[0, 1])]) == []   # unbound: the OS shares
+    # one pool for the step's tasks (task/cgroup's cpuset, taskset around mpiexec): not an overlap
+    assert check([_p(0, "n1", cpus=[0, 1], bound=True), _p(1, "n1", cpus=[0, 1], bound=True)]) == []
 
 
 def test_check_refuses_a_loopback_rendezvous_across_hosts():
