@@ -1,0 +1,116 @@
+"""The Slurm path on a local cluster whose fake nodes are hosts of their own
+(`AREAL_SLURM_NETNS=1 tools/local_slurm.sh`): each slurmd, and so each job step, runs in its own
+network, UTS and mount namespaces, with host name nodeK, its own address on a private subnet and
+its own /etc/hosts. A rank that advertises a loopback address, or code that takes every rank for one
+host, fails here as it would on a real cluster, where it passes on the default cluster (one host
+name, 127.0.0.1 for every node)."""
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.launch.test_slurm import SMALL, _model_args, _ranks_log_tail, _sh, _steps
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = str(ROOT / "tools/local_slurm.sh")
+NODES = 2
+
+
+@pytest.fixture(scope="session")
+def netns_cluster():
+    """{"env": a Slurm client's environment, "nodes": {node: (holder pid, address)}} of the
+    namespaced local cluster, brought up for this session (without slurmdbd: nothing here needs
+    sacct) unless one already runs (then it is left running)."""
+    if os.geteuid() != 0:
+        pytest.skip("the namespaced local cluster needs root (network namespaces)")
+    missing = [c for c in ("unshare", "nsenter", "ip") if shutil.which(c) is None]
+    if missing:
+        pytest.skip(f"the namespaced local cluster needs {', '.join(missing)} (util-linux, iproute2)")
+    have = all(shutil.which(c) or os.path.exists(f"/usr/sbin/{c}") for c in ("slurmctld", "slurmd"))
+    if not have and shutil.which("apt-get") is None:
+        pytest.skip("no local Slurm: tools/local_slurm.sh installs it with apt-get")
+    tool_env = {**os.environ, "AREAL_SLURM_NETNS": "1", "AREAL_SLURM_DBD": "0"}
+    status = _sh(TOOL, "status", env=tool_env, check=False)
+    started = status.returncode != 0
+    if started:
+        up = _sh(TOOL, "up", str(NODES), env=tool_env, timeout=900, check=False)
+        assert up.returncode == 0, (up.stdout, up.stderr[-4000:])
+        status = _sh(TOOL, "status", env=tool_env)
+    conf = re.search(r"export SLURM_CONF=(\S+)", status.stdout).group(1)
+    nodes = {m[0]: (int(m[1]), m[2]) for m in
+             re.findall(r"^(node\d+): namespaces of pid (\d+), node\d+ ([\d.]+)/\d+$", status.stdout, re.M)}
+    assert len(nodes) >= NODES, status.stdout
+    yield {"env": {**os.environ, "SLURM_CONF": conf}, "nodes": nodes}
+    if started:
+        _sh(TOOL, "down", env=tool_env, timeout=120, check=False)
+
+
+def _eth0_bytes(pid: int) -> int:
+    """Bytes received by a fake node's eth0 (read in its network namespace)."""
+    out = subprocess.run(["nsenter", "-t", str(pid), "--net", "ip", "-s", "-j", "link", "show", "eth0"],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out)[0]["stats64"]["rx"]["bytes"]
+
+
+HET_SHOW = """#!/usr/bin/env bash
+#SBATCH --nodes=1 --ntasks=1
+#SBATCH hetjob
+#SBATCH --nodes=1 --ntasks=1
+echo "batch on $(hostname)"
+srun --het-group=0,1 --label bash -c 'echo "host=$(hostname) slurmd=$SLURMD_NODENAME \\
+resolved=$(getent hosts "$(hostname)" | cut -d" " -f1) eth0=$(ip -o -4 addr show eth0 | awk "{print \\$4}") \\
+boot=$(cat /proc/sys/kernel/random/boot_id)"'
+"""
+
+
+def test_netns_hetjob_tasks_are_on_separate_hosts(netns_cluster, tmp_path):
+    """The two components' tasks see different host names (= their Slurm node names), each name
+    resolves to that node's own non-loopback address (on its eth0), and the boot ids differ (UCX
+    takes one boot id for one host)."""
+    script, out = tmp_path / "show.sh", tmp_path / "show.out"
+    script.write_text(HET_SHOW)
+    _sh("sbatch", "--wait", f"--output={out}", str(script), env=netns_cluster["env"], timeout=120)
+    text = out.read_text()
+    tasks = [dict(kv.split("=", 1) for kv in line.split(": ", 1)[1].split())
+             for line in text.splitlines() if re.match(r"\d+: host=", line)]
+    assert len(tasks) == 2, text
+    assert re.search(r"^batch on node\d+$", text, re.M), text
+    for t in tasks:
+        assert t["host"] == t["slurmd"], t
+        address = t["eth0"].split("/")[0]
+        assert t["resolved"] == address == netns_cluster["nodes"][t["host"]][1], t
+        assert not address.startswith("127."), t
+    assert len({t["host"] for t in tasks}) == len({t["resolved"] for t in tasks}) == 2, tasks
+    assert len({t["boot"] for t in tasks}) == 2, tasks
+
+
+def test_netns_sbatch_tiny_hetjob(netns_cluster, jobs, tiny_model, tmp_path):
+    """slurm/areal_tiny.sh with the trainer rank and the generator rank on two namespaced nodes:
+    MPI (srun --mpi=pmi2), the torch.distributed rendezvous at trainer rank 0's resolved address
+    and the weight broadcasts all cross the nodes' network (the generator node's eth0 receives
+    more than twice the model's weights: 3 versions are sent)."""
+    env, nodes = netns_cluster["env"], netns_cluster["nodes"]
+    out = tmp_path / "batch.out"
+    before = {n: _eth0_bytes(pid) for n, (pid, _) in nodes.items()}
+    r = _sh("sbatch", "--wait", "--parsable", f"--output={out}", "slurm/areal_tiny.sh", *SMALL,
+            *_model_args(tiny_model, tmp_path, "sb"), env=jobs.env(env), timeout=900, check=False)
+    log = out.read_text() if out.exists() else ""
+    job = r.stdout.strip().split(";")[0]
+    if r.returncode != 0:
+        pytest.fail(f"sbatch exit {r.returncode}\n{r.stderr[-1000:]}\n{log[-1500:]}\n"
+                    f"{_ranks_log_tail(tmp_path / 'sb', job)}")
+    assert "2 het component(s)" in log and "ranks ended with exit code 0" in log, log
+    m = re.search(r"trainers on (node\d+) .*generators on (node\d+) ", log)
+    assert m and m[1] != m[2], log
+    run = tmp_path / "sb"
+    ranks = (run / f"logs/job-{job}/attempt-0/ranks.log").read_text()
+    assert re.search(r"^0: ", ranks, re.M) and re.search(r"^1: ", ranks, re.M)
+    assert _steps(run) == [0, 1, 2] and (run / "rollouts.h5").exists()
+    weights = (Path(tiny_model) / "model.safetensors").stat().st_size
+    received = _eth0_bytes(nodes[m[2]][0]) - before[m[2]]
+    assert received >= 2 * weights, (received, weights)
+    assert not jobs.leftovers(), "processes of the job are still running"
