@@ -62,11 +62,11 @@ logits reused in place for the softmax and its gradient, and one copy in b; plus
 optimizer step (torch's foreach Adam on CUDA: one fp32 temporary of all local main weights; on
 CPU: two of the largest); a weight update (two `weights.bucket_mb` buckets and the TP-gathered
 copy of the largest tensor, 3x); with tp > 1 the sender's TP peers in the weight gather
-(term "weight gather, TP peers": each runs the stage's gathering iterator and drops every tensor,
-and nothing in `WeightPublisher._join_gather` waits for the sender, so its host runs ahead by up
-to the rest of the stage; counted as every gather it may have enqueued and NCCL holds until the
-sender joins it: the whole stage's full tensors in b bytes. Synchronising the peers every
-weights.bucket_mb would bound it to a bucket); the final HF export (`export_bytes`). Only the
+(term "weight gather, TP peers": each runs the stage's gathering iterator and drops every tensor;
+a gather's output stays reserved until the sender joins it, and `weight_publisher.join_gather`
+waits for the device every weights.bucket_mb, so a peer runs ahead by at most a bucket plus one
+gathered tensor; without that wait it would be the whole stage's full tensors); the final HF
+export (`export_bytes`). Only the
 largest of these counts (rows marked "(alt)").
 
 Generator rank (one vLLM worker; `rollout.engine_tp` workers per engine)
@@ -467,9 +467,8 @@ def trainer_estimates(cfg: RunConfig, arch: Arch, weight_sync: bool = True) -> l
             logprob = chunk * v_local * (4 + extra) + v_local * h * (4 + extra)
         opt_temp = (n_params / opt_shard * 4) if on_cuda else 2 * largest * 4
         sync = (2 * cfg.weights.bucket_mb * MiB + 3 * largest * tp * b) if weight_sync else 0.0
-        # a TP peer's gathers not yet joined by the sender: up to the stage's full tensors
-        full_stage = n_layers * arch.layer_matmul_params + arch.vocab * h * (first + (last and (not arch.tied or pp > 1)))
-        gather_ahead = full_stage * b if weight_sync and tp > 1 else 0.0
+        # a TP peer's gathers not yet joined by the sender: join_gather waits every bucket
+        gather_ahead = (cfg.weights.bucket_mb * MiB + largest * tp * b) if weight_sync and tp > 1 else 0.0
         batch = batch_bytes(cfg, last)
         dynamic = activations + attn_scores + masks + batch + max(working, logprob, opt_temp, sync, gather_ahead)
         frag = (FRAGMENTATION if on_cuda else CPU_FRAGMENTATION) * dynamic

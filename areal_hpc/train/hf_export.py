@@ -32,6 +32,7 @@ from pathlib import Path
 
 from ..storage.checkpoint import _write_atomic
 from ..transport import mpi as coll
+from .weight_publisher import join_gather
 
 log = logging.getLogger(__name__)
 
@@ -208,9 +209,8 @@ def export(actor, out_dir: str | os.PathLike, *, chunk_bytes: int, step: int | N
         if actor.is_weight_sender:
             files, stats = write_stage_shards(actor.iter_hf_weights(), tmp, stage, chunk_bytes)
             mine = ("ok", stage, files, stats)
-        elif stage is not None:         # a TP peer: take part in each parameter's gather
-            for _ in actor.iter_hf_weights():
-                pass
+        elif stage is not None:         # a TP peer: take part in each parameter's gather,
+            join_gather(actor.iter_hf_weights(), chunk_bytes)     # at most a chunk ahead
     except Exception as exc:            # noqa: BLE001 - every rank raises it below
         log.error("%s failed on this rank: %s: %s", what, type(exc).__name__, exc)
         mine = ("error", f"trainer rank {comm.Get_rank()}: {type(exc).__name__}: {exc}")

@@ -152,8 +152,28 @@ class WeightPublisher:
         """A TP peer of a stage sender: take part in gathering the stage's full tensors (each
         one is a collective over the TP group) without sending anything. Skipping this would
         leave the sender waiting in its first gather."""
-        for _ in self.actor.iter_hf_weights():
-            pass
+        join_gather(self.actor.iter_hf_weights(), self.cfg.bucket_mb << 20)
+
+
+def join_gather(tensors, bound_bytes: int) -> int:
+    """Drain a TP peer's side of a stage's gathering iterator ((name, tensor) pairs), waiting
+    for the device every `bound_bytes` of gathered tensors; returns the bytes gathered.
+
+    On NCCL a gather returns as soon as it is enqueued, and its output stays reserved until the
+    collective completes, which needs the stage's sender (busy sending each bucket to the
+    generators, or writing the export) to join it: a peer that only drops the tensors would run
+    ahead by up to the whole stage's full weights (7 GiB at 32B). Synchronising its stream every
+    bucket bounds that to about one bucket (plan/memory.py counts it so). A no-op wait on CPU,
+    where gloo's collectives are blocking."""
+    total = since = 0
+    for _, tensor in tensors:
+        n = tensor.numel() * tensor.element_size()
+        total, since = total + n, since + n
+        if since >= bound_bytes and tensor.is_cuda:
+            import torch
+            torch.cuda.current_stream(tensor.device).synchronize()
+            since = 0
+    return total
 
     def _acknowledged(self, version: int, error: BaseException | None) -> tuple:
         """Rank 0: wait for every generator to run `version`; returns (failure, stopping).
