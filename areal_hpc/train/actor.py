@@ -41,6 +41,7 @@ Megatron's groups).
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import time
@@ -73,6 +74,117 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.j
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Per-micro-batch sums returned by the PPO loss (last pipeline stage), reduced over the batch.
 _SUM_KEYS = ("loss", "clip_frac", "ratio_mean", "dropped_frac", "approx_kl", "imp_weight_mean", "kept")
+
+
+class StepAbandoned(Exception):
+    """`train_share` stopped at a decision point (`should_stop`): `done` of `total` minibatches
+    had run; the rank's model, optimizer, scheduler and RNG are back at the step's start."""
+
+    def __init__(self, done: int, total: int):
+        super().__init__(f"step abandoned after {done} of {total} minibatches")
+        self.done, self.total = done, total
+
+
+def _attrs(obj) -> dict:
+    """The plain attributes of `obj` (numbers, strings, tensors cloned): the mutable state of an
+    LR scheduler or a grad scaler."""
+    return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in vars(obj).items()
+            if torch.is_tensor(v) or isinstance(v, (int, float, str, bool, type(None)))}
+
+
+class StepSnapshot:
+    """What a training step changes on this rank, kept in host memory at the step's start so that
+    a step stopped midway (checkpoint.mid_step_stop) is undone bit-exactly: the model's
+    parameters (this rank's TP/PP shard), the optimizer's main parameters where they are not the
+    model's (fp32 copies of half-precision weights, the distributed optimizer's shards) and its
+    state (Adam moments, step counters, param-group values), the grad scaler, the LR scheduler,
+    and the torch RNG states (the step draws no random numbers: dropout is off; kept anyway).
+
+    One code path on CPU and GPU: each tensor is copied into a host buffer allocated at the first
+    snapshot and reused at every step; on GPU the buffers are pinned (a D2H copy at PCIe speed,
+    ~1 s for a 32B rank's shard) and restoring copies back (H2D). The host memory it holds is the
+    rank's model shard plus its optimizer shard (for bf16 Adam: 2 + 12 bytes per parameter of
+    the shard)."""
+
+    def __init__(self):
+        self._host: dict[tuple, torch.Tensor] = {}      # reused from step to step
+        self._live: list[tuple[tuple, torch.Tensor]] = []
+
+    def _keep(self, key: tuple, t: torch.Tensor) -> None:
+        buf = self._host.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self._host[key] = torch.empty(t.shape, dtype=t.dtype, device="cpu",
+                                                pin_memory=t.is_cuda)
+        buf.copy_(t.detach(), non_blocking=t.is_cuda)
+        self._live.append((key, t))
+
+    @staticmethod
+    def _optimizers(actor) -> list:
+        opt = actor.optimizer
+        return list(getattr(opt, "chained_optimizers", None) or [opt])
+
+    def take(self, actor: Actor) -> StepSnapshot:
+        self._live = []
+        params = [p for p in actor.model.parameters()]
+        for i, p in enumerate(params):
+            self._keep(("model", i), p.data)
+        # storage that a model parameter's copy already restores (the fp32 optimizer's params
+        # are the model's; the distributed optimizer's fp32 shards are views into them)
+        model_storage = {p.data.untyped_storage().data_ptr() for p in params}
+        self._groups, self._state_keys, self._scalers = [], [], []
+        for j, opt in enumerate(self._optimizers(actor)):
+            inner = opt.optimizer
+            keys = {}
+            for gi, group in enumerate(inner.param_groups):
+                self._groups.append((group, copy.deepcopy(
+                    {k: v for k, v in group.items() if k != "params"})))
+                for pi, p in enumerate(group["params"]):
+                    if p.data.untyped_storage().data_ptr() not in model_storage:
+                        self._keep(("main", j, gi, pi), p.data)
+                    state = inner.state[p] if p in inner.state else None
+                    keys[p] = None if state is None else {}
+                    for k, v in (state or {}).items():
+                        if torch.is_tensor(v):
+                            self._keep(("state", j, gi, pi, k), v)
+                            keys[p][k] = v
+                        else:
+                            keys[p][k] = copy.deepcopy(v)
+            self._state_keys.append((inner, keys))
+            scaler = getattr(opt, "grad_scaler", None)
+            if scaler is not None:
+                self._scalers.append((scaler, _attrs(scaler)))
+        self._scheduler = _attrs(actor.lr_scheduler)
+        self._rng = (torch.get_rng_state(),
+                     torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+        if actor.device.type == "cuda":
+            torch.cuda.synchronize()            # the D2H copies are complete
+        return self
+
+    def restore(self, actor: Actor) -> None:
+        """Put everything `take` kept back (the same tensors, in place)."""
+        for key, t in self._live:
+            t.copy_(self._host[key], non_blocking=t.is_cuda)
+        for inner, keys in self._state_keys:
+            for p, saved in keys.items():
+                if saved is None:               # no state yet at the step's start (lazy init)
+                    inner.state.pop(p, None)
+                else:
+                    inner.state[p] = {k: (v if torch.is_tensor(v) else copy.deepcopy(v))
+                                      for k, v in saved.items()}
+        for group, saved in self._groups:
+            group.update(copy.deepcopy(saved))
+        for scaler, saved in self._scalers:
+            for k, v in saved.items():
+                setattr(scaler, k, v.clone() if torch.is_tensor(v) else v)
+        for k, v in self._scheduler.items():
+            setattr(actor.lr_scheduler, k, v)
+        torch.set_rng_state(self._rng[0])
+        if self._rng[1] is not None:
+            torch.cuda.set_rng_state_all(self._rng[1])
+        actor.model.zero_grad_buffer()          # the stopped minibatch's gradients
+        actor.optimizer.zero_grad()
+        if actor.device.type == "cuda":
+            torch.cuda.synchronize()
 
 
 @dataclass
@@ -211,6 +323,7 @@ class Actor:
             wd_incr_steps=decay_steps,
             wd_incr_style="constant",
         )
+        self._snapshot: StepSnapshot | None = None   # host buffers of a mid-step stop, reused
 
     # ---------------------------------------------------------------- batches
 
@@ -429,8 +542,8 @@ class Actor:
         share = split_batch(seqs, self.cfg, self.group_size, self.layout.dp)[self.layout.dp_rank]
         return self.train_share(share, version, t0=t0)
 
-    def train_share(self, share: BatchShare, version: int = 0,
-                    t0: float | None = None) -> dict[str, float]:
+    def train_share(self, share: BatchShare, version: int = 0, t0: float | None = None,
+                    should_stop=None) -> dict[str, float]:
         """One decoupled-PPO step on this data-parallel rank's share of a batch (every rank of
         the same data-parallel rank calls it with the same share; all ranks together).
 
@@ -440,6 +553,12 @@ class Actor:
                 whole batch's statistics.
             version: the version of the current weights (0 before the first step).
             t0: `time.perf_counter()` when the step began (default: now).
+            should_stop: None, or `should_stop(done, total, minibatch_s)` -> bool, called on
+                every rank at each decision point: before π_prox (done = 0) and after each
+                minibatch but the last (`minibatch_s`: seconds its `done` minibatches took). It
+                must return the same on every rank (the trainer's is collective). With it, the
+                step's start state is kept in host memory (`StepSnapshot`); when it returns True,
+                that state is restored and `StepAbandoned` raised.
         Returns:
             loss (token mean over the batch), grad_norm (mean over minibatches), lr (last
             optimizer step), reward_mean (raw), adv_abs_mean, clip_frac, ratio_mean,
@@ -462,6 +581,13 @@ class Actor:
             offset += len(minibatch)
         plan = self._pack_minibatches(seqs, per_token, ids)
         t_pack = time.perf_counter() - t0
+        snapshot = None
+        if should_stop is not None:
+            self._snapshot = self._snapshot or StepSnapshot()
+            snapshot = self._snapshot.take(self)
+            if should_stop(0, len(plan), 0.0):
+                snapshot.restore(self)
+                raise StepAbandoned(0, len(plan))
 
         # π_prox once, with the weights at the start of the step, before the first minibatch.
         t1 = time.perf_counter()
@@ -476,7 +602,10 @@ class Actor:
 
         self.model.train()
         outputs, grad_norms, skipped, t_fb, t_opt = [], [], 0, 0.0, 0.0
-        for micro_batches in plan:
+        for k, micro_batches in enumerate(plan):
+            if snapshot is not None and k and should_stop(k, len(plan), t_fb + t_opt):
+                snapshot.restore(self)
+                raise StepAbandoned(k, len(plan))
             t1 = time.perf_counter()
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
