@@ -97,6 +97,10 @@ class RolloutConfig:
     # fixed-length rollouts in throughput benchmarks and tests, not for training a model.
     # Held-out evaluation always stops at EOS.
     ignore_eos: bool = False
+    # Each sample draws from its own seed (train.seed, prompt id, sample index; in the rollout
+    # log): its tokens do not depend on the batch around it. On CPU vLLM then runs without
+    # chunked prefill. Cost: BENCHMARKS.md (per-request seeds).
+    per_request_seeds: bool = True
     max_staleness: int = 1              # η: trajectories at most η versions behind the policy
     max_concurrent_prompts: int = 16    # prompts (groups) in flight over all generators
     # A group that finishes more than η versions behind the policy (long-tailed lengths: the
@@ -257,6 +261,10 @@ class CheckpointConfig:
     signals: list = field(default_factory=lambda: ["USR1", "TERM"])
     signal_lead_s: float = 0.0          # seconds from the signal to the time limit (Slurm --signal=B:USR1@N) for the step-time preflight; 0 = read from the batch script
     time_limit_s: float = 0.0           # the attempt's time limit in seconds for the step-time preflight; 0 = from Slurm (SLURM_JOB_END_TIME, squeue)
+    # A preemption signal during a step that cannot finish (and checkpoint) before the job's end
+    # stops it between minibatches: the step's start state, kept in host memory (model and
+    # optimizer shard per rank), is restored and its batch kept for the rerun. False: finish it.
+    mid_step_stop: bool = True
     export_chunk_mb: int = 2048         # policy/: shard size, the most a rank holds of the export
 
 

@@ -1,4 +1,5 @@
-"""Preemption signals: remember that one arrived; the trainer acts on it at the next step boundary.
+"""Preemption signals: remember that one arrived (and when); the trainer acts on it at the next
+step boundary, or midway through a step that cannot finish in time (`mid_step_verdict`).
 
 Slurm announces the end of an allocation with a signal (`--signal=B:USR1@<seconds>` forwarded by
 the batch script, SIGTERM at cancel or requeue). A handler only sets a flag; trainer rank 0 looks
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
+import time
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +24,9 @@ EXIT_PREEMPTED = 3          # areal_hpc.main's exit code after a preemption chec
 # A plain flag: a handler must not take locks (threading.Event.set does), or a second signal
 # arriving while the first handler holds the lock deadlocks the process.
 _requested = False
+_requested_at: float | None = None     # time.time() of the first signal (or request)
 _signals: list[int] = []
+_STARTED = time.time()                  # about when this attempt began (checkpoint.time_limit_s)
 
 
 def _number(name: str) -> int:
@@ -29,10 +34,10 @@ def _number(name: str) -> int:
 
 
 def _handler(signum, frame) -> None:
-    global _requested
+    global _requested, _requested_at
     if not _requested:
+        _requested_at = time.time()
         # Logging from a handler can deadlock on the logging lock; a flag and os.write are safe.
-        import os
         os.write(2, f"[areal_hpc] signal {signal.Signals(signum).name}: checkpoint and stop at "
                     f"the next step boundary\n".encode())
     _requested = True
@@ -75,12 +80,77 @@ def requested() -> bool:
     return _requested
 
 
-def request() -> None:
-    """Ask for a stop as a signal would (tests, or a controller deciding to stop)."""
-    global _requested
+def requested_at() -> float | None:
+    """time.time() when the first signal (or `request`) came; None when none has."""
+    return _requested_at if _requested else None
+
+
+def request(at: float | None = None) -> None:
+    """Ask for a stop as a signal would (tests, or a controller deciding to stop); `at`: when the
+    signal came (default now)."""
+    global _requested, _requested_at
+    if not _requested or at is not None:
+        _requested_at = time.time() if at is None else at
     _requested = True
 
 
 def reset() -> None:
-    global _requested
-    _requested = False
+    global _requested, _requested_at
+    _requested, _requested_at = False, None
+
+
+# -- stopping mid-step -----------------------------------------------------------------------------
+# Seconds kept free before the job's end beyond the checkpoint's own time: stopping the
+# generators (their in-flight work into the buffer), writing the rollout log, exiting.
+MID_STEP_MARGIN_S = 60.0
+
+# Test hook, read here only: "STEP:K" raises the preemption flag on trainer rank 0 once K
+# minibatches of training step STEP have run (tests/e2e/test_mid_step_stop.py).
+TEST_HOOK_ENV = "AREAL_TEST_PREEMPT_MID_STEP"
+
+
+def test_hook() -> tuple[int, int] | None:
+    """(step, minibatches) of the `TEST_HOOK_ENV` test hook, or None."""
+    value = os.environ.get(TEST_HOOK_ENV, "")
+    if not value:
+        return None
+    step, k = value.split(":")
+    return int(step), int(k)
+
+
+def job_end(cfg, signal_at: float | None, env=None) -> tuple[float | None, str]:
+    """(the job's end as time.time(), where from), or (None, "") when unknown: the earliest of
+    SLURM_JOB_END_TIME, the attempt's start (SLURM_JOB_START_TIME, else this process's) +
+    checkpoint.time_limit_s, and the signal's time + its lead (checkpoint.signal_lead_s, else the
+    batch script's --signal: `plan.budget.job_clock`)."""
+    env = os.environ if env is None else env
+    ck = cfg.checkpoint
+    found = []
+    end = env.get("SLURM_JOB_END_TIME", "")
+    if end.isdigit():
+        found.append((float(end), "SLURM_JOB_END_TIME"))
+    if ck.time_limit_s > 0:
+        start = env.get("SLURM_JOB_START_TIME", "")
+        found.append(((float(start) if start.isdigit() else _STARTED) + ck.time_limit_s,
+                      "checkpoint.time_limit_s"))
+    if signal_at is not None:
+        lead, src = ck.signal_lead_s, "checkpoint.signal_lead_s"
+        if lead <= 0 and env.get("SLURM_JOB_ID"):
+            from .plan.budget import job_clock
+            _, _, lead, src = job_clock(cfg, env)
+        if lead and lead > 0:
+            found.append((signal_at + lead, f"the signal + {src}"))
+    return min(found) if found else (None, "")
+
+
+def mid_step_verdict(*, pending: bool, now: float, job_end: float | None, rest_s: float | None,
+                     checkpoint_s: float, margin_s: float = MID_STEP_MARGIN_S
+                     ) -> tuple[bool, float | None]:
+    """(stop the step now, seconds left for the rest of it): stop when a preemption signal is
+    pending and the rest of the step (`rest_s`) is not expected to end before the job's end less
+    the checkpoint's time and a margin. The job's end or the rest unknown: finish the step (the
+    stop comes at its boundary, as without mid-step stops)."""
+    if not pending or job_end is None or rest_s is None:
+        return False, None
+    left = job_end - now - checkpoint_s - margin_s
+    return rest_s > left, left

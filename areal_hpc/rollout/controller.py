@@ -116,6 +116,7 @@ class Controller:
         self._eval_results: list[msgs.EvalResult] = []
         self._dropped_since_batch = 0       # groups dropped as stale since the last batch was taken
         self._stale_sent = 0                # the last StaleBefore version sent to the generators
+        self._taken = None                  # the groups of the batch in training
         self._cond = threading.Condition(threading.RLock())
         # The MPI pump runs on its own thread from the first batch on, so that groups are
         # received, logged and their prompts' successors issued while the trainer thread computes
@@ -295,6 +296,7 @@ class Controller:
             if should_stop and should_stop():
                 return None, None
             groups = self.ledger.take(B)                  # oldest first
+            self._taken = groups                          # until trained (or put back)
             dropped, self._dropped_since_batch = self._dropped_since_batch, 0
             self._send_stale_before()
             if self.version + 1 >= self.cfg.train.total_steps:
@@ -319,6 +321,16 @@ class Controller:
         with self._cond:
             self.writer.mark_consumed(rows, step)
             self.ledger.trained(new_version)
+            self._taken = None
+
+    def put_back(self) -> list[int]:
+        """The batch in training was not trained (its step stopped midway): its groups go back
+        to the buffer, first among their version, so that a checkpoint keeps them and a resume
+        trains them first. Returns their prompt ids."""
+        with self._cond:
+            groups, self._taken = self._taken or [], None
+            self.ledger.put_back(groups)
+        return [int(g.trajectories[0]["prompt_id"]) for g in groups]
 
     def send_weights_notice(self, version: int, *, plan=None, path: str | None = None) -> None:
         """Tell every generator that `version` is coming: over the weight group (`plan`, sent

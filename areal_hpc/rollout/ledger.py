@@ -155,6 +155,15 @@ class Ledger:
             self.stale_groups.on_trained(int(g.trajectories[0]["prompt_id"]))
         return groups
 
+    def put_back(self, groups: list[ReadyGroup]) -> None:
+        """The batch `take` gave was not trained (its step was stopped midway): its groups wait
+        again, ahead of the others of their version, and the current version's batch counts as
+        not taken. Their log rows were never marked, the η counters never moved."""
+        rest = self.buffer.take(len(self.buffer))
+        for g in [*groups, *rest]:
+            self.buffer.add(g.trajectories, g.rows)
+        self._taken_for = -1
+
     def trained(self, new_version: int) -> None:
         self.version = new_version
 

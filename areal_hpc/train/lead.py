@@ -41,6 +41,9 @@ class Follower:
     def evaluate(self, label: str, version: int) -> None:
         pass
 
+    def put_back(self) -> list[int]:
+        return []
+
     def steps_done(self) -> None:
         pass
 
@@ -117,6 +120,11 @@ class Lead(Follower):
         if self.tb is not None:
             self.tb.step(record)
         self.progress.step(record)
+
+    def put_back(self) -> list[int]:
+        """The step's batch was not trained (stopped midway): back to the controller's buffer;
+        returns its prompt ids."""
+        return self.controller.put_back()
 
     def evaluate(self, label: str, version: int) -> None:
         """Held-out accuracy of the generators' current policy, kept in eval.json."""

@@ -5,7 +5,9 @@
         batch ← controller: B groups, each at most η versions old   (generators never wait)
             split on rank 0 (advantages, minibatches, data-parallel shares); each trainer rank
             receives only its data-parallel share
-        decoupled-PPO update on the share (π_prox, ppo_minibatches steps)
+        decoupled-PPO update on the share (π_prox, ppo_minibatches steps); a preemption signal
+            with too little time left for the rest of the step stops it midway (the step's
+            start state restored, its batch back in the buffer): checkpoint.mid_step_stop
         version += 1; send the HF-named weights to every generator engine (one sender per
             pipeline stage) and wait until all of them run the new version
     evaluate the final policy; stop generators; checkpoint; export the policy (HF, streamed)
@@ -17,6 +19,7 @@ the other ranks; the weight update behind `self.publisher` (train/weight_publish
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from .. import preemption
@@ -25,7 +28,7 @@ from ..storage.run_dir import RunDir
 from ..topology import Topology
 from ..transport import mpi as coll
 from . import checkpoint
-from .actor import Actor
+from .actor import Actor, StepAbandoned
 from .lead import lead_of
 from .shares import BatchShare, split_batch
 from .weight_publisher import WeightPublisher
@@ -41,7 +44,17 @@ class Trainer:
             temperature=cfg.rollout.temperature, device=cfg.topology.device,
             dtype=cfg.model.dtype, layout=topo.init_trainer_layout(cfg.train.seed))
         self.version = 0
+        # what the mid-step decision knows of the time things take (this attempt; rank 0's clock)
+        self._checkpoint_s = 0.0        # the last checkpoint written, else the resume's load
+        self._last_step_s: float | None = None          # the last step's train_share
+        self._last_publish_s = 0.0                      # the last weight update
+        self._job_end: tuple[float | None, str] | None = None   # preemption.job_end, once
+        self._why = ""                  # rank 0: why the step was stopped midway
+        self._hook = preemption.test_hook()
+        t0 = time.monotonic()
         self.resumed = self._resume() if cfg.checkpoint.resume == "auto" else None
+        if self.resumed:
+            self._checkpoint_s = time.monotonic() - t0
         self.lead = lead_of(cfg, topo, self.resumed["controller"] if self.resumed else None)
         self.publisher = WeightPublisher.for_trainer(cfg, topo, self.actor, self.lead.controller)
         # each batch: rank 0 -> one rank per data-parallel rank -> its TP/PP peers
@@ -78,10 +91,12 @@ class Trainer:
         """Checkpoint after `self.version` steps (collective over the trainer ranks)."""
         from ..config import to_yaml
         a = self.actor
+        t0 = time.monotonic()
         checkpoint.save(self.cfg.run_dir, self.version, model=a.model, optimizer=a.optimizer,
                         scheduler=a.lr_scheduler, controller_state=self.lead.state(),
                         config_yaml=to_yaml(self.cfg), keep=self.cfg.checkpoint.keep,
                         comm=self.topo.role_comm)
+        self._checkpoint_s = time.monotonic() - t0
 
     def _batch(self) -> tuple[BatchShare | None, dict | None]:
         """Rank 0 gathers the batch from the controller and splits it (advantages, batch
@@ -121,9 +136,15 @@ class Trainer:
             share, stats = self._batch()                    # B groups, none older than η
             if share is None:                               # preempted: stop, checkpoint, requeue
                 return self._preempted(start)
-            train_stats = self.actor.train_share(share, self.version)  # decoupled PPO
+            try:                                            # decoupled PPO
+                train_stats = self.actor.train_share(
+                    share, self.version, should_stop=self._should_stop if ck.mid_step_stop else None)
+            except StepAbandoned as stop:                   # too little time left: stop midway
+                return self._abandoned(start, stop)
+            self._last_step_s = train_stats["seconds"]
             self.version = step + 1
             weight_sync_s = self.publisher.publish(self.version)  # generators go on with it
+            self._last_publish_s = weight_sync_s
             self.lead.trained(step, self.version, stats, train_stats, weight_sync_s)
             if ck.every_steps and self.version % ck.every_steps == 0 and self.version < total:
                 self._checkpoint()
@@ -146,10 +167,63 @@ class Trainer:
                       force=not complete_before)
         return 0
 
+    # -- stopping mid-step ------------------------------------------------------------------------
+    def _should_stop(self, done: int, total: int, minibatch_s: float) -> bool:
+        """`train_share`'s decision point, collective over the trainer ranks (every rank takes
+        the same branch): a preemption signal pending on any rank (its time gathered on rank 0,
+        which adopts it, so the step boundary sees it too), and rank 0 judges whether the rest
+        of the step can end before the job's end (`preemption.mid_step_verdict`)."""
+        comm, t = self.topo.role_comm, self.cfg.rollout.collective_timeout_s
+        rank0 = comm.Get_rank() == 0
+        if rank0 and self._hook == (self.version, done):    # test hook (preemption.TEST_HOOK_ENV)
+            preemption.request()
+        at = coll.gather(comm, preemption.requested_at(), root=0, timeout_s=t,
+                         what=f"step {self.version}: preemption signals (mid-step decision)")
+        stop = False
+        if rank0:
+            times = [x for x in at if x is not None]
+            if times:
+                if not preemption.requested():
+                    preemption.request(at=min(times))
+                stop = self._verdict(min(times), done, total, minibatch_s)
+        return bool(coll.bcast(comm, stop, root=0, timeout_s=t,
+                               what=f"step {self.version}: the mid-step decision"))
+
+    def _verdict(self, signal_at: float, done: int, total: int, minibatch_s: float) -> bool:
+        """Rank 0: stop the step now? The rest of it: the minibatches left at the mean time of
+        those done (before any: the last step's time, unknown in an attempt's first step) plus
+        the last weight update."""
+        if self._job_end is None:
+            self._job_end = preemption.job_end(self.cfg, signal_at)
+        end, src = self._job_end
+        rest = (minibatch_s / done * (total - done) if done else self._last_step_s)
+        if rest is not None:
+            rest += self._last_publish_s
+        now = time.time()
+        stop, left = preemption.mid_step_verdict(pending=True, now=now, job_end=end, rest_s=rest,
+                                                  checkpoint_s=self._checkpoint_s)
+        if stop:
+            self._why = (f"a preemption signal came {now - signal_at:.0f} s ago and the rest of "
+                         f"the step needs ~{rest:.0f} s, but {left:.0f} s are left before the "
+                         f"job's end ({src}) less the checkpoint ({self._checkpoint_s:.0f} s) and "
+                         f"a {preemption.MID_STEP_MARGIN_S:.0f} s margin")
+        return stop
+
+    def _abandoned(self, start: int, stop: StepAbandoned) -> int:
+        """The step was stopped midway (`train_share` restored its start state on every rank):
+        its batch goes back to the controller's buffer, then as at a preemption."""
+        prompts = self.lead.put_back()
+        if self.topo.is_controller:
+            log.warning("step %d abandoned after %d of %d minibatches: %s; the step's start state "
+                        "restored, its %d groups back in the buffer (prompts %s)", self.version,
+                        stop.done, stop.total, self._why, len(prompts),
+                        " ".join(map(str, prompts)))
+        return self._preempted(start)
+
     def _preempted(self, start: int) -> int:
-        """A preemption signal arrived while waiting for a batch: generators send back what is
-        in flight (PARTIAL rows), a checkpoint is written at this step, the job exits for a
-        requeue."""
+        """A preemption signal arrived while waiting for a batch (or a step was stopped midway):
+        generators send back what is in flight (PARTIAL rows), a checkpoint is written at this
+        step, the job exits for a requeue."""
         self.lead.steps_done()
         self.lead.stop(preempted=True)      # in-flight groups land in the buffer
         # Before this attempt's first step there is nothing new to save: the rerun starts from

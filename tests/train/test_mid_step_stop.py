@@ -127,3 +127,85 @@ def test_stop_before_prox_on_the_first_step(make):
     a.train_share(_share(a, 0), 0)
     b.train_share(_share(b, 0), 0)
     _assert_same(_state(a), _state(b))
+
+
+# ------------------------------------------------------------- the decision, pure
+
+def test_verdict():
+    from areal_hpc.preemption import mid_step_verdict as v
+    now = 1000.0
+    # no signal pending, the end or the rest unknown: finish the step
+    assert v(pending=False, now=now, job_end=now + 10, rest_s=500, checkpoint_s=0) == (False, None)
+    assert v(pending=True, now=now, job_end=None, rest_s=500, checkpoint_s=0) == (False, None)
+    assert v(pending=True, now=now, job_end=now + 10, rest_s=None, checkpoint_s=0) == (False, None)
+    # 3600 s to the end, 300 s checkpoint, 60 s margin: 3240 s for the rest of the step
+    assert v(pending=True, now=now, job_end=now + 3600, rest_s=3000, checkpoint_s=300,
+             margin_s=60) == (False, 3240)
+    assert v(pending=True, now=now, job_end=now + 3600, rest_s=3300, checkpoint_s=300,
+             margin_s=60) == (True, 3240)
+    # the end already past
+    assert v(pending=True, now=now, job_end=now - 5, rest_s=1, checkpoint_s=0, margin_s=0) \
+        == (True, -5)
+
+
+def test_job_end(monkeypatch):
+    from areal_hpc import preemption
+    from areal_hpc.config import RunConfig
+    from areal_hpc.plan import budget
+    cfg = RunConfig()
+    assert preemption.job_end(cfg, None, {}) == (None, "")
+    assert preemption.job_end(cfg, 500.0, {}) == (None, "")     # a signal, no lead known
+    assert preemption.job_end(cfg, None, {"SLURM_JOB_END_TIME": "9000"}) == (9000.0,
+                                                                          "SLURM_JOB_END_TIME")
+    cfg.checkpoint.signal_lead_s = 1200
+    assert preemption.job_end(cfg, 500.0, {}) == (1700.0, "the signal + checkpoint.signal_lead_s")
+    # the earliest of those known
+    assert preemption.job_end(cfg, 500.0, {"SLURM_JOB_END_TIME": "1600"})[0] == 1600.0
+    cfg.checkpoint.time_limit_s = 100
+    assert preemption.job_end(cfg, 500.0, {"SLURM_JOB_START_TIME": "1000"}) == (
+        1100.0, "checkpoint.time_limit_s")
+    # in a Slurm job without the key: the batch script's --signal
+    cfg = RunConfig()
+    monkeypatch.setattr(budget, "job_clock", lambda c, env: (None, "", 900.0, "the script"))
+    assert preemption.job_end(cfg, 500.0, {"SLURM_JOB_ID": "7"}) == (1400.0,
+                                                                     "the signal + the script")
+
+
+def test_signal_time_recorded():
+    from areal_hpc import preemption
+    preemption.reset()
+    try:
+        assert preemption.requested_at() is None
+        preemption.request(at=123.0)
+        assert preemption.requested() and preemption.requested_at() == 123.0
+        preemption.request()                    # a later one keeps the first time
+        assert preemption.requested_at() == 123.0
+    finally:
+        preemption.reset()
+
+
+def test_ledger_put_back_keeps_the_batch_first():
+    """A batch put back is buffered again (checkpoint rows included), taken first among its
+    version, and the current version's batch is no longer taken (no stale drop on its account)."""
+    from areal_hpc.rollout.ledger import Ledger
+
+    def group(pid, oldest):
+        return [{"prompt_id": pid, "sample_idx": i, "versions": np.array([oldest]),
+                 "output_tokens": np.arange(1)} for i in range(2)]
+    led = Ledger(num_prompts=8, data_seed=0, generators=[1], batch_prompts=2, max_staleness=1,
+                 max_concurrent=8, stale_policy="reissue", max_reissues=1)
+    issued = led.issue()
+    for k, it in enumerate(issued[:4]):
+        led.arrived(1, group(it.prompt_id, 0), [2 * k, 2 * k + 1])
+    before = led.to_state(8)
+    taken = led.take(2)
+    assert led.next_train_version == 1
+    led.put_back(taken)
+    assert led.next_train_version == 0
+    after = led.to_state(8)
+    assert sorted(after["buffer_rows"].tolist()) == sorted(before["buffer_rows"].tolist())
+    assert after.keys() == before.keys()
+    for k in before:                    # the counters, the cursor, what is in flight: as before
+        if k != "buffer_rows":
+            assert np.array_equal(after[k], before[k]), k
+    assert [g.rows for g in led.take(2)] == [g.rows for g in taken]
