@@ -50,6 +50,7 @@ class Trainer:
         self._last_publish_s = 0.0                      # the last weight update
         self._job_end: tuple[float | None, str] | None = None   # preemption.job_end, once
         self._why = ""                  # rank 0: why the step was stopped midway
+        self._told = -1                 # rank 0: the step whose going on was logged
         self._hook = preemption.test_hook()
         t0 = time.monotonic()
         self.resumed = self._resume() if cfg.checkpoint.resume == "auto" else None
@@ -207,6 +208,13 @@ class Trainer:
                          f"the step needs ~{rest:.0f} s, but {left:.0f} s are left before the "
                          f"job's end ({src}) less the checkpoint ({self._checkpoint_s:.0f} s) and "
                          f"a {preemption.MID_STEP_MARGIN_S:.0f} s margin")
+        elif self._told != self.version:            # once a step: why it goes on
+            self._told = self.version
+            log.info("preemption signal pending during step %d: the step goes on (%s); the stop "
+                     "comes at its end", self.version,
+                     "the job's end is unknown" if end is None else
+                     "its time is not known yet" if rest is None else
+                     f"~{rest:.0f} s needed, {left:.0f} s left")
         return stop
 
     def _abandoned(self, start: int, stop: StepAbandoned) -> int:

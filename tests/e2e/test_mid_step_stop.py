@@ -1,6 +1,7 @@
 """A step stopped midway (checkpoint.mid_step_stop) in the real job (mpiexec, vLLM, Megatron,
-HDF5): the test hook raises the preemption flag after minibatch 1 of step AT while the job's end
-(SLURM_JOB_END_TIME) is already past. The job restores the step's start state, puts its batch
+HDF5), two trainer ranks (data parallel: the decision is collective): the test hook raises the
+preemption flag after minibatch 1 of step AT while the job's end (SLURM_JOB_END_TIME) is already
+past. The job restores the step's start state, puts its batch
 back in the buffer, checkpoints at AT and exits 3; the rerun trains the rest, and the audit
 finds nothing lost and nothing trained twice."""
 import json
@@ -18,7 +19,8 @@ from areal_hpc.storage.rollout_log import RolloutReader
 STEPS, B, N, AT = 4, 3, 2, 2
 ARGS = [f"train.total_steps={STEPS}", f"train.batch_prompts={B}", f"rollout.group_size={N}",
         "rollout.max_new_tokens=24", "data.eval_limit=4", "data.eval_samples=1",
-        "checkpoint.every_steps=0", "train.ppo_minibatches=2", "tensorboard=false"]
+        "checkpoint.every_steps=0", "train.ppo_minibatches=2", "tensorboard=false",
+        "topology.n_trainers=2"]
 
 
 def _metrics(run_dir) -> list[dict]:
@@ -36,6 +38,7 @@ def test_step_stopped_midway_is_kept_and_retrained(jobs, tiny_model, tmp_path):
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900)
     out = proc.stdout
     assert proc.returncode == 3, out[-4000:]
+    assert "preemption signal pending during step" not in out      # no step went on
     m = re.search(rf"step {AT} abandoned after 1 of 2 minibatches: a preemption signal came .* "
                   rf"left before the job's end \(SLURM_JOB_END_TIME\).*; the step's start state "
                   rf"restored, its {B} groups back in the buffer \(prompts ([\d ]+)\)", out)
