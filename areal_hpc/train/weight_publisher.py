@@ -154,6 +154,24 @@ class WeightPublisher:
         leave the sender waiting in its first gather."""
         join_gather(self.actor.iter_hf_weights(), self.cfg.bucket_mb << 20)
 
+    def _acknowledged(self, version: int, error: BaseException | None) -> tuple:
+        """Rank 0: wait for every generator to run `version`; returns (failure, stopping).
+        Every other rank: (None, False); rank 0's outcome reaches it in `publish`."""
+        if self.controller is None:
+            return None, False
+        w = self.cfg
+        # A preemption's TERM reaches vLLM's processes too, which die mid-update: no grace for
+        # acknowledgements then, the job is stopping and the checkpoint is what counts.
+        grace = 0.0 if error is not None and preemption.requested() else w.timeout_s
+        failure = None
+        try:
+            self.controller.wait_weights_acks(version, grace, error)
+        except wsync.WeightSyncError as exc:
+            failure = exc
+        if failure is None and w.mode == "disk":
+            wsync.prune_versions(self.weight_dir, keep=version)
+        return failure, failure is not None and preemption.requested()
+
 
 def join_gather(tensors, bound_bytes: int) -> int:
     """Drain a TP peer's side of a stage's gathering iterator ((name, tensor) pairs), waiting
@@ -174,21 +192,3 @@ def join_gather(tensors, bound_bytes: int) -> int:
             torch.cuda.current_stream(tensor.device).synchronize()
             since = 0
     return total
-
-    def _acknowledged(self, version: int, error: BaseException | None) -> tuple:
-        """Rank 0: wait for every generator to run `version`; returns (failure, stopping).
-        Every other rank: (None, False); rank 0's outcome reaches it in `publish`."""
-        if self.controller is None:
-            return None, False
-        w = self.cfg
-        # A preemption's TERM reaches vLLM's processes too, which die mid-update: no grace for
-        # acknowledgements then, the job is stopping and the checkpoint is what counts.
-        grace = 0.0 if error is not None and preemption.requested() else w.timeout_s
-        failure = None
-        try:
-            self.controller.wait_weights_acks(version, grace, error)
-        except wsync.WeightSyncError as exc:
-            failure = exc
-        if failure is None and w.mode == "disk":
-            wsync.prune_versions(self.weight_dir, keep=version)
-        return failure, failure is not None and preemption.requested()
