@@ -18,6 +18,13 @@
             its reaper kills the vLLM engine and reward workers
         step vLLM; hand every finished sample to the reward pool (processes beside the
         engine, so scoring overlaps generation); send each group once all its samples are scored
+
+Sampling seeds: every sample is generated under its own seed (`vllm_engine.sample_seed`: from
+train.seed, the prompt's id and the sample's index; held-out prompts apart), recorded with it
+in the rollout log, so which tokens it draws does not depend on the batch around it. In
+rollout.mode sync the scored groups also go to the controller in the order their prompts came
+(a group waits for the ones before it; the trainer waits for the whole batch anyway), so that
+the batch, and the rollout log's rows, come in the same order in every run.
 """
 from __future__ import annotations
 
@@ -36,7 +43,7 @@ from ..topology import CONTROLLER_RANK, Topology
 from ..transport import messages as msgs
 from ..transport.mpi import Channel
 from .liveness import ControllerWatch, Pacer
-from .vllm_engine import FinishedSample, VLLMEngine, engine_options
+from .vllm_engine import FinishedSample, VLLMEngine, engine_options, group_seed
 
 log = logging.getLogger(__name__)
 
@@ -68,15 +75,25 @@ def _parse_request_id(rid: str) -> tuple[str, int, int]:
 
 
 class Generator:
+    # __init__ sets both from the config; these defaults serve a loop's state made without it
+    _in_order = False           # rollout.mode sync: groups sent in prompt order
+    per_request_seeds = False   # rollout.per_request_seeds
+
     def __init__(self, cfg: RunConfig, topo: Topology):
         from transformers import AutoTokenizer
         self.cfg, self.topo = cfg, topo
         self.chan = Channel(topo.world)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.per_request_seeds = cfg.rollout.per_request_seeds
         with preemption.shield_children():     # engine processes must outlive a USR1
             self._start_children(cfg, topo)
         self.groups: dict[tuple[str, int], _Group] = {}
         self._kept: dict[tuple[str, int, int], int] = {}   # a continued sample's earlier tokens
+        # rollout.mode sync: training groups are sent in the order their prompts came
+        # (`_send`): the prompt ids still to send, and the scored groups waiting for earlier ones
+        self._in_order = cfg.rollout.mode == "sync"
+        self._send_order: list[int] = []
+        self._held: dict[int, _Group] = {}
         self.tokens_generated = 0
         self.stale_aborted = 0      # training groups stopped as too stale (StaleBefore)
         # Where the time went, from the first training prompt until the run's last batch is
@@ -107,7 +124,8 @@ class Generator:
         check_available(cfg)  # on this node: code rewards need the sandbox (or the unsafe opt-out)
         r = cfg.rollout
         self.engine = VLLMEngine(cfg.model.path, dtype=cfg.model.dtype, seed=cfg.train.seed + topo.rank,
-                                 tensor_parallel_size=topo.engine_tp, **engine_options(r))
+                                 tensor_parallel_size=topo.engine_tp,
+                                 per_request_seeds=self.per_request_seeds, **engine_options(r))
         if cfg.weights.mode == "broadcast":
             self.engine.init_weight_group(topo.weight_group_address(cfg.weights),
                                           topo.weight_group_rank)
@@ -288,6 +306,10 @@ class Generator:
         self.groups[(kind, prompt.prompt_id)] = _Group(prompt)
         pid, sampling = prompt.prompt_id, dict(temperature=r.temperature, top_p=r.top_p,
                                              ignore_eos=r.ignore_eos and kind == "train")
+        if kind == "train" and self._in_order:
+            self._send_order.append(pid)
+        seed0 = group_seed(self.cfg.train.seed, kind, pid)    # sample i: seed0 + i
+        seed_of = (lambda i: seed0 + i) if self.per_request_seeds else (lambda i: None)
         # A preempted job's partial outputs: each goes on from its prefix (a finished one is
         # scored again); the samples that had no token yet start afresh below.
         earlier = {int(c.sample_idx): c for c in prompt.continued
@@ -296,13 +318,15 @@ class Generator:
             self.engine.continue_sample(FinishedSample(
                 _request_id(kind, pid, idx), np.asarray(prompt.prompt_tokens, dtype=np.int32),
                 np.asarray(c.output_tokens), np.asarray(c.behav_logprobs), np.asarray(c.versions),
-                c.finish_reason, c.t_submit, c.t_first_token, c.t_end),
+                c.finish_reason, c.t_submit, c.t_first_token, c.t_end, seed=seed_of(idx)),
                 r.max_new_tokens, **sampling)
             self._kept[(kind, pid, idx)] = len(c.output_tokens)   # not generated here
-        ids = [_request_id(kind, pid, i) for i in range(prompt.n) if i not in earlier]
-        if ids:
-            self.engine.submit_group(ids, prompt.prompt_tokens,
-                                     max_new_tokens=r.max_new_tokens, **sampling)
+        fresh = [i for i in range(prompt.n) if i not in earlier]
+        if fresh:
+            self.engine.submit_group([_request_id(kind, pid, i) for i in fresh],
+                                     prompt.prompt_tokens, max_new_tokens=r.max_new_tokens,
+                                     seeds=[seed0 + i for i in fresh] if self.per_request_seeds
+                                     else None, **sampling)
 
     def _step(self) -> None:
         """One engine step; every finished sample goes to the reward pool at once."""
@@ -352,11 +376,24 @@ class Generator:
             "finish_reason": s.finish_reason, "generator_rank": self.topo.rank,
             "t_submit": s.t_submit, "t_first_token": s.t_first_token, "t_end": s.t_end,
             "reward_error": group.errors.get(idx, ""), "reward_extra": group.extras.get(idx, {}),
+            "seed": -1 if s.seed is None else int(s.seed),
         } for idx, s in sorted(group.samples.items())]
 
     def _send(self, group: _Group) -> None:
-        """A scored training group to the controller."""
-        msgs.post(self.chan, msgs.Group(self._trajectories(group)), CONTROLLER_RANK)
+        """A scored training group to the controller; in sync mode once every group whose
+        prompt came before it here has been sent (`_in_order`)."""
+        if not self._in_order:
+            msgs.post(self.chan, msgs.Group(self._trajectories(group)), CONTROLLER_RANK)
+            return
+        self._held[group.prompt.prompt_id] = group
+        self._send_held()
+
+    def _send_held(self, every: bool = False) -> None:
+        """The held groups that are next in prompt order (`every`: all of them, in order)."""
+        while self._send_order and (every or self._send_order[0] in self._held):
+            group = self._held.pop(self._send_order.pop(0), None)
+            if group is not None:
+                msgs.post(self.chan, msgs.Group(self._trajectories(group)), CONTROLLER_RANK)
 
     def _abort_stale(self, version: int) -> None:
         """Stop generating every training group with a token older than `version` (the
@@ -388,6 +425,7 @@ class Generator:
         engine's outputs so far live in this process, so this takes milliseconds, inside any
         signal window, also when the engine's processes were already killed. Eval groups are
         dropped (an evaluation is rerun whole)."""
+        self._send_held(every=True)     # scored groups held for order: complete, sent as such
         for smp in self.engine.abort_all():
             kind, pid, idx = _parse_request_id(smp.request_id)
             self.groups[(kind, pid)].samples[idx] = smp
@@ -421,6 +459,7 @@ class Generator:
                 pending.discard(group.prompt.prompt_id)
                 results.append({"prompt_id": group.prompt.prompt_id,
                                 "rewards": [group.rewards[i] for i in range(group.prompt.n)]})
+        results.sort(key=lambda x: x["prompt_id"])     # not in the order the scores came
         msgs.post(self.chan, msgs.EvalResult(self.engine.version, results, time.monotonic() - t0),
                   CONTROLLER_RANK)
 

@@ -19,12 +19,36 @@ sample on the tiny model (BENCHMARKS.md, generator loop work). vLLM fans it out 
 sequences that finish independently; each is reported on its own as it finishes. An interrupted
 sample has its own prefix, so after a weight update every unfinished sample is resubmitted
 alone, as its own one-sample request.
+
+Per-request seeds (`sample_seed`): a sample's random numbers can come from its own seed rather
+than the engine's shared stream, so that which tokens a sample draws does not depend on which
+requests happen to share its batch or when they arrive. vLLM (0.32, v1) gives a request with
+`SamplingParams.seed` its own `torch.Generator`, seeded once when the request enters the
+engine; with n > 1 it fans the request out into n children with seeds seed, seed + 1, ...,
+seed + n - 1 (`ParentRequest`). On CPU the sampler (`forward_cpu`) draws one integer per
+decode step from that generator and uses it as the Gumbel-noise seed of that token
+(`fused_gumbel_argmax`); requests without a seed draw theirs from the global stream. A group's
+samples therefore get consecutive seeds: `group_seed(...) + sample_idx`, one vLLM request for
+each run of consecutive seeds. A sample continued from a prefix (after a weight update
+interrupted it, or from a preempted job's partial output) is a new vLLM request whose generator
+starts afresh: it is seeded with `continuation_seed(seed, k)`, k = the tokens it already has,
+so a continuation is reproducible given where it was cut (it does not repeat the draws the
+uninterrupted sample would have made from token k on: vLLM cannot start a generator part-way).
+
+On CPU an engine for seeded requests runs without chunked prefill (`per_request_seeds`): vLLM
+0.32 samples a token for a request whose prompt is only partly prefilled, discards it, and
+rewinds the request's generator with `Generator.set_offset`, which a CPU generator does not
+have: the worker dies ("CPU Generator does not use offset"). Without chunking no request is
+ever partly prefilled (nothing to rewind), so neither the crash nor a draw that depends on how
+the step's token budget happened to be shared can occur. GPU generators rewind; chunked prefill
+stays on there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import os
 import time
@@ -46,6 +70,36 @@ WORKER_EXTENSION_CLS = "areal_hpc.rollout.vllm_ext.WeightSyncExtension"
 # join the job as a duplicate of the parent's rank.
 MPI_ENV_PREFIXES = ("PMI_", "PMIX_", "MPI", "HYDRA", "HYDI_", "OMPI_", "I_MPI_")
 
+# Sample seeds are below 2**62: vLLM adds a child's index to its request's seed (n > 1), and
+# torch.Generator.manual_seed takes at most 2**64 - 1; the rollout log stores them as int64.
+SEED_BITS = 62
+
+
+def _hash_seed(*parts: int | str) -> int:
+    """A stable 62-bit integer of `parts` (BLAKE2b; the same on every machine and run)."""
+    h = hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=8,
+                        person=b"areal_hpc.seed")
+    return int.from_bytes(h.digest(), "little") >> (64 - SEED_BITS)
+
+
+def group_seed(run_seed: int, kind: str, prompt_id: int) -> int:
+    """The seed of sample 0 of a group, below 2**61; sample i's is this + i (`sample_seed`).
+    `kind` is "train" or "eval" (held-out prompts are numbered apart); `prompt_id` the training
+    prompt's data-cursor position, which names its (epoch, dataset index) one-to-one for a
+    given data.seed and data set, or the held-out row's index."""
+    return _hash_seed("group", int(run_seed), kind, int(prompt_id)) >> 1
+
+
+def sample_seed(run_seed: int, kind: str, prompt_id: int, sample_idx: int) -> int:
+    """The seed of sample `sample_idx` of its group: consecutive, so distinct within a group."""
+    return group_seed(run_seed, kind, prompt_id) + int(sample_idx)
+
+
+def continuation_seed(seed: int, tokens_done: int) -> int:
+    """The seed of a sample's continuation from its first `tokens_done` tokens (a weight update
+    or a preemption cut it there); the sample's own seed when it has none yet."""
+    return int(seed) if tokens_done == 0 else _hash_seed("continue", int(seed), int(tokens_done))
+
 
 @dataclass(slots=True)
 class FinishedSample:
@@ -61,6 +115,7 @@ class FinishedSample:
     t_first_token: float  # time.time() seconds; == t_end if no token was produced
     t_end: float  # time.time() seconds
     num_interrupts: int = 0  # weight updates this sample lived through
+    seed: int | None = None  # its per-request sampling seed (None: the engine's shared stream)
 
 
 @dataclass(slots=True)
@@ -78,6 +133,7 @@ class _Request:
     versions: list[int] = field(default_factory=list)
     t_first_token: float | None = None
     attempt: int = 0  # resubmissions so far; part of the vLLM request id
+    seed: int | None = None  # the sample's seed (its continuations': `continuation_seed`)
 
 
 def engine_options(r) -> dict:
@@ -184,9 +240,20 @@ class VLLMEngine:
         enforce_eager: bool = True,
         logprobs_mode: str = "processed_logprobs",
         worker_extension_cls: str = WORKER_EXTENSION_CLS,
+        per_request_seeds: bool = False,
     ):
         from vllm import EngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.llm_engine import LLMEngine
+
+        # Seeded requests on CPU: no chunked prefill (see the module's doc); each step's token
+        # budget then has to hold a whole prompt.
+        no_chunking = per_request_seeds and current_platform.is_cpu()
+        if no_chunking and max_num_batched_tokens is not None \
+                and max_num_batched_tokens < max_model_len:
+            raise ValueError(f"per-request seeds on CPU run without chunked prefill: "
+                             f"max_num_batched_tokens ({max_num_batched_tokens}) must be at "
+                             f"least max_model_len ({max_model_len})")
 
         args = EngineArgs(
             model=model,
@@ -198,6 +265,7 @@ class VLLMEngine:
             kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30),
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=False if no_chunking else None,
             enable_prefix_caching=enable_prefix_caching,
             enforce_eager=enforce_eager,
             logprobs_mode=logprobs_mode,
@@ -205,6 +273,7 @@ class VLLMEngine:
             disable_log_stats=True,
         )
         self.version = version
+        self.per_request_seeds = per_request_seeds
         self._requests: dict[str, _Request] = {}  # unfinished samples, by their request_id
         # vLLM request id → its samples by completion index (None once finished): a group's
         # first submission ("<first request_id>*<n>"), or one resubmitted sample ("<id>@<attempt>").
@@ -235,10 +304,12 @@ class VLLMEngine:
         *,
         top_k: int = -1,
         ignore_eos: bool = False,
+        seed: int | None = None,
     ) -> None:
         """Queue one sample. `request_id` must be unique among this engine's unfinished ones."""
         self.submit_group([request_id], prompt_tokens, max_new_tokens, temperature, top_p,
-                          top_k=top_k, ignore_eos=ignore_eos)
+                          top_k=top_k, ignore_eos=ignore_eos,
+                          seeds=None if seed is None else [seed])
 
     def submit_group(
         self,
@@ -250,10 +321,13 @@ class VLLMEngine:
         *,
         top_k: int = -1,
         ignore_eos: bool = False,
+        seeds: Sequence[int] | None = None,
     ) -> None:
         """Queue len(request_ids) samples of one prompt as one vLLM request; each sample is
         returned by `step()` on its own, under its own request id, as it finishes. The ids must
-        be distinct and unique among this engine's unfinished samples."""
+        be distinct and unique among this engine's unfinished samples. `seeds`: one per
+        sample, distinct, each in [0, 2**62) (see `sample_seed`); each run of consecutive
+        seeds is one vLLM request (vLLM seeds child i of a request seed + i)."""
         if not request_ids:
             raise ValueError("submit_group needs at least one request id")
         if len(set(request_ids)) != len(request_ids):
@@ -263,12 +337,29 @@ class VLLMEngine:
             raise ValueError(f"request {running[0]!r} is already running")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if seeds is not None:
+            if not self.per_request_seeds:
+                raise ValueError("seeded requests need an engine started with "
+                                 "per_request_seeds=True")
+            seeds = [int(s) for s in seeds]
+            if len(seeds) != len(request_ids) or len(set(seeds)) != len(seeds) \
+                    or not all(0 <= s < 2**SEED_BITS for s in seeds):
+                raise ValueError(f"seeds must be distinct, one per request, in [0, 2**{SEED_BITS})"
+                                 f": {seeds!r}")
         prompt = [int(t) for t in prompt_tokens]
         now = time.time()
         reqs = [_Request(request_id=rid, prompt_tokens=prompt, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_p=top_p, top_k=top_k,
-                         ignore_eos=ignore_eos, t_submit=now) for rid in request_ids]
-        self._add(f"{request_ids[0]}*{len(reqs)}", reqs)
+                         ignore_eos=ignore_eos, t_submit=now,
+                         seed=None if seeds is None else seeds[i])
+                for i, rid in enumerate(request_ids)]
+        runs, start = [], 0     # runs of consecutive seeds (all of them without seeds)
+        for i in range(1, len(reqs) + 1):
+            if i == len(reqs) or (seeds is not None and seeds[i] != seeds[i - 1] + 1):
+                runs.append(reqs[start:i])
+                start = i
+        for run in runs:
+            self._add(f"{run[0].request_id}*{len(run)}", run)
 
     def _add(self, vllm_id: str, reqs: list[_Request]) -> None:
         """One vLLM request for `reqs`: samples of one context (prompt + the tokens so far)
@@ -285,6 +376,8 @@ class VLLMEngine:
             top_k=req.top_k,
             max_tokens=req.max_new_tokens - len(req.tokens),
             ignore_eos=req.ignore_eos,
+            # child i of this request is seeded seed + i (vLLM's ParentRequest)
+            seed=None if req.seed is None else continuation_seed(req.seed, len(req.tokens)),
             logprobs=0,  # the sampled token's logprob only
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
@@ -329,7 +422,9 @@ class VLLMEngine:
                        logprobs=[float(x) for x in sample.behav_logprobs],
                        versions=[int(v) for v in sample.versions],
                        t_first_token=sample.t_first_token if n else None,
-                       attempt=sample.num_interrupts)
+                       attempt=sample.num_interrupts,
+                       # an engine without seeds continues it from its shared stream
+                       seed=sample.seed if self.per_request_seeds else None)
         self._resubmit(req, time.time())
 
     def _resubmit(self, req: _Request, now: float) -> None:
@@ -443,6 +538,7 @@ class VLLMEngine:
             t_first_token=req.t_first_token if req.t_first_token is not None else now,
             t_end=now,
             num_interrupts=req.attempt,
+            seed=req.seed,
         )
 
     def has_unfinished(self) -> bool:

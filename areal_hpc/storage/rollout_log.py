@@ -12,7 +12,12 @@ Layout (flat token arrays + end offsets; vlen data is not SWMR-safe):
                            prompt_end i8, output_end i8 (end offsets into the token arrays),
                            reward_error S96 (why the reward service scored 0 without computing
                            a reward, UTF-8, cut to REWARD_ERROR_BYTES; empty = no error;
-                           schema 2 on, absent in schema-1 files, where it reads as empty)
+                           schema 2 on, absent in schema-1 files, where it reads as empty),
+                           seed i8 (the sample's per-request sampling seed,
+                           rollout/vllm_engine.py: sample_seed; a continued sample's
+                           continuations draw from continuation_seed(seed, tokens so far);
+                           NO_SEED = the engine's shared stream; absent in files written
+                           before it, where it reads as NO_SEED)
   /tokens/prompt           int32 [sum of prompt lengths]
   /tokens/output           int32 [sum of output lengths]
   /tokens/behav_logprobs   float32, one per output token
@@ -50,6 +55,7 @@ NOT_CONSUMED, DROPPED_STALE, ROLLED_BACK, PARTIAL = -1, -2, -3, -4
 STATUS_NAMES = {NOT_CONSUMED: "pending", DROPPED_STALE: "dropped as stale",
                 ROLLED_BACK: "rolled back", PARTIAL: "partial (preempted mid-generation)"}
 FINISH_REASONS = ("stop", "length", "abort")
+NO_SEED = -1                            # seed of a sample drawn from the engine's shared stream
 
 
 def group_starts(rows: np.ndarray, prompt_id: np.ndarray, sample_idx: np.ndarray) -> np.ndarray:
@@ -68,8 +74,10 @@ _ROW_FIELDS = {
     "prompt_id": "i8", "sample_idx": "i4", "reward": "f4", "finish_reason": "u1",
     "generator_rank": "i4", "t_submit": "f8", "t_first_token": "f8", "t_end": "f8",
     "consumed_step": "i4", "prompt_end": "i8", "reward_error": f"S{REWARD_ERROR_BYTES}",
+    "seed": "i8",
 }
-_OPTIONAL_FIELDS = {"reward_error"}     # absent in older schemas; read as their empty value
+# absent in older files; read as (and, when such a file is continued, filled with) these values
+_OPTIONAL_FIELDS = {"reward_error": b"", "seed": NO_SEED}
 _COMMIT = "output_end"
 _TOKEN_FIELDS = {"prompt": "i4", "output": "i4", "behav_logprobs": "f4", "versions": "i4"}
 _CHUNK_ROWS, _CHUNK_TOKENS = 1024, 65536
@@ -148,6 +156,10 @@ class RolloutWriter:
         n = t[_COMMIT].shape[0]
         if n < keep_rows:
             raise RolloutLogError(f"{path}: {n} committed rows, but the checkpoint saw {keep_rows}")
+        for name, empty in _OPTIONAL_FIELDS.items():     # a file from before the field: its rows
+            if name not in t:                           # read as they did, new ones have it
+                t.create_dataset(name, data=np.full(n, empty, dtype=_ROW_FIELDS[name]),
+                                 maxshape=(None,), chunks=(_CHUNK_ROWS,))
         for name in _ROW_FIELDS:
             if name in t and t[name].shape[0] != n:
                 if t[name].shape[0] < n:
@@ -198,6 +210,7 @@ class RolloutWriter:
             "consumed_step": [consumed] * len(trajs),
             "prompt_end": self._prompt_end + np.cumsum(plen),
             "reward_error": [_error_bytes(x.get("reward_error")) for x in trajs],
+            "seed": [NO_SEED if x.get("seed") is None else x["seed"] for x in trajs],
         }
         for name, dt in _ROW_FIELDS.items():
             _append(t[name], np.asarray(rows[name], dtype=dt))
@@ -382,6 +395,8 @@ def _invalid(name: str, v: np.ndarray) -> tuple[np.ndarray, str]:
         return v < PARTIAL, "not a training step"
     if name in ("prompt_end", _COMMIT):
         return v < np.concatenate([[0], v[:-1]]), "an offset that goes backwards"
+    if name == "seed":
+        return v < NO_SEED, "not a seed"
     if v.dtype.kind in "iu":        # ids, ranks, token ids, policy versions
         return v < 0, "negative"
     return np.zeros(v.shape, dtype=bool), ""
@@ -496,7 +511,7 @@ class RolloutReader:
         n = len(self)
         with damage_is_an_error(self.path, f"/traj/{name}"):
             if name in _OPTIONAL_FIELDS and name not in self.f["traj"]:
-                return np.zeros(n, dtype=_ROW_FIELDS[name])
+                return np.full(n, _OPTIONAL_FIELDS[name], dtype=_ROW_FIELDS[name])
             ds = self.f["traj"][name]
             ds.refresh()
             values = ds[:n]
@@ -542,6 +557,7 @@ class RolloutReader:
             row[name] = value.item()
         row["finish_reason"] = FINISH_REASONS[row["finish_reason"]]
         row["reward_error"] = row.get("reward_error", b"").decode("utf-8", "replace")
+        row.setdefault("seed", NO_SEED)
         with damage_is_an_error(self.path, f"row {i}"):
             arrays = {"prompt_tokens": ("prompt", tok["prompt"][p0:p1]),
                       "output_tokens": ("output", tok["output"][o0:o1]),
