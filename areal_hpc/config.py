@@ -98,9 +98,10 @@ class RolloutConfig:
     # Held-out evaluation always stops at EOS.
     ignore_eos: bool = False
     # Each sample draws from its own seed (train.seed, prompt id, sample index; in the rollout
-    # log): its tokens do not depend on the batch around it. On CPU vLLM then runs without
-    # chunked prefill. Cost: BENCHMARKS.md (per-request seeds).
-    per_request_seeds: bool = True
+    # log): its tokens do not depend on the batch around it, and a sync run repeats bit for bit.
+    # Off by default: ~10% of the tiny model's generation throughput on CPU, where vLLM then
+    # also runs without chunked prefill (BENCHMARKS.md, per-request seeds).
+    per_request_seeds: bool = False
     max_staleness: int = 1              # η: trajectories at most η versions behind the policy
     max_concurrent_prompts: int = 16    # prompts (groups) in flight over all generators
     # A group that finishes more than η versions behind the policy (long-tailed lengths: the

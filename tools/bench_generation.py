@@ -1,6 +1,7 @@
 """Generator throughput: our engine wrapper vs bare `vllm.LLM.generate`, same prompts, same run.
 
     python tools/bench_generation.py [--model models/tiny] [--prompts 256] [--n 4] [--reps 3]
+    python tools/bench_generation.py --seeds both [--prompts 64] [--n 8]   # seeds' cost
     python tools/bench_generation.py --busy [key=value ...]    # busy fraction in an async job
     python tools/bench_generation.py --runs-ahead [--model models/tiny]   # the engine, unstepped
 
@@ -8,6 +9,14 @@ Both engines are up at once and measured in alternation (bare, ours, bare, ours,
 ratio is not skewed by the machine's load drifting between two separate runs. Our side is the
 generator's own path: one request per sample, a per-token version and behaviour log-prob
 bookkeeping, `step()` driven from Python. Prints tokens/s per repetition and the median ratio.
+
+`--seeds on|off|both`: per-request sampling seeds (rollout.per_request_seeds). `on`/`off`: our
+side with or without them, against bare vLLM as above. `both`: our engine twice, without seeds
+(vLLM's defaults) and with them (each sample its own seed; on CPU without chunked prefill), both
+up at once and measured in alternation, each prompt's samples submitted as the generator does
+(one group), every sample max_new_tokens long (ignore_eos: the same work on both sides); prints
+tokens/s and tokens per CPU-second (this process and the engine's, the measure that a shared
+box's load disturbs least) of each, and the median ratios seeded/unseeded.
 
 `--busy` instead runs the tiny async job (configs/tiny_cpu.yaml plus overrides) and reports each
 generator's busy fraction: time generating / (generating + weight-update pauses + idle + loop
@@ -86,6 +95,64 @@ def runs_ahead(model: str, samples: int = 32, max_new_tokens: int = 200) -> None
     eng.shutdown()
 
 
+def seeds_cost(args) -> None:
+    """Our engine without and with per-request seeds, side by side (see the module's doc)."""
+    from transformers import AutoTokenizer
+
+    from areal_hpc.data.jsonl import load_jsonl
+    from areal_hpc.rollout.vllm_engine import VLLMEngine, group_seed
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    rows = load_jsonl(f"{args.model}/train.jsonl")[: args.prompts]
+    prompts = [tok(r["question"], add_special_tokens=False)["input_ids"] for r in rows]
+    common = dict(dtype=args.dtype, max_model_len=256, seed=0, enforce_eager=True,
+                  kv_cache_gib=args.kv_cache_gib)
+    engines = {"off": VLLMEngine(args.model, **common),
+               "on": VLLMEngine(args.model, per_request_seeds=True, **common)}
+
+    def cpu_s(eng) -> float:
+        """CPU seconds so far of this process and the engine's (a shared box's load slows the
+        wall clock of both sides alike, but not how much CPU a token takes)."""
+        import psutil
+        procs = [psutil.Process()] + [p for p in eng._children if p.is_running()]
+        return sum(sum(p.cpu_times()[:2]) for p in procs)
+
+    def run(which: str, rep: int) -> tuple[int, float, float]:
+        eng, t0, c0 = engines[which], time.perf_counter(), cpu_s(engines[which])
+        for i, p in enumerate(prompts):
+            seeds = None
+            if which == "on":   # another prompt id each repetition: fresh draws, as in a run
+                s0 = group_seed(0, "train", rep * len(prompts) + i)
+                seeds = [s0 + j for j in range(args.n)]
+            eng.submit_group([f"{rep}:{i}:{j}" for j in range(args.n)], p,  # equal work
+                             max_new_tokens=args.max_new_tokens, temperature=1.0,
+                             ignore_eos=True, seeds=seeds)
+        tokens = 0
+        while eng.has_unfinished():
+            tokens += sum(len(s.output_tokens) for s in eng.step())
+        return tokens, time.perf_counter() - t0, cpu_s(eng) - c0
+
+    run("off", -1), run("on", -1)                       # warm-up
+    out = []
+    for rep in range(args.reps):
+        (t_off, s_off, c_off), (t_on, s_on, c_on) = run("off", rep), run("on", rep)
+        out.append({"rep": rep, "off_tok_s": t_off / s_off, "on_tok_s": t_on / s_on,
+                    "ratio": (t_on / s_on) / (t_off / s_off), "off_tokens": t_off,
+                    "on_tokens": t_on, "off_tok_cpu_s": t_off / c_off,
+                    "on_tok_cpu_s": t_on / c_on, "cpu_ratio": (t_on / c_on) / (t_off / c_off)})
+        print(f"rep {rep}: seeds off {t_off / s_off:8.1f} tok/s ({t_off} tokens, "
+              f"{t_off / c_off:.0f} per CPU-s) | seeds on {t_on / s_on:8.1f} tok/s ({t_on} "
+              f"tokens, {t_on / c_on:.0f} per CPU-s) | ratio {out[-1]['ratio']:.3f}, per CPU-s "
+              f"{out[-1]['cpu_ratio']:.3f}", flush=True)
+    ratio = statistics.median(r["ratio"] for r in out)
+    cpu_ratio = statistics.median(r["cpu_ratio"] for r in out)
+    print(f"median ratio seeds on/off: {ratio:.3f} (tokens/s), {cpu_ratio:.3f} (tokens per CPU-s)")
+    print(json.dumps({"args": vars(args), "reps": out, "median_ratio": ratio,
+                      "median_cpu_ratio": cpu_ratio}))
+    for eng in engines.values():
+        eng.shutdown()
+
+
 def main() -> None:
     if "--busy" in sys.argv:
         return busy_fraction([a for a in sys.argv[1:] if a != "--busy"])
@@ -101,14 +168,19 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--seeds", choices=("off", "on", "both"), default="off",
+                    help="per-request sampling seeds on our side; both: ours without vs with")
+    ap.add_argument("--kv-cache-gib", type=float, default=1.0, help="--seeds both: per engine")
     args = ap.parse_args()
+    if args.seeds == "both":
+        return seeds_cost(args)
 
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from areal_hpc.data.jsonl import load_jsonl
-    from areal_hpc.rollout.vllm_engine import VLLMEngine
+    from areal_hpc.rollout.vllm_engine import VLLMEngine, group_seed
 
     tok = AutoTokenizer.from_pretrained(args.model)
     rows = load_jsonl(f"{args.model}/train.jsonl")[: args.prompts]
@@ -116,7 +188,7 @@ def main() -> None:
     common = dict(dtype=args.dtype, max_model_len=256, seed=0, enforce_eager=True)
 
     bare = LLM(model=args.model, logprobs_mode="processed_logprobs", **common)
-    ours = VLLMEngine(args.model, **common)
+    ours = VLLMEngine(args.model, per_request_seeds=args.seeds == "on", **common)
     sp = SamplingParams(n=1, temperature=1.0, max_tokens=args.max_new_tokens, logprobs=0)
 
     def run_bare() -> tuple[int, float]:
@@ -129,7 +201,9 @@ def main() -> None:
         t0 = time.perf_counter()
         for i, p in enumerate(prompts):
             for j in range(args.n):
-                ours.submit(f"b:{i}:{j}", p, max_new_tokens=args.max_new_tokens, temperature=1.0)
+                seed = None if args.seeds == "off" else group_seed(0, "train", i) + j
+                ours.submit(f"b:{i}:{j}", p, max_new_tokens=args.max_new_tokens, temperature=1.0,
+                            seed=seed)
         tokens = 0
         while ours.has_unfinished():
             tokens += sum(len(s.output_tokens) for s in ours.step())

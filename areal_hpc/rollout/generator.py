@@ -19,12 +19,13 @@
         step vLLM; hand every finished sample to the reward pool (processes beside the
         engine, so scoring overlaps generation); send each group once all its samples are scored
 
-Sampling seeds: every sample is generated under its own seed (`vllm_engine.sample_seed`: from
-train.seed, the prompt's id and the sample's index; held-out prompts apart), recorded with it
-in the rollout log, so which tokens it draws does not depend on the batch around it. In
-rollout.mode sync the scored groups also go to the controller in the order their prompts came
-(a group waits for the ones before it; the trainer waits for the whole batch anyway), so that
-the batch, and the rollout log's rows, come in the same order in every run.
+Sampling seeds (rollout.per_request_seeds): every sample is generated under its own seed
+(`vllm_engine.sample_seed`: from train.seed, the prompt's id and the sample's index; held-out
+prompts apart), recorded with it in the rollout log, so which tokens it draws does not depend
+on the batch around it. In rollout.mode sync the scored groups also go to the controller in
+the order their prompts came (a group waits for the ones before it; the trainer waits for the
+whole batch anyway), so that the batch, and the rollout log's rows, come in the same order in
+every run.
 """
 from __future__ import annotations
 
@@ -309,7 +310,7 @@ class Generator:
         if kind == "train" and self._in_order:
             self._send_order.append(pid)
         seed0 = group_seed(self.cfg.train.seed, kind, pid)    # sample i: seed0 + i
-        seed_of = (lambda i: seed0 + i) if self.per_request_seeds else (lambda i: None)
+        seeds = None if not self.per_request_seeds else [seed0 + i for i in range(prompt.n)]
         # A preempted job's partial outputs: each goes on from its prefix (a finished one is
         # scored again); the samples that had no token yet start afresh below.
         earlier = {int(c.sample_idx): c for c in prompt.continued
@@ -318,15 +319,15 @@ class Generator:
             self.engine.continue_sample(FinishedSample(
                 _request_id(kind, pid, idx), np.asarray(prompt.prompt_tokens, dtype=np.int32),
                 np.asarray(c.output_tokens), np.asarray(c.behav_logprobs), np.asarray(c.versions),
-                c.finish_reason, c.t_submit, c.t_first_token, c.t_end, seed=seed_of(idx)),
+                c.finish_reason, c.t_submit, c.t_first_token, c.t_end,
+                seed=seeds and seeds[idx]),
                 r.max_new_tokens, **sampling)
             self._kept[(kind, pid, idx)] = len(c.output_tokens)   # not generated here
         fresh = [i for i in range(prompt.n) if i not in earlier]
         if fresh:
             self.engine.submit_group([_request_id(kind, pid, i) for i in fresh],
                                      prompt.prompt_tokens, max_new_tokens=r.max_new_tokens,
-                                     seeds=[seed0 + i for i in fresh] if self.per_request_seeds
-                                     else None, **sampling)
+                                     seeds=seeds and [seeds[i] for i in fresh], **sampling)
 
     def _step(self) -> None:
         """One engine step; every finished sample goes to the reward pool at once."""

@@ -2,8 +2,9 @@
 rollout log (times apart), the same metrics (times apart), the same held-out evaluations and the
 same final weights; so does a run that checkpoints after every step.
 
-What makes it so: every sample draws from its own seed (rollout.per_request_seeds), so its
-tokens do not depend on how vLLM happened to batch it; in sync mode the generator sends the
+What makes it so: every sample draws from its own seed (rollout.per_request_seeds, on here), so
+its tokens do not depend on how vLLM happened to batch it (without the seeds two such runs
+differed from the first sample's first tokens: 102 differences in this comparison); in sync mode the generator sends the
 scored groups in the order their prompts came, so the batch (and the log's rows) come in one
 order; the trainer's side was exact already (tools/replay_run.py --check)."""
 import json
@@ -34,6 +35,7 @@ def _run(jobs, model, out, name, *extra):
     r = jobs.run(jobs.args(model, out, name, f"reward.fn={fn}:by_length", f"train.total_steps={STEPS}",
                            f"train.batch_prompts={B}", f"rollout.group_size={N}",
                            "rollout.max_new_tokens=24", "rollout.mode=sync",
+                           "rollout.per_request_seeds=true",
                            "data.eval_limit=4", "data.eval_samples=2", "data.eval_every_steps=2",
                            "tensorboard=false", *extra), timeout=900)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])

@@ -28,6 +28,43 @@ def test_seeds_are_stable_distinct_and_in_range():
     assert len(cont) == 49 and s[0] not in cont and max(cont) < 2**ve.SEED_BITS
 
 
+def test_sync_mode_sends_groups_in_prompt_order():
+    """rollout.mode sync: a scored group waits for the groups whose prompts came before it on
+    this generator, so the batch and the log's rows come in one order whatever order the
+    scores arrive in; at a preemption the held groups go first, complete. Each trajectory
+    carries its sample's seed."""
+    from areal_hpc.rollout.generator import Generator, _Group
+    from areal_hpc.transport import messages as msgs
+
+    from .test_vllm_engine import _Chan
+
+    gen = Generator.__new__(Generator)          # the loop's state only; no MPI, no job
+    gen.chan, gen.topo = _Chan(), type("Topo", (), {"rank": 1})()
+    gen._in_order, gen._send_order, gen._held = True, [5, 3, 9, 4], {}
+
+    def scored(pid):
+        g = _Group(msgs.Prompt(pid, [1, 2], 1, "math", "1"))
+        g.samples[0] = ve.FinishedSample(
+            f"train:{pid}:0", np.asarray([1, 2], np.int32), np.asarray([7], np.int32),
+            np.asarray([-0.5], np.float32), np.zeros(1, np.int32), "stop", 0.0, 0.0, 0.0,
+            seed=100 + pid)
+        g.rewards[0] = 1.0
+        return g
+
+    sent = lambda: [m.trajectories[0]["prompt_id"] for _, _, m in gen.chan.sent]
+    gen._send(scored(9))
+    assert sent() == []
+    gen._send(scored(5))
+    assert sent() == [5]
+    gen._send(scored(3))
+    assert sent() == [5, 3, 9]
+    assert [m.trajectories[0]["seed"] for _, _, m in gen.chan.sent] == [105, 103, 109]
+    gen._send_order.append(8)
+    gen._send(scored(8))                        # waits for 4, still being generated
+    gen._send_held(every=True)                  # a preemption: what is held goes, in order
+    assert sent() == [5, 3, 9, 8] and gen._send_order == [] and gen._held == {}
+
+
 # ------------------------------------------------------------ on the engine
 
 @pytest.fixture(scope="module")
