@@ -35,7 +35,8 @@
 # steps and tasks inherit all of that. The subnet is AREAL_SLURM_SUBNET (a /24,
 # default 10.251.7.0/24; refused if an interface here already uses it); no route leaves it (no
 # default route: vLLM's get_ip() warns and takes 0.0.0.0 for its in-node queue). State
-# folder default <repo>/.cache/slurm-netns, so it runs beside the default cluster; `down` also
+# folder AREAL_SLURM_NETNS_DIR (default <repo>/.cache/slurm-netns; not AREAL_SLURM_DIR, which
+# names the default cluster's), so it runs beside the default cluster; `down` also
 # removes the namespaces, veths and bridge it made (and only those).
 #   AREAL_SLURM_NETNS=1 tools/local_slurm.sh up 4      (same for status, down)
 # MPI there: the pip mpich wheel (ch4 with UCX, the default netmod, and OFI) finds eth0 by itself,
@@ -44,7 +45,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 netns=${AREAL_SLURM_NETNS:-0}
-if [ "$netns" = 1 ]; then dir=${AREAL_SLURM_DIR:-$root/.cache/slurm-netns}
+if [ "$netns" = 1 ]; then dir=${AREAL_SLURM_NETNS_DIR:-$root/.cache/slurm-netns}
 else dir=${AREAL_SLURM_DIR:-$root/.cache/slurm}; fi
 mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
