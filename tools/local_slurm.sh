@@ -32,8 +32,9 @@
 # and its own /etc/hosts (bind-mounted in that node's mount namespace only) naming every node and
 # the controller, and its own /proc/sys/kernel/random/boot_id (else UCX, the MPICH wheel's netmod,
 # takes all fake nodes for one host and uses shared memory between them, not the network). Its
-# steps and tasks inherit all of that. The subnet is AREAL_SLURM_SUBNET (a /24,
-# default 10.251.7.0/24; refused if an interface here already uses it); no route leaves it (no
+# steps and tasks inherit all of that. The subnet is AREAL_SLURM_SUBNET (a /24, default
+# 10.251.X.0/24 with X from the state folder, as the ports are, so that clusters of two checkouts,
+# or one left up, do not meet on one bridge; refused if an interface here already uses it); no route leaves it (no
 # default route: vLLM's get_ip() warns and takes 0.0.0.0 for its in-node queue). State
 # folder AREAL_SLURM_NETNS_DIR (default <repo>/.cache/slurm-netns; not AREAL_SLURM_DIR, which
 # names the default cluster's), so it runs beside the default cluster; `down` also
@@ -62,7 +63,7 @@ ctl_addr=127.0.0.1
 node_host() { echo "$host"; }
 node_addr() { echo 127.0.0.1; }
 if [ "$netns" = 1 ]; then
-  subnet=${AREAL_SLURM_SUBNET:-10.251.7.0/24}
+  subnet=${AREAL_SLURM_SUBNET:-10.251.$((20 + $(cksum <<<"$dir" | cut -d' ' -f1) % 200)).0/24}
   [[ $subnet =~ ^(10|172|192)\.[0-9]{1,3}\.[0-9]{1,3}\.0/24$ ]] \
     || { echo "[local_slurm] error: AREAL_SLURM_SUBNET must be a private /24 like 10.251.7.0/24, got $subnet" >&2; exit 1; }
   net=${subnet%.0/24}                    # the first three octets

@@ -464,13 +464,21 @@ class RolloutReader:
                             else type(ds).__name__)
                     raise RolloutLogError(f"{path}: damaged rollout log (/{grp}/{name} is {what},"
                                           f" not a 1-D {np.dtype(dt)} dataset)")
-        n = f["traj"][_COMMIT].shape[0]
+        # A live writer (SWMR) grows every dataset before the commit marker: read the marker
+        # first, then each dataset afresh (the shapes read above may predate the writer's last
+        # flush), so a reader opened mid-append never sees fewer rows than committed.
+        commit = f["traj"][_COMMIT]
+        commit.refresh()
+        n = commit.shape[0]
         for name, ds in f["traj"].items():
+            if name in dtypes["traj"]:
+                ds.refresh()
             if name in dtypes["traj"] and ds.shape[0] < n:
                 raise RolloutLogError(f"{path}: damaged rollout log (/traj/{name} has "
                                       f"{ds.shape[0]} rows, /traj/{_COMMIT} {n})")
         if n:
             for name, ds in f["tokens"].items():
+                ds.refresh()
                 end = f["traj"]["prompt_end" if name == "prompt" else _COMMIT][n - 1]
                 if ds.shape[0] < end:
                     raise RolloutLogError(f"{path}: damaged rollout log (/tokens/{name} has "
