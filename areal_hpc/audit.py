@@ -143,6 +143,7 @@ class _Run:
     sidx: np.ndarray
     consumed: np.ndarray
     out_len: np.ndarray
+    reward: np.ndarray
     vmin: np.ndarray            # oldest / newest token version of the row, -1 without tokens
     vmax: np.ndarray
     metrics: list[tuple[int, dict]] | None      # (line number, record); None: no file
@@ -279,7 +280,7 @@ def _read(run_dir: Path, check_crc: bool, notes: list[str], block_tokens: int) -
         with RolloutReader(log_path) as r:
             log_yaml = r.config_yaml
             cols = {name: r.column(name) for name in
-                    ("prompt_id", "sample_idx", "consumed_step", "output_end")}
+                    ("prompt_id", "sample_idx", "consumed_step", "output_end", "reward")}
             ends = cols["output_end"]
             if len(ends) and (np.diff(ends) < 0).any():
                 raise RolloutLogError(f"{log_path}: damaged rollout log (offsets go backwards)")
@@ -297,7 +298,8 @@ def _read(run_dir: Path, check_crc: bool, notes: list[str], block_tokens: int) -
                max_reissues=r.max_reissues,
                pid=cols["prompt_id"].astype(np.int64), sidx=cols["sample_idx"].astype(np.int64),
                consumed=cols["consumed_step"].astype(np.int64),
-               out_len=np.diff(ends.astype(np.int64), prepend=0), vmin=vmin, vmax=vmax,
+               out_len=np.diff(ends.astype(np.int64), prepend=0),
+               reward=cols["reward"].astype(np.float64), vmin=vmin, vmax=vmax,
                metrics=_read_metrics(run_dir / run_files.METRICS))
     hit = ck.find_latest(run_dir, check_crc=check_crc)
     if hit is None:
@@ -503,6 +505,7 @@ def _check_steps(run: _Run, groups: _Groups) -> Check:
         lines.append(f"steps 0-{S - 1} consumed, each {B * n} trajectories in {B} whole groups "
                      f"of {n}" if S else "no step trained yet")
     bad.extend(_metrics_problems(run, S, lines))
+    bad.extend(_guard_problems(run, groups, S, lines))
     if c is not None:
         if c > S:
             bad.append(f"the newest checkpoint is of step {c}, but the log shows only {S} steps "
@@ -513,6 +516,31 @@ def _check_steps(run: _Run, groups: _Groups) -> Check:
     state = (f"complete ({S} of {total} steps)" if S == total and c in (None, total)
              else f"{S} of {total} steps trained")
     return Check("training steps continuous", not bad, [state, *lines, *bad])
+
+
+def _guard_problems(run: _Run, groups: _Groups, S: int, lines: list[str]) -> list[str]:
+    """The groups without learning signal (equal rewards) that metrics.jsonl counts per step
+    (`zero_var_groups`; `train.filter_zero_variance` leaves them out of the loss) against the
+    log's rewards: each such group is consumed by its step like any other, so nothing is lost,
+    and the count must be the log's. Not with `train.overlong: shape` (the trainer counts on
+    shaped rewards, which the log does not hold)."""
+    if not run.metrics or not S or run.cfg.train.overlong == "shape":
+        return []
+    counted = {rec["step"]: rec for _, rec in run.metrics if "zero_var_groups" in rec}
+    if not counted or not len(groups.starts):
+        return []
+    status, uniform = groups.status(run.consumed)
+    equal = np.minimum.reduceat(run.reward, groups.starts) == np.maximum.reduceat(run.reward, groups.starts)
+    zero = groups.whole & uniform & (status >= 0) & equal
+    per_step = np.bincount(status[zero], minlength=S)
+    differ = [f"step {s}: {rec['zero_var_groups']} counted, {per_step[s]} in the log"
+              for s, rec in sorted(counted.items()) if s < S and rec["zero_var_groups"] != per_step[s]]
+    left_out = sum(int(rec.get("filtered_seqs", 0)) for rec in counted.values())
+    lines.append(f"{int(per_step.sum())} group(s) without learning signal over {S} steps, each "
+                 f"consumed by its step; {left_out} trajectories left out of the loss by the guards")
+    if differ:
+        return ["metrics.jsonl's zero_var_groups disagrees with the log's rewards: " + _some(differ)]
+    return []
 
 
 def _metrics_problems(run: _Run, S: int, lines: list[str]) -> list[str]:

@@ -203,6 +203,26 @@ class TrainConfig:
     eps_clip_high: Optional[float] = None   # DAPO clip-higher; None = eps_clip
     dual_clip: Optional[float] = None       # dual-clip PPO bound c > 1 for A < 0; None = off
     behav_imp_weight_cap: Optional[float] = 5.0
+    # Off-policy correction (algo/ppo.py OffPolicy): decoupled (the above) | trust_region (plus
+    # a clip against π_behav: r = π_θ/π_behav kept in 1 ± behav_clip where the advantage pushes
+    # it out) | token_mask (w also dropped below behav_imp_weight_floor) | seq_mask (a sequence
+    # dropped when its geometric-mean w leaves [seq_imp_weight_low, seq_imp_weight_high]) |
+    # naive (PPO-clip against π_behav; no π_prox pass). behav_kl_coef: β·KL(π_behav‖π_θ), k3.
+    off_policy: str = "decoupled"
+    behav_clip: float = 0.2
+    behav_imp_weight_floor: float = 0.5
+    seq_imp_weight_low: float = 0.5
+    seq_imp_weight_high: float = 2.0
+    behav_kl_coef: float = 0.0
+    # Collapse guards. filter_zero_variance: groups whose rewards are all equal (no learning
+    # signal) are left out of the loss, counted per step (their rows are consumed, as trained).
+    # overlong: samples cut at rollout.max_new_tokens are kept | filter (left out of the loss)
+    # | shape (DAPO's soft penalty: reward minus up to 1 over the last overlong_buffer tokens
+    # before the limit, and the cut ones -1). A step with no learning signal left never moves
+    # the weights.
+    filter_zero_variance: bool = False
+    overlong: str = "keep"
+    overlong_buffer: int = 64
     # Advantages: r <- clip((r + reward_bias) * reward_scaling, ±reward_clip); reward_norm
     # "group" (GRPO z-score per prompt) | "none"; adv_norm "batch" (z-score over all output
     # tokens of the batch) | "none".
@@ -490,6 +510,12 @@ RANGES: dict[str, Range] = {
     "train.eps_clip_high": Range(0, lo_open=True),
     "train.dual_clip": Range(1, lo_open=True, why=" (or null: off)"),
     "train.behav_imp_weight_cap": Range(1, why=" (or null: no cap)"),
+    "train.behav_clip": Range(0, 1, lo_open=True, hi_open=True),
+    "train.behav_imp_weight_floor": Range(0, 1, lo_open=True),
+    "train.seq_imp_weight_low": Range(0, 1, lo_open=True),
+    "train.seq_imp_weight_high": Range(1),
+    "train.behav_kl_coef": Range(0, 10),
+    "train.overlong_buffer": _COUNT,
     "train.reward_bias": Range(),
     "train.reward_scaling": Range(0, lo_open=True),
     "train.reward_clip": Range(0, lo_open=True),
@@ -506,6 +532,9 @@ RANGES: dict[str, Range] = {
     "checkpoint.signal_lead_s": Range(0, MAX_TIMEOUT_S, why=" (seconds; 0 = from the batch script)"),
     "checkpoint.time_limit_s": Range(0, MAX_TIMEOUT_S, why=" (seconds; 0 = from Slurm)"),
 }
+
+# train.off_policy's choices (algo/ppo.py OffPolicy says what each does).
+OFF_POLICY_OBJECTIVES = ("decoupled", "trust_region", "token_mask", "seq_mask", "naive")
 
 # Preemption signals must be catchable (KILL, STOP are not), not synchronous faults (a handler
 # that returns re-runs the faulting instruction) and not CHLD (every child process exit sends it).
@@ -620,6 +649,12 @@ def validate(cfg: RunConfig) -> None:
            f"must hold one whole sequence: >= rollout.max_model_len = {r.max_model_len}")
     _check(tr.prox in ("recompute", "loglinear", "behaviour"), "train.prox",
            f"must be recompute, loglinear or behaviour, got {tr.prox!r}")
+    _check(tr.off_policy in OFF_POLICY_OBJECTIVES, "train.off_policy",
+           f"must be one of {', '.join(OFF_POLICY_OBJECTIVES)}, got {tr.off_policy!r}")
+    _check(tr.overlong in ("keep", "filter", "shape"), "train.overlong",
+           f"must be keep, filter or shape, got {tr.overlong!r}")
+    _check(tr.overlong != "shape" or tr.overlong_buffer < r.max_new_tokens, "train.overlong_buffer",
+           f"must be below rollout.max_new_tokens = {r.max_new_tokens} (the ramp ends there)")
     _check(tr.attention in ("auto", "varlen", "mask"), "train.attention",
            f"must be auto, varlen or mask, got {tr.attention!r}")
     _check(tr.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens", "must be >= 1")

@@ -25,7 +25,7 @@ class Progress:
         line = (f"step {r['step'] + 1:>4} | reward {r['reward']:+.3f} | acc {r['accuracy']:.3f} "
                 f"| len {r['response_len']:5.1f} | stale max {r['staleness_max']} "
                 f"mean {r['staleness_mean']:.2f} drop {r['dropped_stale']} | gen {r['gen_tok_per_s']:7.1f} tok/s "
-                f"| loss {r['loss']:+.4f} | gnorm {r['grad_norm']:.3f} "
+                f"| loss {r['loss']:+.4f} | gnorm {r['grad_norm']:.3f} ess {r.get('ess', 1.0):.2f} "
                 f"| wait {r['wait_s']:.1f}s train {r['seconds']:.1f}s sync {r['weight_sync_s']:.2f}s")
         self.bar.write(line, file=sys.stdout)
         self.bar.update(1)

@@ -460,3 +460,25 @@ def test_partial_rows_the_checkpoint_forgot(tmp_path):
     report = au.audit(preempted_run(tmp_path / "r", resume=False, tamper=forget))
     assert failing(report) == {7}, report.text()
     assert "not among the checkpoint's partial groups" in report.text()
+
+
+def test_groups_without_signal_are_counted_against_the_log(clean):
+    """metrics.jsonl's zero_var_groups (groups of equal rewards, which the guards may leave out
+    of the loss) must be the log's count at every step: each such group is consumed by its step
+    like any other. Every reward of this run is 1.0: every trained group has no signal."""
+    path = clean / "metrics.jsonl"
+    recs = [json.loads(ln) for ln in path.read_text().splitlines()]
+
+    def write(counts):
+        path.write_text("".join(json.dumps({**r, "zero_var_groups": c, "filtered_seqs": 2 * c}) + "\n"
+                                for r, c in zip(recs, counts)))
+
+    write([B] * len(recs))
+    report = au.audit(clean)
+    assert report.ok, report.text()
+    assert f"{B * len(recs)} group(s) without learning signal over {len(recs)} steps, each consumed " \
+           f"by its step; {2 * B * len(recs)} trajectories left out of the loss" in report.text()
+    write([B] * 3 + [B - 1] + [B] * (len(recs) - 4))
+    report = au.audit(clean)
+    assert failing(report) == {2}, report.text()
+    assert f"step 3: {B - 1} counted, {B} in the log" in report.text()

@@ -3,6 +3,8 @@
     python tools/bench_async_vs_sync.py --seeds 0,1,2 --steps 40                 # item 1, tiny task
     python tools/bench_async_vs_sync.py --task longtail --seeds 0,1,2            # long-tailed lengths
     python tools/bench_async_vs_sync.py --ablation --etas 0,1,2,4,8 --seeds 0,1  # η × π_prox
+    python tools/bench_async_vs_sync.py --ablation --etas 2,8 --objectives decoupled,naive,token_mask \
+        --seeds 0,1 train.ppo_minibatches=4                       # η × train.off_policy
     python tools/bench_async_vs_sync.py --compare results.json      # the planner beside the runs
     python tools/bench_async_vs_sync.py --plot results.json docs/x.png
     python tools/bench_async_vs_sync.py --tail-eval results.json    # final policies on the tail
@@ -220,6 +222,13 @@ def analyse(run: Path, mode: str, target: float) -> dict:
         "imp_weight_mean": float(np.mean([s.get("imp_weight_mean", 1.0) for s in steps])),
         "behav_dropped_frac": float(np.mean([s.get("dropped_frac", 0.0) for s in steps])),
         "reward_curve": [s["reward"] for s in steps],
+        # the off-policy diagnostics, mean over the last 10 steps (absent in older runs: NaN)
+        **{f"{k}_last10": float(np.mean([s.get(k, np.nan) for s in steps[-10:]]))
+           for k in ("ess", "seq_ess", "kl_behav", "truncated_frac", "response_len")},
+        "zero_var_groups": int(sum(s.get("zero_var_groups", 0) for s in steps)),
+        "no_signal_steps": int(sum(s.get("no_signal_steps", 0) for s in steps)),
+        # a collapse: the last 10 steps' batch reward at (nearly) zero
+        "collapsed": bool(np.mean([s["reward"] for s in steps[-10:]]) < 0.02),
     }
 
 
@@ -381,8 +390,12 @@ def ablation_table(records: list[dict]) -> str:
             ("tokens masked (w > cap)", lambda r: r["behav_dropped_frac"], "{:.5f}"),
             ("stale mean", lambda r: r["stale_mean"], "{:.2f}"),
             ("dropped groups", lambda r: r["dropped_groups"], "{:.0f}"),
+            ("ESS, last 10", lambda r: r.get("ess_last10", np.nan), "{:.3f}"),
+            ("KL(π_behav‖π_θ) k3, last 10", lambda r: r.get("kl_behav_last10", np.nan), "{:.4f}"),
+            ("cut at max_new_tokens, last 10", lambda r: r.get("truncated_frac_last10", np.nan), "{:.3f}"),
+            ("collapsed", lambda r: float(r.get("collapsed", False)), "{:.0f}"),
             ("wall s", lambda r: r["wall_s"], "{:.1f}")]
-    lines = ["| η | π_prox | seeds | " + " | ".join(c[0] for c in cols) + " |",
+    lines = ["| η | π_prox / train.off_policy | seeds | " + " | ".join(c[0] for c in cols) + " |",
              "|---" * (len(cols) + 3) + "|"]
     for key in dict.fromkeys(r["setting"] for r in records):
         rs = [r for r in records if r["setting"] == key and r.get("ok")]
@@ -408,6 +421,8 @@ def main() -> int:
     ap.add_argument("--ablation", action="store_true", help="η × π_prox instead (async-1/1)")
     ap.add_argument("--etas", default="0,1,2,4,8")
     ap.add_argument("--prox", default="recompute,loglinear,behaviour")
+    ap.add_argument("--objectives", default="", help="train.off_policy values to compare "
+                    "(π_prox: recompute) instead of --prox")
     ap.add_argument("--target", type=float, default=0.3, help="accuracy for time-to-target")
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--eval-limit", type=int, default=100)
@@ -462,8 +477,12 @@ def main() -> int:
                  f"rollout.max_model_len={n_new + 96}", "train.max_tokens_per_mb=2048"]
     if args.ablation:
         split = settings(cpus, [1])["async-1/1"]
-        runs = {f"eta{e}-{p}": [*split, f"rollout.max_staleness={e}", f"train.prox={p}"]
-                for e in map(int, args.etas.split(",")) for p in args.prox.split(",")}
+        if args.objectives:
+            runs = {f"eta{e}-{o}": [*split, f"rollout.max_staleness={e}", f"train.off_policy={o}"]
+                    for e in map(int, args.etas.split(",")) for o in args.objectives.split(",")}
+        else:
+            runs = {f"eta{e}-{p}": [*split, f"rollout.max_staleness={e}", f"train.prox={p}"]
+                    for e in map(int, args.etas.split(",")) for p in args.prox.split(",")}
     else:
         etas = [int(x) for x in args.eta.split(",")]
         runs = {}

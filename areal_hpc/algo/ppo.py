@@ -12,14 +12,24 @@ Three log-probabilities per generated token:
 Tokens whose behaviour weight exceeds the cap are dropped, not clipped, and still count in the
 denominator: this is AReaL's exact form (v0.3 `actor_loss_fn`, HEAD rejection sampling "mask").
 
-Advantages have no critic and no KL term (γ = λ = 1, AReaL's math recipes): every output token
-of a sequence carries that sequence's advantage, so they are computed per sequence.
+The other off-policy corrections (`OffPolicy`: a trust region anchored on π_behav, two-sided
+token masking, sequence-level geometric rejection, a KL(π_behav‖π_θ) penalty, naive PPO) change
+which tokens keep their weight, and report the diagnostics that precede a collapse (effective
+sample size, KL to the behaviour policy, masked fractions).
+
+Advantages have no critic (γ = λ = 1, AReaL's math recipes): every output token of a sequence
+carries that sequence's advantage, so they are computed per sequence.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
+
+from areal_hpc.config import OFF_POLICY_OBJECTIVES
 
 
 def grpo_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
@@ -123,6 +133,46 @@ def loglinear_prox_logprobs(
     return behav + alpha * (logprobs.detach() - behav)
 
 
+OBJECTIVES = OFF_POLICY_OBJECTIVES
+
+
+@dataclass(frozen=True)
+class OffPolicy:
+    """How stale data is corrected (`train.off_policy` and its bands); see `decoupled_ppo_loss`.
+
+    objective:
+        decoupled     AReaL's decoupled PPO (Hilton et al. 2022; Fu et al. 2025): clip against
+                      π_prox, weight w = π_prox/π_behav, tokens with w > w_high dropped.
+        trust_region  decoupled, plus a trust region anchored on the behaviour policy: a token
+                      whose r = π_θ/π_behav is outside [1 - behav_clip, 1 + behav_clip] gets no
+                      gradient where the advantage would push r further out (PPO's clip taken
+                      against the sampling policy, as naive PPO does, on top of decoupled's).
+        token_mask    decoupled with two-sided masking of the token weight: tokens with w outside
+                      [w_low, w_high] dropped (masked importance sampling, as IcePop-style
+                      train/inference-mismatch corrections do).
+        seq_mask      decoupled with sequence-level geometric rejection: a whole sequence is
+                      dropped when the geometric mean of its tokens' w is outside
+                      [seq_low, seq_high] (geometric-mean sequence masking); kept tokens with
+                      w > w_high dropped as in decoupled.
+        naive         PPO-clip against the sampling policy, no π_prox (the caller passes
+                      π_behav as π_prox: w = 1).
+    kl_coef: β of an added penalty β·KL(π_behav‖π_θ), k3 estimator r - 1 - log r per token
+        (Schulman's; unbiased on tokens sampled from π_behav), 0 = none.
+    """
+    objective: str = "decoupled"
+    w_low: float | None = None          # token_mask's lower bound of w
+    w_high: float | None = 5.0          # every objective's upper bound of w (None: no cap)
+    seq_low: float = 0.5
+    seq_high: float = 2.0
+    behav_clip: float = 0.2
+    kl_coef: float = 0.0
+
+    def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"off-policy objective must be one of {', '.join(OBJECTIVES)}, "
+                             f"got {self.objective!r}")
+
+
 def decoupled_ppo_loss(
     logprobs: Tensor,
     prox_logprobs: Tensor,
@@ -133,8 +183,11 @@ def decoupled_ppo_loss(
     behav_imp_weight_cap: float | None = None,
     eps_clip_high: float | None = None,
     dual_clip: float | None = None,
+    off_policy: OffPolicy | None = None,
+    seq_lens: Sequence[int] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Decoupled PPO-clip loss, token mean over `loss_mask`.
+    """Decoupled PPO-clip loss and its off-policy variants (`OffPolicy`), token mean over
+    `loss_mask`.
 
     All inputs are flat `[total_tokens]`; only `logprobs` carries a gradient. With
     `prox_logprobs == behav_logprobs` this is standard PPO-clip; on the first minibatch of a step
@@ -143,20 +196,35 @@ def decoupled_ppo_loss(
     `eps_clip_high` (DAPO clip-higher) makes the clip range [1 - eps_clip, 1 + eps_clip_high];
     `dual_clip` c > 1 bounds the loss of a negative-advantage token by -c·A (dual-clip PPO).
     `behav_imp_weight_cap`: tokens with w above it are dropped; None (the default) keeps all
-    (the trainer passes `train.behav_imp_weight_cap`).
+    (without `off_policy`; with it, `off_policy.w_high` is the cap).
+    `seq_lens`: output tokens of each sequence, in order (sum = total_tokens): the sequences of
+    `seq_mask` and of the sequence-level diagnostics (None: one sequence).
 
     Returns:
-        loss: scalar, `Σ mask·w·pg / count_nonzero(mask)` (dropped tokens stay in the denominator).
-        stats: detached scalars over the masked tokens: `clip_frac` (tokens where the clipped
-            branch is taken), `ratio_mean` (u), `imp_weight_mean` (w over kept tokens),
-            `dropped_frac` (w > cap), `approx_kl` (mean of log π_behav - log π_θ, the k1
-            estimator of KL(π_behav ‖ π_θ)).
+        loss: scalar, `Σ mask·w·pg / count_nonzero(mask)` (dropped tokens stay in the denominator)
+            plus `kl_coef` times the token mean of the KL estimate.
+        stats: detached scalars; token means over the masked tokens: `clip_frac` (tokens where
+            the clipped branch is taken), `ratio_mean` (u), `dropped_frac` (given no weight by
+            the w bounds, the sequence mask or the trust region), `seq_masked_frac` (by the
+            sequence mask), `tr_masked_frac` (by the trust region), `approx_kl` (mean of
+            log π_behav - log π_θ, the k1 estimator of KL(π_behav ‖ π_θ)), `kl_behav` (its k3
+            estimator, mean r - 1 - log r with r = π_θ/π_behav), `kl_prox_behav` (KL(π_prox ‖
+            π_behav): mean w log w - w + 1), `r_mean`, `r_sq_mean` (of r: the token-level
+            effective sample size is r_mean² / r_sq_mean); `imp_weight_mean` (w over kept
+            tokens); per sequence: `n_seqs`, `seq_r_mean`, `seq_r_sq_mean` (of each sequence's
+            geometric-mean r).
     """
+    op = off_policy or OffPolicy(w_high=behav_imp_weight_cap)
     mask = loss_mask.bool()
     n_tokens = mask.count_nonzero().clamp(min=1)
     prox = prox_logprobs.detach()
     behav = behav_logprobs.detach()
     adv = advantages.detach()
+    lens = [int(logprobs.numel())] if seq_lens is None else [int(n) for n in seq_lens]
+    if sum(lens) != logprobs.numel():
+        raise ValueError(f"seq_lens add up to {sum(lens)}, not the {logprobs.numel()} tokens")
+    seq_of = torch.repeat_interleave(torch.arange(len(lens), device=logprobs.device),
+                                     torch.tensor(lens, device=logprobs.device))
 
     # Padding positions are neutralised before exp(): an inf there would turn into NaN gradients.
     ratio = torch.exp(torch.where(mask, logprobs - prox, 0.0))
@@ -170,17 +238,61 @@ def decoupled_ppo_loss(
             raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
         pg = torch.where(adv < 0, torch.minimum(pg, -dual_clip * adv), pg)
 
-    imp_weight = torch.exp(torch.where(mask, prox - behav, 0.0))
-    keep = mask if behav_imp_weight_cap is None else mask & (imp_weight <= behav_imp_weight_cap)
+    log_w = torch.where(mask, prox - behav, 0.0)
+    imp_weight = torch.exp(log_w)
+    keep = mask
+    if op.w_high is not None:
+        keep = keep & (imp_weight <= op.w_high)
+    if op.objective == "token_mask" and op.w_low is not None:
+        keep = keep & (imp_weight >= op.w_low)
+    per_seq_n = torch.zeros(len(lens), dtype=torch.float64, device=logprobs.device)
+    per_seq_n.index_add_(0, seq_of, mask.double())
+    has_tokens = per_seq_n > 0
+
+    def seq_geo_mean(log_values: Tensor) -> Tensor:
+        total = torch.zeros(len(lens), dtype=torch.float64, device=logprobs.device)
+        total.index_add_(0, seq_of, torch.where(mask, log_values, 0.0).double())
+        return torch.exp(total / per_seq_n.clamp(min=1))
+
+    seq_masked = torch.zeros_like(mask)
+    if op.objective == "seq_mask":
+        rho = seq_geo_mean(log_w)
+        rejected = (rho < op.seq_low) | (rho > op.seq_high)
+        seq_masked = mask & rejected[seq_of]
+        keep = keep & ~seq_masked
+    log_r = torch.where(mask, logprobs - behav, 0.0)
+    tr_masked = torch.zeros_like(mask)
+    if op.objective == "trust_region":
+        r_now = torch.exp(log_r.detach())
+        tr_masked = mask & (((adv > 0) & (r_now > 1.0 + op.behav_clip))
+                            | ((adv < 0) & (r_now < 1.0 - op.behav_clip)))
+        keep = keep & ~tr_masked
     weight = torch.where(keep, imp_weight, 0.0)
     loss = (pg * weight).sum() / n_tokens
+    if op.kl_coef:
+        # exp() of a clamped log-ratio: a token the policy has moved far from stays finite.
+        r = torch.exp(log_r.clamp(max=20.0))
+        loss = loss + op.kl_coef * torch.where(mask, r - 1.0 - log_r, 0.0).sum() / n_tokens
 
     with torch.no_grad():
+        r = torch.exp(log_r.clamp(max=20.0))
+        seq_r = seq_geo_mean(log_r)[has_tokens]
         stats = {
             "clip_frac": ((pg_clipped > pg_unclipped) & mask).sum() / n_tokens,
             "ratio_mean": torch.where(mask, ratio, 0.0).sum() / n_tokens,
             "imp_weight_mean": weight.sum() / keep.count_nonzero().clamp(min=1),
             "dropped_frac": (mask & ~keep).sum() / n_tokens,
+            "seq_masked_frac": seq_masked.sum() / n_tokens,
+            "tr_masked_frac": tr_masked.sum() / n_tokens,
             "approx_kl": torch.where(mask, behav - logprobs.detach(), 0.0).sum() / n_tokens,
+            "kl_behav": torch.where(mask, r - 1.0 - log_r, 0.0).sum() / n_tokens,
+            "kl_prox_behav": torch.where(mask, imp_weight * log_w - imp_weight + 1.0, 0.0).sum()
+            / n_tokens,
+            "r_mean": torch.where(mask, r, 0.0).sum() / n_tokens,
+            "r_sq_mean": torch.where(mask, r.square(), 0.0).sum() / n_tokens,
+            "n_seqs": torch.tensor(float(seq_r.numel()), dtype=torch.float64),
+            "seq_r_mean": seq_r.mean() if seq_r.numel() else torch.tensor(0.0, dtype=torch.float64),
+            "seq_r_sq_mean": seq_r.square().mean() if seq_r.numel()
+            else torch.tensor(0.0, dtype=torch.float64),
         }
     return loss, stats

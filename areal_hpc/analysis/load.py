@@ -11,6 +11,7 @@ marker (`traj/output_end`) is read once and every column is cut to that many row
 from __future__ import annotations
 
 import collections
+import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +21,11 @@ import pandas as pd
 import yaml
 from tqdm import tqdm
 
+from ..storage.run_dir import RunDir
 from ..storage.rollout_log import (FINISH_REASONS, PARTIAL, RolloutLogError, RolloutReader,
                                    damage_is_an_error)
+
+log = logging.getLogger(__name__)
 
 BLOCK_TOKENS = 1 << 24     # int32 versions: 64 MiB per block
 
@@ -53,6 +57,8 @@ class RunData:
     config: dict
     traj: pd.DataFrame
     token_staleness: dict[int, int] = field(default_factory=dict)
+    metrics: list[dict] = field(default_factory=list)   # metrics.jsonl beside the log, if any
+    evals: list[dict] = field(default_factory=list)     # eval.json beside the log, if any
 
     @property
     def generated(self) -> pd.DataFrame:
@@ -189,7 +195,14 @@ def load_run(path: str | Path, label: str | None = None, *, block_tokens: int = 
             "t_end": t_end,
             "latency_s": t_end - t_submit,
         }, columns=list(COLUMNS))
-    return RunData(path=path, label=label, config=config, traj=traj, token_staleness=hist)
+    beside = RunDir(path.parent)
+    try:
+        metrics, evals = beside.read_metrics(), beside.read_all_evals()
+    except (OSError, ValueError) as exc:     # the log is what is analysed; these are extras
+        log.warning("%s: metrics.jsonl / eval.json unreadable (%s): no learning curves", path.parent, exc)
+        metrics, evals = [], []
+    return RunData(path=path, label=label, config=config, traj=traj, token_staleness=hist,
+                   metrics=metrics, evals=evals)
 
 
 def label_runs(runs: list[RunData]) -> None:

@@ -17,6 +17,7 @@ from . import summary as S  # noqa: E402
 from .load import RunData  # noqa: E402
 
 DPI = 80
+SMOOTH_SPAN = 10        # steps of the smoothed training reward
 
 
 def _save(fig, path: Path) -> Path:
@@ -106,11 +107,69 @@ def plot_throughput(runs: list[RunData], path: Path, bin_s: float | None = None)
     return _save(fig, path)
 
 
+def smoothed(values, span: int = SMOOTH_SPAN) -> np.ndarray:
+    """Exponential moving average with TensorBoard-like weight 1 - 2/(span + 1), debiased
+    (the first points are not pulled towards 0)."""
+    x = np.asarray(values, dtype=np.float64)
+    alpha = 2.0 / (span + 1)
+    out, avg, norm = np.empty_like(x), 0.0, 0.0
+    for i, v in enumerate(x):
+        avg = (1 - alpha) * avg + alpha * v
+        norm = (1 - alpha) * norm + alpha
+        out[i] = avg / norm
+    return out
+
+
+def plot_learning(runs: list[RunData], path: Path) -> Path:
+    """From metrics.jsonl and eval.json beside each log: held-out accuracy by step, the
+    training reward raw (faint) and smoothed, and the off-policy diagnostics that precede a
+    collapse (effective sample size, KL(π_behav‖π_θ), share of the batch cut at
+    max_new_tokens)."""
+    fig, axes = plt.subplots(2, 2, figsize=(9, 6))
+    for run in runs:
+        m = run.metrics
+        ev = [e for e in run.evals if "accuracy" in e]
+        if ev:
+            axes[0, 0].plot([e["step"] for e in ev], [e["accuracy"] for e in ev], marker="o",
+                            label=run.label)
+        if not m:
+            continue
+        step = np.array([r["step"] + 1 for r in m])
+        reward = np.array([r.get("reward", np.nan) for r in m])
+        line = axes[0, 1].plot(step, reward, alpha=0.3)[0]
+        axes[0, 1].plot(step, smoothed(reward), color=line.get_color(), label=run.label)
+        for key, style in (("ess", "-"), ("seq_ess", ":")):
+            if key in m[0]:
+                axes[1, 0].plot(step, [r.get(key, np.nan) for r in m], style, color=line.get_color(),
+                                label=f"{run.label} {key}")
+        if "kl_behav" in m[0]:
+            axes[1, 1].plot(step, [r.get("kl_behav", np.nan) for r in m], color=line.get_color(),
+                            label=f"{run.label} KL(π_behav‖π_θ)")
+        if "truncated_frac" in m[0]:
+            axes[1, 1].plot(step, [r.get("truncated_frac", np.nan) for r in m], "--",
+                            color=line.get_color(), label=f"{run.label} cut at max_new_tokens")
+    axes[0, 0].set_ylabel("held-out accuracy")
+    axes[0, 1].set_ylabel(f"training reward (EMA over ~{SMOOTH_SPAN} steps)")
+    axes[1, 0].set_ylabel("effective sample size (share)")
+    axes[1, 0].set_ylim(0, 1.05)
+    axes[1, 1].set_ylabel("KL / share")
+    for ax in axes.flat:
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
+    return _save(fig, path)
+
+
 def write_plots(runs: list[RunData], out_dir: Path, bin_s: float | None = None) -> list[Path]:
     """All plots into `out_dir` (created): reward.png, staleness.png, lengths.png,
-    throughput.png. Returns their paths."""
+    throughput.png, and learning.png where a run directory holds metrics.jsonl or eval.json.
+    Returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    return [plot_reward(runs, out_dir / "reward.png"),
-            plot_staleness(runs, out_dir / "staleness.png"),
-            plot_lengths(runs, out_dir / "lengths.png"),
-            plot_throughput(runs, out_dir / "throughput.png", bin_s)]
+    paths = [plot_reward(runs, out_dir / "reward.png"),
+             plot_staleness(runs, out_dir / "staleness.png"),
+             plot_lengths(runs, out_dir / "lengths.png"),
+             plot_throughput(runs, out_dir / "throughput.png", bin_s)]
+    if any(r.metrics or r.evals for r in runs):
+        paths.append(plot_learning(runs, out_dir / "learning.png"))
+    return paths

@@ -82,13 +82,22 @@ class RunDir:
     def truncate_metrics(self, steps: int) -> None:
         """Keep the metrics of steps < `steps` (a resume trains the later ones again)."""
         if self.metrics.exists():
-            lines = [ln for ln in self.metrics.read_text().splitlines()
-                     if ln.strip() and json.loads(ln)["step"] < steps]
-            self.metrics.write_text("".join(ln + "\n" for ln in lines))
+            kept = [r for r in self.read_metrics() if r["step"] < steps]
+            self.metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def append_metrics(self, record: dict) -> None:
         with open(self.metrics, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+    def read_metrics(self) -> list[dict]:
+        """metrics.jsonl's records, in order ([] without the file; blank lines skipped)."""
+        if not self.metrics.exists():
+            return []
+        return [json.loads(ln) for ln in self.metrics.read_text().splitlines() if ln.strip()]
+
+    def read_all_evals(self) -> list[dict]:
+        """eval.json's evaluations ([] without the file)."""
+        return json.loads(self.evals.read_text()) if self.evals.exists() else []
 
     def write_evals(self, evals: list[dict]) -> None:
         self.evals.write_text(json.dumps(evals, indent=1))
@@ -96,7 +105,5 @@ class RunDir:
     def read_evals(self, up_to_step: int) -> list[dict]:
         """The evaluations a resume at `up_to_step` keeps: those of steps it does not train again
         (the final one belongs to the attempt that wrote it)."""
-        if not self.evals.exists():
-            return []
-        return [e for e in json.loads(self.evals.read_text())
+        return [e for e in self.read_all_evals()
                 if e.get("label") != "final" and e.get("step", 0) <= up_to_step]

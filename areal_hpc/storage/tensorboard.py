@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 _ROLLOUT = {"reward", "accuracy", "reward_mean", "reward_errors", "response_len", "n_tokens", "n_seqs",
             "staleness_max", "staleness_mean", "dropped_stale", "adv_abs_mean", "reissued",
-            "given_up", "lost_stale"}
+            "given_up", "lost_stale", "truncated_frac", "zero_var_groups", "filtered_seqs", "entropy"}
 _SKIP = {"step", "time"}
 
 

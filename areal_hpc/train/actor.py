@@ -60,7 +60,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from safetensors.torch import save_file
 
 from areal_hpc.algo.packing import balanced_allocate
-from areal_hpc.algo.ppo import decoupled_ppo_loss, loglinear_prox_logprobs
+from areal_hpc.algo.ppo import OffPolicy, decoupled_ppo_loss, loglinear_prox_logprobs
 from areal_hpc.config import TrainConfig
 from areal_hpc.train import megatron_model
 from areal_hpc.train.attention import packed_seq_params
@@ -73,7 +73,24 @@ from areal_hpc.train.shares import BatchShare, dp_split, sequence_lengths, split
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Per-micro-batch sums returned by the PPO loss (last pipeline stage), reduced over the batch.
-_SUM_KEYS = ("loss", "clip_frac", "ratio_mean", "dropped_frac", "approx_kl", "imp_weight_mean", "kept")
+# Token sums (the loss's token means times the micro-batch's tokens), then sequence sums.
+_TOKEN_STATS = ("clip_frac", "ratio_mean", "dropped_frac", "seq_masked_frac", "tr_masked_frac",
+                "approx_kl", "kl_behav", "kl_prox_behav", "r_mean", "r_sq_mean")
+_SEQ_STATS = ("seq_r_mean", "seq_r_sq_mean")
+_SUM_KEYS = ("loss", *_TOKEN_STATS, "imp_weight_mean", "kept", "n_seqs", *_SEQ_STATS)
+
+
+def off_policy_of(cfg: TrainConfig) -> OffPolicy:
+    """The loss's off-policy correction from the `train` section."""
+    return OffPolicy(cfg.off_policy, w_low=cfg.behav_imp_weight_floor,
+                     w_high=cfg.behav_imp_weight_cap, seq_low=cfg.seq_imp_weight_low,
+                     seq_high=cfg.seq_imp_weight_high, behav_clip=cfg.behav_clip,
+                     kl_coef=cfg.behav_kl_coef)
+
+
+def _ess(total: float, sq_total: float, n: float) -> float:
+    """(Σx)² / (n Σx²), the normalised effective sample size of weights x (1.0 when none)."""
+    return total * total / (n * sq_total) if n > 0 and sq_total > 0 else 1.0
 
 
 class StepAbandoned(Exception):
@@ -249,6 +266,7 @@ class Actor:
         if cfg.prox not in ("recompute", "loglinear", "behaviour"):
             raise ValueError(f"prox must be recompute, loglinear or behaviour, got {cfg.prox!r}")
         self.cfg = cfg
+        self.off_policy = off_policy_of(cfg)
         self.model_dir = model_dir
         self.group_size = group_size
         self.temperature = temperature
@@ -477,7 +495,7 @@ class Actor:
 
     def _ppo_loss(self, version: int, mb: _MicroBatch, hidden: torch.Tensor):
         logprobs = self._token_logprobs(hidden, mb)
-        if self.cfg.prox == "loglinear":
+        if self.cfg.prox == "loglinear" and self.cfg.off_policy != "naive":
             prox = loglinear_prox_logprobs(mb.behav_logprobs, logprobs, mb.versions, version)
         else:
             prox = mb.prox_logprobs
@@ -491,6 +509,8 @@ class Actor:
             behav_imp_weight_cap=self.cfg.behav_imp_weight_cap,
             eps_clip_high=self.cfg.eps_clip_high,
             dual_clip=self.cfg.dual_clip,
+            off_policy=self.off_policy,
+            seq_lens=mb.out_lens,
         )
         n = mb.n_tokens
         # decoupled_ppo_loss averages over this micro-batch; Megatron wants the sum and divides
@@ -499,12 +519,11 @@ class Actor:
         kept = n * (1.0 - stats["dropped_frac"])
         sums = {
             "loss": loss_sum.detach().clone(),  # .clone(): the schedule may rescale in place
-            "clip_frac": stats["clip_frac"] * n,
-            "ratio_mean": stats["ratio_mean"] * n,
-            "dropped_frac": stats["dropped_frac"] * n,
-            "approx_kl": stats["approx_kl"] * n,
+            **{key: stats[key] * n for key in _TOKEN_STATS},
             "imp_weight_mean": stats["imp_weight_mean"] * kept,
             "kept": kept,
+            "n_seqs": stats["n_seqs"],
+            **{key: stats[key] * stats["n_seqs"] for key in _SEQ_STATS},
         }
         return loss_sum, self._n_tokens(n), sums
 
@@ -525,7 +544,8 @@ class Actor:
             plan.append([self._pack(seqs, [share[j] for j in g], per_token) for g in groups])
         return plan
 
-    def train_step(self, seqs: list[dict], version: int = 0) -> dict[str, float]:
+    def train_step(self, seqs: list[dict], version: int = 0,
+                   max_new_tokens: int | None = None) -> dict[str, float]:
         """One decoupled-PPO step (`ppo_minibatches` optimizer steps) on a whole batch: this
         rank's share of it (`shares.split_batch`), trained by `train_share`.
 
@@ -535,11 +555,13 @@ class Actor:
                 `behav_logprobs` (float32, one per output token), `reward`, and for
                 `prox="loglinear"` `versions` (the policy version of each output token).
             version: the version of the current weights (0 before the first step).
+            max_new_tokens: the rollout's output limit (`overlong: shape` needs it).
         Returns:
             see `train_share`.
         """
         t0 = time.perf_counter()
-        share = split_batch(seqs, self.cfg, self.group_size, self.layout.dp)[self.layout.dp_rank]
+        share = split_batch(seqs, self.cfg, self.group_size, self.layout.dp,
+                            max_new_tokens)[self.layout.dp_rank]
         return self.train_share(share, version, t0=t0)
 
     def train_share(self, share: BatchShare, version: int = 0, t0: float | None = None,
@@ -568,12 +590,14 @@ class Actor:
         """
         t0 = time.perf_counter() if t0 is None else t0
         cfg = self.cfg
+        if share.no_signal:
+            return self._no_signal_step(share, t0)
         seqs = [s for minibatch in share.minibatches for s in minibatch]
         per_token = {
             "behav_logprobs": [s["behav_logprobs"] for s in seqs],
             "advantages": [np.full(len(s["output_tokens"]), s["advantage"]) for s in seqs],
         }
-        if cfg.prox == "loglinear":
+        if cfg.prox == "loglinear" and cfg.off_policy != "naive":
             per_token["versions"] = [s["versions"] for s in seqs]
         ids, offset = [], 0
         for minibatch in share.minibatches:
@@ -592,7 +616,10 @@ class Actor:
         # π_prox once, with the weights at the start of the step, before the first minibatch.
         t1 = time.perf_counter()
         all_mbs = [mb for minibatch in plan for mb in minibatch]
-        if cfg.prox == "recompute":
+        if cfg.off_policy == "naive":       # PPO against π_behav: no π_prox
+            for mb in all_mbs:
+                mb.prox_logprobs = mb.behav_logprobs
+        elif cfg.prox == "recompute":
             for mb, lp in zip(all_mbs, self._forward_logprobs(all_mbs, to_all_stages=False)):
                 mb.prox_logprobs = lp
         elif cfg.prox == "behaviour":
@@ -631,8 +658,15 @@ class Actor:
             "imp_weight_mean": sums["imp_weight_mean"] / max(sums["kept"], 1.0),
             "dropped_frac": sums["dropped_frac"] / denom,
             "approx_kl": sums["approx_kl"] / denom,
+            **{key: sums[key] / denom for key in ("seq_masked_frac", "tr_masked_frac", "kl_behav",
+                                                  "kl_prox_behav")},
+            # effective sample size of r = π_θ/π_behav over the step's forward passes, as a share
+            # of the tokens (sequences: of each sequence's geometric-mean r); 1 = on-policy
+            "ess": _ess(sums["r_mean"], sums["r_sq_mean"], denom),
+            "seq_ess": _ess(sums["seq_r_mean"], sums["seq_r_sq_mean"], sums["n_seqs"]),
             "n_tokens": int(sums["n_tokens"]),
             "n_seqs": share.n_seqs,
+            **share.stats,
             "n_micro_batches": len(all_mbs),
             "skipped_steps": skipped,
             "pack_seconds": t_pack,
@@ -641,6 +675,21 @@ class Actor:
             "optim_seconds": t_opt,
             "seconds": time.perf_counter() - t0,
         }
+
+    def _no_signal_step(self, share: BatchShare, t0: float) -> dict[str, float]:
+        """A step whose batch has nothing to learn from (`BatchShare.no_signal`): no forward, no
+        optimizer step (Adam's momentum would move the weights at zero gradient); the learning
+        rate schedule goes on as if its minibatches had run."""
+        for _ in range(self.cfg.ppo_minibatches):
+            self.lr_scheduler.step(1)
+        zero = dict.fromkeys(("loss", "grad_norm", "clip_frac", "ratio_mean", "imp_weight_mean",
+                              "dropped_frac", "approx_kl", "seq_masked_frac", "tr_masked_frac",
+                              "kl_behav", "kl_prox_behav", "pack_seconds", "prox_seconds",
+                              "fwd_bwd_seconds", "optim_seconds"), 0.0)
+        return {**zero, "lr": self.optimizer.param_groups[0]["lr"], "reward_mean": share.reward_mean,
+                "adv_abs_mean": share.adv_abs_mean, "ess": 1.0, "seq_ess": 1.0, "n_tokens": 0,
+                "n_seqs": share.n_seqs, **share.stats, "n_micro_batches": 0,
+                "skipped_steps": self.cfg.ppo_minibatches, "seconds": time.perf_counter() - t0}
 
     def _reduce_sums(self, outputs: list[dict], n_tokens: int) -> dict[str, float]:
         """Sums of `_SUM_KEYS` and `n_tokens` over the whole batch: from the last pipeline stage

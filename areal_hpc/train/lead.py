@@ -17,6 +17,7 @@ from ..config import RunConfig
 from ..storage.run_dir import RunDir
 from ..storage.tensorboard import TensorBoardLog
 from ..topology import Topology
+from .diagnostics import CollapseWatch
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class Lead(Follower):
         self.progress = None
         self.evals: list[dict] = []
         self._eval_s = 0.0
+        self.watch = CollapseWatch()
 
     def state(self) -> dict:
         """The controller's part of a checkpoint."""
@@ -120,6 +122,8 @@ class Lead(Follower):
         if self.tb is not None:
             self.tb.step(record)
         self.progress.step(record)
+        for warning in self.watch.check(record):
+            log.warning("%s", warning)
 
     def put_back(self) -> list[int]:
         """The step's batch was not trained (stopped midway): back to the controller's buffer;

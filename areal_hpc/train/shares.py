@@ -14,13 +14,13 @@ Pure Python, numpy and torch (no Megatron, no process groups).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from areal_hpc.algo.packing import balanced_allocate
-from areal_hpc.algo.ppo import compute_advantages
+from areal_hpc.algo.ppo import compute_advantages, token_normalised
 from areal_hpc.config import TrainConfig
 
 # The fields of a sequence that training reads (plus `versions` for prox: loglinear).
@@ -35,11 +35,16 @@ class BatchShare:
         they are packed: dicts with TRAIN_KEYS, `advantage` (the sequence's, float32) and for
         `prox: loglinear` `versions`. A list may be empty (fewer sequences than ranks).
     n_seqs, reward_mean, adv_abs_mean: of the whole batch (raw reward; |advantage| per sequence).
+    stats: the batch's collapse diagnostics and what the guards left out (`guard`).
+    no_signal: every advantage left is 0, or fewer sequences are left than minibatches: the
+        step trains nothing and moves no weight (Adam's momentum would, at zero gradient).
     """
     minibatches: list[list[dict]]
     n_seqs: int
     reward_mean: float
     adv_abs_mean: float
+    stats: dict = field(default_factory=dict)   # the batch's: `BatchFilter.stats`
+    no_signal: bool = False     # nothing left to learn from: the step leaves the weights alone
 
 
 def sequence_lengths(seqs: list[dict]) -> list[int]:
@@ -60,13 +65,56 @@ def dp_split(lengths: list[int], ppo_minibatches: int, dp: int) -> list[list[lis
     return out
 
 
-def split_batch(seqs: list[dict], cfg: TrainConfig, group_size: int, dp: int) -> list[BatchShare]:
-    """The `dp` shares of a whole batch (see the module docstring).
+def overlong_penalty(lengths: np.ndarray, max_new_tokens: int, buffer: int) -> np.ndarray:
+    """DAPO's soft overlong punishment: 0 up to `max_new_tokens - buffer` output tokens, then
+    down linearly to -1 at `max_new_tokens` (a sample cut there gets -1)."""
+    return np.clip((max_new_tokens - buffer - lengths) / buffer, -1.0, 0.0)
+
+
+def guard(seqs: list[dict], cfg: TrainConfig, group_size: int,
+          max_new_tokens: int | None) -> tuple[list[int], np.ndarray, dict]:
+    """The collapse guards of `train` on a whole batch, before its advantages.
+
+    Returns (indices of the sequences left in the loss, group-contiguous; every sequence's
+    reward after `overlong: shape`; the batch's statistics: `zero_var_groups` (groups whose
+    rewards are all equal), `filtered_seqs` (left out by `filter_zero_variance` and
+    `overlong: filter`), `truncated_frac` (share cut at max_new_tokens, finish_reason
+    "length"), `entropy` (mean -log π_behav of the sampled tokens: an estimate of the sampling
+    policy's per-token entropy)). A filtered group keeps its rows consumed: counted, not lost."""
+    n_out = np.array([len(s["output_tokens"]) for s in seqs])
+    rewards = np.array([float(s["reward"]) for s in seqs], dtype=np.float64)
+    cut = np.array([s.get("finish_reason") == "length" for s in seqs], dtype=bool)
+    if cfg.overlong == "shape":
+        if max_new_tokens is None:
+            raise ValueError("overlong: shape needs the rollout's max_new_tokens")
+        rewards = rewards + overlong_penalty(n_out, max_new_tokens, cfg.overlong_buffer)
+    groups = rewards.reshape(-1, group_size) if len(seqs) % group_size == 0 else None
+    if groups is None:
+        raise ValueError(f"{len(seqs)} sequences do not split into groups of {group_size}")
+    zero_var = (groups == groups[:, :1]).all(axis=1)
+    keep = np.ones(len(seqs), dtype=bool)
+    if cfg.filter_zero_variance:
+        keep &= ~np.repeat(zero_var, group_size)
+    if cfg.overlong == "filter":
+        keep &= ~cut
+    n_tok = max(int(n_out.sum()), 1)
+    entropy = -sum(float(np.sum(s["behav_logprobs"], dtype=np.float64)) for s in seqs) / n_tok
+    stats = {"zero_var_groups": int(zero_var.sum()), "filtered_seqs": int((~keep).sum()),
+             "truncated_frac": float(cut.mean()) if len(seqs) else 0.0, "entropy": entropy}
+    return [int(i) for i in np.flatnonzero(keep)], rewards, stats
+
+
+def split_batch(seqs: list[dict], cfg: TrainConfig, group_size: int, dp: int,
+                max_new_tokens: int | None = None) -> list[BatchShare]:
+    """The `dp` shares of a whole batch (see the module docstring), after the collapse guards
+    (`guard`).
 
     Args:
         seqs: the whole batch, group-contiguous (`group_size` samples per prompt): dicts with
             `prompt_tokens`, `output_tokens`, `behav_logprobs` (one per output token), `reward`,
-            and for `prox="loglinear"` `versions`; other fields are left behind.
+            `finish_reason` (for the overlong guard; absent: not cut), and for
+            `prox="loglinear"` `versions`; other fields are left behind.
+        max_new_tokens: the rollout's output limit (`overlong: shape` needs it).
     Raises:
         ValueError: fewer sequences than minibatches, or a per-token field whose length is not
             the output's.
@@ -78,17 +126,32 @@ def split_batch(seqs: list[dict], cfg: TrainConfig, group_size: int, dp: int) ->
         for key in keys[2:]:
             if len(s[key]) != len(s["output_tokens"]):
                 raise ValueError(f"sequence {i}: {key} and output_tokens differ in length")
+    kept, shaped, stats = guard(seqs, cfg, group_size, max_new_tokens)
+    raw = torch.tensor([float(s["reward"]) for s in seqs], dtype=torch.float64)
+    reward_mean = float(raw.mean())
+    # Advantages of what is left: group statistics over whole groups (a sequence cut by
+    # `overlong: filter` counted in its group's), `adv_norm: batch` over the kept tokens only.
     n_out = torch.tensor([len(s["output_tokens"]) for s in seqs])
-    rewards = torch.tensor([float(s["reward"]) for s in seqs], dtype=torch.float64)
-    adv = compute_advantages(
-        rewards, n_out, group_size, cfg.reward_bias, cfg.reward_scaling, cfg.reward_clip,
-        cfg.reward_norm, cfg.adv_norm,
-    ).numpy()
-    reward_mean, adv_abs_mean = float(rewards.mean()), float(np.abs(adv).mean())
+    args = (group_size, cfg.reward_bias, cfg.reward_scaling, cfg.reward_clip, cfg.reward_norm)
+    if len(kept) == len(seqs) or cfg.adv_norm == "none":
+        adv_all = compute_advantages(torch.from_numpy(shaped), n_out, *args, cfg.adv_norm)
+    else:
+        adv_all = compute_advantages(torch.from_numpy(shaped), n_out, *args, "none")
+        if kept:
+            ids = torch.tensor(kept)
+            adv_all[ids] = token_normalised(adv_all[ids], n_out[ids]).float()
+    adv = adv_all.numpy()
+    adv_abs_mean = float(np.abs(adv).mean())
+    no_signal = len(kept) < cfg.ppo_minibatches or not np.any(adv[kept])
+    stats["no_signal_steps"] = int(no_signal)
 
     def slim(i: int) -> dict:
         return {**{k: seqs[i][k] for k in keys}, "advantage": adv[i]}
 
-    return [BatchShare([[slim(i) for i in ids] for ids in per_rank], len(seqs), reward_mean,
-                       adv_abs_mean)
-            for per_rank in dp_split(sequence_lengths(seqs), cfg.ppo_minibatches, dp)]
+    if no_signal:
+        return [BatchShare([[] for _ in range(cfg.ppo_minibatches)], len(seqs), reward_mean,
+                           adv_abs_mean, stats, no_signal=True) for _ in range(dp)]
+    lengths = sequence_lengths([seqs[i] for i in kept])
+    return [BatchShare([[slim(kept[j]) for j in ids] for ids in per_rank], len(seqs), reward_mean,
+                       adv_abs_mean, stats)
+            for per_rank in dp_split(lengths, cfg.ppo_minibatches, dp)]

@@ -112,7 +112,8 @@ class Trainer:
         if self.topo.is_controller:
             try:
                 parts = ([None] * layout.dp if trajs is None else
-                         split_batch(trajs, self.cfg.train, self.cfg.rollout.group_size, layout.dp))
+                         split_batch(trajs, self.cfg.train, self.cfg.rollout.group_size, layout.dp,
+                                     self.cfg.rollout.max_new_tokens))
             except ValueError as exc:       # every rank raises it, none waits for a share
                 parts = [exc] * layout.dp
         share = self.shares.scatter(

@@ -7,6 +7,7 @@ import torch
 
 from areal_hpc.algo.ppo import (
     compute_advantages,
+    OffPolicy,
     decoupled_ppo_loss,
     grpo_advantages,
     loglinear_prox_logprobs,
@@ -198,3 +199,105 @@ def test_loglinear_prox_alpha_by_version():
     prox = loglinear_prox_logprobs(behav, logp, versions, current_version=5)
     torch.testing.assert_close(prox, t(-1.0, -1.0, -1.5, -1.75, -1.0, -1.0))
     assert not prox.requires_grad  # π_prox is a constant of the loss
+
+
+# ---------------------------------------------------------------- off-policy objectives
+
+
+def _first_minibatch(prox, behav):
+    """π_θ = π_prox (the first minibatch of a step), with a gradient."""
+    return prox.clone().requires_grad_(True), prox, behav
+
+
+def test_token_mask_drops_weights_outside_the_band_on_both_sides():
+    w = t(0.4, 1.0, 3.0, 6.0)
+    prox = t(-1.0, -1.0, -1.0, -1.0)
+    logp, prox, behav = _first_minibatch(prox, prox - torch.log(w))
+    adv = t(1.0, 2.0, -1.0, 4.0)
+    mask = torch.ones(4, dtype=torch.bool)
+    op = OffPolicy("token_mask", w_low=0.5, w_high=5.0)
+    loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, off_policy=op)
+    # kept: w = 1 (A = 2) and w = 3 (A = -1); the other two give nothing but count.
+    torch.testing.assert_close(loss.detach(), torch.tensor(-(2.0 * 1.0 - 1.0 * 3.0) / 4))
+    torch.testing.assert_close(stats["dropped_frac"], torch.tensor(0.5))
+    loss.backward()
+    assert logp.grad[0].item() == 0.0 and logp.grad[3].item() == 0.0
+    torch.testing.assert_close(logp.grad[1:3], t(-2.0 * 1.0 / 4, 1.0 * 3.0 / 4))
+    # decoupled with the same cap keeps the low-weight token
+    loss_d, _ = decoupled_ppo_loss(logp.detach(), prox, behav, adv, mask,
+                                   off_policy=OffPolicy("decoupled", w_low=0.5, w_high=5.0))
+    torch.testing.assert_close(loss_d, torch.tensor(-(0.4 + 2.0 - 3.0) / 4))
+
+
+def test_seq_mask_rejects_a_whole_sequence_by_its_geometric_mean_weight():
+    # sequence 0: w = [3, 3] (geometric mean 3 > 2: rejected); sequence 1: w = [2, 0.5] (mean 1).
+    w = t(3.0, 3.0, 2.0, 0.5)
+    prox = t(-0.5, -1.0, -1.5, -2.0)
+    logp, prox, behav = _first_minibatch(prox, prox - torch.log(w))
+    adv = t(1.0, 1.0, -1.0, -1.0)
+    mask = torch.ones(4, dtype=torch.bool)
+    op = OffPolicy("seq_mask", seq_low=0.5, seq_high=2.0)
+    loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, off_policy=op, seq_lens=[2, 2])
+    torch.testing.assert_close(loss.detach(), torch.tensor((2.0 + 0.5) / 4))
+    torch.testing.assert_close(stats["seq_masked_frac"], torch.tensor(0.5))
+    torch.testing.assert_close(stats["dropped_frac"], torch.tensor(0.5))
+    # the sequence-level diagnostics: geometric-mean r = π_θ/π_behav per sequence (= w here)
+    assert stats["n_seqs"].item() == 2
+    torch.testing.assert_close(stats["seq_r_mean"], torch.tensor((3.0 + 1.0) / 2, dtype=torch.float64))
+    torch.testing.assert_close(stats["seq_r_sq_mean"], torch.tensor((9.0 + 1.0) / 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="seq_lens"):
+        decoupled_ppo_loss(logp, prox, behav, adv, mask, off_policy=op, seq_lens=[2, 1])
+
+
+def test_trust_region_stops_tokens_the_advantage_pushes_out_of_the_behaviour_band():
+    # π_θ = π_prox and r = π_θ/π_behav = w = [1.5, 1.5, 0.5, 0.5]: tokens 0 (A > 0, r > 1.2) and 3
+    # (A < 0, r < 0.8) would move further out; tokens 1 and 2 would move back in.
+    r = t(1.5, 1.5, 0.5, 0.5)
+    prox = t(-1.0, -1.0, -2.0, -2.0)
+    logp, prox, behav = _first_minibatch(prox, prox - torch.log(r))
+    adv = t(2.0, -1.0, 1.0, -3.0)
+    mask = torch.ones(4, dtype=torch.bool)
+    dec, _ = decoupled_ppo_loss(logp.detach(), prox, behav, adv, mask,
+                                off_policy=OffPolicy("decoupled", w_high=None))
+    torch.testing.assert_close(dec, torch.tensor(-(3.0 - 1.5 + 0.5 - 1.5) / 4))
+    op = OffPolicy("trust_region", w_high=None, behav_clip=0.2)
+    loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, off_policy=op)
+    torch.testing.assert_close(loss.detach(), torch.tensor(-(-1.5 + 0.5) / 4))
+    torch.testing.assert_close(stats["tr_masked_frac"], torch.tensor(0.5))
+    loss.backward()
+    assert logp.grad[0].item() == 0.0 and logp.grad[3].item() == 0.0
+    assert logp.grad[1].item() != 0.0 and logp.grad[2].item() != 0.0
+
+
+def test_kl_penalty_to_the_behaviour_policy_k3():
+    prox = t(-1.0, -2.0)
+    behav = t(-1.5, -1.0)
+    logp = prox.clone().requires_grad_(True)
+    adv = t(0.0, 0.0)                       # no policy-gradient term: the penalty alone
+    mask = torch.ones(2, dtype=torch.bool)
+    op = OffPolicy("decoupled", w_high=None, kl_coef=0.1)
+    loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, off_policy=op)
+    log_r = prox - behav                    # [0.5, -1.0]
+    k3 = torch.exp(log_r) - 1 - log_r
+    torch.testing.assert_close(loss.detach(), 0.1 * k3.mean())
+    torch.testing.assert_close(stats["kl_behav"], k3.mean())
+    loss.backward()                         # d/dlogp (r - 1 - log r) = r - 1
+    torch.testing.assert_close(logp.grad, 0.1 * (torch.exp(log_r) - 1) / 2)
+
+
+def test_diagnostics_token_ess_and_kl_prox_behav():
+    w = t(0.5, 1.0, 2.0)
+    prox = t(-1.0, -1.0, -1.0)
+    logp, prox, behav = _first_minibatch(prox, prox - torch.log(w))
+    _, stats = decoupled_ppo_loss(logp, prox, behav, t(1.0, 1.0, 1.0), torch.ones(3, dtype=torch.bool),
+                                  off_policy=OffPolicy(w_high=None))
+    torch.testing.assert_close(stats["r_mean"], w.mean())
+    torch.testing.assert_close(stats["r_sq_mean"], w.square().mean())
+    torch.testing.assert_close(stats["kl_prox_behav"], (w * torch.log(w) - w + 1).mean())
+    ess = stats["r_mean"] ** 2 / stats["r_sq_mean"]
+    torch.testing.assert_close(ess, torch.tensor((3.5 / 3) ** 2 / (5.25 / 3)))
+
+
+def test_unknown_objective_is_refused():
+    with pytest.raises(ValueError, match="token_mask"):
+        OffPolicy("ppo2")

@@ -57,6 +57,32 @@ def test_two_runs_side_by_side(tmp_path, capsys, write_log):
     assert all((out / name).stat().st_size > 5000 for name in PLOTS)
 
 
+def test_learning_curves_from_the_run_directory(tmp_path, capsys, write_log):
+    """With metrics.jsonl and eval.json beside the log: learning.png (held-out accuracy by step,
+    the reward raw and smoothed, ESS, KL, the cut share); without them, no such plot."""
+    from areal_hpc.analysis.plots import smoothed
+    from areal_hpc.storage.run_dir import RunDir
+
+    log = write_log(tmp_path / "r" / "rollouts.h5", name="r")
+    run = RunDir(log.parent)
+    for step in range(12):
+        run.append_metrics({"step": step, "reward": step % 3 / 2, "ess": 0.9 - step / 40,
+                            "seq_ess": 0.8, "kl_behav": step / 100, "truncated_frac": 0.1})
+    run.write_evals([{"label": "initial", "step": 0, "accuracy": 0.1},
+                     {"label": "final", "step": 12, "accuracy": 0.3}])
+    out = tmp_path / "out"
+    assert main([str(log), "--out", str(out)]) == 0
+    data = (out / "learning.png").read_bytes()
+    assert data.startswith(b"\x89PNG") and len(data) > 5000
+    bare = write_log(tmp_path / "bare" / "rollouts.h5", name="bare")
+    assert main([str(bare), "--out", str(tmp_path / "out2")]) == 0
+    assert not (tmp_path / "out2" / "learning.png").exists()
+    # the smoothing: debiased EMA (a constant stays itself; a step moves towards the new level)
+    assert smoothed([2.0] * 5).tolist() == [2.0] * 5
+    s = smoothed([0.0] * 5 + [1.0] * 20, span=3)
+    assert s[4] == 0.0 and 0.4 < s[5] < 0.6 and s[-1] > 0.99
+
+
 def test_same_names_get_distinct_labels(tmp_path, capsys, write_log):
     a = write_log(tmp_path / "a" / "rollouts.h5", name="x")
     b = write_log(tmp_path / "b" / "rollouts.h5", name="x")

@@ -15,13 +15,19 @@ from areal_hpc.storage.rollout_log import DROPPED_STALE, RolloutReader
 def test_short_run(jobs, tiny_model, tmp_path, mode, eta, generators):
     """A few steps; from rollouts.h5: every step took B groups, no trained token is older than η,
     weight updates reached the generators mid-run, groups never span generators, and nothing
-    was generated for a step the run never takes."""
+    was generated for a step the run never takes. The η = 4 run also trains with an off-policy
+    correction and the collapse guards on: their diagnostics are in metrics.jsonl and the groups
+    they leave out are counted and balanced by the audit."""
     steps, B, n = 3, 2, 2
+    guarded = eta == 4
+    extra = ["train.off_policy=token_mask", "train.behav_kl_coef=0.01",
+             "train.filter_zero_variance=true", "train.overlong=filter"] if guarded else []
     r = jobs.run(jobs.args(tiny_model, tmp_path, "e2e", f"train.total_steps={steps}",
                        f"train.batch_prompts={B}", f"rollout.group_size={n}",
                        "rollout.max_new_tokens=24", f"rollout.mode={mode}",
                        f"rollout.max_staleness={eta}", f"topology.n_generators={generators}",
-                       "data.eval_limit=6", "data.eval_samples=1", "data.eval_every_steps=2"),
+                       "data.eval_limit=6", "data.eval_samples=1", "data.eval_every_steps=2",
+                       *extra),
                  timeout=900)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
     assert "held-out accuracy" in r.stdout
@@ -32,6 +38,21 @@ def test_short_run(jobs, tiny_model, tmp_path, mode, eta, generators):
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     clock = [m["elapsed_s"] for m in metrics]
     assert clock == sorted(clock) and clock[0] > 0 and all(m["time"] > 1.7e9 for m in metrics)
+    for m in metrics:       # the diagnostics of every step
+        assert 0 < m["ess"] <= 1 and 0 < m["seq_ess"] <= 1 and m["kl_behav"] >= 0, m
+        assert 0 <= m["truncated_frac"] <= 1 and m["entropy"] > 0 and 0 <= m["zero_var_groups"] <= B
+        cut = round(m["truncated_frac"] * B * n)
+        if guarded:     # the zero-variance groups' samples and the cut ones, each once
+            assert n * m["zero_var_groups"] <= m["filtered_seqs"] <= n * m["zero_var_groups"] + cut, m
+        else:
+            assert m["filtered_seqs"] == 0, m
+    if guarded:
+        from areal_hpc.audit import audit
+        report = audit(run)
+        assert report.ok, report.text()
+        assert "group(s) without learning signal" in report.text()
+        zero = sum(m["zero_var_groups"] for m in metrics)
+        assert f"{zero} group(s) without learning signal over {steps} steps" in report.text()
     with RolloutReader(run / "rollouts.h5") as log:
         rows = [log[i] for i in range(len(log))]
         consumed = log.column("consumed_step")

@@ -386,13 +386,14 @@ def test_gpu_recipe_places_every_rank_on_its_own_gpus_and_cores(slurm_env, jobs,
     for; the 32B recipe's allocation also runs the placement under a plain `srun --het-group=0,1`
     (what submitit starts: every task sees the node's 8 GPUs) and each rank takes its own slice.
     (Seen under a heavily loaded box: an MPICH step over pmi2 hanging or failing in its start-up,
-    with slurmstepd's "mpi/pmi2: value not properly terminated" errors; it is submitted once more
-    then, every assertion on the second try, and cancelled at the end whatever happens, so no
-    other test meets its processes.)"""
+    with slurmstepd's "mpi/pmi2: value not properly terminated" errors and a rank aborting in
+    UCX; --kill-on-bad-exit ends the step then, as job.sh's does; it is submitted once more,
+    every assertion on the second try, and cancelled at the end whatever happens, so no other
+    test meets its processes.)"""
     config, comps = _sbatch_components(script)
     cpt = [int(re.findall(r"--cpus-per-task=(\d+)", script.read_text())[k]) for k in (0, 1)]
     plain = script.name == "areal_32b.sh"
-    edit = (lambda t: t.replace("exec bash slurm/job.sh", 'srun --het-group=0,1 --mpi=pmi2 "$AREAL_PYTHON" '
+    edit = (lambda t: t.replace("exec bash slurm/job.sh", 'srun --het-group=0,1 --mpi=pmi2 --kill-on-bad-exit=1 "$AREAL_PYTHON" '
                                 '-m mpi4py -m areal_hpc.launch.placement ' + config + ' "${@:2}"\n'
                                 'exec bash slurm/job.sh')) if plain else (lambda t: t)
     scaled, args = _scaled_recipe(script, tmp_path, tiny_model, edit)
@@ -403,7 +404,7 @@ def test_gpu_recipe_places_every_rank_on_its_own_gpus_and_cores(slurm_env, jobs,
         out.unlink(missing_ok=True)
         try:
             r = _sh("sbatch", "--wait", f"--job-name={name}", f"--output={out}", str(scaled), "--dry-run",
-                    *args, env=_gpu_env(jobs, slurm_env), timeout=420, check=False)
+                    *args, env=_gpu_env(jobs, slurm_env), timeout=240, check=False)
         except subprocess.TimeoutExpired as exc:
             r = subprocess.CompletedProcess(exc.cmd, 124, "", "timed out")
         finally:

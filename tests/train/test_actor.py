@@ -152,6 +152,45 @@ def test_minibatches_share_one_prox_and_step_each(megatron_ws1, model_dir):
     assert max_weight_diff(two, ref) < WEIGHT_ATOL
 
 
+def test_off_policy_objectives_train_and_report_their_diagnostics(megatron_ws1, model_dir):
+    """Every `train.off_policy` through the actor on stale data (π_behav shifted from the
+    policy): naive equals prox=behaviour exactly and skips the π_prox pass; the masks report
+    what they dropped; ESS and the KLs are in the step's statistics."""
+    rewards = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+    rng = np.random.default_rng(3)
+    probe = make_actor(model_dir)
+    seqs = batch(probe, 9, rewards)
+    shift = [rng.normal(0, 0.7, len(s["output_tokens"])).astype(np.float32) for s in seqs]
+    for s, d in zip(seqs, shift):
+        s["behav_logprobs"] = s["behav_logprobs"] + d
+    stats = {}
+    for op in ("decoupled", "trust_region", "token_mask", "seq_mask", "naive"):
+        stats[op] = make_actor(model_dir, off_policy=op, behav_kl_coef=0.01).train_step(seqs)
+    ref = make_actor(model_dir, prox="behaviour", behav_kl_coef=0.01).train_step(seqs)
+    assert stats["naive"]["loss"] == ref["loss"] and stats["naive"]["grad_norm"] == ref["grad_norm"]
+    assert stats["naive"]["prox_seconds"] < stats["decoupled"]["prox_seconds"]
+    assert stats["token_mask"]["dropped_frac"] > stats["decoupled"]["dropped_frac"]
+    assert stats["seq_mask"]["seq_masked_frac"] > 0 and stats["decoupled"]["seq_masked_frac"] == 0
+    assert stats["trust_region"]["tr_masked_frac"] > 0
+    for op, st in stats.items():
+        assert 0 < st["ess"] < 1 and 0 < st["seq_ess"] < 1, op
+        assert st["kl_behav"] > 0 and np.isfinite(st["loss"]), op
+    assert stats["decoupled"]["kl_prox_behav"] > 0 and stats["naive"]["kl_prox_behav"] == 0
+
+
+def test_a_step_without_learning_signal_leaves_the_weights(megatron_ws1, model_dir):
+    """Equal rewards in every group: no forward, no optimizer step (Adam's momentum from an
+    earlier step would still move the weights at zero gradient); the schedule goes on."""
+    actor = make_actor(model_dir, lr_warmup_steps=4, total_steps=8)
+    actor.train_step(batch(actor, 4, [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]))
+    before = {k: v.clone() for k, v in actor.hf_state_dict().items()}
+    st = actor.train_step(batch(actor, 5, [1.0] * 4 + [0.0] * 4))
+    assert st["no_signal_steps"] == 1 and st["skipped_steps"] == 1 and st["n_micro_batches"] == 0
+    assert st["zero_var_groups"] == 2 and st["lr"] == pytest.approx(5e-4)
+    after = actor.hf_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_training_raises_logprob_of_rewarded_sequences_with_lr_schedule(megatron_ws1, model_dir):
     actor = make_actor(model_dir, lr_warmup_steps=2, lr_decay_style="linear", total_steps=4, min_lr=1e-4)
     rewards = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]

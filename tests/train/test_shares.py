@@ -123,7 +123,8 @@ def test_the_trainers_batch_is_a_share_none_at_a_preemption_and_a_bad_batch_rais
     batches = iter([(seqs, {"rows": [1]}), (None, {"rows": []}), (seqs[:1], {"rows": [2]})])
     t = object.__new__(Trainer)
     t.cfg = SimpleNamespace(train=CFG, rollout=SimpleNamespace(group_size=GROUP_SIZE,
-                                                               collective_timeout_s=10.0))
+                                                               collective_timeout_s=10.0,
+                                                               max_new_tokens=64))
     t.topo = SimpleNamespace(is_controller=True)
     t.actor = SimpleNamespace(layout=ParallelLayout(1, 1, 1, 0, 0, 0))
     t.lead = SimpleNamespace(batch=lambda: next(batches))
@@ -137,3 +138,76 @@ def test_the_trainers_batch_is_a_share_none_at_a_preemption_and_a_bad_batch_rais
     assert t._batch() == (None, {"rows": []})
     with pytest.raises(ValueError, match="cannot fill 2 minibatches"):
         t._batch()
+
+
+# ------------------------------------------------------------------ collapse guards (train.*)
+
+
+def _rewarded(seqs, rewards, cut=()):
+    """`seqs` with these rewards, and finish_reason "length" at the indices `cut`."""
+    return [{**s, "reward": float(r), "finish_reason": "length" if i in cut else "stop"}
+            for i, (s, r) in enumerate(zip(seqs, rewards))]
+
+
+def _kept(shares):
+    return sorted(id(s["output_tokens"]) for sh in shares for mb in sh.minibatches for s in mb)
+
+
+def test_zero_variance_groups_are_left_out_and_counted():
+    seqs = make_batch(groups=3)
+    # group 0 all 1 (no signal), group 1 mixed, group 2 all 0 (no signal)
+    seqs = _rewarded(seqs, [1, 1, 1, 1, 1, 0, 0, 1, 0, 0, 0, 0])
+    cfg = TrainConfig(ppo_minibatches=2, prox="loglinear", filter_zero_variance=True)
+    shares = split_batch(seqs, cfg, GROUP_SIZE, 2)
+    assert _kept(shares) == sorted(id(s["output_tokens"]) for s in seqs[4:8])
+    assert shares[0].stats["zero_var_groups"] == 2 and shares[0].stats["filtered_seqs"] == 8
+    assert shares[0].n_seqs == 12 and not shares[0].no_signal
+    # without the guard they train (advantage 0) and are still counted
+    plain = split_batch(seqs, TrainConfig(ppo_minibatches=2, prox="loglinear"), GROUP_SIZE, 2)
+    assert len(_kept(plain)) == 12
+    assert plain[0].stats["zero_var_groups"] == 2 and plain[0].stats["filtered_seqs"] == 0
+
+
+def test_a_batch_without_signal_trains_nothing():
+    seqs = _rewarded(make_batch(groups=2), [1, 1, 1, 1, 0, 0, 0, 0])
+    for cfg in (TrainConfig(ppo_minibatches=2, prox="loglinear"),
+                TrainConfig(ppo_minibatches=2, prox="loglinear", filter_zero_variance=True)):
+        shares = split_batch(seqs, cfg, GROUP_SIZE, 2)
+        assert all(sh.no_signal and sh.stats["no_signal_steps"] == 1 for sh in shares)
+        assert _kept(shares) == []
+
+
+def test_overlong_filter_and_shape():
+    seqs = make_batch(groups=2)
+    n = [len(s["output_tokens"]) for s in seqs]
+    rewards = [1, 0, 1, 0, 1, 1, 0, 0]
+    cut = {1, 4}
+    filt = split_batch(_rewarded(seqs, rewards, cut), TrainConfig(ppo_minibatches=2, prox="loglinear",
+                                                                  overlong="filter"), GROUP_SIZE, 1)
+    assert _kept(filt) == sorted(id(s["output_tokens"]) for i, s in enumerate(seqs) if i not in cut)
+    assert filt[0].stats["truncated_frac"] == 0.25 and filt[0].stats["filtered_seqs"] == 2
+    # shape: max_new_tokens 400, buffer 100: penalty (300 - n) / 100 clipped to [-1, 0]
+    cfg = TrainConfig(ppo_minibatches=1, prox="loglinear", overlong="shape", overlong_buffer=100,
+                      reward_norm="none")
+    shaped = split_batch(_rewarded(seqs, rewards, cut), cfg, GROUP_SIZE, 1, max_new_tokens=400)
+    adv = {id(s["output_tokens"]): s["advantage"] for mb in shaped[0].minibatches for s in mb}
+    for i, s in enumerate(seqs):
+        want = rewards[i] + min(0.0, max(-1.0, (300 - n[i]) / 100))
+        assert adv[id(s["output_tokens"])] == pytest.approx(want, abs=1e-6), i
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        split_batch(_rewarded(seqs, rewards), cfg, GROUP_SIZE, 1)
+
+
+def test_guards_off_is_the_old_split():
+    """With the guards off, a batch with finish reasons splits exactly as before (the split of
+    `test_split_is_the_old_whole_batch_split`), and its statistics are reported."""
+    seqs = _rewarded(make_batch(seed=3, groups=5), [float(i % 3) for i in range(20)], cut={0, 5})
+    shares = split_batch(seqs, CFG, GROUP_SIZE, 2)
+    for rank, share in enumerate(shares):
+        ids, adv = old_share(seqs, 2, rank)
+        assert [s["advantage"] for mb in share.minibatches for s in mb] == \
+            [adv[i] for mb in ids for i in mb]
+    assert shares[0].stats["truncated_frac"] == 0.1
+    want = -sum(float(np.sum(s["behav_logprobs"], dtype=np.float64)) for s in seqs) \
+        / sum(len(s["output_tokens"]) for s in seqs)
+    assert shares[0].stats["entropy"] == pytest.approx(want)
