@@ -42,8 +42,8 @@ def _run(args, timeout):
 
 
 def test_reproduces_the_training_log(tiny_model, tmp_path):
-    """A short job, then evaluate.py on the initial model and on the trained policy with the
-    run's config: each pass@1 must match the job's eval.json within sampling noise.
+    """A short job, then evaluate.py on the trained policy with the run's config: its pass@1 must
+    match the job's eval.json within sampling noise.
 
     Tolerance: the two estimates are independent, each with standard error SE over problems
     (measured here from the per-problem pass rates), so their difference has s.d. √2·SE; we allow
@@ -55,7 +55,9 @@ def test_reproduces_the_training_log(tiny_model, tmp_path):
               "data.eval_limit=100", "data.eval_samples=4"], timeout=900)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
     claimed = {e["label"]: e for e in json.loads((run / "eval.json").read_text())}
-    for model, label in ((tiny_model, "initial"), (run / "policy", "final")):
+    # The trained policy only: the initial model goes through the same code (a second engine
+    # start would cost a suite near its budget half a minute for no new path).
+    for model, label in ((run / "policy", "final"),):
         out = tmp_path / f"{label}.json"
         r = _run(["tools/evaluate.py", str(model), f"{tiny_model}/heldout.jsonl",
                   "--config", str(run / "config.yaml"), "--json", str(out)], timeout=600)

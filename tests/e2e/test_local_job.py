@@ -11,7 +11,8 @@ import pytest
 
 from areal_hpc.storage.rollout_log import DROPPED_STALE, RolloutReader
 
-@pytest.mark.parametrize("mode,eta,generators", [("async", 1, 1), ("async", 4, 2), ("sync", 0, 1)])
+# (Sync mode's run, on-policy rows and all, is tests/e2e/test_repeat.py's.)
+@pytest.mark.parametrize("mode,eta,generators", [("async", 1, 1), ("async", 4, 2)])
 def test_short_run(jobs, tiny_model, tmp_path, mode, eta, generators):
     """A few steps; from rollouts.h5: every step took B groups, no trained token is older than η,
     weight updates reached the generators mid-run, groups never span generators, and nothing

@@ -1,6 +1,6 @@
 """A synchronous run repeats bit for bit on CPU (issue 30): two runs of one config give the same
 rollout log (times apart), the same metrics (times apart), the same held-out evaluations and the
-same final weights; so does a run that checkpoints after every step.
+same final weights, the second one checkpointing after every step.
 
 What makes it so: every sample draws from its own seed (rollout.per_request_seeds, on here), so
 its tokens do not depend on how vLLM happened to batch it (without the seeds two such runs
@@ -88,9 +88,14 @@ def test_sync_runs_repeat_bit_for_bit(jobs, tiny_model, tmp_path):
     assert NO_SEED not in seeds and len(set(seeds)) == len(seeds)
     for g in range(0, len(rows), N):
         assert [r["seed"] - rows[g]["seed"] for r in rows[g:g + N]] == list(range(N))
+    # on-policy: every token of a row trained at step c comes from version c
+    with RolloutReader(tmp_path / "a" / "rollouts.h5") as log:
+        consumed = log.column("consumed_step").tolist()
+    assert sorted(set(consumed)) == list(range(STEPS))
+    assert all(set(r["versions"].tolist()) == {c} for r, c in zip(rows, consumed))
     # something was learned, or the weights' equality would say little
     assert all(m["grad_norm"] > 0 for m in a["metrics"])
-    b = _run(jobs, tiny_model, tmp_path, "b", "checkpoint.every_steps=0")
+    # The second run checkpoints after every step: equal to the first, it shows both that a run
+    # repeats and that saving a checkpoint disturbs nothing (trainer, optimizer, RNG, π_prox).
+    b = _run(jobs, tiny_model, tmp_path, "b", "checkpoint.every_steps=1")
     assert _differences(a, b) == []
-    c = _run(jobs, tiny_model, tmp_path, "c", "checkpoint.every_steps=1")
-    assert _differences(a, c) == []
