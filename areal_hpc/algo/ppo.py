@@ -224,7 +224,7 @@ def decoupled_ppo_loss(
     if sum(lens) != logprobs.numel():
         raise ValueError(f"seq_lens add up to {sum(lens)}, not the {logprobs.numel()} tokens")
     seq_of = torch.repeat_interleave(torch.arange(len(lens), device=logprobs.device),
-                                     torch.tensor(lens, device=logprobs.device))
+                                     torch.tensor(lens, dtype=torch.long, device=logprobs.device))
 
     # Padding positions are neutralised before exp(): an inf there would turn into NaN gradients.
     ratio = torch.exp(torch.where(mask, logprobs - prox, 0.0))
