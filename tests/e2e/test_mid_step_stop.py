@@ -29,7 +29,12 @@ def _metrics(run_dir) -> list[dict]:
 
 
 def test_step_stopped_midway_is_kept_and_retrained(jobs, tiny_model, tmp_path):
-    args = jobs.args(tiny_model, tmp_path, "mid", *ARGS)
+    # Rewards that differ within a group: the barely pre-trained model answers nothing right, and
+    # a batch without learning signal skips its step whole (no decision point to stop at).
+    fn = tmp_path / "by_length.py"
+    fn.write_text("def by_length(completion, reference, row):\n"
+                  "    return (len(completion) % 7) / 8\n")
+    args = jobs.args(tiny_model, tmp_path, "mid", *ARGS, f"reward.fn={fn}:by_length")
     run_dir = tmp_path / "mid"
     env = jobs.env()
     env[TEST_HOOK_ENV] = f"{AT}:1"
