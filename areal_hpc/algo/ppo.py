@@ -133,9 +133,6 @@ def loglinear_prox_logprobs(
     return behav + alpha * (logprobs.detach() - behav)
 
 
-OBJECTIVES = OFF_POLICY_OBJECTIVES
-
-
 @dataclass(frozen=True)
 class OffPolicy:
     """How stale data is corrected (`train.off_policy` and its bands); see `decoupled_ppo_loss`.
@@ -168,8 +165,8 @@ class OffPolicy:
     kl_coef: float = 0.0
 
     def __post_init__(self):
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"off-policy objective must be one of {', '.join(OBJECTIVES)}, "
+        if self.objective not in OFF_POLICY_OBJECTIVES:
+            raise ValueError(f"off-policy objective must be one of {', '.join(OFF_POLICY_OBJECTIVES)}, "
                              f"got {self.objective!r}")
 
 
@@ -269,13 +266,14 @@ def decoupled_ppo_loss(
         keep = keep & ~tr_masked
     weight = torch.where(keep, imp_weight, 0.0)
     loss = (pg * weight).sum() / n_tokens
+    # exp() of a clamped log-ratio: a token the policy has moved far from stays finite.
+    r = torch.exp(log_r.clamp(max=20.0))
+    k3 = torch.where(mask, r - 1.0 - log_r, 0.0)
     if op.kl_coef:
-        # exp() of a clamped log-ratio: a token the policy has moved far from stays finite.
-        r = torch.exp(log_r.clamp(max=20.0))
-        loss = loss + op.kl_coef * torch.where(mask, r - 1.0 - log_r, 0.0).sum() / n_tokens
+        loss = loss + op.kl_coef * k3.sum() / n_tokens
 
     with torch.no_grad():
-        r = torch.exp(log_r.clamp(max=20.0))
+        r, k3 = r.detach(), k3.detach()
         seq_r = seq_geo_mean(log_r)[has_tokens]
         stats = {
             "clip_frac": ((pg_clipped > pg_unclipped) & mask).sum() / n_tokens,
@@ -285,7 +283,7 @@ def decoupled_ppo_loss(
             "seq_masked_frac": seq_masked.sum() / n_tokens,
             "tr_masked_frac": tr_masked.sum() / n_tokens,
             "approx_kl": torch.where(mask, behav - logprobs.detach(), 0.0).sum() / n_tokens,
-            "kl_behav": torch.where(mask, r - 1.0 - log_r, 0.0).sum() / n_tokens,
+            "kl_behav": k3.sum() / n_tokens,
             "kl_prox_behav": torch.where(mask, imp_weight * log_w - imp_weight + 1.0, 0.0).sum()
             / n_tokens,
             "r_mean": torch.where(mask, r, 0.0).sum() / n_tokens,

@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
 
 from . import summary as S  # noqa: E402
 from .load import RunData  # noqa: E402
@@ -110,14 +111,7 @@ def plot_throughput(runs: list[RunData], path: Path, bin_s: float | None = None)
 def smoothed(values, span: int = SMOOTH_SPAN) -> np.ndarray:
     """Exponential moving average with TensorBoard-like weight 1 - 2/(span + 1), debiased
     (the first points are not pulled towards 0)."""
-    x = np.asarray(values, dtype=np.float64)
-    alpha = 2.0 / (span + 1)
-    out, avg, norm = np.empty_like(x), 0.0, 0.0
-    for i, v in enumerate(x):
-        avg = (1 - alpha) * avg + alpha * v
-        norm = (1 - alpha) * norm + alpha
-        out[i] = avg / norm
-    return out
+    return pd.Series(values, dtype=np.float64).ewm(span=span, adjust=True).mean().to_numpy()
 
 
 def plot_learning(runs: list[RunData], path: Path) -> Path:

@@ -471,9 +471,10 @@ class RolloutReader:
         commit.refresh()
         n = commit.shape[0]
         for name, ds in f["traj"].items():
-            if name in dtypes["traj"]:
-                ds.refresh()
-            if name in dtypes["traj"] and ds.shape[0] < n:
+            if name not in dtypes["traj"]:
+                continue
+            ds.refresh()
+            if ds.shape[0] < n:
                 raise RolloutLogError(f"{path}: damaged rollout log (/traj/{name} has "
                                       f"{ds.shape[0]} rows, /traj/{_COMMIT} {n})")
         if n:

@@ -267,6 +267,8 @@ class Actor:
             raise ValueError(f"prox must be recompute, loglinear or behaviour, got {cfg.prox!r}")
         self.cfg = cfg
         self.off_policy = off_policy_of(cfg)
+        # Where π_prox comes from: naive PPO clips against π_behav itself.
+        self.prox = "behaviour" if cfg.off_policy == "naive" else cfg.prox
         self.model_dir = model_dir
         self.group_size = group_size
         self.temperature = temperature
@@ -495,7 +497,7 @@ class Actor:
 
     def _ppo_loss(self, version: int, mb: _MicroBatch, hidden: torch.Tensor):
         logprobs = self._token_logprobs(hidden, mb)
-        if self.cfg.prox == "loglinear" and self.cfg.off_policy != "naive":
+        if self.prox == "loglinear":
             prox = loglinear_prox_logprobs(mb.behav_logprobs, logprobs, mb.versions, version)
         else:
             prox = mb.prox_logprobs
@@ -506,7 +508,6 @@ class Actor:
             mb.advantages,
             torch.ones_like(logprobs, dtype=torch.bool),
             eps_clip=self.cfg.eps_clip,
-            behav_imp_weight_cap=self.cfg.behav_imp_weight_cap,
             eps_clip_high=self.cfg.eps_clip_high,
             dual_clip=self.cfg.dual_clip,
             off_policy=self.off_policy,
@@ -589,7 +590,6 @@ class Actor:
             recomputing π_prox, in forward/backward, in the optimizer, and in the whole step.
         """
         t0 = time.perf_counter() if t0 is None else t0
-        cfg = self.cfg
         if share.no_signal:
             return self._no_signal_step(share, t0)
         seqs = [s for minibatch in share.minibatches for s in minibatch]
@@ -597,7 +597,7 @@ class Actor:
             "behav_logprobs": [s["behav_logprobs"] for s in seqs],
             "advantages": [np.full(len(s["output_tokens"]), s["advantage"]) for s in seqs],
         }
-        if cfg.prox == "loglinear" and cfg.off_policy != "naive":
+        if self.prox == "loglinear":
             per_token["versions"] = [s["versions"] for s in seqs]
         ids, offset = [], 0
         for minibatch in share.minibatches:
@@ -616,13 +616,10 @@ class Actor:
         # π_prox once, with the weights at the start of the step, before the first minibatch.
         t1 = time.perf_counter()
         all_mbs = [mb for minibatch in plan for mb in minibatch]
-        if cfg.off_policy == "naive":       # PPO against π_behav: no π_prox
-            for mb in all_mbs:
-                mb.prox_logprobs = mb.behav_logprobs
-        elif cfg.prox == "recompute":
+        if self.prox == "recompute":
             for mb, lp in zip(all_mbs, self._forward_logprobs(all_mbs, to_all_stages=False)):
                 mb.prox_logprobs = lp
-        elif cfg.prox == "behaviour":
+        elif self.prox == "behaviour":
             for mb in all_mbs:
                 mb.prox_logprobs = mb.behav_logprobs
         t_prox = time.perf_counter() - t1

@@ -43,7 +43,7 @@ class BatchShare:
     n_seqs: int
     reward_mean: float
     adv_abs_mean: float
-    stats: dict = field(default_factory=dict)   # the batch's: `BatchFilter.stats`
+    stats: dict = field(default_factory=dict)   # the batch's, from `guard`
     no_signal: bool = False     # nothing left to learn from: the step leaves the weights alone
 
 
@@ -88,9 +88,9 @@ def guard(seqs: list[dict], cfg: TrainConfig, group_size: int,
         if max_new_tokens is None:
             raise ValueError("overlong: shape needs the rollout's max_new_tokens")
         rewards = rewards + overlong_penalty(n_out, max_new_tokens, cfg.overlong_buffer)
-    groups = rewards.reshape(-1, group_size) if len(seqs) % group_size == 0 else None
-    if groups is None:
+    if len(seqs) % group_size:
         raise ValueError(f"{len(seqs)} sequences do not split into groups of {group_size}")
+    groups = rewards.reshape(-1, group_size)
     zero_var = (groups == groups[:, :1]).all(axis=1)
     keep = np.ones(len(seqs), dtype=bool)
     if cfg.filter_zero_variance:
