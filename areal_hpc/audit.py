@@ -22,7 +22,9 @@ The checks, each reported with its counts:
      trajectory trained at step s (`staleness.staleness_of`);
   6. rolled-back rows hold no training step, and each rollback cut whole groups;
   7. every partial row is continued: the next row of its prompt and sample starts with its
-     tokens, log-probabilities and versions (or it waits in the checkpoint's partial groups).
+     tokens, log-probabilities and versions (or it waits in the checkpoint's partial groups);
+     or, with per-request seeds, an unfinished one whose tokens came from one weight version
+     was generated again from its seed under that version (reported when its tokens differ).
 
 What the files cannot tell, and is reported so:
   - whether a rolled-back row had been trained before its job died: ROLLED_BACK replaces the step
@@ -65,7 +67,7 @@ from .config import ConfigError, RunConfig, load as load_config
 from .analysis.load import version_blocks
 from .storage import checkpoint as ck
 from .storage import run_dir as run_files
-from .storage.rollout_log import (DROPPED_STALE, NOT_CONSUMED, PARTIAL, ROLLED_BACK,
+from .storage.rollout_log import (DROPPED_STALE, NO_SEED, NOT_CONSUMED, PARTIAL, ROLLED_BACK,
                                   STATUS_NAMES, RolloutLogError, RolloutReader, group_starts)
 
 EXIT_OK, EXIT_VIOLATED, EXIT_UNREADABLE = 0, 1, 2
@@ -835,7 +837,9 @@ def _check_continued(run: _Run, groups: _Groups) -> Check:
     """Every PARTIAL row (a sample as far as it got at a preemption) is continued by the next
     row of its prompt and sample that was not rolled back: that row starts with the partial
     row's tokens, behaviour log-probabilities and versions (all of it, for a sample that had
-    finished), or, with none yet, it is in the checkpoint's partial groups, to be continued."""
+    finished), or was generated again from the same seed under the one version its tokens came
+    from (the generator's rule with per-request seeds), or, with none yet, it is in the
+    checkpoint's partial groups, to be continued."""
     name = "continued samples start with their partial rows"
     part = np.flatnonzero(run.consumed == PARTIAL)
     if not len(part):
@@ -849,7 +853,7 @@ def _check_continued(run: _Run, groups: _Groups) -> Check:
     if ctrl is not None and "partial_first_row" in ctrl:
         for first, k in zip(ctrl["partial_first_row"].tolist(), ctrl["partial_rows"].tolist()):
             referenced.update(range(first, first + k))
-    bad, waiting, after, kept, continued = [], [], [], 0, 0
+    bad, waiting, after, redrawn, kept, continued = [], [], [], [], 0, 0
     with RolloutReader(run.run_dir / run_files.ROLLOUTS) as r:
         for i in part.tolist():
             key = (int(run.pid[i]), int(run.sidx[i]))
@@ -870,7 +874,13 @@ def _check_continued(run: _Run, groups: _Groups) -> Check:
                     and all(np.array_equal(a[f], b[f][:k])
                             for f in ("output_tokens", "behav_logprobs", "versions"))
                     and np.array_equal(a["prompt_tokens"], b["prompt_tokens"]))
-            if not same:
+            v = a["versions"]
+            regenerated = (not whole and k > 0 and a["seed"] != NO_SEED and b["seed"] == a["seed"]
+                           and (v == v[0]).all() and len(b["versions"]) > 0
+                           and b["versions"][0] == v[0])
+            if not same and regenerated:    # generated again from its seed (the generator's rule)
+                redrawn.append(nxt)
+            elif not same:
                 bad.append(f"row {nxt} (prompt {key[0]} sample {key[1]}) does not start with "
                            f"partial row {i} ({k} tokens{', finished' if whole else ''})")
             else:
@@ -879,6 +889,10 @@ def _check_continued(run: _Run, groups: _Groups) -> Check:
     lines = [f"{len(part)} partial row(s); {continued} continued by a later row that starts with "
              f"them ({kept} tokens kept across preemptions); {len(waiting)} waiting in the "
              "checkpoint's partial groups"]
+    if redrawn:
+        lines.append(f"{len(redrawn)} generated again from their seeds under the weights their "
+                     "partial tokens came from, and not repeating those tokens (kernels that are "
+                     f"not batch-invariant): {_some(f'row {i}' for i in redrawn)}")
     if after:
         lines.append(f"{len(after)} partial row(s) no checkpoint saw (a resume rolls them back "
                      f"and issues their prompts again): {_some(f'row {i}' for i in after)}")

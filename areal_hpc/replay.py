@@ -390,7 +390,8 @@ def _train(args, cfg, batches: Batches, metrics: dict[int, dict], S: int) -> int
         # as the trainer's Actor does it (seed train.seed); see "Randomness" in the docstring
         init_megatron_parallel(tp=1, pp=1, seed=cfg.train.seed, backend=backend)
         actor = Actor(cfg.train, cfg.model.path, group_size=cfg.rollout.group_size,
-                      temperature=cfg.rollout.temperature, device=device, dtype=cfg.model.dtype)
+                      temperature=cfg.rollout.temperature, device=device, dtype=cfg.model.dtype,
+                      deterministic=cfg.deterministic)
         print(f"replaying steps 0-{S - 1} of {args.run_dir} from {cfg.model.path} "
               f"({cfg.model.dtype}, {device}, {threads} thread(s); built in "
               f"{time.monotonic() - t0:.1f}s)", flush=True)

@@ -387,7 +387,7 @@ def ablation_table(records: list[dict]) -> str:
             ("batch reward, last 10 steps", lambda r: float(np.mean(r["reward_curve"][-10:])), "{:.3f}"),
             ("clip frac", lambda r: r["clip_frac"], "{:.4f}"),
             ("w = π_prox/π_behav, mean", lambda r: r["imp_weight_mean"], "{:.3f}"),
-            ("tokens masked (w > cap)", lambda r: r["behav_dropped_frac"], "{:.5f}"),
+            ("tokens given no weight", lambda r: r["behav_dropped_frac"], "{:.5f}"),
             ("stale mean", lambda r: r["stale_mean"], "{:.2f}"),
             ("dropped groups", lambda r: r["dropped_groups"], "{:.0f}"),
             ("ESS, last 10", lambda r: r.get("ess_last10", np.nan), "{:.3f}"),

@@ -28,6 +28,11 @@ Checks, each timed and guarded (a failure is printed and the next check runs):
    built, so it includes weights, grads, Adam state and activations) against the memory model
    (`areal_hpc.plan.trainer_estimates` for the same config; its CUDA-context, NCCL,
    fragmentation and weight-sync terms are left out of the comparison, and shown).
+5. What `deterministic: true` costs the trainer (areal_hpc/determinism.py): check 3's first pack
+   again, recompute off, in a child process that has the mode's environment from its start
+   (cuBLAS workspace, NCCL algorithm, TransformerEngine) and builds its Actor in Megatron's
+   deterministic_mode with torch's deterministic algorithms; its step time side by side with
+   check 3's of this run, and whether its two timed steps' losses repeat in a second child.
 """
 from __future__ import annotations
 
@@ -50,6 +55,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout, without installing areal_hpc
 
 H200_BF16_PEAK_TFLOPS = 989.0
+
+# areal_hpc.determinism's CUDA environment (imported after the sys.path line above)
+from areal_hpc.determinism import rank_env as _deterministic_env  # noqa: E402
+
+DETERMINISTIC_ENV = _deterministic_env("cuda")
 
 # Qwen2.5-0.5B's dimensions (config.json of the released model), random weights.
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -123,7 +133,8 @@ def fmt(x, digits=3) -> str:
 # ---------------------------------------------------------------- setup
 
 class Env:
-    def __init__(self, device: str, tiny: bool, dtype: str):
+    def __init__(self, device: str, tiny: bool, dtype: str, deterministic: bool = False):
+        self.deterministic = deterministic      # --deterministic: check 5's child
         self.device = device
         self.tiny = tiny
         self.dtype = dtype  # the parameter dtype of checks 1 and 3
@@ -216,7 +227,8 @@ def build_actor(env: Env, model_dir: str, dtype: str, group_size: int, **train):
     from areal_hpc.train.actor import Actor
 
     cfg = TrainConfig(lr=1e-5, seed=1, ppo_minibatches=1, **train)
-    return Actor(cfg, model_dir, tp=1, pp=1, group_size=group_size, device=env.device, dtype=dtype)
+    return Actor(cfg, model_dir, tp=1, pp=1, group_size=group_size, device=env.device, dtype=dtype,
+                 deterministic=env.deterministic)
 
 
 # ---------------------------------------------------------------- checks
@@ -367,7 +379,8 @@ def predicted_trainer(env: Env, dims: dict, model_dir: str, train: dict, n_token
             "terms": {t.name + ("" if t.concurrent else " (alt)"): t.bytes / gib for t in est.terms}}
 
 
-def check_throughput(report: Report, env: Env, packs: list[int], timed: int) -> list[dict]:
+def check_throughput(report: Report, env: Env, packs: list[int], timed: int,
+                     recompute: list[str] | None = None) -> list[dict]:
     """3. step time, tokens/s, MFU; and the measurements for 4."""
     import numpy as np
     import torch
@@ -378,6 +391,7 @@ def check_throughput(report: Report, env: Env, packs: list[int], timed: int) -> 
         "off": {},
         "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
     }
+    recomputes = {k: v for k, v in recomputes.items() if k in (recompute or recomputes)}
     rows, cases = [], []
     for n_tokens in packs:
         n_seqs = max(4, n_tokens // 2048)  # sequences of ~1-2k tokens (4k: 4, 16k: 8)
@@ -399,6 +413,7 @@ def check_throughput(report: Report, env: Env, packs: list[int], timed: int) -> 
                     t0 = time.perf_counter()
                     stats = actor.train_step(seqs)
                     env.sync()
+                    case.setdefault("losses", []).append(float(stats["loss"]))
                     if i:  # step 0 warms up
                         times.append(time.perf_counter() - t0)
                         fb.append(stats["fwd_bwd_seconds"])
@@ -425,6 +440,11 @@ def check_throughput(report: Report, env: Env, packs: list[int], timed: int) -> 
             finally:
                 free_memory()
             cases.append(case)
+    if env.deterministic:
+        report("deterministic: true (Megatron deterministic_mode, torch deterministic algorithms, "
+               "environment: " + ", ".join(f"{k}={os.environ.get(k, '-')}" for k in DETERMINISTIC_ENV)
+               + ")")
+        report()
     h = dims["hidden_size"]
     report(f"Model: hidden {h}, ffn {dims['intermediate_size']}, {dims['num_hidden_layers']} layers, "
            f"{dims['num_attention_heads']}/{dims['num_key_value_heads']} heads, vocab {dims['vocab_size']}, "
@@ -470,6 +490,38 @@ def check_memory(report: Report, env: Env, cases: list[dict]) -> None:
         report.table(["term", *terms], [[n, *(fmt(t.get(n)) for t in terms.values())] for n in names])
 
 
+def check_deterministic(report: Report, env: Env, cases: list[dict], pack: int, timed: int,
+                        out: Path, children: int = 2) -> None:
+    """5. check 3's first pack with `deterministic: true`, in `children` child processes (two:
+    whether their losses repeat; one, with --quick: the cost only)."""
+    base = next((c for c in cases if c["tokens"] == pack and c["recompute"] == "off" and c.get("ok")), None)
+    runs = []
+    for k in range(1, children + 1):
+        folder = out.parent / f"deterministic_{k}"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--device", env.device, "--only", "3",
+               "--packs", str(pack), "--steps", str(timed), "--recompute", "off", "--deterministic",
+               "--out", str(folder / "gpu_check.txt"), *(["--tiny"] if env.tiny else [])]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+        data = json.loads((folder / "gpu_check.json").read_text()) if (folder / "gpu_check.json").exists() else {}
+        case = next((c for c in data.get("cases", []) if c.get("ok")), None)
+        if case is None:
+            raise RuntimeError(f"the deterministic child failed (exit {r.returncode}): "
+                               f"{(r.stderr or r.stdout).strip().splitlines()[-1:] or ['no output']}")
+        runs.append(case)
+    same = [a == b for a, b in zip(runs[0]["losses"], runs[-1]["losses"])] if len(runs) > 1 else []
+    rows = [["off (check 3)", fmt(base and base["step_s"], 4), "1.00" if base else "-", "-"]]
+    for k, c in enumerate(runs, 1):
+        rows.append([f"on, child {k}", fmt(c["step_s"], 4),
+                     fmt(c["step_s"] / base["step_s"]) if base else "-",
+                     ", ".join(f"{x:.9g}" for x in c["losses"])])
+    repeat = (f"The two children's losses {'repeat bit for bit' if all(same) else 'DIFFER'} "
+              f"({sum(same)} of {len(same)} steps)." if same else "One child (--quick): no repeat check.")
+    report(f"Pack {pack} tokens, recompute off, median of {timed} steps after 1 warm-up; step time "
+           f"with the mode / without: the cost. {repeat}")
+    report()
+    report.table(["deterministic", "step s", "vs off", "losses (warm-up, timed)"], rows)
+
+
 # ---------------------------------------------------------------- main
 
 def main(argv=None) -> int:
@@ -479,7 +531,10 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="4k pack only, 2 timed steps, bf16 compare only")
     ap.add_argument("--packs", type=int, nargs="+", help="pack sizes for check 3 (default 4096 16384)")
     ap.add_argument("--steps", type=int, help="timed steps per case in check 3 (default 3)")
-    ap.add_argument("--only", type=int, nargs="+", choices=[1, 2, 3, 4], help="run only these checks")
+    ap.add_argument("--only", type=int, nargs="+", choices=[1, 2, 3, 4, 5], help="run only these checks")
+    ap.add_argument("--recompute", choices=["off", "full"], nargs="+", help="check 3's cases (default both)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="the Actor in `deterministic: true` (check 5 runs itself with it)")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
     ap.add_argument("--out", help="results file (default $OUT/gpu_check.txt, else runs/gpu_check/gpu_check.txt)")
     args = ap.parse_args(argv)
@@ -488,6 +543,9 @@ def main(argv=None) -> int:
         Path(os.environ["OUT"]) / "gpu_check.txt" if os.environ.get("OUT") else ROOT / "runs/gpu_check/gpu_check.txt")
     report = Report(out)
     t_start = time.perf_counter()
+    if args.deterministic:      # before torch starts: cuBLAS and NCCL read these once
+        for k, v in DETERMINISTIC_ENV.items():
+            os.environ.setdefault(k, v)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -500,13 +558,13 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         report("error: --device cuda but torch.cuda.is_available() is False (use --device cpu --tiny)")
         return 2
-    env = Env(args.device, args.tiny, "bfloat16" if args.device == "cuda" else "float32")
+    env = Env(args.device, args.tiny, "bfloat16" if args.device == "cuda" else "float32", args.deterministic)
     if args.tiny:
         packs, timed = args.packs or ([256] if args.quick else [256, 512]), args.steps or (2 if args.quick else 3)
     else:
         packs, timed = args.packs or ([4096] if args.quick else [4096, 16384]), args.steps or (2 if args.quick else 3)
     dtypes = [env.dtype] if (args.quick or not env.cuda) else ["bfloat16", "float32"]
-    only = set(args.only or [1, 2, 3, 4])
+    only = set(args.only or [1, 2, 3, 4, 5])
 
     report(f"# areal_hpc GPU check ({time.strftime('%Y-%m-%d %H:%M:%S')}, {platform.node()})")
     report()
@@ -526,10 +584,13 @@ def main(argv=None) -> int:
     cases: list[dict] = []
     if 3 in only:
         with guarded(report, "3. Train-step time, tokens/s, MFU", status):
-            cases = check_throughput(report, env, packs, timed)
+            cases = check_throughput(report, env, packs, timed, args.recompute)
     if 4 in only:
         with guarded(report, "4. Peak memory vs the memory model", status):
             check_memory(report, env, cases)
+    if 5 in only:
+        with guarded(report, "5. deterministic: true, its cost and repeat", status):
+            check_deterministic(report, env, cases, packs[0], timed, out, 1 if args.quick else 2)
     report("## Summary")
     report()
     report.table(["check", "result"], [[k, v] for k, v in status.items()])

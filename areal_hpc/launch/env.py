@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .. import determinism
 from ..config import ConfigError, RunConfig, check_paths, load
 from .placement import GENERATOR, TRAINER, gpus_needed
 
@@ -45,6 +46,8 @@ def rank_env(cfg: RunConfig) -> dict[str, str]:
     }
     if cfg.rollout.kv_cache_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gib)
+    if cfg.deterministic:
+        env.update(determinism.rank_env(cfg.topology.device))
     return env
 
 
@@ -86,6 +89,8 @@ def prepare(config: str, overrides: list[str]) -> RunConfig:
     check_paths(cfg)
     from ..reward.sandbox import check_available
     check_available(cfg)  # data.kind=code: refuse where code cannot be sandboxed (or warn if unsafe)
+    if cfg.deterministic:
+        print(f"[launch] {determinism.summary(cfg.topology.device)}", file=sys.stderr, flush=True)
     return cfg
 
 

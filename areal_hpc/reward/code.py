@@ -44,7 +44,7 @@ CPU_LIMIT_SLACK_S = 1  # RLIMIT_CPU = ceil(timeout_s) + this; the wall clock nor
 CHILD_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 
 _PR_SET_PDEATHSIG = 1
-_FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+_FENCE_TAG = re.compile(r"[ \t]*([\w+-]*)")      # a fence's tag, after the ```
 _PYTHON_TAGS = {"python", "python3", "py"}
 _SIGNAL_REASONS = {
     signal.SIGKILL: "killed (SIGKILL)",
@@ -54,6 +54,24 @@ _SIGNAL_REASONS = {
 }
 
 
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """(tag, body) of every closed fenced block, left to right: a ``` fence, its tag (letters,
+    digits, _ + -) and the rest of its line, then the body up to the next ```. One pass over the
+    text (each ``` is looked at once), so a completion full of unclosed fences costs no more than
+    its length; an unclosed fence (a truncated completion) is not a block."""
+    blocks, j = [], 0
+    while (o := text.find("```", j)) != -1:
+        nl = text.find("\n", o + 3)
+        if nl == -1:
+            break
+        c = text.find("```", nl + 1)
+        if c == -1:
+            break
+        blocks.append((_FENCE_TAG.match(text, o + 3, nl).group(1), text[nl + 1:c]))
+        j = c + 3
+    return blocks
+
+
 def extract_code(completion_text: str) -> str:
     """The program in a completion: the last fenced block tagged ``python``/``py``/``python3``;
     failing that the last untagged fenced block; failing that the whole text.
@@ -61,12 +79,12 @@ def extract_code(completion_text: str) -> str:
     An unclosed fence (a truncated completion) is not a block.
     """
     python_blocks, bare_blocks = [], []
-    for m in _FENCE.finditer(completion_text):
-        tag = m.group(1).lower()
+    for tag, body in fenced_blocks(completion_text):
+        tag = tag.lower()
         if tag in _PYTHON_TAGS:
-            python_blocks.append(m.group(2))
+            python_blocks.append(body)
         elif not tag:
-            bare_blocks.append(m.group(2))
+            bare_blocks.append(body)
     blocks = python_blocks or bare_blocks
     return blocks[-1] if blocks else completion_text
 

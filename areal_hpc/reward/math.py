@@ -27,27 +27,26 @@ SYMPY_TIMEOUT_S = 3  # whole seconds: signal.alarm's resolution
 MAX_ANSWER_CHARS = 1000  # a longer boxed answer is not a real answer; don't hand it to sympy
 
 _BOXED = "\\boxed{"
+_BRACES = re.compile(r"\\boxed\{|[{}]")
 # 42, -7, 1,000, 3.25, .5 (GSM8K writes thousands separators); not 1e3, not 1,00.
 _PLAIN_NUMBER = re.compile(r"[+-]?(\d{1,3}(,\d{3})+|\d+)(\.\d+)?|[+-]?\.\d+")
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` with balanced braces, or None if there is none."""
-    start = text.rfind(_BOXED)
-    while start != -1:
-        depth = 1
-        i = start + len(_BOXED)
-        while i < len(text):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start + len(_BOXED):i]
-            i += 1
-        # Unclosed (e.g. a truncated completion): an earlier, complete box still counts.
-        start = text.rfind(_BOXED, 0, start)
-    return None
+    """Content of the last ``\\boxed{...}`` with balanced braces, or None if there is none; an
+    unclosed one (e.g. a truncated completion) is skipped for an earlier, complete one.
+
+    One pass over the braces with a stack (a box closes where the brace depth counted from its
+    own ``{`` returns to 0), so text full of unclosed boxes costs no more than its length."""
+    stack: list[int] = []       # the open braces: a box's content start, or -1 for a plain {
+    best = None
+    for m in _BRACES.finditer(text):
+        if m.group() == "}":
+            if stack and (start := stack.pop()) >= 0 and (best is None or start > best[0]):
+                best = (start, m.start())
+        else:
+            stack.append(m.end() if m.group() == _BOXED else -1)
+    return None if best is None else text[best[0]:best[1]]
 
 
 _ANSWER_LINE = re.compile(r"answer\s*:\s*([^\n]*)", re.IGNORECASE)

@@ -38,6 +38,7 @@ import numpy as np
 
 from .. import preemption
 from ..config import RunConfig
+from ..determinism import seeded
 from ..reward import custom
 from ..reward.pool import RewardPool
 from ..topology import CONTROLLER_RANK, Topology
@@ -76,16 +77,17 @@ def _parse_request_id(rid: str) -> tuple[str, int, int]:
 
 
 class Generator:
-    # __init__ sets both from the config; these defaults serve a loop's state made without it
+    # __init__ sets these; the defaults serve a loop's state made without it
     _in_order = False           # rollout.mode sync: groups sent in prompt order
-    per_request_seeds = False   # rollout.per_request_seeds
+    per_request_seeds = False   # rollout.per_request_seeds or deterministic
+    regenerated = 0             # partial samples of a preempted job generated again (_submit)
 
     def __init__(self, cfg: RunConfig, topo: Topology):
         from transformers import AutoTokenizer
         self.cfg, self.topo = cfg, topo
         self.chan = Channel(topo.world)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        self.per_request_seeds = cfg.rollout.per_request_seeds
+        self.per_request_seeds = seeded(cfg)     # rollout.per_request_seeds or deterministic
         with preemption.shield_children():     # engine processes must outlive a USR1
             self._start_children(cfg, topo)
         self.groups: dict[tuple[str, int], _Group] = {}
@@ -96,6 +98,7 @@ class Generator:
         self._send_order: list[int] = []
         self._held: dict[int, _Group] = {}
         self.tokens_generated = 0
+        self.regenerated = 0
         self.stale_aborted = 0      # training groups stopped as too stale (StaleBefore)
         # Where the time went, from the first training prompt until the run's last batch is
         # taken (STEPS_DONE; else the stop): generating (busy),
@@ -312,9 +315,22 @@ class Generator:
         seed0 = group_seed(self.cfg.train.seed, kind, pid)    # sample i: seed0 + i
         seeds = None if not self.per_request_seeds else [seed0 + i for i in range(prompt.n)]
         # A preempted job's partial outputs: each goes on from its prefix (a finished one is
-        # scored again); the samples that had no token yet start afresh below.
+        # scored again); the samples that had no token yet start afresh below, and so, with
+        # per-request seeds, does an unfinished one whose tokens all came from the weights this
+        # engine holds: generated again from its own seed it draws what the uninterrupted run
+        # drew (its prefix too), where a continuation would draw from a continuation seed.
         earlier = {int(c.sample_idx): c for c in prompt.continued
                    if len(c.output_tokens) or c.finish_reason != "abort"}
+        if seeds:
+            again = [i for i, c in earlier.items() if c.finish_reason == "abort"
+                     and (np.asarray(c.versions) == self.engine.version).all()]
+            for i in again:
+                del earlier[i]
+            if again:
+                self.regenerated += len(again)
+                log.info("prompt %d: %d partial sample(s) generated again from their seeds (their "
+                         "tokens came from the weights held now, version %d)", pid, len(again),
+                         self.engine.version)
         for idx, c in sorted(earlier.items()):
             self.engine.continue_sample(FinishedSample(
                 _request_id(kind, pid, idx), np.asarray(prompt.prompt_tokens, dtype=np.int32),

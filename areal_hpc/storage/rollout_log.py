@@ -116,10 +116,12 @@ class RolloutWriter:
         self.f.attrs["config_yaml"] = config_yaml
         traj = self.f.create_group("traj")
         for name, dt in {**_ROW_FIELDS, _COMMIT: "i8"}.items():
-            traj.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(_CHUNK_ROWS,))
+            traj.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(_CHUNK_ROWS,),
+                                fletcher32=True)
         tok = self.f.create_group("tokens")
         for name, dt in _TOKEN_FIELDS.items():
-            tok.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(_CHUNK_TOKENS,))
+            tok.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(_CHUNK_TOKENS,),
+                               fletcher32=True)
         self.f.swmr_mode = True
         self.f.flush()
         self.n_rows = 0
@@ -159,7 +161,7 @@ class RolloutWriter:
         for name, empty in _OPTIONAL_FIELDS.items():     # a file from before the field: its rows
             if name not in t:                           # read as they did, new ones have it
                 t.create_dataset(name, data=np.full(n, empty, dtype=_ROW_FIELDS[name]),
-                                 maxshape=(None,), chunks=(_CHUNK_ROWS,))
+                                 maxshape=(None,), chunks=(_CHUNK_ROWS,), fletcher32=True)
         for name in _ROW_FIELDS:
             if name in t and t[name].shape[0] != n:
                 if t[name].shape[0] < n:
@@ -264,7 +266,8 @@ def _rewrite_committed(path: Path) -> None:
             g = dst.create_group(grp)
             for name, ds in src[grp].items():
                 keep = n if grp == "traj" else ends["prompt" if name == "prompt" else "output"]
-                g.create_dataset(name, data=ds[:keep], maxshape=(None,), chunks=ds.chunks)
+                g.create_dataset(name, data=ds[:keep], maxshape=(None,), chunks=ds.chunks,
+                                 fletcher32=True)
     os.replace(tmp, path)
 
 
@@ -480,7 +483,9 @@ class RolloutReader:
         if n:
             for name, ds in f["tokens"].items():
                 ds.refresh()
-                end = f["traj"]["prompt_end" if name == "prompt" else _COMMIT][n - 1]
+                ends = "prompt_end" if name == "prompt" else _COMMIT
+                with damage_is_an_error(path, f"/traj/{ends} row {n - 1}"):
+                    end = f["traj"][ends][n - 1]
                 if ds.shape[0] < end:
                     raise RolloutLogError(f"{path}: damaged rollout log (/tokens/{name} has "
                                           f"{ds.shape[0]} entries, the offsets need {end})")
@@ -523,7 +528,7 @@ class RolloutReader:
                 return np.full(n, _OPTIONAL_FIELDS[name], dtype=_ROW_FIELDS[name])
             ds = self.f["traj"][name]
             ds.refresh()
-            values = ds[:n]
+            values = self._read(ds, n)
         if len(values) < n:
             raise RolloutLogError(f"{self.path}: damaged rollout log (/traj/{name} has "
                                   f"{len(values)} rows, /traj/{_COMMIT} {n})")
@@ -541,9 +546,30 @@ class RolloutReader:
             if ds.shape[0] < end:
                 raise RolloutLogError(f"{self.path}: damaged rollout log (/tokens/{name} has "
                                       f"{ds.shape[0]} entries, the offsets need {end})")
-            values = ds[:end]
+            values = self._read(ds, end, lambda k: int(np.searchsorted(ends, k, side="right")))
         return self._check(name, values,
                            lambda k: int(np.searchsorted(ends, k, side="right")))
+
+    def _read(self, ds, n: int, row_of=None) -> np.ndarray:
+        """ds[:n]; where a chunk is damaged (its Fletcher-32 checksum fails, or HDF5 cannot
+        read it), a RolloutLogError that names the file, the dataset and the rows in that chunk
+        (`row_of`: a token entry's row)."""
+        try:
+            return ds[:n]
+        except OSError as whole:
+            first = _first_line(whole)
+        step = ds.chunks[0] if ds.chunks else max(n, 1)
+        for a in range(0, n, step):
+            try:
+                ds[a:min(a + step, n)]
+            except OSError as e:
+                rows = (a, min(a + step, n) - 1)
+                if row_of is not None:
+                    rows = (row_of(rows[0]), row_of(rows[1]))
+                raise RolloutLogError(
+                    f"{self.path}: damaged rollout log ({ds.name} rows {rows[0]}-{rows[1]}: "
+                    f"{_first_line(e)})") from None
+        raise RolloutLogError(f"{self.path}: damaged rollout log ({ds.name}: {first})")
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         n = len(self)
@@ -552,10 +578,14 @@ class RolloutReader:
         self.refresh()
         with damage_is_an_error(self.path, f"row {i}"):
             t, tok = self.f["traj"], self.f["tokens"]
-            lo = max(i - 1, 0)
+        lo = max(i - 1, 0)
+        with damage_is_an_error(self.path, f"/traj/prompt_end, /traj/{_COMMIT} row {i}"):
             pe, oe = t["prompt_end"][lo:i + 1], t[_COMMIT][lo:i + 1]
-            row = {name: t[name][i] for name in _ROW_FIELDS
-                   if name != "prompt_end" and name in t}
+        row = {}
+        for name in _ROW_FIELDS:
+            if name != "prompt_end" and name in t:
+                with damage_is_an_error(self.path, f"/traj/{name} row {i}"):
+                    row[name] = t[name][i]
         p0, p1 = (int(pe[0]), int(pe[-1])) if i else (0, int(pe[-1]))
         o0, o1 = (int(oe[0]), int(oe[-1])) if i else (0, int(oe[-1]))
         if not (0 <= p0 <= p1 and 0 <= o0 <= o1):
@@ -567,11 +597,12 @@ class RolloutReader:
         row["finish_reason"] = FINISH_REASONS[row["finish_reason"]]
         row["reward_error"] = row.get("reward_error", b"").decode("utf-8", "replace")
         row.setdefault("seed", NO_SEED)
-        with damage_is_an_error(self.path, f"row {i}"):
-            arrays = {"prompt_tokens": ("prompt", tok["prompt"][p0:p1]),
-                      "output_tokens": ("output", tok["output"][o0:o1]),
-                      "behav_logprobs": ("behav_logprobs", tok["behav_logprobs"][o0:o1]),
-                      "versions": ("versions", tok["versions"][o0:o1])}
+        arrays = {}
+        for key, name, a, b in (("prompt_tokens", "prompt", p0, p1), ("output_tokens", "output", o0, o1),
+                                ("behav_logprobs", "behav_logprobs", o0, o1),
+                                ("versions", "versions", o0, o1)):
+            with damage_is_an_error(self.path, f"/tokens/{name} row {i}"):
+                arrays[key] = (name, tok[name][a:b])
         for key, (name, values) in arrays.items():
             want = p1 - p0 if name == "prompt" else o1 - o0
             if len(values) != want:

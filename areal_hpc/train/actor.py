@@ -59,6 +59,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from safetensors.torch import save_file
 
+from areal_hpc import determinism
 from areal_hpc.algo.packing import balanced_allocate
 from areal_hpc.algo.ppo import OffPolicy, decoupled_ppo_loss, loglinear_prox_logprobs
 from areal_hpc.config import TrainConfig
@@ -262,6 +263,7 @@ class Actor:
         device: str | torch.device = "cpu",
         dtype: str = "float32",
         layout: ParallelLayout | None = None,
+        deterministic: bool = False,
     ):
         if cfg.prox not in ("recompute", "loglinear", "behaviour"):
             raise ValueError(f"prox must be recompute, loglinear or behaviour, got {cfg.prox!r}")
@@ -290,7 +292,10 @@ class Actor:
             recompute_method=cfg.recompute_method,
             recompute_num_layers=cfg.recompute_num_layers,
             sequence_parallel=cfg.sequence_parallel,
+            deterministic_mode=deterministic,       # the `deterministic` key (determinism.py)
         )
+        if deterministic:
+            determinism.enable_torch(self.device.type)
         megatron_model.load_hf_checkpoint(model, model_dir, self.hf_config)
         megatron_model.output_hidden_states(model)  # log-probs from hidden states, in chunks
         self.attention = "varlen" if cfg.attention == "auto" else cfg.attention

@@ -42,7 +42,8 @@ class Trainer:
         self.actor = Actor(
             cfg.train, cfg.model.path, group_size=cfg.rollout.group_size,
             temperature=cfg.rollout.temperature, device=cfg.topology.device,
-            dtype=cfg.model.dtype, layout=topo.init_trainer_layout(cfg.train.seed))
+            dtype=cfg.model.dtype, layout=topo.init_trainer_layout(cfg.train.seed),
+            deterministic=cfg.deterministic)
         self.version = 0
         # what the mid-step decision knows of the time things take (this attempt; rank 0's clock)
         self._checkpoint_s = 0.0        # the last checkpoint written, else the resume's load
@@ -278,7 +279,8 @@ def run_export(cfg: RunConfig, topo: Topology) -> int:
     comm, t = topo.role_comm, cfg.rollout.collective_timeout_s
     actor = Actor(cfg.train, cfg.model.path, group_size=cfg.rollout.group_size,
                   temperature=cfg.rollout.temperature, device=cfg.topology.device,
-                  dtype=cfg.model.dtype, layout=topo.init_trainer_layout(cfg.train.seed))
+                  dtype=cfg.model.dtype, layout=topo.init_trainer_layout(cfg.train.seed),
+                  deterministic=cfg.deterministic)
     hit = checkpoint.find_resume(cfg.run_dir, comm, timeout_s=t)     # collective
     found = (str(hit[0]), hit[1]["step"]) if hit else None
     if found is None:

@@ -37,6 +37,16 @@ OVERRIDES = [
     (["data.eval_limit=-1"], r"'data\.eval_limit': must be >= 0, got -1"),
     (["topology.n_generators=100000"], r"'topology\.n_generators': must be <= 65536"),
     (["data.eval_samples=0"], r"'data\.eval_samples': must be >= 1, got 0"),
+    # the trust boundary's second round (issue 27, item 7)
+    (["name=/etc/areal"], r"'name': must be a folder name inside output_dir"),
+    (["name=../../elsewhere"], r"'name': must be a folder name inside output_dir"),
+    (["name=runs/../.."], r"'name': must be a folder name inside output_dir"),
+    (["name=''"], r"'name': must be a folder name inside output_dir"),
+    (["rollout.max_new_tokens=512", "rollout.max_model_len=512"],
+     r"'rollout\.max_new_tokens': 512 leaves no room for a prompt in rollout\.max_model_len = 512"),
+    (["reward.workers=100000"], r"'reward\.workers': must be in \[1, 512\]"),
+    (["reward.math_timeout_s=1e9"], r"'reward\.math_timeout_s': must be in \(0, 3600\] seconds"),
+    (["reward.fn_timeout_s=inf"], r"'reward\.fn_timeout_s': must be in \(0, 3600\] seconds"),
     # others
     (["checkpoint.signals=[USR9]"], r"checkpoint\.signals.*unknown signal 'USR9'"),
     (["checkpoint.signals=[_IGN]"], r"checkpoint\.signals.*unknown signal"),

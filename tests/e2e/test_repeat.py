@@ -1,21 +1,43 @@
-"""A synchronous run repeats bit for bit on CPU (issue 30): two runs of one config give the same
-rollout log (times apart), the same metrics (times apart), the same held-out evaluations and the
-same final weights, the second one checkpointing after every step.
+"""Same seed, same run (issue 30), through the launcher a user runs: a synchronous run repeats bit
+for bit on CPU, and a run with a checkpoint after every step, preempted while a batch is being
+generated and resumed, equals the uninterrupted one: the same rollout log (times and the
+preempted samples' PARTIAL rows apart), the same metrics and held-out evaluations (times apart)
+and the same final weights.
 
 What makes it so: every sample draws from its own seed (rollout.per_request_seeds, on here), so
 its tokens do not depend on how vLLM happened to batch it (without the seeds two such runs
-differed from the first sample's first tokens: 102 differences in this comparison); in sync mode the generator sends the
-scored groups in the order their prompts came, so the batch (and the log's rows) come in one
-order; the trainer's side was exact already (tools/replay_run.py --check)."""
+differed from the first sample's first tokens: 102 differences in this comparison); in sync mode
+the generator sends the scored groups in the order their prompts came, so the batch (and the
+log's rows) come in one order; a preempted sample whose tokens all came from the weights the
+resumed generator holds is generated again from its own seed, drawing what the uninterrupted run
+drew; the trainer's side was exact already (tools/replay_run.py --check)."""
 import json
+import signal
+import time
 
 import numpy as np
 from safetensors.numpy import load_file
 
-from areal_hpc.storage.rollout_log import NO_SEED, RolloutReader
+from areal_hpc.storage import checkpoint as ck
+from areal_hpc.storage.rollout_log import NO_SEED, PARTIAL, RolloutReader
+from tests.e2e.test_preempt_resume import _check_log, _finish, _steps_done, _wait_for
 
-STEPS, B, N = 3, 2, 2
+STEPS, B, N = 4, 2, 2
 TIME_FIELDS = {"t_submit", "t_first_token", "t_end"}
+
+# Samples that never stop early: each runs LONG_TOKENS decode steps (an EOS does not end it).
+LONG_TOKENS = 320
+LONG = ["rollout.temperature=2.0", f"rollout.max_new_tokens={LONG_TOKENS}", "rollout.ignore_eos=true",
+        "rollout.max_model_len=512"]
+
+
+def _partial(run_dir):
+    """The PARTIAL rows of the log: {row: (prompt_id, sample_idx, tokens, logprobs, versions,
+    finish_reason)}."""
+    with RolloutReader(run_dir / "rollouts.h5") as r:
+        rows = np.flatnonzero(r.column("consumed_step") == PARTIAL).tolist()
+        return {i: (x["prompt_id"], x["sample_idx"], x["output_tokens"], x["behav_logprobs"],
+                    x["versions"], x["finish_reason"]) for i in rows for x in [r[i]]}
 
 
 def _timeless(value):
@@ -28,18 +50,21 @@ def _timeless(value):
     return value
 
 
-def _run(jobs, model, out, name, *extra):
-    fn = out / "by_length.py"       # rewards that differ within a group: the loss is not 0
-    fn.write_text("def by_length(completion, reference, row):\n"
-                  "    return (len(completion) % 7) / 8\n")
-    r = jobs.run(jobs.args(model, out, name, f"reward.fn={fn}:by_length", f"train.total_steps={STEPS}",
-                           f"train.batch_prompts={B}", f"rollout.group_size={N}",
-                           "rollout.max_new_tokens=24", "rollout.mode=sync",
-                           "rollout.per_request_seeds=true",
-                           "data.eval_limit=4", "data.eval_samples=2", "data.eval_every_steps=2",
-                           "tensorboard=false", *extra), timeout=900)
-    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
-    run = out / name
+def _args(jobs, model, out, name, *extra):
+    # Samples of LONG_TOKENS tokens, one group in flight at a time, so that a preemption finds
+    # one mid-generation (tests/e2e/test_preempt_resume.py's timing); rewards from the sampled
+    # text, which differ within a group, so that the loss is not 0 and the weights move.
+    fn = out / "by_text.py"
+    fn.write_text("def by_text(completion, reference, row):\n"
+                  "    return (sum(map(ord, completion)) % 7) / 8\n")
+    return jobs.args(model, out, name, f"reward.fn={fn}:by_text", f"train.total_steps={STEPS}",
+                     f"train.batch_prompts={B}", f"rollout.group_size={N}", *LONG,
+                     "rollout.mode=sync", "rollout.per_request_seeds=true",
+                     "rollout.max_concurrent_prompts=1", "data.eval_limit=4",
+                     "data.eval_samples=2", *extra)
+
+
+def _read(run):
     with RolloutReader(run / "rollouts.h5") as log:
         rows = [log[i] for i in range(len(log))]
     weights = {}
@@ -79,8 +104,11 @@ def _differences(a, b) -> list[str]:
     return out
 
 
-def test_sync_runs_repeat_bit_for_bit(jobs, tiny_model, tmp_path):
-    a = _run(jobs, tiny_model, tmp_path, "a", "checkpoint.every_steps=0")
+def test_sync_run_repeats_and_a_preempted_one_equals_it(jobs, tiny_model, tmp_path):
+    code, out = _finish(jobs.start(_args(jobs, tiny_model, tmp_path, "a",
+                                         "checkpoint.every_steps=0")))
+    assert code == 0, out[-4000:]
+    a = _read(tmp_path / "a")
     rows = a["rows"]
     assert len(rows) == STEPS * B * N
     # every sample has its own seed, distinct within its group (and here over the whole run)
@@ -95,7 +123,57 @@ def test_sync_runs_repeat_bit_for_bit(jobs, tiny_model, tmp_path):
     assert all(set(r["versions"].tolist()) == {c} for r, c in zip(rows, consumed))
     # something was learned, or the weights' equality would say little
     assert all(m["grad_norm"] > 0 for m in a["metrics"])
-    # The second run checkpoints after every step: equal to the first, it shows both that a run
-    # repeats and that saving a checkpoint disturbs nothing (trainer, optimizer, RNG, π_prox).
-    b = _run(jobs, tiny_model, tmp_path, "b", "checkpoint.every_steps=1")
+    # a logged row regenerates from its seed and the policy it came from (version 0: the
+    # initial model; tests/analysis/test_regenerate.py: a difference, and what it refuses)
+    regen = ["-m", "areal_hpc.analysis.regenerate", str(tmp_path / "a")]
+    r = jobs.run([*regen, "1"], timeout=300)
+    assert r.returncode == 0 and "regenerated the same, tokens and log-probabilities bit for bit" \
+        in r.stdout, (r.stdout, r.stderr[-3000:])
+    later = consumed.index(1)
+    r = jobs.run([*regen, str(later)], timeout=60)
+    assert r.returncode == 2 and "--step 1" in r.stderr, r.stderr[-3000:]
+
+    # The same config with a checkpoint after every step, preempted (USR1, as Slurm's time-limit
+    # warning) in the middle of step STEPS/2's first group: one group in flight at a time, each
+    # LONG_TOKENS decode steps; the signal goes out half a group minus 0.1 s after the previous
+    # step's metrics line, and the job stops its generator 0.01-0.17 s later (measured).
+    args = _args(jobs, tiny_model, tmp_path, "b", "checkpoint.every_steps=1")
+    run = tmp_path / "b"
+    proc = jobs.start(args)
+    half = STEPS // 2
+    _wait_for(lambda: _steps_done(run) >= 1, proc)
+    ranks = jobs.processes(ranks_only=True)    # found once: the signal goes out without a scan
+    _wait_for(lambda: _steps_done(run) >= half, proc, poll=0.05)
+    group_s = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["wait_s"] / B
+    time.sleep(max(0.05, group_s / 2 - 0.1))
+    for p in ranks:
+        p.send_signal(signal.SIGUSR1)
+    code, out = _finish(proc)
+    assert code == 3, out[-4000:]
+    done = _steps_done(run)
+    assert ck.find_latest(run)[1]["step"] == done
+    partial = _partial(run)
+    cut = [i for i, p in partial.items() if p[5] == "abort" and 0 < len(p[2]) < LONG_TOKENS]
+    assert cut, f"no sample was mid-generation at the preemption: {partial}"
+    ctrl = ck.read_state(ck.find_latest(run)[0] / ck.STATE)["controller"]
+    referenced = {r for first, n in zip(ctrl["partial_first_row"], ctrl["partial_rows"])
+                  for r in range(first, first + n)}
+    assert referenced == set(partial)
+
+    code, out = _finish(jobs.start(args))
+    assert code == 0, out[-4000:]
+    assert "generated again from their seeds" in out, out[-4000:]
+    _check_log(run, STEPS, B * N)               # nothing lost, each step once, the audit agrees
+    b = _read(run)
+    with RolloutReader(run / "rollouts.h5") as log:
+        kept = log.column("consumed_step") != PARTIAL
+    assert int((~kept).sum()) == len(partial)
+    b["rows"] = [r for r, k in zip(b["rows"], kept) if k]
+    # a generated-again sample repeats its partial tokens, log-probabilities and versions
+    keys = [(int(r["prompt_id"]), int(r["sample_idx"])) for r in b["rows"]]
+    for i, (pid, idx, tokens, logprobs, versions, finish) in partial.items():
+        row, k = b["rows"][keys.index((pid, idx))], len(tokens)
+        assert row["output_tokens"][:k].tolist() == tokens.tolist()
+        assert row["behav_logprobs"][:k].tolist() == logprobs.tolist()
+        assert row["versions"][:k].tolist() == versions.tolist()
     assert _differences(a, b) == []

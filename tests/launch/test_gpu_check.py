@@ -16,7 +16,7 @@ satisfied in X) plus a probe wheel built here that X lacks; PIP_INDEX_URL points
 Covered: interpreter / torch / CUDA / wheels / pip detection and their one-line refusals, the
 offline install into the interpreter (pip resolves the pins against what is installed, installs
 the missing probe from the folder), the version report, the imports gpu_check.py needs without
-vLLM, and `--dry-run`'s CPU run of all four checks (tiny model, quick). Not covered: the real
+vLLM, and `--dry-run`'s CPU run of all five checks (tiny model, quick). Not covered: the real
 wheels (cp312 manylinux, downloaded by `--fetch-wheels`; this .venv is CPython 3.11), and
 everything CUDA: the NCCL step, the FlashAttention varlen kernel, timings and peak memory.
 """
@@ -116,8 +116,12 @@ def test_dry_run_installs_offline_and_runs_cpu_checks(machine, tmp_path):
     assert "imports ok; varlen_attn call: window_size=(-1, 0)" in out
     assert "dry run: CUDA measurements left out" in out
     summary = out[out.index("## Summary"):]
-    for check in ("Environment", "1. Megatron-core", "2. attention varlen", "3. Train-step", "4. Peak memory"):
+    for check in ("Environment", "1. Megatron-core", "2. attention varlen", "3. Train-step", "4. Peak memory",
+                  "5. deterministic"):
         assert f"| {check}" in summary and "FAILED" not in summary, summary
+    # check 5 (--quick: one child): the deterministic child ran with the mode
+    assert "One child (--quick): no repeat check." in out, out
+    assert "deterministic: true (Megatron deterministic_mode" in (tmp_path / "deterministic_1/gpu_check.txt").read_text()
     assert (tmp_path / "gpu_check.txt").exists()
     # a second run on the same machine: nothing left to install
     again = _run(["--dry-run", "--setup-only"], {"PYTHON": str(xpy), "GPU_WHEELS": str(wheels),

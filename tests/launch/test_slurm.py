@@ -193,12 +193,12 @@ def test_usr1_is_forwarded_and_the_job_requeued(slurm_env, jobs, tiny_model, tmp
         _until(lambda: _job(slurm_env, job)["JobState"] == "COMPLETED", 120, "the second attempt")
     finally:
         subprocess.run(["scancel", job], env=slurm_env, capture_output=True)
-    log = out.read_text()
+    log = out.read_text(errors="replace")
     assert f"SIG{sig}: asking the ranks to checkpoint" in log and "requeueing job" in log, log
     assert "attempt 1" in log and log.rstrip().endswith("ranks ended with exit code 0"), log
-    first = (tmp_path / f"rq/logs/job-{job}/attempt-0/ranks.log").read_text()
+    first = (tmp_path / f"rq/logs/job-{job}/attempt-0/ranks.log").read_text(errors="replace")
     assert "rank 0 got USR1" in first and "rank 1 got USR1" in first, first
-    second = (tmp_path / f"rq/logs/job-{job}/attempt-1/ranks.log").read_text()
+    second = (tmp_path / f"rq/logs/job-{job}/attempt-1/ranks.log").read_text(errors="replace")
     nodes = re.findall(r"rank (\d) attempt 1 on (\S+)", second)
     assert len(nodes) == 2 and nodes[0][1] != nodes[1][1], second   # one rank per het component
 
@@ -243,13 +243,13 @@ def test_preempted_tiny_job_resumes_after_requeue(slurm_env, jobs, tiny_model, t
     small = [f"train.total_steps={PREEMPT_STEPS}", *SMALL[1:], "data.eval_limit=4"]
     job = _sh("sbatch", "--parsable", f"--output={out}", "slurm/areal_tiny.sh", *small,
               *_model_args(tiny_model, tmp_path, "pre"), env=jobs.env(slurm_env)).stdout.strip()
-    _preempt_and_resume(slurm_env, run, lambda: job, ["--batch", "--signal=USR1"], out.read_text)
-    log = out.read_text()
+    _preempt_and_resume(slurm_env, run, lambda: job, ["--batch", "--signal=USR1"], lambda: out.read_text(errors="replace"))
+    log = out.read_text(errors="replace")
     assert "requeueing job" in log and f"job {job} attempt 1" in log, log
     assert "2 het component(s)" in log and "ranks ended with exit code 0" in log, log
     _until(lambda: {_sacct(slurm_env, job).get(f"{job}+{c}") for c in (0, 1)} == {"COMPLETED"}, 60,
            f"sacct: both components of {job} COMPLETED")
-    ranks = (run / f"logs/job-{job}/attempt-1/ranks.log").read_text()
+    ranks = (run / f"logs/job-{job}/attempt-1/ranks.log").read_text(errors="replace")
     assert re.search(r"^0: ", ranks, re.M) and re.search(r"^1: ", ranks, re.M)  # both components spoke
     assert (run / "rollouts.h5").exists()
     assert not jobs.leftovers(), "processes of the job are still running"
@@ -271,7 +271,7 @@ def test_preempted_submitit_job_resumes_after_requeue(slurm_env, jobs, tiny_mode
         return pickles[0].name.split("_")[0] if pickles else None
 
     def log():
-        return "\n".join(p.read_text()[-3000:] for p in sorted((run / "submitit").glob("*.out")))
+        return "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted((run / "submitit").glob("*.out")))
     try:
         _preempt_and_resume(slurm_env, run, job_id, ["--signal=USR1"], log)
         out, _ = proc.communicate(timeout=120)
@@ -280,7 +280,7 @@ def test_preempted_submitit_job_resumes_after_requeue(slurm_env, jobs, tiny_mode
     assert proc.returncode == 0 and f"exit code 0, {PREEMPT_STEPS} step(s)" in out, out[-3000:]
     job = job_id()
     folder = run / "submitit"
-    rank0 = (folder / f"{job}_0_log.out").read_text()
+    rank0 = (folder / f"{job}_0_log.out").read_text(errors="replace")
     assert "[submit] preempted: requeueing job" in rank0, rank0[-3000:]
     assert "#SBATCH hetjob" in (folder / f"{job}_submission.sh").read_text()
     assert (folder / f"{job}_0_result.pkl").exists() and (folder / f"{job}_1_result.pkl").exists()
@@ -369,7 +369,7 @@ def test_gpu_recipe_places_every_rank_on_its_own_gpus_and_cores(slurm_env, jobs,
             r = subprocess.CompletedProcess(exc.cmd, 124, "", "timed out")
         finally:
             _sh("scancel", "-n", name, env=slurm_env, check=False)
-        log = out.read_text() if out.exists() else ""
+        log = out.read_text(errors="replace") if out.exists() else ""
         if r.returncode == 0:
             break
         print(f"attempt {attempt}: sbatch exit {r.returncode}\n{log[-3000:]}")   # shown if the retry fails
@@ -411,7 +411,7 @@ def test_overlapping_gpu_layout_is_refused_before_any_rank_starts(slurm_env, job
     out = tmp_path / "batch.out"
     r = _sh("sbatch", "--wait", f"--output={out}", str(scaled), *args, env=_gpu_env(jobs, slurm_env),
             timeout=600, check=False)
-    log = out.read_text()
+    log = out.read_text(errors="replace")
     assert r.returncode != 0, log
     errors = [line for line in log.splitlines() if "error" in line]
     assert len(errors) == 1 and "het component 1 (generators) runs 2 task(s) per node x 8 GPU(s) each " \

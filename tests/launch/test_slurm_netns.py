@@ -74,7 +74,7 @@ def test_netns_hetjob_tasks_are_on_separate_hosts(netns_cluster, tmp_path):
     script, out = tmp_path / "show.sh", tmp_path / "show.out"
     script.write_text(HET_SHOW)
     _sh("sbatch", "--wait", f"--output={out}", str(script), env=netns_cluster["env"], timeout=120)
-    text = out.read_text()
+    text = out.read_text(errors="replace")
     tasks = [dict(kv.split("=", 1) for kv in line.split(": ", 1)[1].split())
              for line in text.splitlines() if re.match(r"\d+: host=", line)]
     assert len(tasks) == 2, text
@@ -98,7 +98,7 @@ def test_netns_sbatch_tiny_hetjob(netns_cluster, jobs, tiny_model, tmp_path):
     before = {n: _eth0_bytes(pid) for n, (pid, _) in nodes.items()}
     r = _sh("sbatch", "--wait", "--parsable", f"--output={out}", "slurm/areal_tiny.sh", *SMALL,
             *_model_args(tiny_model, tmp_path, "sb"), env=jobs.env(env), timeout=900, check=False)
-    log = out.read_text() if out.exists() else ""
+    log = out.read_text(errors="replace") if out.exists() else ""
     job = r.stdout.strip().split(";")[0]
     if r.returncode != 0:
         pytest.fail(f"sbatch exit {r.returncode}\n{r.stderr[-1000:]}\n{log[-1500:]}\n"
@@ -107,7 +107,7 @@ def test_netns_sbatch_tiny_hetjob(netns_cluster, jobs, tiny_model, tmp_path):
     m = re.search(r"trainers on (node\d+) .*generators on (node\d+) ", log)
     assert m and m[1] != m[2], log
     run = tmp_path / "sb"
-    ranks = (run / f"logs/job-{job}/attempt-0/ranks.log").read_text()
+    ranks = (run / f"logs/job-{job}/attempt-0/ranks.log").read_text(errors="replace")
     assert re.search(r"^0: ", ranks, re.M) and re.search(r"^1: ", ranks, re.M)
     assert _steps(run) == [0, 1, 2] and (run / "rollouts.h5").exists()
     weights = (Path(tiny_model) / "model.safetensors").stat().st_size

@@ -1,10 +1,13 @@
+import re
 import tempfile
 import time
 
 import psutil
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from areal_hpc.reward.code import extract_code, run_tests
+from areal_hpc.reward.code import extract_code, fenced_blocks, run_tests
 from areal_hpc.reward.sandbox import Sandbox
 
 SANDBOX_OK, SANDBOX_WHY = Sandbox.available()
@@ -170,3 +173,19 @@ def test_malformed_inputs_never_raise():
 ])
 def test_extract_code(completion, code):
     assert extract_code(completion) == code
+
+
+_FENCE_REGEX = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(["```", "`", "python", "py", " ", "\n", "x", "-"]), max_size=30))
+def test_fenced_blocks_in_one_pass_equal_the_regex(parts):
+    """The fence scanner against the regular expression it replaced (which backtracked over the
+    rest of the text at every unclosed fence: quadratic)."""
+    text = "".join(parts)
+    assert fenced_blocks(text) == [(m.group(1), m.group(2)) for m in _FENCE_REGEX.finditer(text)]
+
+
+def test_unclosed_fences_of_a_looping_completion():
+    assert extract_code("```python\nprint(1)\n```\n" + "``` " * 20000) == "print(1)\n"

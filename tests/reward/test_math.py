@@ -1,6 +1,8 @@
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from areal_hpc.reward.math import last_boxed, math_reward
 
@@ -70,3 +72,30 @@ def test_math_reward_with_another_extractor():
     assert math_reward("\\boxed{7}", "7", "answer") == 0.0        # no Answer: line
     with pytest.raises(ValueError, match="unknown answer extractor"):
         extract_answer("x", "regex")
+
+
+def _last_boxed_by_rescanning(text):
+    """The specification: from the last \\boxed{ back, the first whose braces balance (each
+    start rescanned to the end: quadratic on text full of unclosed boxes)."""
+    start = text.rfind("\\boxed{")
+    while start != -1:
+        depth, i = 1, start + len("\\boxed{")
+        while i < len(text):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[start + len("\\boxed{"):i]
+            i += 1
+        start = text.rfind("\\boxed{", 0, start)
+    return None
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(["\\boxed{", "{", "}", "a", "1", "\\boxed"]), max_size=30))
+def test_last_boxed_in_one_pass_equals_the_rescanning_definition(parts):
+    text = "".join(parts)
+    assert last_boxed(text) == _last_boxed_by_rescanning(text)
+
+
+def test_last_boxed_on_a_looping_completion():
+    """64 KB of unclosed boxes (what a looping policy writes): one pass, the earlier whole box."""
+    assert last_boxed("\\boxed{7} " + "\\boxed{" * 9000) == "7"

@@ -65,6 +65,52 @@ def test_sync_mode_sends_groups_in_prompt_order():
     assert sent() == [5, 3, 9, 8] and gen._send_order == [] and gen._held == {}
 
 
+def test_a_preempted_sample_from_the_current_weights_is_generated_again():
+    """A resumed job's partial samples: with per-request seeds, an unfinished one whose tokens
+    all came from the weights the engine holds starts again from its own seed (it then draws
+    what the uninterrupted run drew); one with tokens of older weights goes on from its prefix,
+    a finished one is kept whole; without seeds every one is continued."""
+    from areal_hpc.config import RunConfig
+    from areal_hpc.rollout.generator import Generator
+    from areal_hpc.transport import messages as msgs
+
+    class Engine:
+        version = 3
+
+        def __init__(self):
+            self.fresh, self.continued = [], []
+
+        def submit_group(self, ids, prompt, max_new_tokens, seeds=None, **sampling):
+            self.fresh.append((list(ids), seeds))
+
+        def continue_sample(self, smp, max_new_tokens, **sampling):
+            self.continued.append((smp.request_id, len(smp.output_tokens), smp.seed))
+
+    def cont(idx, versions, finish="abort"):
+        n = len(versions)
+        return msgs.Continuation(idx, np.arange(n, dtype=np.int32), np.zeros(n, np.float32),
+                                 np.asarray(versions, np.int32), finish, 0.0, 0.0, 0.0)
+
+    prompt = msgs.Prompt(7, [1, 2], 5, "math", "1", continued=(
+        cont(0, [3, 3, 3]), cont(1, [2, 3]), cont(2, [3, 3], "stop"), cont(3, [])))
+    s0 = ve.group_seed(RunConfig().train.seed, "train", 7)
+    for seeded in (True, False):
+        gen = Generator.__new__(Generator)
+        gen.cfg = RunConfig()
+        gen.groups, gen._kept, gen.engine = {}, {}, Engine()
+        gen.per_request_seeds = seeded
+        gen._submit("train", prompt)
+        continued = [(rid, n) for rid, n, _ in gen.engine.continued]
+        if seeded:
+            assert continued == [("train:7:1", 2), ("train:7:2", 2)] and gen.regenerated == 1
+            assert gen.engine.fresh == [(["train:7:0", "train:7:3", "train:7:4"],
+                                         [s0, s0 + 3, s0 + 4])]
+        else:
+            assert continued == [("train:7:0", 3), ("train:7:1", 2), ("train:7:2", 2)]
+            assert gen.engine.fresh == [(["train:7:3", "train:7:4"], None)]
+            assert gen.regenerated == 0
+
+
 # ------------------------------------------------------------ on the engine
 
 @pytest.fixture(scope="module")

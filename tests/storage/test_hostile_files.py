@@ -6,6 +6,7 @@ manifests and run states fall back to the previous checkpoint with the reason lo
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import time
@@ -189,14 +190,12 @@ def _raw_chunk_offset(path: Path, name: str) -> int:
     ("traj/output_end", 4, np.int64(3).tobytes(), "offset that goes backwards"),
 ])
 def test_impossible_values_name_the_file_and_row(closed_log, tmp_path, name, row, value, why):
-    """Raw data has no checksum: what cannot be true is checked when read."""
-    itemsize = {"tokens/behav_logprobs": 4, "traj/t_end": 8, "traj/reward": 4,
-                "traj/finish_reason": 1, "tokens/versions": 4, "traj/output_end": 8}[name]
-    offset = _raw_chunk_offset(closed_log, name) + row * itemsize
-    data = bytearray(closed_log.read_bytes())
-    data[offset: offset + len(value)] = value
+    """Values no writer of ours produces, written through HDF5 (so their chunks' checksums
+    hold): what cannot be true is checked when read."""
     path = tmp_path / "bad.h5"
-    path.write_bytes(bytes(data))
+    shutil.copy(closed_log, path)
+    with h5py.File(path, "r+") as f:
+        f[name][row] = np.frombuffer(value, dtype=f[name].dtype)[0]
     with pytest.raises(RolloutLogError, match=why) as e:
         with RolloutReader(path) as r:
             r.column(name.split("/")[1]) if name.startswith("traj") else r.tokens(name.split("/")[1])
@@ -209,6 +208,32 @@ def test_impossible_values_name_the_file_and_row(closed_log, tmp_path, name, row
         with pytest.raises(RolloutLogError, match=f"row {row}") as e:
             load_run(path, progress=False)
         assert str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["traj/reward", "traj/output_end", "traj/consumed_step",
+                                  "tokens/output", "tokens/behav_logprobs", "tokens/versions"])
+def test_a_flipped_bit_in_any_data_chunk_is_caught_by_its_checksum(closed_log, tmp_path, name):
+    """Every dataset of the log is written with a Fletcher-32 checksum per chunk: single-bit
+    flips in the data (which used to read back as silent garbage when the value stayed
+    plausible) fail the read with one line naming the file, the dataset and the rows."""
+    with h5py.File(closed_log, "r") as f:
+        info = f[name].id.get_chunk_info(0)
+        assert f[name].fletcher32
+    rng = np.random.default_rng(len(name))
+    for k, byte in enumerate(rng.integers(0, info.size - 4, 3)):     # the last 4: the sum itself
+        data = bytearray(closed_log.read_bytes())
+        data[info.byte_offset + int(byte)] ^= 1 << int(rng.integers(0, 8))
+        path = tmp_path / f"flip{k}.h5"
+        path.write_bytes(bytes(data))
+        with pytest.raises(RolloutLogError) as e:
+            with RolloutReader(path) as r:
+                group, ds = name.split("/")
+                r.column(ds) if group == "traj" else r.tokens(ds)
+        # "rows a-b" (the damaged chunk), or "row i" (the offsets' last row, read at open)
+        assert str(path) in str(e.value) and f"/{name} row" in str(e.value), e.value
+        with pytest.raises(RolloutLogError, match=f"/{name} row"):
+            with RolloutReader(path) as r:
+                r[3]
 
 
 def test_inconsistent_lengths_are_errors(closed_log, tmp_path):

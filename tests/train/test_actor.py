@@ -19,9 +19,13 @@ WEIGHT_ATOL = 1e-4
 
 
 def make_actor(model_dir, **cfg):
+    """An Actor training decoupled PPO unless `off_policy` says otherwise: the hand-made
+    references below are decoupled PPO's (the default, trust_region, adds a clip that these
+    batches' shifted π_behav would trigger)."""
     from areal_hpc.train.actor import Actor
 
-    return Actor(TrainConfig(**{"lr": 1e-3, "max_tokens_per_mb": 40, **cfg}), model_dir,
+    return Actor(TrainConfig(**{"lr": 1e-3, "max_tokens_per_mb": 40, "off_policy": "decoupled",
+                                **cfg}), model_dir,
                  group_size=GROUP_SIZE, temperature=TEMPERATURE)
 
 
@@ -189,6 +193,22 @@ def test_a_step_without_learning_signal_leaves_the_weights(megatron_ws1, model_d
     assert st["zero_var_groups"] == 2 and st["lr"] == pytest.approx(5e-4)
     after = actor.hf_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_deterministic_mode_reaches_megatron_and_trains_alike(megatron_ws1, model_dir):
+    """`deterministic: true` builds the model in Megatron's deterministic_mode (the embedding's
+    backward without F.embedding's atomics); on CPU a step then trains as without it."""
+    from areal_hpc.train.actor import Actor
+
+    a = make_actor(model_dir)
+    b = Actor(TrainConfig(lr=1e-3, max_tokens_per_mb=40, off_policy="decoupled"), model_dir,
+              group_size=GROUP_SIZE,
+              temperature=TEMPERATURE, deterministic=True)
+    assert b.model.config.deterministic_mode and not a.model.config.deterministic_mode
+    rewards = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+    a.train_step(batch(a, 4, rewards))
+    b.train_step(batch(b, 4, rewards))
+    assert max_weight_diff(a, b) < WEIGHT_ATOL
 
 
 def test_training_raises_logprob_of_rewarded_sequences_with_lr_schedule(megatron_ws1, model_dir):

@@ -1,0 +1,88 @@
+"""`deterministic: true`: one key for every setting that makes a run repeat bit for bit on GPUs.
+
+On CPU a synchronous run already repeats with per-request sampling seeds (README, What repeats):
+the CPU kernels give one result for one input. On GPUs four more things vary from run to run,
+and each has a switch in the pinned stack (every name below was read in the installed sources,
+and `tests/test_determinism.py` checks that each is still there):
+
+- the engine's kernels depend on the batch around a request (split-K matmuls, attention splits,
+  reductions whose order follows the batch size): vLLM 0.32's batch-invariant mode,
+  `VLLM_BATCH_INVARIANT=1` (vllm/envs.py; the GPU worker calls `init_batch_invariance` in
+  vllm/model_executor/determinism/batch_invariant.py, which installs batch-invariant
+  matmul/softmax/mean kernels, fixes the attention split and pins NCCL in the engine's own
+  processes);
+- Megatron's kernels with non-deterministic backward passes: megatron-core 0.16.1's
+  `deterministic_mode` (ModelParallelConfig; the embedding's backward without atomics in
+  tensor_parallel/layers.py), which refuses TransformerEngine's attention unless
+  `NVTE_ALLOW_NONDETERMINISTIC_ALGO=0` (extensions/transformer_engine.py);
+- cuBLAS's split-K workspaces: `CUBLAS_WORKSPACE_CONFIG=:4096:8` (what torch's
+  `use_deterministic_algorithms` asks for on CUDA), and torch's deterministic algorithms;
+- NCCL's algorithm and protocol choice, which changes the reduction order of the trainer's
+  gradient all-reduces and reduce-scatters: `NCCL_ALGO=Ring`, `NCCL_PROTO=Simple`.
+
+and the sampling itself: the key turns `rollout.per_request_seeds` on (a sample's random numbers
+from its own seed, not from the engine's shared stream).
+
+What it costs: per-request seeds about 10% of the tiny model's generation throughput on CPU
+(BENCHMARKS.md); the GPU settings' cost is measured by `tools/gpu_check.py` (check 5, the
+trainer's step with and without them) when a GPU is lent. It is off by default.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Setting:
+    what: str
+    env: dict[str, str]         # rank environment (CUDA only); empty: set in code
+    source: str                 # where the pinned stack reads it
+
+
+SETTINGS = (
+    Setting("vLLM batch-invariant kernels", {"VLLM_BATCH_INVARIANT": "1"},
+            "vllm 0.32 vllm/envs.py, vllm/model_executor/determinism/batch_invariant.py"),
+    Setting("Megatron deterministic mode", {},
+            "megatron-core 0.16.1 ModelParallelConfig.deterministic_mode (train/megatron_model.py)"),
+    Setting("TransformerEngine deterministic attention", {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"},
+            "megatron-core 0.16.1 megatron/core/extensions/transformer_engine.py"),
+    Setting("cuBLAS deterministic workspace", {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
+            "torch.use_deterministic_algorithms' requirement on CUDA"),
+    Setting("torch deterministic algorithms", {},
+            "torch.use_deterministic_algorithms(True) in the trainer (train/actor.py)"),
+    Setting("fixed NCCL algorithm and protocol", {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"},
+            "NCCL's environment (the trainer's all-reduce / reduce-scatter order)"),
+    Setting("per-request sampling seeds", {}, "rollout.per_request_seeds (rollout/vllm_engine.py)"),
+)
+
+
+def rank_env(device: str) -> dict[str, str]:
+    """The deterministic mode's environment for every rank: the CUDA settings, or nothing on CPU
+    (vLLM's batch-invariant kernels are GPU kernels; its CPU platform ignores the mode)."""
+    if device != "cuda":
+        return {}
+    return {k: v for s in SETTINGS for k, v in s.env.items()}
+
+
+def seeded(cfg) -> bool:
+    """Whether samples draw from per-request seeds: rollout.per_request_seeds, or the mode."""
+    return bool(cfg.rollout.per_request_seeds or cfg.deterministic)
+
+
+def enable_torch(device: str) -> None:
+    """torch's deterministic algorithms in this process (the trainer, on CUDA): an op without a
+    deterministic implementation then raises instead of varying. On CPU nothing is changed."""
+    if device == "cuda":
+        import torch
+        torch.use_deterministic_algorithms(True)
+
+
+def summary(device: str) -> str:
+    """The preflight's one line: what the mode sets here and what it costs."""
+    if device != "cuda":
+        return ("deterministic: per-request sampling seeds on (about 10% of the tiny model's "
+                "generation throughput on CPU); on CPU nothing else is needed")
+    env = " ".join(f"{k}={v}" for k, v in rank_env(device).items())
+    return (f"deterministic: per-request seeds, Megatron deterministic_mode, torch deterministic "
+            f"algorithms, {env}; costs generation and step time (tools/gpu_check.py check 5 "
+            "measures the trainer's share)")
