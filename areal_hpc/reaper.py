@@ -44,6 +44,39 @@ def start(label: str = "", interval: float = 1.0) -> subprocess.Popen:
     return _watcher
 
 
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux prctl): a daemon that a
+    child starts by forking twice is re-parented here, not to init, so `kill_descendants` still
+    finds it. False where the call is not available."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def kill_descendants(pid: int | None = None) -> int:
+    """SIGKILL every descendant of `pid` (default: this process) and reap them; returns how many
+    were killed. Found before any is killed (afterwards their children would belong to the
+    nearest subreaper)."""
+    import psutil
+    try:
+        victims = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return 0
+    for v in victims:
+        try:
+            v.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(victims, timeout=5)
+    return len(victims)
+
+
 def _clean_exit(watcher: subprocess.Popen) -> None:
     """Tell the watcher this exit is a normal one (no report; leftovers are still killed)."""
     try:

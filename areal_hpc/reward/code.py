@@ -40,6 +40,7 @@ import tempfile
 from areal_hpc.reward.sandbox import MAX_OUTPUT_BYTES, Sandbox
 
 MAX_ERROR_CHARS = 200
+OUTPUT_RATIO, OUTPUT_SLACK_BYTES = 4, 64 << 10     # output_matches: past this, wrong unread
 CPU_LIMIT_SLACK_S = 1  # RLIMIT_CPU = ceil(timeout_s) + this; the wall clock normally fires first
 CHILD_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 
@@ -89,12 +90,22 @@ def extract_code(completion_text: str) -> str:
     return blocks[-1] if blocks else completion_text
 
 
-def _normalise_output(text: str) -> str:
+def _normalise_output(data: bytes) -> bytes:
     """Trailing whitespace of every line and trailing blank lines don't count."""
-    lines = [line.rstrip() for line in text.splitlines()]
+    lines = [line.rstrip() for line in data.splitlines()]
     while lines and not lines[-1]:
         lines.pop()
-    return "\n".join(lines)
+    return b"\n".join(lines)
+
+
+def output_matches(got: bytes, expected: str) -> bool:
+    """Whether a program's stdout is the expected output, compared as bytes (never decoded, so
+    its size is what it costs): an output more than OUTPUT_RATIO times the expected one plus
+    OUTPUT_SLACK_BYTES is wrong without being split into lines at all."""
+    want = _normalise_output(expected.encode("utf-8", "surrogateescape"))
+    if len(got) > OUTPUT_RATIO * len(want) + OUTPUT_SLACK_BYTES:
+        return False
+    return _normalise_output(got) == want
 
 
 def _libc():
@@ -157,8 +168,7 @@ def _run_sandboxed(program: str, stdin_text: str, expected: str, timeout_s: floa
         return _SIGNAL_REASONS.get(-res.returncode, f"killed by signal {-res.returncode}"), False
     if res.returncode != 0:
         return (res.stderr_tail or f"exit code {res.returncode}"), False
-    got = res.stdout.decode("utf-8", "replace")
-    if _normalise_output(got) != _normalise_output(expected):
+    if not output_matches(res.stdout, expected):
         return "wrong answer", False
     return None, False
 
@@ -204,8 +214,8 @@ def _run_one_unsafe(program: str, stdin_text: str, expected: str, timeout_s: flo
             last = _tail(paths["stderr"])
             return last if last else f"exit code {returncode}"
         with open(paths["stdout"], "rb") as f:
-            got = f.read().decode("utf-8", "replace")
-        if _normalise_output(got) != _normalise_output(expected):
+            got = f.read(MAX_OUTPUT_BYTES + 1)
+        if not output_matches(got, expected):
             return "wrong answer"
         return None
     finally:

@@ -154,23 +154,91 @@ def specs_of(cfg) -> list[Spec]:
 
 
 def check(cfg) -> list[Spec]:
-    """Import every configured function here, before any rank starts (RewardFnError names the
-    key); returns the specs."""
+    """Import every configured function before any rank starts, in a child process (`_check_in_
+    child`), never in the caller's: RewardFnError names the key. Returns the specs."""
     specs = specs_of(cfg)
-    for s in specs:
-        try:
-            load(s.spec)
-        except RewardFnError as exc:
-            raise RewardFnError(f"config key '{s.key}': {exc}") from None
+    if specs:
+        _check_in_child(specs)
     return specs
+
+
+def _check_in_child(specs: list[Spec]) -> None:
+    """`python -m areal_hpc.reward.custom SPEC...` imports and checks each function, then kills
+    whatever the modules started (it is their subreaper) and prints its verdict last. Bounded
+    by IMPORT_TIMEOUT_S; its output goes to an unlinked file of which only the tail is read, so
+    a module that prints without end or leaves a daemon holding the output stalls nothing."""
+    import json
+    import subprocess
+    import tempfile
+
+    from ..reaper import kill_descendants
+
+    with tempfile.TemporaryFile() as out:
+        # the caller's import path, as multiprocessing's spawn hands it to the pool's workers
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        proc = subprocess.Popen([sys.executable, "-m", "areal_hpc.reward.custom",
+                                 *(s.spec for s in specs)], stdin=subprocess.DEVNULL, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=IMPORT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            kill_descendants(proc.pid)
+            proc.kill()
+            proc.wait()
+            raise RewardFnError(f"config key '{specs[0].key}': importing the reward function(s) "
+                                f"took over {IMPORT_TIMEOUT_S:g} s (a module that blocks while it "
+                                "is imported?)") from None
+        size = out.seek(0, os.SEEK_END)
+        out.seek(max(0, size - OUTPUT_TAIL_BYTES))
+        tail = out.read().decode("utf-8", "replace").splitlines()
+    verdict = next((line[len(_VERDICT):] for line in reversed(tail) if line.startswith(_VERDICT)),
+                   None)
+    if verdict is None:
+        last = next((line for line in reversed(tail) if line.strip()), "no output")
+        raise RewardFnError(f"config key '{specs[0].key}': the import check ended with exit code "
+                            f"{proc.returncode} and no verdict: {last[:200]}")
+    found = json.loads(verdict)
+    if found:
+        raise RewardFnError(f"config key '{specs[found['index']].key}': {found['error']}")
+
+
+_VERDICT = "areal reward check: "
+IMPORT_TIMEOUT_S = 60.0         # importing the user's modules at preflight
+OUTPUT_TAIL_BYTES = 4096        # of the check's output, read for its verdict
+
+
+def _check_main(argv: list[str]) -> int:
+    """The child of `_check_in_child`."""
+    import json
+
+    from ..reaper import become_subreaper, kill_descendants
+
+    become_subreaper()
+    found = {}
+    for i, spec in enumerate(argv):
+        try:
+            load(spec)
+        except RewardFnError as exc:
+            found = {"index": i, "error": str(exc)}
+            break
+    kill_descendants()
+    sys.stdout.flush()
+    print(_VERDICT + json.dumps(found), flush=True)
+    os._exit(0)     # now: a thread the modules left can print nothing after the verdict
+
+
+MAX_ABS_VALUE = 1e6         # a reward or logged field beyond this is a bug, not a score
+MAX_EXTRAS = 16             # logged fields per function call
+MAX_EXTRA_NAME = 64         # characters of a logged field's name
 
 
 def _number(value, what: str) -> float:
     if isinstance(value, numbers.Real):      # bool, int, float, numpy scalars
         v = float(value)
-        if math.isfinite(v):
+        if math.isfinite(v) and abs(v) <= MAX_ABS_VALUE:
             return v
-        raise ValueError(f"{what} is {v}")
+        raise ValueError(f"{what} is {v}" + ("" if not math.isfinite(v) else
+                                             f", beyond ±{MAX_ABS_VALUE:g}"))
     raise ValueError(f"{what} is a {type(value).__name__}, not a number")
 
 
@@ -186,7 +254,12 @@ def score(specs: list[Spec], completion: str, reference, row: dict | None
             if "reward" not in out:
                 raise ValueError(f"{name} returned a dict without 'reward' (keys: {sorted(map(str, out))})")
             value = _number(out["reward"], f"{name}()['reward']")
+            if len(out) - 1 > MAX_EXTRAS:
+                raise ValueError(f"{name} returned {len(out) - 1} logged fields (at most {MAX_EXTRAS})")
             for k, v in out.items():
+                if not isinstance(k, str) or not 0 < len(k) <= MAX_EXTRA_NAME:
+                    raise ValueError(f"{name} returned a logged field named {str(k)[:MAX_EXTRA_NAME]!r}"
+                                     f"... (names: strings of 1-{MAX_EXTRA_NAME} characters)")
                 if k != "reward":
                     key = str(k) if len(specs) == 1 else f"{name}.{k}"
                     extras[key] = _number(v, f"{name}()[{k!r}]")
@@ -196,3 +269,7 @@ def score(specs: list[Spec], completion: str, reference, row: dict | None
             extras[name] = value
         total += weight * value
     return total, extras
+
+
+if __name__ == "__main__":
+    sys.exit(_check_main(sys.argv[1:]))

@@ -76,6 +76,7 @@ from typing import Hashable, NamedTuple
 
 import psutil
 
+from areal_hpc.reaper import become_subreaper, kill_descendants
 from areal_hpc.reward import custom
 from areal_hpc.reward.code import run_tests
 from areal_hpc.reward.math import math_reward
@@ -87,6 +88,7 @@ KINDS = ("math", "code", "custom")
 CODE_TEST_OVERHEAD_S = 1.0  # interpreter start, scratch directory, on a loaded node
 CODE_CALL_SLACK_S = 5.0
 WORKER_START_TIMEOUT_S = 120.0
+WORKER_OUTPUT_BYTES = 1 << 20     # what a worker running user functions may print, in all
 MAX_ERROR_CHARS = 200
 
 
@@ -115,6 +117,11 @@ _WAKE = object()
 # ---- worker side (module-level functions: spawn pickles them by name) ----
 
 def _init_worker(memory_mb: int, all_ready, functions=()) -> None:
+    # Whatever a reward function starts stays this worker's descendant, even a daemon that forks
+    # twice (re-parented here, not to init): killed after its call (_score) and with the worker.
+    become_subreaper()
+    if functions:
+        _cap_output(WORKER_OUTPUT_BYTES)
     if memory_mb > 0:
         _, hard = resource.getrlimit(resource.RLIMIT_AS)
         limit = memory_mb << 20
@@ -127,6 +134,29 @@ def _init_worker(memory_mb: int, all_ready, functions=()) -> None:
         custom.load(spec.spec)
     # No worker takes a task before all are ready (see RewardPool._start_executor).
     all_ready.wait(WORKER_START_TIMEOUT_S)
+
+
+def _cap_output(limit: int) -> None:
+    """This worker's stdout and stderr (a user function's prints, its children's) through a pipe
+    that a thread forwards to the job's stderr, `limit` bytes in all, then one line saying the
+    rest is dropped: a function that prints without end does not flood the job's output."""
+    r, w = os.pipe()
+    out = os.dup(2)
+    os.dup2(w, 1)
+    os.dup2(w, 2)
+    os.close(w)
+
+    def forward() -> None:
+        left = limit
+        while chunk := os.read(r, 1 << 16):
+            if left > 0:
+                os.write(out, chunk[:left])
+                left -= len(chunk)
+                if left <= 0:
+                    os.write(out, f"\n[reward worker {os.getpid()}: output past {limit} bytes "
+                                  "dropped]\n".encode())
+
+    threading.Thread(target=forward, name="output-cap", daemon=True).start()
 
 
 def _worker_pid() -> int:
@@ -147,6 +177,8 @@ def _score(kind: str, completion: str, reference, code_test_timeout_s: float,
             reward, extras = custom.score(functions, completion, reference, row)
         except Exception as e:  # the user's function: a counted error, never a dead worker
             return 0.0, f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS], None
+        finally:
+            kill_descendants()  # a process the call left behind does not outlive it
         return reward, None, extras or None
     res = run_tests(completion, reference, timeout_s=code_test_timeout_s,
                     memory_mb=code_memory_mb, stop_on_first_failure=True,

@@ -16,6 +16,8 @@ signals its host, patches the grader. Every code test therefore runs in a fresh 
   once to become an unprivileged uid of its own, ``SANDBOX_UID_BASE + caller pid``, with no caps
   left); as any other user (a Slurm job), in a user namespace as uid/gid 65534 (``nobody``) with
   further user namespaces disabled;
+- no new namespaces in either mode: a seccomp filter (reward/seccomp.py, bwrap's ``--seccomp``)
+  refuses unshare, setns and a clone with a CLONE_NEW* flag (x86_64, aarch64);
 - file system: an empty tmpfs root with read-only binds of ``/usr`` (and the ``/lib*``, ``/bin``
   symlinks or directories of a merged or unmerged ``/usr``) and of the Python installation that
   runs the tests (``sys.base_prefix``: the interpreter, its standard library and the libraries it
@@ -45,8 +47,8 @@ tmpfs, a pid-1 reaper, die-with-parent) in one exec per test (~20 ms). nsjail do
 policies, cgroups) but is not packaged in Debian 12; firejail is setuid root with a large
 profile language; docker/podman need a daemon or an image store and are heavy per test; plain
 ``unshare(1)`` gives namespaces but no bind layout, no read-only root and no pid-1 reaper.
-Not done here: a seccomp filter, cgroup memory/pids limits (a fork flood's total memory is
-bounded by ``max_processes * memory_mb``; the job's own cgroup bounds the rest).
+Not done here: cgroup memory/pids limits (a fork flood's total memory is bounded by
+``max_processes * memory_mb``; the job's own cgroup bounds the rest).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+
+from . import seccomp
 
 MAX_OUTPUT_BYTES = 32 << 20        # stdout (and any file) the program may write
 MAX_ERROR_CHARS = 200
@@ -226,8 +230,10 @@ class Sandbox:
             who = ["--unshare-user", "--uid", str(USERNS_UID), "--gid", str(USERNS_UID),
                    "--disable-userns"]
             uid = USERNS_UID
+        # no new namespaces, in both modes (reward/seccomp.py); fd set in run()
+        filt = ["--seccomp", "SECCOMP_FD"] if seccomp.supported() else []
         return [
-            "bwrap", *who,
+            "bwrap", *who, *filt,
             "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try", "--hostname", "sandbox",
             "--die-with-parent", "--new-session",
@@ -261,10 +267,12 @@ class Sandbox:
         status_r = status_w = None
         files = []
         try:
-            src, fin, fout, ferr = files = [tempfile.TemporaryFile(dir=self.tmp_dir)
-                                            for _ in range(4)]
+            src, fin, fout, ferr, filt = files = [tempfile.TemporaryFile(dir=self.tmp_dir)
+                                                  for _ in range(5)]
             src.write(program)
             src.seek(0)
+            filt.write(seccomp.program() if seccomp.supported() else b"")
+            filt.seek(0)
             fin.write(stdin)
             fin.seek(0)
             status_r, status_w = os.pipe()
@@ -272,10 +280,12 @@ class Sandbox:
             cmd = self.command(timeout_s, memory_mb)
             cmd[cmd.index("SOURCE_FD")] = str(src.fileno())
             cmd[cmd.index("STATUS_FD")] = str(status_w)
+            if "SECCOMP_FD" in cmd:
+                cmd[cmd.index("SECCOMP_FD")] = str(filt.fileno())
             # No preexec_fn: safe from threaded callers. The limits are set inside.
             proc = subprocess.Popen(
                 cmd, stdin=fin, stdout=fout, stderr=ferr, close_fds=True,
-                pass_fds=(src.fileno(), status_w), start_new_session=True,
+                pass_fds=(src.fileno(), status_w, filt.fileno()), start_new_session=True,
                 env={"PATH": CHILD_PATH, "LANG": "C.UTF-8"})
             os.close(status_w)
             status_w = None

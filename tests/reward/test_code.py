@@ -189,3 +189,15 @@ def test_fenced_blocks_in_one_pass_equal_the_regex(parts):
 
 def test_unclosed_fences_of_a_looping_completion():
     assert extract_code("```python\nprint(1)\n```\n" + "``` " * 20000) == "print(1)\n"
+
+
+def test_output_is_compared_as_bytes_under_a_size_cap():
+    from areal_hpc.reward.code import OUTPUT_SLACK_BYTES, output_matches
+
+    assert output_matches(b"1 2  \n3\n\n\n", "1 2\n3")             # trailing blanks do not count
+    assert output_matches("é\n".encode(), "é")
+    assert not output_matches(b"\xff\n", "\ufffd")                # not decoded with replacement
+    assert not output_matches(b"1\n2", "1 2")
+    # far longer than expected: wrong before any split (a 32 MiB flood is never decoded)
+    assert not output_matches(b"3" + b" " * (4 * 2 + OUTPUT_SLACK_BYTES), "3")
+    assert output_matches(b"3" + b" " * 1000, "3")

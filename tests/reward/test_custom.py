@@ -168,3 +168,82 @@ def test_the_answer_n_example_loads_and_scores(monkeypatch):
                                                        "steps": float(p["solution"].count(","))}
     assert answer_n("1+2=3,Answer: 4", "3", {})["reward"] == 0.0
     assert answer_n("1+2=3,\\boxed{3}", "3", {})["format"] == 0.0
+
+
+DAEMON = '''
+import os, sys, time
+def _daemon(pidfile):
+    if os.fork():
+        return
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    open(pidfile, "w").write(str(os.getpid()))
+    while True:
+        print("still here", flush=True)
+        time.sleep(0.2)
+'''
+
+
+def _gone(pidfile: Path, timeout: float = 10.0) -> bool:
+    import time
+
+    import psutil
+    deadline = time.monotonic() + timeout
+    while not pidfile.exists():
+        assert time.monotonic() < deadline, "the daemon never started"
+        time.sleep(0.05)
+    pid = int(pidfile.read_text())
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_the_import_check_runs_in_a_child_that_takes_what_it_started_with_it(tmp_path):
+    """A module that starts a double-forked daemon holding stdout and prints 8 MB while it is
+    imported: the check still ends, the daemon is dead, and the launcher ran none of it."""
+    pidfile = tmp_path / "daemon.pid"
+    mod = tmp_path / "noisy.py"
+    mod.write_text(DAEMON + f"_daemon({str(pidfile)!r})\nprint('x' * (8 << 20))\n"
+                   "def f(c, r, row):\n    return 1\n")
+    cfg = load(ROOT_CONFIG, [f"reward.fn={mod}:f"])
+    [spec] = custom.check(cfg)
+    assert _gone(pidfile)
+    assert spec.spec not in custom._LOADED      # imported in the child only
+
+
+def test_a_module_that_blocks_at_import_is_a_bounded_config_error(tmp_path, monkeypatch):
+    pidfile = tmp_path / "daemon.pid"
+    mod = tmp_path / "blocks.py"
+    mod.write_text(DAEMON + f"_daemon({str(pidfile)!r})\nimport time\ntime.sleep(600)\n")
+    monkeypatch.setattr(custom, "IMPORT_TIMEOUT_S", 3.0)
+    cfg = load(ROOT_CONFIG, [f"reward.fn={mod}:f"])
+    with pytest.raises(custom.RewardFnError, match="config key 'reward.fn': importing the reward "
+                       "function.* took over 3 s"):
+        custom.check(cfg)
+    assert _gone(pidfile)
+
+
+def test_what_a_call_starts_dies_with_it_and_its_prints_are_capped(tmp_path, capfd):
+    from areal_hpc.reward import pool as pool_mod
+
+    pidfile = tmp_path / "daemon.pid"
+    mod = tmp_path / "leaky.py"
+    mod.write_text(DAEMON + "def f(c, r, row):\n"
+                   f"    _daemon({str(pidfile)!r})\n"
+                   "    print('y' * (3 << 20), flush=True)\n    return 0.5\n"
+                   "def many(c, r, row):\n    return {'reward': 1, **{f'k{i}': i for i in range(40)}}\n"
+                   "def huge(c, r, row):\n    return 1e300\n")
+    specs = _specs((f"{mod}:f", 1.0))
+    with RewardPool(max_workers=1, functions=specs, fn_timeout_s=30) as pool:
+        res = _score_all(pool, {"k": ("x", "1", {})})["k"]
+        assert res.reward == 0.5 and res.error is None
+        assert _gone(pidfile)
+    err = capfd.readouterr().err
+    assert len(err) < pool_mod.WORKER_OUTPUT_BYTES + 10_000 and "bytes dropped]" in err
+    for name, why in (("many", "40 logged fields (at most 16)"), ("huge", "beyond ±1e+06")):
+        with RewardPool(max_workers=1, functions=_specs((f"{mod}:{name}", 1.0))) as pool:
+            res = _score_all(pool, {"k": ("x", "1", {})})["k"]
+            assert res.reward == 0.0 and why in res.error, res

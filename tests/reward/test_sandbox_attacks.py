@@ -316,6 +316,47 @@ def test_capabilities_and_uid_are_unprivileged():
     assert out(res) == "True True ['0000000000000000', '0000000000000000']\nno root\n"
 
 
+def test_no_new_namespaces_in_either_mode():
+    """unshare, setns and clone with CLONE_NEW* are refused by the seccomp filter (as root, where
+    bwrap has no user namespace to disable them with); a thread and a fork still work."""
+    res = run("""
+        import ctypes, os, platform, threading
+        libc = ctypes.CDLL(None, use_errno=True)
+        for name, flag in (("user", 0x10000000), ("mount", 0x20000), ("net", 0x40000000),
+                           ("pid", 0x20000000)):
+            rc = libc.unshare(flag)
+            print(name, rc, os.strerror(ctypes.get_errno()))
+        fd = os.open("/proc/self/ns/net", os.O_RDONLY)
+        print("setns", libc.setns(fd, 0), os.strerror(ctypes.get_errno()))
+        # clone(2) itself, through the C library's syscall(): SIGCHLD | CLONE_NEWUSER
+        nr = {"x86_64": 56, "aarch64": 220}[platform.machine()]
+        print("clone", libc.syscall(nr, 17 | 0x10000000, 0, 0, 0, 0), os.strerror(ctypes.get_errno()))
+        t = threading.Thread(target=lambda: None); t.start(); t.join()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(7)
+        print("fork", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    """)
+    lines = out(res).splitlines()
+    assert lines[:6] == ["user -1 Operation not permitted", "mount -1 Operation not permitted",
+                         "net -1 Operation not permitted", "pid -1 Operation not permitted",
+                         "setns -1 Operation not permitted", "clone -1 Operation not permitted"], lines
+    assert lines[6] == "fork 7", lines
+
+
+def test_the_filter_program_is_well_formed():
+    """8 bytes an instruction, every jump inside the program, the last ones returns."""
+    import struct
+
+    from areal_hpc.reward import seccomp
+
+    for machine in ("x86_64", "aarch64"):
+        prog = seccomp.program(machine)
+        ins = [struct.unpack("<HBBI", prog[i:i + 8]) for i in range(0, len(prog), 8)]
+        assert len(prog) % 8 == 0 and all(op == 0x06 for op, *_ in ins[-4:])
+        assert all(i + 1 + max(jt, jf) < len(ins) for i, (op, jt, jf, _) in enumerate(ins) if op != 0x06)
+
+
 # ---- processes that outlive or swamp the test ----------------------------------------------------
 
 def test_double_fork_setsid_daemon_dies_with_its_test_and_later_tests_are_unaffected():
