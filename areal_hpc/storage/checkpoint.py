@@ -42,6 +42,7 @@ import numpy as np
 
 from ..transport import mpi as coll
 from .run_dir import CHECKPOINTS
+from .safe_pickle import UnsafeCheckpoint, check_dcp
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +152,10 @@ def validate(ckpt: Path, check_crc: bool = True) -> dict:
         bad = _verify_crc(ckpt, [(rel, meta["crc32"]) for rel, meta in manifest["files"].items()])
         if bad["error"] is not None:
             raise CheckpointError(bad["error"])
+    try:
+        check_dcp(ckpt / SHARDS)
+    except UnsafeCheckpoint as exc:
+        raise CheckpointError(str(exc)) from None
     return manifest
 
 
@@ -296,10 +301,16 @@ def _skip(ckpt: Path, exc: Exception, rejected: list[str]) -> None:
 
 
 def _check_state(ckpt: Path, manifest: dict) -> None:
+    """The run state matches the manifest, and the shards' pickles are plain data
+    (storage/safe_pickle.py: nothing in a crafted checkpoint runs when it is loaded)."""
     state = read_state(ckpt / STATE)
     if state["step"] != manifest["step"]:
         raise CheckpointError(f"{ckpt}: {STATE} is of step {state['step']}, the "
                               f"{MANIFEST} of step {manifest['step']}")
+    try:
+        check_dcp(ckpt / SHARDS)
+    except UnsafeCheckpoint as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def _count(stats: dict | None, verdict: dict) -> None:

@@ -156,6 +156,16 @@ def _checkpoint_has_optimizer_state(ckpt: Path, state: dict) -> bool:
     return any(k.startswith("optimizer.") for k in keys)
 
 
+def _plain_data_only(ckpt: Path) -> None:
+    """Before Megatron unpickles anything of `ckpt`: its pickles hold plain data only (every
+    loader passes here, whichever way it found the folder; storage/safe_pickle.py)."""
+    from ..storage.safe_pickle import UnsafeCheckpoint, check_dcp
+    try:
+        check_dcp(ckpt / SHARDS)
+    except UnsafeCheckpoint as exc:
+        raise CheckpointError(str(exc)) from None
+
+
 def load(ckpt: Path, *, model, optimizer, scheduler=None, comm=None) -> dict[str, Any]:
     """Load shards, optimizer, scheduler and this rank's RNG states (collective); returns the
     run state (`read_state` of areal_hpc/storage/checkpoint.py).
@@ -167,6 +177,7 @@ def load(ckpt: Path, *, model, optimizer, scheduler=None, comm=None) -> dict[str
     from megatron.core import dist_checkpointing
 
     from .cpu_compat import CudaToCpuMode
+    _plain_data_only(ckpt)
     state = store.read_state(ckpt / STATE)
     saved_fmt = state["optimizer_format"] or PLAIN            # older checkpoints: plain only
     run_fmt = _optimizer_format(optimizer)
@@ -246,6 +257,7 @@ def load_model(ckpt: Path, model) -> None:
     from megatron.core import dist_checkpointing
 
     from .cpu_compat import CudaToCpuMode
+    _plain_data_only(ckpt)
     with CudaToCpuMode():
         loaded = dist_checkpointing.load({"model": _module(model).sharded_state_dict()},
                                          str(ckpt / SHARDS))

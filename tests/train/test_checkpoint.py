@@ -107,6 +107,38 @@ def test_corrupt_newest_falls_back_with_message(actor_factory, tmp_path, caplog)
     assert ck.find_latest(tmp_path) is None
 
 
+def test_a_crafted_checkpoint_is_refused_and_runs_nothing(actor_factory, tmp_path, caplog):
+    """A checkpoint whose Megatron metadata pickle runs a command, its manifest resealed (sizes
+    and CRC-32s rewritten, as an attacker would): resume passes it over with the reason, a
+    direct load refuses it, and the command never runs."""
+    import json
+    import os
+    import pickle
+    import zlib
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {tmp_path / 'ran'}",)
+
+    a = actor_factory()
+    for step in (1, 2):
+        train_ck.save(tmp_path, step, model=a.model, optimizer=a.optimizer)
+    newest = ck.step_dir(tmp_path, 2)
+    meta = newest / ck.SHARDS / ".metadata"
+    meta.write_bytes(pickle.dumps(Payload()))
+    manifest = json.loads((newest / ck.MANIFEST).read_text())
+    rel = str(meta.relative_to(newest))
+    manifest["files"][rel] = {"size": meta.stat().st_size, "crc32": zlib.crc32(meta.read_bytes())}
+    manifest["bytes"] = sum(f["size"] for f in manifest["files"].values())
+    (newest / ck.MANIFEST).write_text(json.dumps(manifest))
+    with caplog.at_level("WARNING"):
+        path, _ = ck.find_latest(tmp_path)
+    assert path == ck.step_dir(tmp_path, 1) and "its pickle names posix.system" in caplog.text
+    with pytest.raises(ck.CheckpointError, match="its pickle names posix.system"):
+        train_ck.load(newest, model=a.model, optimizer=a.optimizer)
+    assert not (tmp_path / "ran").exists()
+
+
 def test_manifest_lists_every_file(actor_factory, tmp_path):
     a = actor_factory()
     path = train_ck.save(tmp_path, 3, model=a.model, optimizer=a.optimizer)
