@@ -745,7 +745,7 @@ def check_paths(cfg: RunConfig) -> None:
     except RewardFnError as exc:
         raise ConfigError(str(exc)) from None
     from .data.prompts import load_prompts_of
-    sample = None
+    sample, datasets = None, {}
     for key, value in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
         if value is None:
             continue
@@ -759,7 +759,8 @@ def check_paths(cfg: RunConfig) -> None:
             raise ConfigError(f"config key '{key}': {value} holds no rows")
         if key == "data.train_path":
             sample = rows[0]
-    check_model_dir(cfg, sample)
+        datasets[key] = rows
+    check_model_dir(cfg, sample, datasets)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -845,9 +846,11 @@ def check_model_config(cfg: RunConfig, hf: Any, source: str) -> None:
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
 
 
-def check_model_dir(cfg: RunConfig, sample: dict | None = None) -> None:
+def check_model_dir(cfg: RunConfig, sample: dict | None = None,
+                    datasets: dict[str, list[dict]] | None = None) -> None:
     """The model directory, cheaply (no weights read): config.json, weight files, tokenizer (which
-    must turn `sample`, a dataset row in `data.prompt_template`, into at least one token)."""
+    must turn `sample`, a dataset row in `data.prompt_template`, into at least one token, and
+    every row of `datasets`, {config key: rows}, into a prompt that fits rollout.max_model_len)."""
     model = Path(cfg.model.path)
     path = model / "config.json"
     hf = read_json(path)
@@ -894,3 +897,9 @@ def check_model_dir(cfg: RunConfig, sample: dict | None = None) -> None:
         if len(ids) >= cfg.rollout.max_model_len:
             raise ConfigError(f"config key 'rollout.max_model_len': the first prompt is {len(ids)} "
                               f"tokens, no room to generate in {cfg.rollout.max_model_len}")
+    from .data.prompts import too_long
+    for key, rows in (datasets or {}).items():
+        problem = too_long(tokenizer, cfg.data, rows, cfg.rollout.max_model_len)
+        if problem:
+            raise ConfigError(f"config key '{key}': {problem} (drop such rows or raise "
+                              "rollout.max_model_len)")

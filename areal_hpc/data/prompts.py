@@ -86,3 +86,26 @@ def prompt_ids(tokenizer, d, question: str) -> list[int]:
     rendered = tokenizer.apply_chat_template(messages, chat_template=read_chat_template(d.chat_template),
                                              add_generation_prompt=True, tokenize=False)
     return tokenizer(rendered + (d.assistant_prefix or ""), add_special_tokens=False)["input_ids"]
+
+
+MAX_CHARS_PER_TOKEN = 32    # a question this many characters per token of room: refused untokenized
+
+
+def too_long(tokenizer, d, rows: list[dict], max_model_len: int) -> str | None:
+    """The first row whose prompt leaves no room to generate in `max_model_len` tokens, as
+    "row i: ..." (None when every row fits): vLLM refuses such a request, which would end the
+    generator mid-run. A question longer than MAX_CHARS_PER_TOKEN characters per token of
+    `max_model_len` is refused without tokenizing it (a huge row costs nothing); the others are
+    tokenized as the controller will (`prompt_ids`)."""
+    cap = MAX_CHARS_PER_TOKEN * max_model_len
+    for i, r in enumerate(rows):
+        if len(r["question"]) > cap:
+            return (f"row {i}: the question is {len(r['question'])} characters, over "
+                    f"{MAX_CHARS_PER_TOKEN} per token of rollout.max_model_len = {max_model_len} "
+                    "(not tokenized)")
+    for i, r in enumerate(rows):
+        n = len(prompt_ids(tokenizer, d, r["question"]))
+        if n >= max_model_len:
+            return (f"row {i}: its prompt is {n} tokens, no room to generate in "
+                    f"rollout.max_model_len = {max_model_len}")
+    return None

@@ -272,3 +272,19 @@ def test_first_prompt_must_tokenize_and_fit(model_dir, tmp_path):
     p.write_text(json.dumps({"question": "1+" * 200, "answer": "1"}) + "\n")
     _refused(r"'rollout\.max_model_len': the first prompt is 400 tokens, no room to generate in 256",
              check_paths, _paths_cfg(model_dir, p, "rollout.max_model_len=256", "rollout.max_new_tokens=16"))
+
+
+def test_every_prompt_must_fit_and_a_huge_one_is_not_tokenized(model_dir, tmp_path):
+    """A later row too long for rollout.max_model_len would end the generator mid-run (vLLM
+    refuses it): named before any rank starts; a question of megabytes is refused untokenized."""
+    p = tmp_path / "d.jsonl"
+    rows = [{"question": "1+1", "answer": "2"}] * 3 + [{"question": "1+" * 200, "answer": "1"}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _refused(r"'data\.train_path': row 3: its prompt is 400 tokens, no room to generate in "
+             r"rollout\.max_model_len = 256", check_paths,
+             _paths_cfg(model_dir, p, "rollout.max_model_len=256", "rollout.max_new_tokens=16"))
+    rows[3] = {"question": "1" * (8 << 20), "answer": "1"}
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _refused(r"'data\.train_path': row 3: the question is 8388608 characters, over 32 per token "
+             r"of rollout\.max_model_len = 256 \(not tokenized\)", check_paths,
+             _paths_cfg(model_dir, p, "rollout.max_model_len=256", "rollout.max_new_tokens=16"))

@@ -99,3 +99,34 @@ def test_last_boxed_in_one_pass_equals_the_rescanning_definition(parts):
 def test_last_boxed_on_a_looping_completion():
     """64 KB of unclosed boxes (what a looping policy writes): one pass, the earlier whole box."""
     assert last_boxed("\\boxed{7} " + "\\boxed{" * 9000) == "7"
+
+
+# The equivalence policy (README, "Rewards"): which boxed answers count as the reference.
+ACCEPTED = [
+    ("0.5", "\\frac{1}{2}"), ("1/2", "\\frac{1}{2}"), ("1.0", "1"), ("12.0", "12"),
+    ("10^3", "1000"), ("1,000", "1000"),                    # one number, another notation
+    ("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}"), ("x+1", "1+x"), ("2x", "x*2"),   # the same expression
+    ("x=2", "2"), ("2", "x=2"),                              # a variable named
+    ("12\\text{ cm}", "12"), ("$5", "5"), ("5\\$", "5"),     # units and currency dropped
+    ("50\\%", "\\frac{1}{2}"),                              # a percentage is its fraction
+    ("3,2", "2,3"), ("2,3", "\\{2,3\\}"),                   # a list of solutions is a set
+    ("{2}", "2"), ("\\infty", "\\infty"),
+]
+REFUSED = [
+    ("0.333", "\\frac{1}{3}"), ("3.14", "\\pi"), ("0.7071", "\\frac{\\sqrt{2}}{2}"),  # approximations
+    ("1.0001", "1"), ("0.99", "1"), ("1e3", "1000"),
+    ("-2", "2"), ("\\pm 2", "2"),                            # another sign, or both
+    ("2 or 3", "2"), ("2 \\text{ or } 3", "2"), ("2, 3", "2"),   # hedged: several answers
+    ("(1,2)", "[1,2]"),                                      # open and closed intervals
+    ("\\text{12 apples}", "12"), ("5 dollars", "5"),         # a number inside words
+]
+
+
+@pytest.mark.parametrize("pred, ref", ACCEPTED)
+def test_equivalences_the_policy_accepts(pred, ref):
+    assert math_reward(f"\\boxed{{{pred}}}", ref) == 1.0
+
+
+@pytest.mark.parametrize("pred, ref", REFUSED)
+def test_equivalences_the_policy_refuses(pred, ref):
+    assert math_reward(f"\\boxed{{{pred}}}", ref) == 0.0
