@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import math
+import re
 import os
 import signal as _signal
 import string
@@ -396,6 +397,28 @@ def _read_overrides(overrides: list[str]):
 REMOVED_KEYS = {"log_every": "every step is logged to metrics.jsonl"}
 
 
+# Keys whose value may come from the environment (`${oc.env:SCRATCH}/runs`): paths. Anywhere else
+# an environment value would be written, resolved, into config.yaml, the rollout log and every
+# checkpoint (a token or password among them).
+ENV_KEYS = ("output_dir", "model.path", "data.train_path", "data.eval_path", "data.chat_template",
+            "reward.fn")
+
+
+def _check_env_interpolations(tree, prefix: str = "") -> None:
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            _check_env_interpolations(v, f"{prefix}{k}.")
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            _check_env_interpolations(v, f"{prefix[:-1]}[{i}].")
+    elif isinstance(tree, str) and "oc.env" in tree and prefix[:-1] not in ENV_KEYS \
+            and not re.fullmatch(r"reward\.functions\[\d+\]\.fn", prefix[:-1]):
+        raise ConfigError(f"config key '{prefix[:-1]}': an environment interpolation ({tree}) would "
+                          "be written, resolved, into config.yaml, the rollout log and every "
+                          f"checkpoint; only {', '.join(ENV_KEYS)} (and reward.functions[i].fn) "
+                          "may use one")
+
+
 def load(yaml_path: str | os.PathLike | None, overrides: list[str] = ()) -> RunConfig:
     """Schema ← YAML ← `key=value` overrides; validated; returns a RunConfig object."""
     schema = OmegaConf.structured(RunConfig)
@@ -413,6 +436,8 @@ def load(yaml_path: str | os.PathLike | None, overrides: list[str] = ()) -> RunC
                     del layer[key]
                     logging.getLogger(__name__).warning(
                         "config key '%s' is no longer used (%s); ignored", key, why)
+        for layer in layers[1:]:
+            _check_env_interpolations(OmegaConf.to_container(layer, resolve=False))
         for layer in layers[1:]:    # OmegaConf's merge error for these names no key
             for key, value in OmegaConf.to_container(layer, resolve=False).items():
                 if key in schema and OmegaConf.is_dict(schema[key]) and not isinstance(value, dict):
@@ -757,6 +782,14 @@ def check_paths(cfg: RunConfig) -> None:
             raise ConfigError(f"config key '{key}': {_one_line(exc)}") from None
         if not rows:
             raise ConfigError(f"config key '{key}': {value} holds no rows")
+        from .reward.math import MAX_ANSWER_CHARS
+        long_ref = next((i for i, r in enumerate(rows) if r["reward_kind"] == "math"
+                         and isinstance(r["reference"], str)
+                         and len(r["reference"]) > MAX_ANSWER_CHARS), None)
+        if long_ref is not None:    # the reward would parse it with sympy for every sample
+            raise ConfigError(f"config key '{key}': row {long_ref}: its answer is "
+                              f"{len(rows[long_ref]['reference'])} characters (at most "
+                              f"{MAX_ANSWER_CHARS}: an answer, not a solution)")
         if key == "data.train_path":
             sample = rows[0]
         datasets[key] = rows

@@ -41,6 +41,7 @@ from areal_hpc.reward.sandbox import MAX_OUTPUT_BYTES, Sandbox
 
 MAX_ERROR_CHARS = 200
 OUTPUT_RATIO, OUTPUT_SLACK_BYTES = 4, 64 << 10     # output_matches: past this, wrong unread
+MAX_SCAN_CHARS = 1 << 20       # the start of a completion searched for its code (1 MiB of text)
 CPU_LIMIT_SLACK_S = 1  # RLIMIT_CPU = ceil(timeout_s) + this; the wall clock normally fires first
 CHILD_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 
@@ -80,7 +81,7 @@ def extract_code(completion_text: str) -> str:
     An unclosed fence (a truncated completion) is not a block.
     """
     python_blocks, bare_blocks = [], []
-    for tag, body in fenced_blocks(completion_text):
+    for tag, body in fenced_blocks(completion_text[:MAX_SCAN_CHARS]):
         tag = tag.lower()
         if tag in _PYTHON_TAGS:
             python_blocks.append(body)

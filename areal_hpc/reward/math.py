@@ -25,6 +25,7 @@ from ..data.jsonl import GSM8K_ANSWER_MARK, final_answer
 
 SYMPY_TIMEOUT_S = 3  # whole seconds: signal.alarm's resolution
 MAX_ANSWER_CHARS = 1000  # a longer boxed answer is not a real answer; don't hand it to sympy
+MAX_SCAN_CHARS = 1 << 20    # the end of a completion searched for its answer (1 MiB of text)
 
 _BOXED = "\\boxed{"
 _BRACES = re.compile(r"\\boxed\{|[{}]")
@@ -118,11 +119,11 @@ def math_reward(completion_text: str, answer: str, extractor: str = "boxed") -> 
     try:
         if not isinstance(completion_text, str) or not isinstance(answer, str):
             return 0.0
-        pred = extract_answer(completion_text, extractor)
+        pred = extract_answer(completion_text[-MAX_SCAN_CHARS:], extractor)
         if pred is None:
             return 0.0
         pred, answer = pred.strip(), answer.strip()
-        if not pred or not answer or len(pred) > MAX_ANSWER_CHARS:
+        if not pred or not answer or len(pred) > MAX_ANSWER_CHARS or len(answer) > MAX_ANSWER_CHARS:
             return 0.0
         if pred == answer:
             return 1.0

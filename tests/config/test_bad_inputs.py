@@ -47,6 +47,8 @@ OVERRIDES = [
     (["reward.workers=100000"], r"'reward\.workers': must be in \[1, 512\]"),
     (["reward.math_timeout_s=1e9"], r"'reward\.math_timeout_s': must be in \(0, 3600\] seconds"),
     (["reward.fn_timeout_s=inf"], r"'reward\.fn_timeout_s': must be in \(0, 3600\] seconds"),
+    (["name=${oc.env:HOME}"], r"'name': an environment interpolation .* would be written, resolved"),
+    (["data.system_prompt=${oc.env:HOME}"], r"'data\.system_prompt': an environment interpolation"),
     # others
     (["checkpoint.signals=[USR9]"], r"checkpoint\.signals.*unknown signal 'USR9'"),
     (["checkpoint.signals=[_IGN]"], r"checkpoint\.signals.*unknown signal"),
@@ -288,3 +290,11 @@ def test_every_prompt_must_fit_and_a_huge_one_is_not_tokenized(model_dir, tmp_pa
     _refused(r"'data\.train_path': row 3: the question is 8388608 characters, over 32 per token "
              r"of rollout\.max_model_len = 256 \(not tokenized\)", check_paths,
              _paths_cfg(model_dir, p, "rollout.max_model_len=256", "rollout.max_new_tokens=16"))
+
+
+def test_an_answer_that_is_a_solution_is_refused(model_dir, tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n"
+                 + json.dumps({"question": "1+2", "answer": "3 " * 600}) + "\n")
+    _refused(r"'data\.train_path': row 1: its answer is 1200 characters \(at most 1000",
+             check_paths, _paths_cfg(model_dir, p))
