@@ -60,9 +60,9 @@ def become_subreaper() -> bool:
 
 
 def kill_descendants(pid: int | None = None) -> int:
-    """SIGKILL every descendant of `pid` (default: this process) and reap them; returns how many
-    were killed. Found before any is killed (afterwards their children would belong to the
-    nearest subreaper)."""
+    """SIGKILL every descendant of `pid` (default: this process) and reap them (zombies too: a
+    subreaper must, or what it adopted stays a zombie); returns how many were killed. Found
+    before any is killed (afterwards their children would belong to the nearest subreaper)."""
     import psutil
     try:
         victims = psutil.Process(pid).children(recursive=True)

@@ -165,6 +165,8 @@ def _run_sandboxed(program: str, stdin_text: str, expected: str, timeout_s: floa
         return res.sandbox_error[:MAX_ERROR_CHARS], True
     if res.timed_out:
         return f"timeout after {timeout_s:g} s", True
+    if res.over_memory:
+        return f"memory limit exceeded ({memory_mb} MiB, its processes together)", False
     if res.returncode < 0:
         return _SIGNAL_REASONS.get(-res.returncode, f"killed by signal {-res.returncode}"), False
     if res.returncode != 0:

@@ -117,10 +117,12 @@ _WAKE = object()
 # ---- worker side (module-level functions: spawn pickles them by name) ----
 
 def _init_worker(memory_mb: int, all_ready, functions=()) -> None:
-    # Whatever a reward function starts stays this worker's descendant, even a daemon that forks
-    # twice (re-parented here, not to init): killed after its call (_score) and with the worker.
-    become_subreaper()
     if functions:
+        # Whatever a reward function starts stays this worker's descendant, even a daemon that
+        # forks twice (re-parented here, not to init): killed and reaped after its call
+        # (_score), killed with the worker. (Math and code calls leave nothing: code runs in a
+        # PID namespace that dies with its test.)
+        become_subreaper()
         _cap_output(WORKER_OUTPUT_BYTES)
     if memory_mb > 0:
         _, hard = resource.getrlimit(resource.RLIMIT_AS)

@@ -47,8 +47,9 @@ tmpfs, a pid-1 reaper, die-with-parent) in one exec per test (~20 ms). nsjail do
 policies, cgroups) but is not packaged in Debian 12; firejail is setuid root with a large
 profile language; docker/podman need a daemon or an image store and are heavy per test; plain
 ``unshare(1)`` gives namespaces but no bind layout, no read-only root and no pid-1 reaper.
-Not done here: cgroup memory/pids limits (a fork flood's total memory is bounded by
-``max_processes * memory_mb``; the job's own cgroup bounds the rest).
+Memory: ``RLIMIT_AS`` bounds each process; the parent sums the resident memory of all the
+test's processes every ``MEMORY_POLL_S`` and kills the sandbox past ``memory_mb`` (a user-space
+stand-in for a cgroup, which a Slurm job cannot count on being allowed to create).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ SANDBOX_UID_BASE = 0x70000000      # as root: the program runs as this + caller 
                                    # a time per process: a pool worker each)
 USERNS_UID = 65534                 # as another user: uid/gid inside the user namespace
 KILL_GRACE_S = 5.0                 # after a kill, how long bwrap gets to go
+MEMORY_POLL_S = 0.25               # how often the memory of a test's processes is summed
 START_TIMEOUT_S = 30.0             # setting a sandbox up (not counted in timeout_s)
 CHILD_PATH = "/usr/local/bin:/usr/bin:/bin"
 WORKDIR = "/tmp"                   # the tmpfs scratch, the program's cwd
@@ -109,12 +111,14 @@ class SandboxResult:
     stderr_tail: str = ""              # last non-empty stderr line, shortened
     returncode: int | None = None      # the program's exit code; -N: killed by signal N
     timed_out: bool = False
+    over_memory: bool = False          # its processes together passed memory_mb: killed
     sandbox_error: str | None = None   # the sandbox itself failed: no verdict on the program
     seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
-        return self.sandbox_error is None and not self.timed_out and self.returncode == 0
+        return (self.sandbox_error is None and not self.timed_out and not self.over_memory
+                and self.returncode == 0)
 
 
 def _interpreter() -> tuple[str, str]:
@@ -293,12 +297,18 @@ class Sandbox:
             # the sandbox on a loaded node does not count against the test.
             state = _wait_started(proc, status_r, START_TIMEOUT_S)
             started = state == "ok"
-            timed_out = slow_setup = False
-            try:
-                proc.wait(timeout={"ok": timeout_s, "ended": KILL_GRACE_S, "slow": 0}[state])
-            except subprocess.TimeoutExpired:
-                timed_out, slow_setup = started, not started
-                _kill_sandbox(proc)
+            timed_out = slow_setup = over_memory = False
+            if started:     # the wall clock, and the memory of all its processes together
+                ended = _wait_bounded(proc, timeout_s, memory_mb << 20)
+                timed_out, over_memory = ended == "timeout", ended == "memory"
+                if ended != "exited":
+                    _kill_sandbox(proc)
+            else:
+                try:
+                    proc.wait(timeout={"ended": KILL_GRACE_S, "slow": 0}[state])
+                except subprocess.TimeoutExpired:
+                    slow_setup = True
+                    _kill_sandbox(proc)
             code = proc.wait()
             stderr = _read_back(ferr, 1 << 20)
             if not started:
@@ -318,7 +328,8 @@ class Sandbox:
                 code = -(code - 128)
             return SandboxResult(stdout=_read_back(fout, MAX_OUTPUT_BYTES),
                                  stderr_tail=_tail(stderr), returncode=code,
-                                 timed_out=timed_out, seconds=time.monotonic() - start)
+                                 timed_out=timed_out, over_memory=over_memory,
+                                 seconds=time.monotonic() - start)
         except Exception as e:  # no scratch directory, no fds, no processes left...
             return SandboxResult(
                 sandbox_error=f"sandbox error: {type(e).__name__}: {e}"[:MAX_ERROR_CHARS],
@@ -329,6 +340,52 @@ class Sandbox:
             for fd in (status_r, status_w):
                 if fd is not None:
                     os.close(fd)
+
+
+def _wait_bounded(proc: subprocess.Popen, timeout_s: float, limit_bytes: int) -> str:
+    """Wait for the sandbox: ``"exited"``; ``"timeout"`` after ``timeout_s``; ``"memory"`` once
+    the memory of all its processes together (PSS) passes ``limit_bytes`` (checked every
+    MEMORY_POLL_S: RLIMIT_AS bounds each process alone, so without this a test of 32 processes
+    could hold 32 times its memory)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            proc.wait(timeout=max(0.0, min(MEMORY_POLL_S, deadline - time.monotonic())))
+            return "exited"
+        except subprocess.TimeoutExpired:
+            pass
+        if time.monotonic() >= deadline:
+            return "timeout"
+        try:
+            tree = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.Error:
+            continue
+        if _total(tree, "rss") > limit_bytes and _total(tree, "pss") > limit_bytes:
+            # (RSS first, cheap; it counts the pages a fork shares with its parent in every
+            # process, so the verdict is PSS's, each shared page split among its sharers)
+            for p in tree:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+            psutil.wait_procs(tree, timeout=KILL_GRACE_S)
+            return "memory"
+
+
+def _total(procs, field: str) -> int:
+    """Sum of a memory field over `procs` (rss: /proc/PID/statm; pss: smaps_rollup, costlier)."""
+    import psutil
+
+    total = 0
+    for p in procs:
+        try:
+            info = p.memory_info() if field == "rss" else p.memory_full_info()
+            total += getattr(info, field)
+        except (psutil.Error, AttributeError):
+            pass
+    return total
 
 
 def _wait_started(proc: subprocess.Popen, fd: int, timeout_s: float) -> str:

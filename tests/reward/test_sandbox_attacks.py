@@ -436,6 +436,27 @@ def test_fork_flood_is_bounded_and_dies_with_the_test():
     assert time.monotonic() - start < 10.0
 
 
+def test_a_memory_hog_of_many_processes_is_stopped_at_the_tests_limit():
+    """Six processes of 100 MiB each, under a 256 MiB test: each is within its own RLIMIT_AS,
+    together they pass the limit, and the test is stopped (a failure of the program)."""
+    res = run("""
+        import os, time
+        for _ in range(6):
+            if os.fork() == 0:
+                block = bytearray(100 << 20)
+                time.sleep(30)
+                os._exit(0)
+        time.sleep(30)
+    """, timeout_s=20, memory_mb=256)
+    assert res.over_memory and not res.timed_out and res.seconds < 15, res
+    from areal_hpc.reward.code import run_tests
+    prog = "import os, time\nfor _ in range(6):\n    if os.fork() == 0:\n        b = bytearray(100 << 20)\n        time.sleep(30)\ntime.sleep(30)\n"
+    out = run_tests(f"```python\n{prog}```", [{"input": "", "output": ""}], timeout_s=20,
+                    memory_mb=256)
+    assert out["reward"] == 0.0 and out["error"] is None
+    assert out["errors"][0] == "memory limit exceeded (256 MiB, its processes together)"
+
+
 def test_memory_hog_gets_memory_error():
     res = run("""
         blocks = []
