@@ -161,7 +161,7 @@ def test_export_hf_from_checkpoint_equals_trained_weights(actor_factory, tmp_pat
     a = actor_factory()
     a.train_step(_batch(2))
     cfg = load(None, [f"model.path={a.model_dir}", "data.train_path=unused.jsonl",
-                      "train.max_tokens_per_mb=64", "rollout.max_model_len=64",
+                      "train.max_tokens_per_mb=64", "rollout.max_model_len=64", "rollout.max_new_tokens=32",
                       "rollout.group_size=2", "train.lr=1e-3"])
     train_ck.save(tmp_path / "run", 1, model=a.model, optimizer=a.optimizer,
                   config_yaml=to_yaml(cfg))

@@ -248,7 +248,8 @@ def test_export_only_from_the_final_checkpoint(megatron_ws1, model_dir, tmp_path
     cfg = load(None, [f"model.path={model_dir}", "data.train_path=unused.jsonl",
                       f"output_dir={tmp_path}", "name=r", "train.total_steps=2",
                       "model.dtype=float32", "train.max_tokens_per_mb=64",
-                      "rollout.max_model_len=64", "rollout.group_size=2"])
+                      "rollout.max_model_len=64", "rollout.max_new_tokens=32",
+                      "rollout.group_size=2"])
     trained = _actor(model_dir)
     with torch.no_grad():
         for p in trained.model.parameters():
