@@ -6,6 +6,7 @@ corrupted: every rank passes the checkpoint over with the message naming the fil
 older one, each rank having read about a quarter of the bytes."""
 import json
 import os
+import pickle
 import random
 import subprocess
 import sys
@@ -73,6 +74,7 @@ def test_split_gives_each_rank_its_own_shard_files_while_balanced():
 def _checkpoint(run_dir: Path, step: int, rng_state: dict) -> Path:
     """A checkpoint folder laid out as `save` writes it for 4 trainer ranks (the shards are
     random bytes of uneven sizes: nothing here loads them), with its manifest."""
+    from torch.distributed.checkpoint.metadata import Metadata
     ckpt = ck.step_dir(run_dir, step)
     shards = ckpt / ck.SHARDS
     shards.mkdir(parents=True)
@@ -81,7 +83,9 @@ def _checkpoint(run_dir: Path, step: int, rng_state: dict) -> Path:
         for k in range(2):
             (shards / f"__{r}_{k}.distcp").write_bytes(rng.randbytes(
                 (1 << 20) * (1 + k) + 4096 * r))
-    (shards / ".metadata").write_bytes(rng.randbytes(20_000))
+    # DCP's metadata, as a pickle of its own class (checked before any load: safe_pickle.py)
+    (shards / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={},
+                                                             storage_data={})))
     (shards / "common.pt").write_bytes(rng.randbytes(3_000))
     ck.write_state(ckpt / ck.STATE, step=step, config_yaml="name: t\n", scheduler=None,
                    rng=[rng_state] * RANKS, controller=None)
