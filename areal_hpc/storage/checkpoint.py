@@ -152,10 +152,7 @@ def validate(ckpt: Path, check_crc: bool = True) -> dict:
         bad = _verify_crc(ckpt, [(rel, meta["crc32"]) for rel, meta in manifest["files"].items()])
         if bad["error"] is not None:
             raise CheckpointError(bad["error"])
-    try:
-        check_dcp(ckpt / SHARDS)
-    except UnsafeCheckpoint as exc:
-        raise CheckpointError(str(exc)) from None
+    check_plain_data(ckpt)
     return manifest
 
 
@@ -300,6 +297,15 @@ def _skip(ckpt: Path, exc: Exception, rejected: list[str]) -> None:
     rejected.append(why)
 
 
+def check_plain_data(ckpt: Path) -> None:
+    """CheckpointError unless the shards' pickles hold plain data only (safe_pickle.py): called
+    before anything of `ckpt` is unpickled, by every loader."""
+    try:
+        check_dcp(ckpt / SHARDS)
+    except UnsafeCheckpoint as exc:
+        raise CheckpointError(str(exc)) from None
+
+
 def _check_state(ckpt: Path, manifest: dict) -> None:
     """The run state matches the manifest, and the shards' pickles are plain data
     (storage/safe_pickle.py: nothing in a crafted checkpoint runs when it is loaded)."""
@@ -307,10 +313,7 @@ def _check_state(ckpt: Path, manifest: dict) -> None:
     if state["step"] != manifest["step"]:
         raise CheckpointError(f"{ckpt}: {STATE} is of step {state['step']}, the "
                               f"{MANIFEST} of step {manifest['step']}")
-    try:
-        check_dcp(ckpt / SHARDS)
-    except UnsafeCheckpoint as exc:
-        raise CheckpointError(str(exc)) from None
+    check_plain_data(ckpt)
 
 
 def _count(stats: dict | None, verdict: dict) -> None:

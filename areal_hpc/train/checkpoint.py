@@ -156,16 +156,6 @@ def _checkpoint_has_optimizer_state(ckpt: Path, state: dict) -> bool:
     return any(k.startswith("optimizer.") for k in keys)
 
 
-def _plain_data_only(ckpt: Path) -> None:
-    """Before Megatron unpickles anything of `ckpt`: its pickles hold plain data only (every
-    loader passes here, whichever way it found the folder; storage/safe_pickle.py)."""
-    from ..storage.safe_pickle import UnsafeCheckpoint, check_dcp
-    try:
-        check_dcp(ckpt / SHARDS)
-    except UnsafeCheckpoint as exc:
-        raise CheckpointError(str(exc)) from None
-
-
 def load(ckpt: Path, *, model, optimizer, scheduler=None, comm=None) -> dict[str, Any]:
     """Load shards, optimizer, scheduler and this rank's RNG states (collective); returns the
     run state (`read_state` of areal_hpc/storage/checkpoint.py).
@@ -177,7 +167,7 @@ def load(ckpt: Path, *, model, optimizer, scheduler=None, comm=None) -> dict[str
     from megatron.core import dist_checkpointing
 
     from .cpu_compat import CudaToCpuMode
-    _plain_data_only(ckpt)
+    store.check_plain_data(ckpt)    # before Megatron unpickles anything of it
     state = store.read_state(ckpt / STATE)
     saved_fmt = state["optimizer_format"] or PLAIN            # older checkpoints: plain only
     run_fmt = _optimizer_format(optimizer)
@@ -257,7 +247,7 @@ def load_model(ckpt: Path, model) -> None:
     from megatron.core import dist_checkpointing
 
     from .cpu_compat import CudaToCpuMode
-    _plain_data_only(ckpt)
+    store.check_plain_data(ckpt)    # before Megatron unpickles anything of it
     with CudaToCpuMode():
         loaded = dist_checkpointing.load({"model": _module(model).sharded_state_dict()},
                                          str(ckpt / SHARDS))
