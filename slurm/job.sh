@@ -129,5 +129,11 @@ fi
 if [ "$rc" != 0 ]; then
   say "last lines of $logs/ranks.log:"
   tail -n 40 "$logs/ranks.log"
+  # Slurm's pmi2 plugin reads a PMI-1 request in one read() of at most 1 KiB: MPICH's long
+  # business-card puts (UCX, many ranks per node), sent back to back, arrive cut (site_gpu.sh).
+  if grep -q "mpi/pmi2: value not properly terminated" "$logs/ranks.log"; then
+    say "error: MPI start-up failed in srun's pmi2 plugin (cut PMI-1 requests): run MPICH with" \
+        "MPIR_CVAR_PMI_VERSION=2, over OFI (MPIR_CVAR_CH4_NETMOD=ofi), or AREAL_SRUN_MPI=pmix"
+  fi
 fi
 exit "$rc"

@@ -11,6 +11,13 @@ export AREAL_PYTHON=${AREAL_PYTHON:-$(command -v python3)}
 # Intel MPI) or pmix (Open MPI). slurm/job.sh refuses a plugin this srun does not have
 # (srun --mpi=list) before any rank starts.
 export AREAL_SRUN_MPI=${AREAL_SRUN_MPI:-pmi2}
+# MPICH under pmi2 speaks PMI-1 by default, which Slurm's pmi2 plugin reads in one read() of at
+# most 1 KiB per request; with UCX and many ranks per node MPICH sends its business cards as
+# many ~1 KiB lines back to back, and a cut one fails the start-up ("mpi/pmi2: value not properly
+# terminated"; slurm/job.sh names it). If your MPICH's PMI-2 client starts under this srun, use
+# it; else OFI's short addresses make one small put (what the local test cluster does):
+# export MPIR_CVAR_PMI_VERSION=2
+# export MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=verbs   # or tcp
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 # Megatron orders TP/SP communication behind compute kernels with a single CUDA work queue.
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
