@@ -53,7 +53,6 @@ import argparse
 import collections
 import contextlib
 import itertools
-import json
 import logging
 import sys
 import tempfile
@@ -248,30 +247,15 @@ def _version_bounds(reader: RolloutReader, ends: np.ndarray, block_tokens: int):
     return vmin, vmax
 
 
-def _read_metrics(path: Path) -> list[tuple[int, dict]] | None:
-    """metrics.jsonl as (line number, record) pairs (blank lines skipped, as a resume does);
-    None when there is no such file."""
-    if not path.exists():
+def _read_metrics(run_dir: Path) -> list[tuple[int, dict]] | None:
+    """metrics.jsonl as (line number, record) pairs; None when there is no such file."""
+    rd = run_files.RunDir(run_dir)
+    if not rd.metrics.exists():
         return None
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise AuditInputError(f"{path}: unreadable ({getattr(exc, 'strerror', None) or exc})") \
-            from None
-    out = []
-    for k, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except (ValueError, RecursionError) as exc:
-            raise AuditInputError(f"{path}:{k}: not a JSON line ({str(exc).splitlines()[0]})") \
-                from None
-        step = rec.get("step") if isinstance(rec, dict) else None
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise AuditInputError(f"{path}:{k}: not a metrics record (no step number)")
-        out.append((k, rec))
-    return out
+        return rd.metrics_records()
+    except run_files.RunFileError as exc:
+        raise AuditInputError(str(exc)) from None
 
 
 def _read(run_dir: Path, check_crc: bool, notes: list[str], block_tokens: int) -> _Run:
@@ -302,7 +286,7 @@ def _read(run_dir: Path, check_crc: bool, notes: list[str], block_tokens: int) -
                consumed=cols["consumed_step"].astype(np.int64),
                out_len=np.diff(ends.astype(np.int64), prepend=0),
                reward=cols["reward"].astype(np.float64), vmin=vmin, vmax=vmax,
-               metrics=_read_metrics(run_dir / run_files.METRICS))
+               metrics=_read_metrics(run_dir))
     hit = ck.find_latest(run_dir, check_crc=check_crc)
     if hit is None:
         folders = ck.list_checkpoints(run_dir)

@@ -233,26 +233,12 @@ def load_run_config(run_dir: Path):
     return cfg
 
 
-def read_metrics(path: Path) -> dict[int, dict]:
+def read_metrics(run_dir: Path) -> dict[int, dict]:
     """metrics.jsonl by step (the last line of a step wins; {} without the file)."""
-    out: dict[int, dict] = {}
-    if not path.is_file():
-        return out
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise Refused(f"{path}: unreadable ({getattr(exc, 'strerror', None) or exc})") from None
-    for k, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError as exc:
-            raise Refused(f"{path}:{k}: not a JSON line ({_line(exc)})") from None
-        step = rec.get("step") if isinstance(rec, dict) else None
-        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
-            out[step] = rec
-    return out
+        return run_files.RunDir(run_dir).metrics_by_step()
+    except run_files.RunFileError as exc:
+        raise Refused(str(exc)) from None
 
 
 def trainer_threads(cfg) -> int:
@@ -345,7 +331,7 @@ def _replay(args) -> int:
         raise Refused(f"--threads must be >= 1, got {args.threads}")
     run_dir = args.run_dir
     cfg = load_run_config(run_dir)
-    metrics = read_metrics(run_dir / run_files.METRICS)
+    metrics = read_metrics(run_dir)
     batches = Batches(run_dir / run_files.ROLLOUTS, cfg.rollout.group_size)
     try:
         S = batches.n_steps if args.steps is None else args.steps
@@ -354,7 +340,7 @@ def _replay(args) -> int:
                           f"{batches.n_steps} step(s) consumed")
         if args.check and not any(_num(metrics.get(s, {}).get("loss")) is not None
                                   for s in range(S)):
-            raise Refused(f"{run_dir / 'metrics.jsonl'}: no logged loss for steps 0-{S - 1}: "
+            raise Refused(f"{run_files.RunDir(run_dir).metrics}: no logged loss for steps 0-{S - 1}: "
                           "nothing to check against")
         if args.out is not None and (args.out / "replay.jsonl").exists():
             raise Refused(f"{args.out / 'replay.jsonl'} already exists (choose another --out)")

@@ -158,18 +158,19 @@ def first_time_at(points: list[tuple[float, float]], target: float) -> float | N
 def analyse(run: Path, mode: str, target: float) -> dict:
     from areal_hpc.analysis.load import load_run
     from areal_hpc.plan.throughput import pipelined_bound, read_metrics
-    from areal_hpc.rollout.controller import LOOP_WORK, busy_share, engine_share, loop_work
+    from areal_hpc.storage.run_dir import RunDir
+    from areal_hpc.transport.messages import LOOP_WORK
     steps = read_metrics(run)
-    gens = json.loads((run / "generators.json").read_text())
-    evals = json.loads((run / "eval.json").read_text())
+    gens = RunDir(run).read_generators()
+    evals = RunDir(run).read_all_evals()
     wall = steps[-1]["elapsed_s"]
     n = len(steps)
-    busy = sum(g["seconds"]["busy"] for g in gens)
-    pause = sum(g["seconds"]["pause"] for g in gens)
-    idle = sum(g["seconds"]["idle"] + g["seconds"].get("idle_scoring", 0.0) for g in gens)
-    other = sum(loop_work(g["seconds"]) for g in gens)            # the generator loop's own work
-    loop = {k: sum(g["seconds"].get(k, 0.0) for g in gens) for k in LOOP_WORK}
-    gen_tokens = sum(g["tokens"] for g in gens)
+    busy = sum(g.seconds["busy"] for g in gens)
+    pause = sum(g.seconds["pause"] for g in gens)
+    idle = sum(g.idle_s() for g in gens)
+    other = sum(g.loop_work() for g in gens)            # the generator loop's own work
+    loop = {k: sum(g.seconds.get(k, 0.0) for g in gens) for k in LOOP_WORK}
+    gen_tokens = sum(g.tokens for g in gens)
     train_s = float(np.mean([s["seconds"] for s in steps]))
     sync_s = float(np.mean([s["weight_sync_s"] for s in steps]))
     wait = sum(s["wait_s"] for s in steps)
@@ -197,8 +198,8 @@ def analyse(run: Path, mode: str, target: float) -> dict:
     return {
         "steps": n, "wall_s": wall, "steps_per_h": 3600 * n / wall,
         "trained_tok_s": trained_tokens / wall,
-        "gen_busy": statistics.mean(busy_share(g["seconds"]) for g in gens),
-        "engine_busy": statistics.mean(engine_share(g["seconds"], g.get("engine_s", 0.0))
+        "gen_busy": statistics.mean(g.busy_share() for g in gens),
+        "engine_busy": statistics.mean(g.engine_share()
                                        for g in gens),
         "gen_seconds": {"busy": busy, "pause": pause, "idle": idle, "other": other},
         "gen_loop_seconds": loop,

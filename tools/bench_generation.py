@@ -50,18 +50,15 @@ def busy_fraction(overrides: list[str]) -> None:
                "name=bench-busy", f"output_dir={out}", *overrides]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         run = Path(out) / "bench-busy"
-        gens = json.loads((run / "generators.json").read_text())
-        steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    from areal_hpc.rollout.controller import busy_share, engine_share, loop_work
+        from areal_hpc.storage.run_dir import RunDir
+        gens, steps = RunDir(run).read_generators(), RunDir(run).read_metrics()
     for g in gens:
-        sec = g["seconds"]
-        idle = sec["idle"] + sec.get("idle_scoring", 0.0)
-        print(f"generator rank {g['rank']}: engine busy "
-              f"{100 * engine_share(sec, g.get('engine_s', 0.0)):.1f}%, loop in its step "
-              f"{100 * busy_share(sec):.1f}% (generating "
-              f"{sec['busy']:.1f}s, pauses {sec['pause']:.1f}s, idle {idle:.1f}s of which waiting on "
-              f"scores {sec.get('idle_scoring', 0.0):.1f}s, loop work {loop_work(sec):.1f}s), "
-              f"{g['tokens']} tokens")
+        sec = g.seconds
+        print(f"generator rank {g.rank}: engine busy {100 * g.engine_share():.1f}%, loop in its step "
+              f"{100 * g.busy_share():.1f}% (generating "
+              f"{sec['busy']:.1f}s, pauses {sec['pause']:.1f}s, idle {g.idle_s():.1f}s of which waiting on "
+              f"scores {sec.get('idle_scoring', 0.0):.1f}s, loop work {g.loop_work():.1f}s), "
+              f"{g.tokens} tokens")
     wait = sum(s["wait_s"] for s in steps)
     train = sum(s["seconds"] + s["weight_sync_s"] for s in steps)
     print(f"trainer: waited for rollouts {wait:.1f}s, trained + synced {train:.1f}s "

@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from areal_hpc.audit import audit  # noqa: E402
+from areal_hpc.storage.run_dir import RunDir  # noqa: E402
 from areal_hpc.storage.rollout_log import PARTIAL, RolloutReader  # noqa: E402
 
 EVENTS = ("usr1", "term", "requeue", "kill_job", "kill_rank", "stop_gen")
@@ -127,7 +128,7 @@ def settled(job: str) -> bool:
 
 
 def steps_done(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
+    path = RunDir(run_dir).metrics          # lines, not records: a line may be half written
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 

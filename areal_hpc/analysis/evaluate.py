@@ -166,11 +166,11 @@ def evaluate(model: str | Path, rows: list[dict], s: EvalSettings, *, ks: list[i
 def claimed_result(model: Path, config_path: Path | None, cfg) -> dict | None:
     """What the training log (the run's eval.json) claims for this model: the "final" entry for
     the run's policy/, the "initial" one for the model the run started from; else None."""
-    if config_path is None or not (config_path.parent / run_files.EVALS).is_file():
+    if config_path is None or not run_files.RunDir(config_path.parent).evals.is_file():
         return None
-    run_dir = config_path.parent
-    evals = json.loads((run_dir / run_files.EVALS).read_text())
-    if model.resolve() == (run_dir / run_files.POLICY).resolve():
+    run = run_files.RunDir(config_path.parent)
+    evals = run.read_all_evals()
+    if model.resolve() == run.policy.resolve():
         label = "final"
     elif model.resolve() == Path(cfg.model.path).resolve():
         label = "initial"

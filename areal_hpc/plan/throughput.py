@@ -62,7 +62,6 @@ are ASSUMPTIONS, to be replaced by measured numbers.
 from __future__ import annotations
 
 import heapq
-import json
 import math
 import sys
 from collections import deque
@@ -606,20 +605,20 @@ def load_lengths(path: str | Path, metrics: list[dict] | None = None) -> Lengths
             metrics = read_metrics(p)
         lens = [m["response_len"] for m in metrics if m.get("response_len", 0) > 0]
         if lens:
-            return Lengths(values=np.array(lens), source=f"{p / 'metrics.jsonl'} (response_len)")
+            return Lengths(values=np.array(lens), source=f"{run_files.RunDir(p).metrics} (response_len)")
         raise ConfigError(f"{p}: no rollouts.h5 and no response_len in metrics.jsonl")
     raise ConfigError(f"{p}: no such run directory or rollout log")
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / run_files.METRICS
+    """metrics.jsonl's step records; ConfigError without any."""
+    rd = run_files.RunDir(run_dir)
     try:
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-        recs = [json.loads(ln) for ln in lines]
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: not a readable metrics file ({str(exc).splitlines()[0]})") from None
-    if not recs or not all(isinstance(r, dict) for r in recs):
-        raise ConfigError(f"{path}: no step records")
+        recs = rd.read_metrics()
+    except run_files.RunFileError as exc:
+        raise ConfigError(str(exc)) from None
+    if not recs:
+        raise ConfigError(f"{rd.metrics}: no step records")
     return recs
 
 
@@ -632,20 +631,23 @@ def calibrate(run_dir: str | Path, c_half: float = 0.0) -> Rates:
     d = Path(run_dir)
     if not d.is_dir():
         raise ConfigError(f"--from-run: no run directory at {d}")
+    rd = run_files.RunDir(d)
     metrics = read_metrics(d)
     try:
         secs = np.array([float(m["seconds"]) for m in metrics])
         toks = np.array([float(m["n_tokens"]) for m in metrics])
         upd = np.array([float(m.get("weight_sync_s", 0.0)) for m in metrics])
     except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"{d / 'metrics.jsonl'}: a step lacks 'seconds' or 'n_tokens' ({exc})") from None
-    gpath = d / run_files.GENERATORS
+        raise ConfigError(f"{rd.metrics}: a step lacks 'seconds' or 'n_tokens' ({exc})") from None
     try:
-        gens = json.loads(gpath.read_text())
-        busy = sum(float(g["seconds"]["busy"]) for g in gens)
-        gen_tokens = sum(float(g["tokens"]) for g in gens)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{gpath}: not a readable generators file ({str(exc).splitlines()[0]})") from None
+        gens = rd.read_generators()
+        if not gens:
+            raise run_files.RunFileError(f"{rd.generators}: no such file")
+        busy = sum(float(g.seconds["busy"]) for g in gens)
+        gen_tokens = sum(float(g.tokens) for g in gens)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(str(exc) if isinstance(exc, run_files.RunFileError) else
+                          f"{rd.generators}: not a readable generators file ({exc})") from None
     lengths = load_lengths(d, metrics)
     if lengths.values is not None and lengths.source.endswith(run_files.ROLLOUTS):
         gen_tokens = float(lengths.values.sum())      # training samples only (no eval tokens)

@@ -24,8 +24,6 @@ nothing for that long ends itself (the trainer is gone).
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import threading
 import time
@@ -45,36 +43,6 @@ from .liveness import GeneratorWatch, Pacer, ServiceThread
 from .staleness import staleness_of
 
 log = logging.getLogger(__name__)
-
-
-# The generator's buckets of its own loop work (generators.json "seconds"; older files hold
-# only "other", or none).
-LOOP_WORK = ("submit", "send", "other")
-
-
-def _span_s(seconds: dict) -> float:
-    """A generator's span (generators.json "seconds"): from the first training prompt until the
-    run's last batch is taken (every bucket), held-out evaluations set apart."""
-    return sum(v for k, v in seconds.items() if k != "eval")
-
-
-def busy_share(seconds: dict) -> float:
-    """A generator's busy share: the loop's time inside the engine's step over its span."""
-    total = _span_s(seconds)
-    return seconds["busy"] / total if total > 0 else 0.0
-
-
-def engine_share(seconds: dict, engine_s: float) -> float:
-    """The share of the same span in which a generator's engine had training requests to
-    generate, not paused for a weight update (GeneratorStats.engine_s). The engine generates in
-    its own process while the loop works, so this is the generation resource's busy share."""
-    total = _span_s(seconds)
-    return min(1.0, engine_s / total) if total > 0 else 0.0
-
-
-def loop_work(seconds: dict) -> float:
-    """Seconds of a generator's span spent in its own loop (LOOP_WORK buckets)."""
-    return sum(seconds.get(k, 0.0) for k in LOOP_WORK)
 
 
 def reward_extras(trajs: list[dict]) -> dict[str, float]:
@@ -398,14 +366,12 @@ class Controller:
                      "weight-update pauses %.1fs, idle %.1fs of which %.1fs waiting on scores, "
                      "loop work %.1fs (submitting %.1fs, sending %.1fs, other %.1fs); eval %.1fs "
                      "apart); reward calls %d, errors %d, timeouts %d",
-                     rank, st.tokens, 100 * engine_share(sec, st.engine_s),
-                     100 * busy_share(sec), sec["busy"], sec["pause"],
-                     sec["idle"] + sec["idle_scoring"], sec["idle_scoring"], loop_work(sec),
+                     rank, st.tokens, 100 * st.engine_share(),
+                     100 * st.busy_share(), sec["busy"], sec["pause"],
+                     st.idle_s(), sec["idle_scoring"], st.loop_work(),
                      sec.get("submit", 0.0), sec.get("send", 0.0), sec.get("other", 0.0),
                      sec["eval"], st.reward["calls"], st.reward["errors"], st.reward["timeouts"])
-        with open(RunDir(self.cfg.run_dir).generators, "w") as f:
-            json.dump([dataclasses.asdict(self.gen_stats[r]) for r in sorted(self.gen_stats)], f,
-                      indent=1)
+        RunDir(self.cfg.run_dir).write_generators([self.gen_stats[r] for r in sorted(self.gen_stats)])
 
     def close(self) -> None:
         self.writer.close()

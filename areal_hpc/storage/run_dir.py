@@ -14,7 +14,9 @@
 
 Writers are trainer rank 0 (`train/lead.py`), the controller (the rollout log, generators.json),
 the checkpoint code and the launcher (config.yaml); readers are the tools (audit, replay,
-evaluate, the planner's calibration).
+evaluate, the planner's calibration). metrics.jsonl, eval.json and generators.json are read and
+written here only (RunDir's methods), whoever asks; a malformed one raises RunFileError naming
+the file and line, which each tool turns into its own one-line refusal.
 """
 from __future__ import annotations
 
@@ -36,6 +38,14 @@ CHECKPOINTS = "checkpoints"
 TENSORBOARD = "tensorboard"
 # What an attempt that never reached a checkpoint leaves: set aside when the next one starts.
 ATTEMPT_FILES = (ROLLOUTS, METRICS, EVALS)
+
+
+class RunFileError(ValueError):
+    """A run-directory file that is not what its format says (the message names file and line)."""
+
+
+def _why(exc: BaseException) -> str:
+    return getattr(exc, "strerror", None) or str(exc).splitlines()[0]
 
 
 def _file(name: str) -> property:
@@ -89,11 +99,56 @@ class RunDir:
         with open(self.metrics, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def read_metrics(self) -> list[dict]:
-        """metrics.jsonl's records, in order ([] without the file; blank lines skipped)."""
-        if not self.metrics.exists():
+    def metrics_records(self) -> list[tuple[int, dict]]:
+        """metrics.jsonl as (line number, record) pairs, in order ([] without the file; blank
+        lines skipped, as a resume does). Each record is an object with a step number >= 0."""
+        path = self.metrics
+        if not path.exists():
             return []
-        return [json.loads(ln) for ln in self.metrics.read_text().splitlines() if ln.strip()]
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RunFileError(f"{path}: unreadable ({_why(exc)})") from None
+        out = []
+        for k, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except (ValueError, RecursionError) as exc:
+                raise RunFileError(f"{path}:{k}: not a JSON line ({_why(exc)})") from None
+            step = rec.get("step") if isinstance(rec, dict) else None
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                raise RunFileError(f"{path}:{k}: not a metrics record (no step number)")
+            out.append((k, rec))
+        return out
+
+    def read_metrics(self) -> list[dict]:
+        """metrics.jsonl's records, in order (metrics_records without the line numbers)."""
+        return [rec for _, rec in self.metrics_records()]
+
+    def metrics_by_step(self) -> dict[int, dict]:
+        """metrics.jsonl by step (the last line of a step wins; {} without the file)."""
+        return {rec["step"]: rec for rec in self.read_metrics()}
+
+    def read_generators(self) -> list:
+        """generators.json: each generator's GeneratorStats ([] without the file)."""
+        from ..transport.messages import GeneratorStats
+        path = self.generators
+        if not path.exists():
+            return []
+        try:
+            recs = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(recs, list):
+                raise ValueError("not a list of generators")
+            return [GeneratorStats(**r) for r in recs]
+        except (OSError, UnicodeDecodeError, ValueError, TypeError, RecursionError) as exc:
+            raise RunFileError(f"{path}: not a readable generators file ({_why(exc)})") from None
+
+    def write_generators(self, stats: list) -> None:
+        """generators.json from each generator's GeneratorStats."""
+        from dataclasses import asdict
+        self.generators.write_text(json.dumps([asdict(s) for s in stats], indent=1))
 
     def read_all_evals(self) -> list[dict]:
         """eval.json's evaluations ([] without the file)."""

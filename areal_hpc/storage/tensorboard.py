@@ -15,12 +15,11 @@ the held-out evaluations, ``generator/<rank>/<field>`` for each generator's tota
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
 
-from .run_dir import METRICS
+from .run_dir import RunDir
 from .run_dir import TENSORBOARD as SUBDIR
 
 log = logging.getLogger(__name__)
@@ -71,11 +70,8 @@ class TensorBoardLog:
         for old in out.glob("events.out.tfevents.*"):
             old.unlink()
         tb = cls(SummaryWriter(log_dir=str(out), flush_secs=3600))
-        metrics = Path(run_dir) / METRICS
-        if metrics.exists():
-            for line in metrics.read_text().splitlines():
-                if line.strip():
-                    tb.step(json.loads(line), flush=False)
+        for rec in RunDir(run_dir).read_metrics():
+            tb.step(rec, flush=False)
         for e in evals:
             tb.evaluation(e, flush=False)
         tb.writer.flush()
@@ -100,21 +96,16 @@ class TensorBoardLog:
         if flush:
             self.writer.flush()
 
-    def generators(self, path: Path, step: int) -> None:
+    def generators(self, run_dir: Path, step: int) -> None:
         """Each generator's totals (generators.json) at the run's last step."""
-        from ..rollout.controller import busy_share, engine_share
-
-        if not Path(path).exists():
-            return
-        for st in json.loads(Path(path).read_text()):
-            prefix = f"generator/{st['rank']}"
-            self.writer.add_scalar(f"{prefix}/busy_share", busy_share(st["seconds"]), step)
-            self.writer.add_scalar(f"{prefix}/engine_share",
-                                   engine_share(st["seconds"], st.get("engine_s", 0.0)), step)
-            self.writer.add_scalar(f"{prefix}/tokens", float(st["tokens"]), step)
-            for bucket, seconds in st["seconds"].items():
+        for st in RunDir(run_dir).read_generators():
+            prefix = f"generator/{st.rank}"
+            self.writer.add_scalar(f"{prefix}/busy_share", st.busy_share(), step)
+            self.writer.add_scalar(f"{prefix}/engine_share", st.engine_share(), step)
+            self.writer.add_scalar(f"{prefix}/tokens", float(st.tokens), step)
+            for bucket, seconds in st.seconds.items():
                 self.writer.add_scalar(f"{prefix}/seconds_{bucket}", float(seconds), step)
-            for what, n in st.get("reward", {}).items():
+            for what, n in st.reward.items():
                 self.writer.add_scalar(f"{prefix}/reward_{what}", float(n), step)
         self.writer.flush()
 

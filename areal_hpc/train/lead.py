@@ -164,7 +164,7 @@ class Lead(Follower):
             self.run.write_evals(self.evals)
             self.progress.eval_table(self.evals)
             if self.tb is not None:
-                self.tb.generators(self.run.generators, version)
+                self.tb.generators(self.run.path, version)
         if self.tb is not None:
             self.tb.close()
 

@@ -149,9 +149,15 @@ class EvalResult:
     seconds: float
 
 
+# The generator's buckets of its own loop work (GeneratorStats.seconds; older files hold only
+# "other", or none).
+LOOP_WORK = ("submit", "send", "other")
+
+
 @dataclass(frozen=True, slots=True)
 class GeneratorStats:
-    """A generator's totals at its stop (written to generators.json)."""
+    """A generator's totals at its stop (generators.json holds one per generator: written and
+    read by storage/run_dir.py), with the shares every report derives from them."""
     TAG: ClassVar[Tag] = Tag.STATS
     rank: int
     tokens: int
@@ -161,6 +167,31 @@ class GeneratorStats:
     stale_aborted: int = 0          # training groups stopped mid-generation as too stale
     engine_s: float = 0.0           # of the span, seconds its engine had training work: see
                                     # Generator._tick (overlaps the loop's buckets)
+
+    def span_s(self) -> float:
+        """From the first training prompt until the run's last batch is taken (every bucket),
+        held-out evaluations set apart."""
+        return sum(v for k, v in self.seconds.items() if k != "eval")
+
+    def busy_share(self) -> float:
+        """The loop's time inside the engine's step over the span."""
+        total = self.span_s()
+        return self.seconds["busy"] / total if total > 0 else 0.0
+
+    def engine_share(self) -> float:
+        """The share of the span in which the engine had training requests to generate, not
+        paused for a weight update. The engine generates in its own process while the loop
+        works, so this is the generation resource's busy share."""
+        total = self.span_s()
+        return min(1.0, self.engine_s / total) if total > 0 else 0.0
+
+    def loop_work(self) -> float:
+        """Seconds of the span spent in the generator's own loop (LOOP_WORK buckets)."""
+        return sum(self.seconds.get(k, 0.0) for k in LOOP_WORK)
+
+    def idle_s(self) -> float:
+        """Seconds with nothing to generate, waiting for scores included."""
+        return self.seconds.get("idle", 0.0) + self.seconds.get("idle_scoring", 0.0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -121,8 +121,8 @@ def _fake_run(d: Path, with_log: bool) -> Path:
               "response_len": 40.0 + i, "staleness_mean": 0.5} for i in range(3)]
     (d / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
     (d / "generators.json").write_text(json.dumps([
-        {"tokens": 10000, "seconds": {"busy": 10.0, "pause": 1, "idle": 1, "eval": 0, "idle_scoring": 0}},
-        {"tokens": 10000, "seconds": {"busy": 10.0, "pause": 1, "idle": 1, "eval": 0, "idle_scoring": 0}}]))
+        {"rank": r, "version": 2, "reward": {}, "tokens": 10000,
+         "seconds": {"busy": 10.0, "pause": 1, "idle": 1, "eval": 0, "idle_scoring": 0}} for r in (1, 2)]))
     (d / "config.yaml").write_text(TINY.read_text())
     if with_log:
         from areal_hpc.storage.rollout_log import RolloutWriter

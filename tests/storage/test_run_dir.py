@@ -1,8 +1,14 @@
 """RunDir: the run directory's file names and its housekeeping across attempts."""
+import ast
 import json
+import re
+from pathlib import Path
+
+import pytest
 
 from areal_hpc.storage.checkpoint import step_dir
-from areal_hpc.storage.run_dir import RunDir
+from areal_hpc.storage.run_dir import RunDir, RunFileError
+from areal_hpc.transport.messages import GeneratorStats
 from areal_hpc.storage.tensorboard import SUBDIR
 
 
@@ -44,3 +50,76 @@ def test_a_resume_keeps_the_metrics_and_evals_of_steps_it_does_not_train_again(t
              {"label": "step 4", "step": 4}, {"label": "final", "step": 2}]
     run.write_evals(evals)
     assert run.read_evals(up_to_step=3) == evals[:2]
+
+
+def test_metrics_are_read_here_with_the_bad_line_named(tmp_path):
+    run = RunDir(tmp_path)
+    assert run.metrics_records() == [] and run.metrics_by_step() == {}
+    run.metrics.write_text('{"step": 0, "loss": 1}\n\n{"step": 1, "loss": 2}\n{"step": 1, "loss": 3}\n')
+    assert run.metrics_records() == [(1, {"step": 0, "loss": 1}), (3, {"step": 1, "loss": 2}),
+                                     (4, {"step": 1, "loss": 3})]
+    assert run.metrics_by_step()[1]["loss"] == 3                # the last line of a step wins
+    for text, where in (('{"step": 0}\n{"step": 1, "los', ":2: not a JSON line"),
+                        ('{"step": 0}\n[1, 2]\n', ":2: not a metrics record"),
+                        ('{"step": -1}\n', ":1: not a metrics record"),
+                        ('{"step": true}\n', ":1: not a metrics record")):
+        run.metrics.write_text(text)
+        with pytest.raises(RunFileError, match=re.escape(str(run.metrics) + where)):
+            run.read_metrics()
+    run.metrics.write_bytes(b"\xff\xfe")
+    with pytest.raises(RunFileError, match="unreadable"):
+        run.read_metrics()
+
+
+def test_generator_stats_round_trip_and_older_files_read(tmp_path):
+    run = RunDir(tmp_path)
+    assert run.read_generators() == []
+    st = [GeneratorStats(rank=r, tokens=10 * r, seconds={"busy": 1.0, "idle": 1.0}, version=2,
+                         reward={"calls": 3}, engine_s=0.5) for r in (1, 2)]
+    run.write_generators(st)
+    assert run.read_generators() == st
+    # a file from before stale_aborted and engine_s were recorded
+    run.generators.write_text(json.dumps([{"rank": 1, "tokens": 5, "seconds": {"busy": 1.0},
+                                           "version": 0, "reward": {}}]))
+    assert run.read_generators()[0].engine_s == 0.0
+    for bad in ('{"rank": 1}', '[{"rank": 1}]', '[{"rank": 1, "tokens": 5, "seconds": {}, '
+                '"version": 0, "reward": {}, "surprise": 1}]', "[1, "):
+        run.generators.write_text(bad)
+        with pytest.raises(RunFileError, match=re.escape(str(run.generators)) + ": not a readable"):
+            run.read_generators()
+
+
+def _path_uses(tree: ast.AST, names: set[str], consts: set[str]) -> list[int]:
+    """Lines where code builds a path to one of the files (`x / "metrics.jsonl"`, open("…")) or
+    takes run_dir's name constant for it."""
+    hits = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            if any(isinstance(s, ast.Constant) and s.value in consts for s in (node.left, node.right)):
+                hits.append(node.lineno)
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "open":
+            if node.args and isinstance(node.args[0], ast.Constant) and \
+                    any(c in str(node.args[0].value) for c in consts):
+                hits.append(node.lineno)
+        elif isinstance(node, ast.Attribute) and node.attr in names:
+            hits.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and any(a.name in names for a in node.names):
+            hits.append(node.lineno)
+    return hits
+
+
+def test_the_run_files_have_one_reader_and_one_writer():
+    """metrics.jsonl, eval.json and generators.json are opened in storage/run_dir.py only: the
+    rest of the package (and the tools) ask RunDir."""
+    root = Path(__file__).resolve().parents[2]
+    names, consts = {"METRICS", "EVALS", "GENERATORS"}, {"metrics.jsonl", "eval.json", "generators.json"}
+    found = {}
+    for path in [*(root / "areal_hpc").rglob("*.py"), *(root / "tools").glob("*.py")]:
+        if path.name == "run_dir.py" and path.parent.name == "storage":
+            continue
+        hits = _path_uses(ast.parse(path.read_text()), names, consts)
+        if hits:
+            found[str(path.relative_to(root))] = hits
+    assert found == {}
+    assert _path_uses(ast.parse('p = d / "metrics.jsonl"\nopen("eval.json")\nrun_files.GENERATORS'),
+                      names, consts) == [1, 2, 3]         # the check sees each kind of use

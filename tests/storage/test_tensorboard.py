@@ -56,7 +56,7 @@ def test_generator_totals_are_written_at_the_last_step(tmp_path):
         "rank": 1, "tokens": 1000, "version": 4, "reward": {"calls": 10, "errors": 1},
         "seconds": {"busy": 8.0, "pause": 1.0, "eval": 2.0, "idle": 1.0, "idle_scoring": 0.0}}]))
     tb = TensorBoardLog.open(tmp_path)
-    tb.generators(tmp_path / "generators.json", 4)
+    tb.generators(tmp_path, 4)
     tb.close()
     got = read_scalars(tmp_path)
     assert (got["generator/1/busy_share"][0][0], round(got["generator/1/busy_share"][0][1], 6)) == (4, 0.8)
