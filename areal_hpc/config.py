@@ -3,13 +3,13 @@
 Every field has a simple type so the whole tree serialises (into the rollout HDF5 attributes and
 checkpoint manifests) and back. Unknown keys and wrong types are errors that name the key; they
 are raised by `load()` before any rank starts work. Every numeric key has a range (`RANGES`),
-checked by `validate()`; `check_paths()` checks the model directory and the datasets. Every
+checked by `validate()`. No file but the YAML is read here: the model directory, the datasets
+and every other start-up check are preflight.py's. Every
 refusal is one `ConfigError` line naming the key, file or row.
 """
 from __future__ import annotations
 
 import io
-import json
 import logging
 import math
 import re
@@ -571,6 +571,33 @@ RANGES: dict[str, Range] = {
 # train.off_policy's choices (algo/ppo.py OffPolicy says what each does).
 OFF_POLICY_OBJECTIVES = ("decoupled", "trust_region", "token_mask", "seq_mask", "naive")
 
+# Every key whose value is one of a few names (None: null), checked once by `check_choices`.
+CHOICES: dict[str, tuple] = {
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "data.kind": ("math", "code"),
+    "topology.device": ("cpu", "cuda"),
+    "topology.trainer_backend": ("gloo", "nccl"),
+    "topology.weight_backend": ("gloo", "nccl"),
+    "rollout.mode": ("async", "sync"),
+    "rollout.stale_policy": ("reissue", "drop", "keep"),
+    "train.prox": ("recompute", "loglinear", "behaviour"),
+    "train.off_policy": OFF_POLICY_OBJECTIVES,
+    "train.overlong": ("keep", "filter", "shape"),
+    "train.attention": ("auto", "varlen", "mask"),
+    "train.recompute_granularity": (None, "selective", "full"),
+    "train.lr_decay_style": ("constant", "linear", "cosine"),
+    "train.reward_norm": ("group", "none"),
+    "train.adv_norm": ("batch", "none"),
+    "weights.mode": ("broadcast", "disk"),
+    "checkpoint.resume": ("auto", "never"),
+}
+
+
+def _names(choices: tuple) -> str:
+    """("a", "b", None) -> "a, b or null"."""
+    words = ["null" if c is None else str(c) for c in choices]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
 # Preemption signals must be catchable (KILL, STOP are not), not synchronous faults (a handler
 # that returns re-runs the faulting instruction) and not CHLD (every child process exit sends it).
 UNUSABLE_SIGNALS = ("KILL", "STOP", "SEGV", "BUS", "FPE", "ILL", "CHLD")
@@ -591,6 +618,12 @@ def check_ranges(cfg: RunConfig) -> None:
         problem = rng.problem(value)
         if problem:
             raise ConfigError(f"config key '{key}': {problem}")
+
+
+def check_choices(cfg: RunConfig) -> None:
+    for key, choices in CHOICES.items():
+        value = _get(cfg, key)
+        _check(value in choices, key, f"must be {_names(choices)}, got {value!r}")
 
 
 def check_signals(names: list) -> None:
@@ -635,26 +668,15 @@ def validate(cfg: RunConfig) -> None:
     """Semantic checks that types alone cannot express."""
     t, r, tr = cfg.topology, cfg.rollout, cfg.train
     check_ranges(cfg)       # first: the checks below may divide by these
-    _check(t.n_generators >= 1, "topology.n_generators", "need at least one generator rank")
-    _check(t.n_trainers >= 1, "topology.n_trainers", "need at least one trainer rank")
-    _check(t.tp >= 1 and t.pp >= 1, "topology.tp", "tp and pp must be >= 1")
+    check_choices(cfg)
     _check(t.n_trainers % (t.tp * t.pp) == 0, "topology.n_trainers",
            f"{t.n_trainers} trainer ranks are not a multiple of tp*pp = {t.tp * t.pp}")
-    _check(t.device in ("cpu", "cuda"), "topology.device", f"must be cpu or cuda, got {t.device!r}")
-    for key in ("trainer_backend", "weight_backend"):
-        _check(getattr(t, key) in ("gloo", "nccl"), f"topology.{key}",
-               f"must be gloo or nccl, got {getattr(t, key)!r}")
     from .launch.cpus import parse_cpus
     for key in ("trainer_cpus", "generator_cpus"):
         try:
             parse_cpus(getattr(t, key), f"topology.{key}")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-    _check(cfg.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype",
-           f"must be float32, bfloat16 or float16, got {cfg.model.dtype!r}")
-    _check(r.mode in ("async", "sync"), "rollout.mode", f"must be async or sync, got {r.mode!r}")
-    _check(r.group_size >= 1, "rollout.group_size", "must be >= 1")
-    _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
     _check(r.max_new_tokens < r.max_model_len, "rollout.max_new_tokens",
            f"{r.max_new_tokens} leaves no room for a prompt in rollout.max_model_len = "
            f"{r.max_model_len}")
@@ -662,17 +684,8 @@ def validate(cfg: RunConfig) -> None:
     _check(bool(cfg.name) and not name.is_absolute() and ".." not in name.parts
            and "\0" not in cfg.name, "name",
            f"must be a folder name inside output_dir (not absolute, no '..'), got {cfg.name!r}")
-    _check(r.temperature > 0, "rollout.temperature", "must be > 0 (behaviour log-probs need sampling)")
-    _check(r.max_staleness >= 0, "rollout.max_staleness", "η must be >= 0")
-    _check(r.max_concurrent_prompts >= 1, "rollout.max_concurrent_prompts", "must be >= 1")
-    _check(r.stale_policy in ("reissue", "drop", "keep"), "rollout.stale_policy",
-           f"must be reissue, drop or keep, got {r.stale_policy!r}")
-    _check(r.heartbeat_s > 0, "rollout.heartbeat_s", "must be > 0")
     _check(r.generator_timeout_s > 2 * r.heartbeat_s, "rollout.generator_timeout_s",
            f"must exceed two heartbeats (2 * rollout.heartbeat_s = {2 * r.heartbeat_s})")
-    _check(r.engine_tp >= 1, "rollout.engine_tp",
-           f"vLLM workers per generator engine must be >= 1, got {r.engine_tp}")
-    _check(cfg.data.kind in ("math", "code"), "data.kind", f"must be math or code, got {cfg.data.kind!r}")
     _check(1 <= cfg.reward.workers <= MAX_REWARD_WORKERS, "reward.workers",
            f"must be in [1, {MAX_REWARD_WORKERS}] (processes per generator), got {cfg.reward.workers}")
     for key in ("math_timeout_s", "fn_timeout_s"):
@@ -687,24 +700,10 @@ def validate(cfg: RunConfig) -> None:
         specs_of(cfg)
     except RewardFnError as exc:
         raise ConfigError(str(exc)) from None
-    _check(tr.total_steps >= 1, "train.total_steps", "must be >= 1")
-    _check(tr.batch_prompts >= 1, "train.batch_prompts", "must be >= 1")
-    _check(tr.dual_clip is None or tr.dual_clip > 1, "train.dual_clip", "must be > 1 (or null)")
     _check(tr.max_tokens_per_mb >= r.max_model_len, "train.max_tokens_per_mb",
            f"must hold one whole sequence: >= rollout.max_model_len = {r.max_model_len}")
-    _check(tr.prox in ("recompute", "loglinear", "behaviour"), "train.prox",
-           f"must be recompute, loglinear or behaviour, got {tr.prox!r}")
-    _check(tr.off_policy in OFF_POLICY_OBJECTIVES, "train.off_policy",
-           f"must be one of {', '.join(OFF_POLICY_OBJECTIVES)}, got {tr.off_policy!r}")
-    _check(tr.overlong in ("keep", "filter", "shape"), "train.overlong",
-           f"must be keep, filter or shape, got {tr.overlong!r}")
     _check(tr.overlong != "shape" or tr.overlong_buffer < r.max_new_tokens, "train.overlong_buffer",
            f"must be below rollout.max_new_tokens = {r.max_new_tokens} (the ramp ends there)")
-    _check(tr.attention in ("auto", "varlen", "mask"), "train.attention",
-           f"must be auto, varlen or mask, got {tr.attention!r}")
-    _check(tr.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens", "must be >= 1")
-    _check(tr.recompute_granularity in (None, "selective", "full"), "train.recompute_granularity",
-           f"must be null, selective or full, got {tr.recompute_granularity!r}")
     if tr.recompute_granularity == "full":
         _check(tr.recompute_method in ("uniform", "block"), "train.recompute_method",
                f"full recompute needs uniform or block, got {tr.recompute_method!r}")
@@ -714,34 +713,15 @@ def validate(cfg: RunConfig) -> None:
         _check(tr.recompute_method is None and tr.recompute_num_layers is None,
                "train.recompute_method", "only with train.recompute_granularity=full")
     _check(not tr.sequence_parallel or t.tp > 1, "train.sequence_parallel", "needs topology.tp > 1")
-    _check(t.gpu_mem_gib >= 0, "topology.gpu_mem_gib", "must be >= 0 (0 = no memory preflight)")
     dp = t.n_trainers // (t.tp * t.pp)
-    _check(tr.ppo_minibatches >= 1, "train.ppo_minibatches", "must be >= 1")
     _check(tr.batch_prompts * r.group_size >= tr.ppo_minibatches * dp, "train.ppo_minibatches",
            f"{tr.batch_prompts * r.group_size} sequences per step cannot fill {tr.ppo_minibatches} "
            f"minibatches on each of {dp} data-parallel ranks")
-    _check(tr.lr > 0 and 0 <= tr.min_lr <= tr.lr, "train.min_lr", "need 0 <= min_lr <= lr and lr > 0")
-    _check(tr.lr_decay_style in ("constant", "linear", "cosine"), "train.lr_decay_style",
-           f"must be constant, linear or cosine, got {tr.lr_decay_style!r}")
-    _check(tr.lr_warmup_steps >= 0, "train.lr_warmup_steps", "must be >= 0")
+    _check(tr.min_lr <= tr.lr, "train.min_lr", f"must be <= train.lr = {tr.lr}, got {tr.min_lr}")
     decay = tr.lr_decay_steps if tr.lr_decay_steps is not None else tr.total_steps * tr.ppo_minibatches
     _check(decay > tr.lr_warmup_steps, "train.lr_decay_steps",
            f"must exceed lr_warmup_steps = {tr.lr_warmup_steps} (got {decay} optimizer steps)")
-    _check(tr.reward_scaling > 0 and tr.reward_clip > 0, "train.reward_scaling",
-           "reward_scaling and reward_clip must be > 0")
-    _check(tr.reward_norm in ("group", "none"), "train.reward_norm",
-           f"must be group or none, got {tr.reward_norm!r}")
-    _check(tr.adv_norm in ("batch", "none"), "train.adv_norm", f"must be batch or none, got {tr.adv_norm!r}")
-    _check(cfg.weights.bucket_mb >= 1, "weights.bucket_mb", "must be >= 1")
-    _check(cfg.weights.mode in ("broadcast", "disk"), "weights.mode",
-           f"must be broadcast or disk, got {cfg.weights.mode!r}")
-    _check(cfg.weights.timeout_s > 0 and cfg.weights.join_timeout_s > 0, "weights.timeout_s",
-           "timeout_s and join_timeout_s must be > 0")
-    ck = cfg.checkpoint
-    _check(ck.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
-    _check(ck.keep >= 1, "checkpoint.keep", "must be >= 1")
-    _check(ck.resume in ("auto", "never"), "checkpoint.resume", f"must be auto or never, got {ck.resume!r}")
-    check_signals(ck.signals)
+    check_signals(cfg.checkpoint.signals)
     check_template(cfg.data.prompt_template, cfg.data.kind)
 
 
@@ -751,188 +731,3 @@ def to_yaml(cfg: RunConfig) -> str:
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-
-
-def check_paths(cfg: RunConfig) -> None:
-    """Inputs that must exist before any rank starts work (clear message, not a deep traceback)."""
-    model = Path(cfg.model.path)
-    if not (model / "config.json").is_file():
-        hint = " (build the tiny one with: python tools/make_tiny_model.py --out models/tiny)"
-        raise ConfigError(f"config key 'model.path': no HF model at {model} (config.json missing){hint}")
-    from .storage.run_dir import RunDir
-    log = RunDir(cfg.run_dir).rollouts
-    if log.exists() and cfg.checkpoint.resume == "never":
-        raise ConfigError(f"config key 'name': run {cfg.name!r} already has {log}; choose another "
-                          f"name=..., remove {cfg.run_dir}, or resume it with checkpoint.resume=auto")
-    from .reward.custom import RewardFnError, check
-    try:        # the user's reward functions import, and take (completion, reference, row)
-        check(cfg)
-    except RewardFnError as exc:
-        raise ConfigError(str(exc)) from None
-    from .data.prompts import load_prompts_of
-    sample, datasets = None, {}
-    for key, value in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
-        if value is None:
-            continue
-        if not Path(value).exists():
-            raise ConfigError(f"config key '{key}': file not found: {value}")
-        try:    # every row parsed now, so a bad line stops the job before any rank starts
-            rows = load_prompts_of(cfg, value)
-        except (ValueError, OSError) as exc:
-            raise ConfigError(f"config key '{key}': {_one_line(exc)}") from None
-        if not rows:
-            raise ConfigError(f"config key '{key}': {value} holds no rows")
-        from .reward.math import MAX_ANSWER_CHARS
-        long_ref = next((i for i, r in enumerate(rows) if r["reward_kind"] == "math"
-                         and isinstance(r["reference"], str)
-                         and len(r["reference"]) > MAX_ANSWER_CHARS), None)
-        if long_ref is not None:    # the reward would parse it with sympy for every sample
-            raise ConfigError(f"config key '{key}': row {long_ref}: its answer is "
-                              f"{len(rows[long_ref]['reference'])} characters (at most "
-                              f"{MAX_ANSWER_CHARS}: an answer, not a solution)")
-        if key == "data.train_path":
-            sample = rows[0]
-        datasets[key] = rows
-    check_model_dir(cfg, sample, datasets)
-
-
-def _one_line(exc: BaseException) -> str:
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    return lines[0] if lines else type(exc).__name__
-
-
-# What the trainer converts (train/hf_convert.py: Qwen2 <-> Megatron GPTModel).
-SUPPORTED_MODEL_TYPES = ("qwen2",)
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
-
-
-def read_json(path: Path) -> Any:
-    """A JSON file; unreadable, non-UTF-8 or bad JSON is one ConfigError line naming file and line."""
-    text = _read_utf8(path, "it")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}:{exc.lineno}:{exc.colno}: bad JSON: {exc.msg}") from None
-    except RecursionError:
-        raise ConfigError(f"{path}: bad JSON: nested too deeply") from None
-
-
-def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def check_model_config(cfg: RunConfig, hf: Any, source: str) -> None:
-    """`hf` (a config.json) describes a model the trainer converts and vLLM serves with this
-    config's parallelism and lengths."""
-    if not isinstance(hf, dict):
-        raise ConfigError(f"{source}: expected a JSON object, got {type(hf).__name__}")
-    mt, archs = hf.get("model_type"), hf.get("architectures")
-    supported = (f"supported: model_type {', '.join(SUPPORTED_MODEL_TYPES)} "
-                 f"({', '.join(SUPPORTED_ARCHITECTURES)})")
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"{source}: model_type {mt!r} is not supported ({supported})")
-    if archs is not None and not (isinstance(archs, list)
-                                  and any(a in SUPPORTED_ARCHITECTURES for a in archs)):
-        raise ConfigError(f"{source}: architectures {archs!r} is not supported ({supported})")
-    from .plan import Arch     # hidden_size, heads, layers, intermediate_size, vocab_size, kv heads
-    arch = Arch.from_hf(hf, source)
-    mpe = hf.get("max_position_embeddings")
-    if not _positive_int(mpe):
-        raise ConfigError(f"{source}: key 'max_position_embeddings' "
-                          + ("missing" if mpe is None else f"must be a positive integer, got {mpe!r}"))
-    eps = hf.get("rms_norm_eps", 1e-6)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < 1):
-        raise ConfigError(f"{source}: key 'rms_norm_eps' must be a number in (0, 1), got {eps!r}")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (silu only)")
-    if hf.get("use_sliding_window", False):
-        raise ConfigError(f"{source}: use_sliding_window is not supported")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        raise ConfigError(f"{source}: rope_parameters / rope_scaling must be an object, got {rope!r}")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError(f"{source}: rope scaling {rope_type!r} is not supported (default only)")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (0 < theta < math.inf):
-        raise ConfigError(f"{source}: key 'rope_theta' must be a positive number, got {theta!r}")
-    if not isinstance(hf.get("tie_word_embeddings", False), bool):
-        raise ConfigError(f"{source}: key 'tie_word_embeddings' must be true or false")
-    t, r, tr = cfg.topology, cfg.rollout, cfg.train
-    _check(r.max_model_len <= mpe, "rollout.max_model_len",
-           f"{r.max_model_len} exceeds max_position_embeddings = {mpe} of {source} (vLLM refuses it)")
-    _check(arch.layers % t.pp == 0, "topology.pp",
-           f"num_hidden_layers = {arch.layers} of {source} do not split over pp = {t.pp} stages")
-    for what, n in (("num_attention_heads", arch.heads), ("num_key_value_heads", arch.kv_heads),
-                    ("vocab_size", arch.vocab)):
-        _check(n % t.tp == 0, "topology.tp", f"{what} = {n} of {source} is not divisible by tp = {t.tp}")
-    etp = r.engine_tp
-    _check(arch.heads % etp == 0 and (arch.kv_heads % etp == 0 or etp % arch.kv_heads == 0),
-           "rollout.engine_tp", f"vLLM splits num_attention_heads = {arch.heads} and "
-           f"num_key_value_heads = {arch.kv_heads} of {source} over engine_tp = {etp}: they must divide")
-    if tr.recompute_num_layers is not None:
-        per_stage = arch.layers // t.pp
-        _check(tr.recompute_num_layers <= per_stage, "train.recompute_num_layers",
-               f"{tr.recompute_num_layers} exceeds the {per_stage} layers of a pipeline stage")
-
-
-TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
-
-
-def check_model_dir(cfg: RunConfig, sample: dict | None = None,
-                    datasets: dict[str, list[dict]] | None = None) -> None:
-    """The model directory, cheaply (no weights read): config.json, weight files, tokenizer (which
-    must turn `sample`, a dataset row in `data.prompt_template`, into at least one token, and
-    every row of `datasets`, {config key: rows}, into a prompt that fits rollout.max_model_len)."""
-    model = Path(cfg.model.path)
-    path = model / "config.json"
-    hf = read_json(path)
-    check_model_config(cfg, hf, str(path))
-    index = model / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = read_json(index)
-        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
-        if not isinstance(weight_map, dict):
-            raise ConfigError(f"{index}: no 'weight_map' object")
-        for shard in sorted(set(map(str, weight_map.values()))):
-            if not (model / shard).is_file():
-                raise ConfigError(f"config key 'model.path': {index} names {shard}, which is missing")
-    elif not any(model.glob("*.safetensors")):
-        raise ConfigError(f"config key 'model.path': no *.safetensors weights in {model}")
-    if not any((model / f).is_file() for f in TOKENIZER_FILES):
-        # (transformers 5 would build an empty Qwen2 tokenizer without complaint)
-        raise ConfigError(f"config key 'model.path': no tokenizer in {model} (none of "
-                          f"{', '.join(TOKENIZER_FILES)})")
-    try:
-        from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
-    except Exception as exc:    # noqa: BLE001 - whatever transformers raises, one line
-        raise ConfigError(f"config key 'model.path': the tokenizer in {model} does not load: "
-                          f"{type(exc).__name__}: {_one_line(exc)}") from None
-    if len(tokenizer) > hf["vocab_size"]:
-        raise ConfigError(f"config key 'model.path': the tokenizer in {model} has {len(tokenizer)} "
-                          f"tokens but {path} vocab_size = {hf['vocab_size']}")
-    if cfg.data.chat and not (cfg.data.chat_template or getattr(tokenizer, "chat_template", None)):
-        raise ConfigError(f"config key 'data.chat': the tokenizer in {model} has no chat template; "
-                          f"give one in data.chat_template (a Jinja template or its file)")
-    if sample is not None:
-        from .data.prompts import prompt_ids
-        text = cfg.data.prompt_template.format(question=sample["question"])
-        try:
-            ids = prompt_ids(tokenizer, cfg.data, sample["question"])
-        except Exception as exc:    # noqa: BLE001
-            key = "data.chat_template" if cfg.data.chat else "model.path"
-            raise ConfigError(f"config key '{key}': the tokenizer in {model} fails on the first "
-                              f"prompt: {type(exc).__name__}: {_one_line(exc)}") from None
-        if not ids:
-            raise ConfigError(f"config key 'model.path': the tokenizer in {model} turns the first "
-                              f"prompt {text[:60]!r} into no tokens")
-        if len(ids) >= cfg.rollout.max_model_len:
-            raise ConfigError(f"config key 'rollout.max_model_len': the first prompt is {len(ids)} "
-                              f"tokens, no room to generate in {cfg.rollout.max_model_len}")
-    from .data.prompts import too_long
-    for key, rows in (datasets or {}).items():
-        problem = too_long(tokenizer, cfg.data, rows, cfg.rollout.max_model_len)
-        if problem:
-            raise ConfigError(f"config key '{key}': {problem} (drop such rows or raise "
-                              "rollout.max_model_len)")

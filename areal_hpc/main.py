@@ -25,14 +25,12 @@ def _parse(argv):
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    from .config import ConfigError, check_paths, load, to_yaml
+    from .config import ConfigError, to_yaml
+    from .preflight import rank as preflight
     rank_env = (os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK")
                 or os.environ.get("SLURM_PROCID") or "0")
     try:
-        cfg = load(args.config, args.overrides)
-        check_paths(cfg)
-        from .versions import check_versions  # this node's torch / vLLM / Megatron releases
-        check_versions(cfg.topology.device)
+        cfg = preflight(args.config, args.overrides)     # on this rank's node
     except (ConfigError, FileNotFoundError) as exc:
         if rank_env == "0":
             print(f"error: {exc}", file=sys.stderr)

@@ -105,7 +105,6 @@ class Topology:
         role_comm.Set_name(f"{role} communicator")       # named in collective timeouts
         # Ranks of this role on this node, by Slurm node name: fake nodes of a local cluster (and
         # containers) share a host, where MPI's shared-memory split would count them as one node.
-        from .launch.placement import local_index, node_name
         local_rank, local_size = local_index(role_comm.allgather(node_name()), role_comm.Get_rank())
         hosts = world.allgather(socket.gethostname())
         return cls(cfg=cfg, world=world, role_comm=role_comm, rank=rank, role=role,
@@ -158,3 +157,17 @@ class Topology:
             backend=self.cfg.trainer_backend,
             init_method=f"tcp://{self.controller_addr}:{self.trainer_port}",
             rank=self.role_rank, world_size=self.cfg.n_trainers)
+
+
+def node_name(env=None) -> str:
+    """The Slurm node this task runs on (SLURMD_NODENAME; fake nodes of a local cluster share a
+    host name), else the host name."""
+    env = os.environ if env is None else env
+    return env.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def local_index(nodes: list[str], me: int) -> tuple[int, int]:
+    """(index of rank `me` among the ranks on its node, ranks on that node), from every rank's
+    node name in rank order."""
+    mine = nodes[me]
+    return sum(1 for n in nodes[:me] if n == mine), nodes.count(mine)

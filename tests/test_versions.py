@@ -135,9 +135,10 @@ def test_unknown_device():
 def test_launcher_stops_with_one_line_error(monkeypatch, capsys):
     """`python -m areal_hpc.launch.env` checks versions right after loading the config: a
     mismatch is `error: <one line>` and exit 2, before the tiny model or any path is touched."""
+    from areal_hpc import preflight
     from areal_hpc.launch import env
 
-    monkeypatch.setattr(env, "ensure_tiny_model", lambda cfg: pytest.fail("reached ensure_tiny_model"))
+    monkeypatch.setattr(preflight, "ensure_tiny_model", lambda cfg: pytest.fail("reached ensure_tiny_model"))
     _fake(monkeypatch, {"megatron-core": "0.17.0"})
     assert env.main([str(ROOT / "configs/tiny_cpu.yaml")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

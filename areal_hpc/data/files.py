@@ -72,7 +72,6 @@ def iter_rows(path: str | os.PathLike, required_keys: tuple[str, ...] = ()) -> I
         raise FileNotFoundError(f"dataset file not found: {path!r}")
     kind = dataset_format(path)
     if kind == "jsonl":
-        from .jsonl import iter_objects
         for where, obj in iter_objects(path, ()):
             _require(where, obj, required_keys)
             yield where, obj
@@ -154,3 +153,47 @@ def _hf_batches(path: str) -> Iterator[list[dict]]:
         batch = ds[start:start + 4096]          # column -> values
         cols = list(batch)
         yield [dict(zip(cols, values)) for values in zip(*(batch[c] for c in cols))]
+
+
+def iter_objects(path: str | os.PathLike, required_keys: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
+    """``(where, obj)`` for every non-blank line of ``path``; ``where`` is ``"path:lineno"``.
+
+    Raises FileNotFoundError if ``path`` does not exist, and ValueError naming the file and the
+    1-based line number for a line that is not UTF-8 text, not a JSON object or lacks one of
+    ``required_keys``.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"dataset file not found: {path!r}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                yield from _parse_line(path, lineno, line, required_keys)
+    except UnicodeDecodeError as e:
+        # Text mode decodes ahead of the line it hands out: find the line in the bytes.
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, start=1):
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError as bad:
+                    raise ValueError(f"{path}:{n}: not UTF-8 text (byte 0x{raw[bad.start]:02x}: "
+                                     f"{bad.reason})") from None
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason})") from None
+
+
+def _parse_line(path: str, lineno: int, line: str, required_keys: tuple[str, ...]):
+    if not line.strip():
+        return
+    where = f"{path}:{lineno}"
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: bad JSON: {e.msg}") from e
+    except RecursionError:
+        raise ValueError(f"{where}: bad JSON: nested too deeply") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    for key in required_keys:
+        if key not in obj:
+            raise ValueError(f"{where}: missing key {key!r} (keys: {sorted(obj)})")
+    yield where, obj

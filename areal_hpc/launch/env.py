@@ -14,19 +14,13 @@ from __future__ import annotations
 
 import os
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 from .. import determinism
-from ..config import ConfigError, RunConfig, check_paths, load
+from ..config import ConfigError, RunConfig
+from ..preflight import launcher as prepare
 from .placement import GENERATOR, TRAINER, gpus_needed
-
-TINY_MODEL = Path("models/tiny")
-# The models the project builds itself when a config names them and they are not there yet:
-# path -> tools/make_tiny_model.py arguments.
-BUILT_MODELS = {TINY_MODEL: [], Path("models/tiny_answer"): ["--format", "answer"]}
-
 
 def rank_env(cfg: RunConfig) -> dict[str, str]:
     """Defaults for every rank's environment: one compute thread each on a small CPU box, vLLM's
@@ -59,39 +53,6 @@ def merged_env(cfg: RunConfig) -> dict[str, str]:
 def export_lines(cfg: RunConfig) -> list[str]:
     """`export K=V` shell lines for the rank-environment defaults not set in this environment."""
     return [f"export {k}={shlex.quote(v)}" for k, v in rank_env(cfg).items() if k not in os.environ]
-
-
-def ensure_tiny_model(cfg: RunConfig) -> None:
-    """Build the tiny model (or its "Answer: N" variant) that the config names, once."""
-    for path, args in BUILT_MODELS.items():
-        if Path(cfg.model.path).resolve() == path.resolve() and not (path / "config.json").exists():
-            print(f"[launch] building the tiny model in {path} (once, a few minutes)",
-                  file=sys.stderr, flush=True)
-            subprocess.run([sys.executable, "tools/make_tiny_model.py", "--out", str(path), *args],
-                           check=True, stdout=sys.stderr)
-
-
-def prepare(config: str, overrides: list[str]) -> RunConfig:
-    """Load and validate the config, check that every rank's memory estimate fits its GPU
-    (`areal_hpc.plan.check_fits`; before the paths, which a login node may not have) and that a
-    step and its checkpoint fit the preemption signal's lead (`areal_hpc.plan.budget`), build the
-    tiny model if needed, check the input paths. Raises ConfigError with a message that names
-    the key."""
-    from ..plan import check_fits
-
-    cfg = load(config, overrides)
-    check_fits(cfg)
-    from ..plan.budget import check_time
-    check_time(cfg)  # topology.gpu set: a step + its checkpoint within the signal's lead (else a warning)
-    from ..versions import check_versions  # VersionMismatch: installed torch/vLLM/Megatron differ
-    check_versions(cfg.topology.device)
-    ensure_tiny_model(cfg)
-    check_paths(cfg)
-    from ..reward.sandbox import check_available
-    check_available(cfg)  # data.kind=code: refuse where code cannot be sandboxed (or warn if unsafe)
-    if cfg.deterministic:
-        print(f"[launch] {determinism.summary(cfg.topology.device)}", file=sys.stderr, flush=True)
-    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from ..config import ConfigError
 from .cpus import check_cpus, describe
-from .env import merged_env, prepare
+from ..preflight import launcher as prepare
+from .env import merged_env
 
 
 def mpiexec() -> str:

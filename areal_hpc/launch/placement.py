@@ -35,25 +35,11 @@ from dataclasses import asdict, dataclass, field
 
 from .cpus import format_cpus
 
-TRAINER, GENERATOR = "trainer", "generator"   # as topology.TRAINER / GENERATOR (no import circle)
+from ..topology import GENERATOR, TRAINER, local_index, node_name
 
 
 class PlacementError(ValueError):
     """A rank's GPUs, cores or network are not what the job needs; the message is one line."""
-
-
-def node_name(env=None) -> str:
-    """The Slurm node this task runs on (SLURMD_NODENAME; fake nodes of a local cluster share a
-    host name), else the host name."""
-    env = os.environ if env is None else env
-    return env.get("SLURMD_NODENAME") or socket.gethostname()
-
-
-def local_index(nodes: list[str], me: int) -> tuple[int, int]:
-    """(index of rank `me` among the ranks on its node, ranks on that node), from every rank's
-    node name in rank order."""
-    mine = nodes[me]
-    return sum(1 for n in nodes[:me] if n == mine), nodes.count(mine)
 
 
 def gpus_needed(topology, role: str, engine_tp: int) -> int:

@@ -7,7 +7,7 @@
 The job is the one the slurm/ batch scripts build: het component 0 holds topology.n_trainers
 tasks, component 1 topology.n_generators tasks, and one step `srun --het-group=0,1 --mpi=pmi2
 --kill-on-bad-exit=1` runs every rank in one MPI world. Each task runs `run_rank`, which is
-`areal_hpc.main` (after `launch.env.prepare` on the submitting host). With --local, or where
+`areal_hpc.main` (after `preflight.launcher` on the submitting host). With --local, or where
 there is no `sbatch`, the same recipe runs through the local launcher (mpiexec) instead.
 
 submitit has no API for heterogeneous jobs; `HetSlurmExecutor` splices `#SBATCH hetjob` and the
@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from ..config import ConfigError, TopologyConfig
 from ..preemption import EXIT_PREEMPTED
 from ..storage.run_dir import RunDir
-from .env import export_lines, prepare
+from ..preflight import launcher as prepare
+from .env import export_lines
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ checks them against the job's time limit and its preemption signal's lead.
 prints the FLOPs of one step, the seconds they take at the stated MFU, the weight update, the
 checkpoint, the generation of a batch at the stated throughput, and every assumption. The same
 numbers feed `check_time(cfg)`, which every launcher runs before any rank starts
-(`areal_hpc.launch.env.prepare`): it refuses, with one line naming the keys, a config whose
+(`areal_hpc.preflight.launcher`): it refuses, with one line naming the keys, a config whose
 single step plus its checkpoint cannot finish between the preemption signal and the time limit
 (a preempted job stops at the next step boundary, areal_hpc/preemption.py, so the step in
 progress and the checkpoint must fit in the lead), and warns when `checkpoint.every_steps` steps

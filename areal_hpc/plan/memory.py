@@ -6,7 +6,7 @@ prints, per rank kind, each memory term in GiB and the total against the GPU mem
 (one column per pipeline stage, the worst one marked) and the generator (one vLLM engine worker).
 Exit 0 when everything fits, 2 with one line `error: ...` naming the largest term of the rank that
 does not fit and the config keys that shrink it. `check_fits(cfg)` raises that line as a
-`ConfigError`; every launcher calls it (`areal_hpc.launch.env.prepare`) before any rank starts.
+`ConfigError`; every launcher calls it (`areal_hpc.preflight.launcher`) before any rank starts.
 It is skipped for `topology.device=cpu` and for `topology.gpu_mem_gib=0`.
 
 Architecture: `<model.path>/config.json`, else `configs/models/<basename of model.path>/

@@ -124,8 +124,8 @@ class Generator:
         self.watch: ControllerWatch | None = None   # the controller's liveness, from the loop's start
 
     def _start_children(self, cfg: RunConfig, topo: Topology) -> None:
-        from ..reward.sandbox import check_available
-        check_available(cfg)  # on this node: code rewards need the sandbox (or the unsafe opt-out)
+        from ..preflight import generator_node
+        generator_node(cfg)   # on this node: code rewards need the sandbox (or the unsafe opt-out)
         r = cfg.rollout
         self.engine = VLLMEngine(cfg.model.path, dtype=cfg.model.dtype, seed=cfg.train.seed + topo.rank,
                                  tensor_parallel_size=topo.engine_tp,

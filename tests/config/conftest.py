@@ -1,4 +1,4 @@
-"""A small, complete model directory and datasets for the input checks (no weights: check_paths
+"""A small, complete model directory and datasets for the input checks (no weights: check_inputs
 only looks for the safetensors files, it does not read them)."""
 import json
 from pathlib import Path

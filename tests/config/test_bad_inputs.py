@@ -1,4 +1,4 @@
-"""Bad configs, model directories and datasets: each is refused by load() / check_paths() with one
+"""Bad configs, model directories and datasets: each is refused by load() / check_inputs() with one
 ConfigError line naming the key, file or row, before any rank starts (issue 13)."""
 import json
 import re
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from areal_hpc.config import RANGES, ConfigError, RunConfig, check_paths, load
+from areal_hpc.config import RANGES, ConfigError, RunConfig, load
+from areal_hpc.preflight import check_inputs
 from tests.config.conftest import TINY_HF, write_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,7 +157,7 @@ MODELS = [
 
 @pytest.mark.parametrize("hf,extra,match", MODELS, ids=[m for _, _, m in MODELS])
 def test_bad_model_dir(tmp_path, datasets, hf, extra, match):
-    _refused(match, check_paths, _paths_cfg(_model(tmp_path, **hf), datasets["math"], *extra))
+    _refused(match, check_inputs, _paths_cfg(_model(tmp_path, **hf), datasets["math"], *extra))
 
 
 def _rm(*names):
@@ -188,7 +189,7 @@ MODEL_FILES = [
 
 @pytest.mark.parametrize("edit,match", MODEL_FILES, ids=[m for _, m in MODEL_FILES])
 def test_broken_model_files(tmp_path, datasets, edit, match):
-    _refused(match, check_paths, _paths_cfg(_model(tmp_path, edit), datasets["math"]))
+    _refused(match, check_inputs, _paths_cfg(_model(tmp_path, edit), datasets["math"]))
 
 
 DATA = [
@@ -212,16 +213,16 @@ def test_bad_dataset(model_dir, tmp_path, kind, data, match):
     p = tmp_path / "d.jsonl"
     p.write_bytes(data)
     cfg = _paths_cfg(model_dir, p, f"data.kind={kind}", f"output_dir={tmp_path}/runs")
-    _refused(match, check_paths, cfg)
+    _refused(match, check_inputs, cfg)
     eval_cfg = load(None, [f"model.path={model_dir}", f"data.train_path={p}", f"data.eval_path={p}",
                            f"data.kind={kind}", f"output_dir={tmp_path}/runs"])
-    _refused(match.replace("data\\.train_path", "data\\.(train|eval)_path"), check_paths, eval_cfg)
+    _refused(match.replace("data\\.train_path", "data\\.(train|eval)_path"), check_inputs, eval_cfg)
 
 
 def test_good_inputs_pass(model_dir, datasets, tmp_path):
-    check_paths(_paths_cfg(model_dir, datasets["math"], f"data.eval_path={datasets['math']}",
+    check_inputs(_paths_cfg(model_dir, datasets["math"], f"data.eval_path={datasets['math']}",
                            "data.prompt_template='Q: {question}\\nA: \\boxed{{}}'"))
-    check_paths(_paths_cfg(model_dir, datasets["code"], "data.kind=code", "data.question_key=prompt",
+    check_inputs(_paths_cfg(model_dir, datasets["code"], "data.kind=code", "data.question_key=prompt",
                            "data.answer_key=tests"))
 
 
@@ -242,7 +243,7 @@ def test_every_numeric_key_has_a_range():
 
 
 def test_shipped_recipes_fit_their_models():
-    from areal_hpc.config import check_model_config
+    from areal_hpc.preflight import check_model_config
     for recipe, model in (("qwen2_5_1_5b_math", "DeepSeek-R1-Distill-Qwen-1.5B"),
                           ("qwen2_5_7b_math", "DeepSeek-R1-Distill-Qwen-7B"),
                           ("qwen2_5_32b_math", "DeepSeek-R1-Distill-Qwen-32B")):
@@ -250,12 +251,12 @@ def test_shipped_recipes_fit_their_models():
         check_model_config(load(ROOT / f"configs/{recipe}.yaml"), json.loads(path.read_text()), str(path))
 
 
-def test_tiny_recipe_passes_check_paths(model_dir, datasets):
+def test_tiny_recipe_passes_check_inputs(model_dir, datasets):
     """The tiny recipe as shipped, on a model directory like the one make_tiny_model.py writes."""
     cfg = load(ROOT / "configs/tiny_cpu.yaml",
                [f"model.path={model_dir}", f"data.train_path={datasets['math']}",
                 f"data.eval_path={datasets['math']}", "output_dir=/nonexistent-areal-test"])
-    check_paths(cfg)
+    check_inputs(cfg)
 
 
 def test_tokenizer_missing_entirely(tmp_path, datasets):
@@ -263,17 +264,17 @@ def test_tokenizer_missing_entirely(tmp_path, datasets):
     for p in list(d.iterdir()):
         if p.name not in ("config.json", "model.safetensors"):
             p.unlink() if p.is_file() else shutil.rmtree(p)
-    _refused(r"'model\.path': no tokenizer in", check_paths, _paths_cfg(d, datasets["math"]))
+    _refused(r"'model\.path': no tokenizer in", check_inputs, _paths_cfg(d, datasets["math"]))
 
 
 def test_first_prompt_must_tokenize_and_fit(model_dir, tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_text(json.dumps({"question": "hi?", "answer": "1"}) + "\n")   # not in the alphabet
     _refused(r"'model\.path': the tokenizer in .* turns the first prompt 'hi\?' into no tokens",
-             check_paths, _paths_cfg(model_dir, p))
+             check_inputs, _paths_cfg(model_dir, p))
     p.write_text(json.dumps({"question": "1+" * 200, "answer": "1"}) + "\n")
     _refused(r"'rollout\.max_model_len': the first prompt is 400 tokens, no room to generate in 256",
-             check_paths, _paths_cfg(model_dir, p, "rollout.max_model_len=256", "rollout.max_new_tokens=16"))
+             check_inputs, _paths_cfg(model_dir, p, "rollout.max_model_len=256", "rollout.max_new_tokens=16"))
 
 
 def test_every_prompt_must_fit_and_a_huge_one_is_not_tokenized(model_dir, tmp_path):
@@ -283,12 +284,12 @@ def test_every_prompt_must_fit_and_a_huge_one_is_not_tokenized(model_dir, tmp_pa
     rows = [{"question": "1+1", "answer": "2"}] * 3 + [{"question": "1+" * 200, "answer": "1"}]
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
     _refused(r"'data\.train_path': row 3: its prompt is 400 tokens, no room to generate in "
-             r"rollout\.max_model_len = 256", check_paths,
+             r"rollout\.max_model_len = 256", check_inputs,
              _paths_cfg(model_dir, p, "rollout.max_model_len=256", "rollout.max_new_tokens=16"))
     rows[3] = {"question": "1" * (8 << 20), "answer": "1"}
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
     _refused(r"'data\.train_path': row 3: the question is 8388608 characters, over 32 per token "
-             r"of rollout\.max_model_len = 256 \(not tokenized\)", check_paths,
+             r"of rollout\.max_model_len = 256 \(not tokenized\)", check_inputs,
              _paths_cfg(model_dir, p, "rollout.max_model_len=256", "rollout.max_new_tokens=16"))
 
 
@@ -297,4 +298,4 @@ def test_an_answer_that_is_a_solution_is_refused(model_dir, tmp_path):
     p.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n"
                  + json.dumps({"question": "1+2", "answer": "3 " * 600}) + "\n")
     _refused(r"'data\.train_path': row 1: its answer is 1200 characters \(at most 1000",
-             check_paths, _paths_cfg(model_dir, p))
+             check_inputs, _paths_cfg(model_dir, p))

@@ -2,7 +2,8 @@ import textwrap
 
 import pytest
 
-from areal_hpc.config import ConfigError, RunConfig, check_paths, load, to_yaml
+from areal_hpc.config import ConfigError, RunConfig, load, to_yaml
+from areal_hpc.preflight import check_inputs
 
 
 def _yaml(tmp_path, text):
@@ -59,10 +60,10 @@ def test_roundtrip_yaml(tmp_path):
     assert again == cfg
 
 
-def test_check_paths_missing_model(tmp_path):
+def test_check_inputs_missing_model(tmp_path):
     cfg = load(_yaml(tmp_path, BASE), [f"model.path={tmp_path}/no_model"])
     with pytest.raises(ConfigError, match=r"model\.path.*no HF model"):
-        check_paths(cfg)
+        check_inputs(cfg)
 
 
 def test_shipped_recipes_load():
@@ -71,7 +72,7 @@ def test_shipped_recipes_load():
         assert cfg.train.total_steps >= 1
 
 
-def test_check_paths_names_the_bad_jsonl_line(tmp_path):
+def test_check_inputs_names_the_bad_jsonl_line(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -80,13 +81,13 @@ def test_check_paths_names_the_bad_jsonl_line(tmp_path):
     cfg = load(_yaml(tmp_path, BASE), [f"model.path={model}", f"data.train_path={data}",
                                        f"output_dir={tmp_path}/runs"])
     with pytest.raises(ConfigError, match=r"data\.train_path.*train\.jsonl:3.*answer"):
-        check_paths(cfg)
+        check_inputs(cfg)
     data.write_text("")
     with pytest.raises(ConfigError, match="holds no rows"):
-        check_paths(cfg)
+        check_inputs(cfg)
 
 
-def test_check_paths_names_the_bad_parquet_row_and_the_dotted_key(tmp_path):
+def test_check_inputs_names_the_bad_parquet_row_and_the_dotted_key(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -101,7 +102,7 @@ def test_check_paths_names_the_bad_parquet_row_and_the_dotted_key(tmp_path):
                                        "data.answer_key=reward_model.ground_truth"])
     with pytest.raises(ConfigError, match=r"data\.train_path.*train\.parquet\[1\]: "
                                           r"'reward_model\.ground_truth' must be a string, got NoneType"):
-        check_paths(cfg)
+        check_inputs(cfg)
 
 
 def test_engine_tp_sizes_the_weight_group(tmp_path):
@@ -123,3 +124,18 @@ def test_a_removed_key_of_an_old_run_config_is_ignored_with_a_warning(tmp_path, 
     cfg = load(_yaml(tmp_path, BASE + "log_every: 5\n"), ["log_every=2"])
     assert not hasattr(cfg, "log_every")
     assert "config key 'log_every' is no longer used" in caplog.text
+
+
+def test_every_enumeration_is_checked_from_one_table(tmp_path):
+    """Each key of CHOICES: its default is one of its choices, and any other value is refused in
+    one line naming the key and every choice."""
+    import re
+
+    from areal_hpc.config import CHOICES, _get, _names
+    base = load(_yaml(tmp_path, BASE))
+    for key, choices in CHOICES.items():
+        assert _get(base, key) in choices, key
+        with pytest.raises(ConfigError, match=rf"'{re.escape(key)}': must be {re.escape(_names(choices))}, "
+                                              r"got 'bogus'$"):
+            load(_yaml(tmp_path, BASE), [f"{key}=bogus"])
+    assert _names((None, "selective", "full")) == "null, selective or full"

@@ -1,6 +1,6 @@
 """Property tests over the config schema (issue 13): overrides drawn around every key's bounds
 (valid and invalid values, wrong types) are either refused with one ConfigError line, or pass
-`load()` + `check_paths()` and then also work in the code that consumes them at rank start:
+`load()` + `check_inputs()` and then also work in the code that consumes them at rank start:
 Topology sizing, the memory plan, the prompt template on the dataset rows, the eval slice,
 vLLM's SamplingParams, timeouts, seeds and signal handlers. reward.* keys are not drawn (their
 checks are maintained separately)."""
@@ -16,7 +16,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from areal_hpc.config import RANGES, ConfigError, RunConfig, check_paths, load
+from areal_hpc.config import RANGES, ConfigError, RunConfig, load
+from areal_hpc.preflight import check_inputs
 
 SETTINGS = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                       HealthCheck.too_slow])
@@ -183,7 +184,7 @@ def _consume(cfg: RunConfig, SamplingParams) -> None:
 def test_valid_configs_work_where_they_are_used(model_dir, datasets, tmp_path, sampling_params, overrides):
     try:
         cfg = load(None, _base(model_dir, datasets, tmp_path, overrides))
-        check_paths(cfg)
+        check_inputs(cfg)
     except ConfigError as exc:
         assert "\n" not in str(exc)
         event("refused")

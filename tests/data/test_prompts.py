@@ -80,10 +80,11 @@ def test_chat_prompts_are_the_tokenizers_own_rendering(tiny_model, tmp_path):
 def test_a_chat_prompt_that_cannot_render_stops_the_job_at_start_up(tiny_model, template, key):
     from pathlib import Path
 
-    from areal_hpc.config import ConfigError, check_paths, load
+    from areal_hpc.config import ConfigError, load
+    from areal_hpc.preflight import check_inputs
     root = Path(__file__).resolve().parents[2]
     cfg = load(root / "configs/tiny_cpu.yaml", [f"model.path={tiny_model}", "data.chat=true",
                                                 f"data.train_path={tiny_model}/train.jsonl", "data.eval_path=null"])
     cfg.data.chat_template = template
     with pytest.raises(ConfigError, match=f"config key '{key}'"):
-        check_paths(cfg)
+        check_inputs(cfg)

@@ -199,13 +199,13 @@ def test_main_exports_only_when_policy_is_missing(model_dir, tmp_path, monkeypat
     final step, else the job goes on to an export-only launch (stopped here at the topology)."""
     import types
 
-    from areal_hpc import config as config_mod
+    from areal_hpc import preflight as preflight_mod
     from areal_hpc import main as main_mod
     from areal_hpc.storage import checkpoint as store
     from areal_hpc.topology import Topology
 
     monkeypatch.setenv("AREAL_SKIP_VERSION_CHECK", "1")
-    monkeypatch.setattr(config_mod, "check_paths", lambda cfg: None)
+    monkeypatch.setattr(preflight_mod, "check_inputs", lambda cfg: None)
     monkeypatch.setattr(store, "find_latest", lambda run_dir, check_crc=True: (
         Path(run_dir) / "checkpoints" / "step_00000004", {"step": 4}))
     world = types.SimpleNamespace(Get_rank=lambda: 0, Get_size=lambda: 2)
@@ -213,7 +213,7 @@ def test_main_exports_only_when_policy_is_missing(model_dir, tmp_path, monkeypat
         MPI=types.SimpleNamespace(COMM_WORLD=world)))
 
     def stop(*a, **k):
-        raise config_mod.ConfigError("stopped before the launch")
+        raise preflight_mod.ConfigError("stopped before the launch")
     monkeypatch.setattr(Topology, "build", staticmethod(stop))
     argv = [str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"),
             f"output_dir={tmp_path}", "name=r", f"model.path={model_dir}", "train.total_steps=4"]

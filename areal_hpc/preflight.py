@@ -1,0 +1,267 @@
+"""Every start-up check, in one place. Each refuses with one `ConfigError` line naming the key,
+file or row, before any rank spends node time:
+
+- `launcher(config, overrides)`: what every launcher (mpiexec, the slurm/ batch scripts through
+  `launch/env.py`, submitit) runs on the submitting host: the config (schema, ranges and
+  cross-field rules: config.py), every rank's memory estimate against its GPU (plan/memory.py),
+  a step and its checkpoint against the preemption signal's lead (plan/budget.py), the installed
+  torch / vLLM / Megatron releases, the tiny model built if the config names it, the inputs
+  (`check_inputs`), and the sandbox for code rewards.
+- `rank(config, overrides)`: what each rank runs on its own node (the files may live on a
+  filesystem the login node does not see): the config, the inputs, the releases.
+- `generator_node(cfg)`: what a generator checks on its node before its engine and reward
+  workers start (the sandbox).
+
+`check_inputs` reads the model directory cheaply (config.json, weight index, tokenizer: no
+weights), imports the user's reward functions and parses every dataset row.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from . import determinism
+from .config import ConfigError, RunConfig, _check, _read_utf8, load
+
+TINY_MODEL = Path("models/tiny")
+# The models the project builds itself when a config names them and they are not there yet:
+# path -> tools/make_tiny_model.py arguments.
+BUILT_MODELS = {TINY_MODEL: [], Path("models/tiny_answer"): ["--format", "answer"]}
+
+
+def ensure_tiny_model(cfg: RunConfig) -> None:
+    """Build the tiny model (or its "Answer: N" variant) that the config names, once."""
+    for path, args in BUILT_MODELS.items():
+        if Path(cfg.model.path).resolve() == path.resolve() and not (path / "config.json").exists():
+            print(f"[launch] building the tiny model in {path} (once, a few minutes)",
+                  file=sys.stderr, flush=True)
+            subprocess.run([sys.executable, "tools/make_tiny_model.py", "--out", str(path), *args],
+                           check=True, stdout=sys.stderr)
+
+
+def launcher(config: str, overrides: list[str]) -> RunConfig:
+    """Load and validate the config, check that every rank's memory estimate fits its GPU
+    (`areal_hpc.plan.check_fits`; before the paths, which a login node may not have) and that a
+    step and its checkpoint fit the preemption signal's lead (`areal_hpc.plan.budget`), build the
+    tiny model if needed, check the input paths. Raises ConfigError with a message that names
+    the key."""
+    from .plan import check_fits
+
+    cfg = load(config, overrides)
+    check_fits(cfg)
+    from .plan.budget import check_time
+    check_time(cfg)  # topology.gpu set: a step + its checkpoint within the signal's lead (else a warning)
+    from .versions import check_versions  # VersionMismatch: installed torch/vLLM/Megatron differ
+    check_versions(cfg.topology.device)
+    ensure_tiny_model(cfg)
+    check_inputs(cfg)
+    generator_node(cfg)  # data.kind=code: refuse where code cannot be sandboxed (or warn if unsafe)
+    if cfg.deterministic:
+        print(f"[launch] {determinism.summary(cfg.topology.device)}", file=sys.stderr, flush=True)
+    return cfg
+
+
+def rank(config: str, overrides: list[str]) -> RunConfig:
+    """The checks a rank runs on its own node: the config, its inputs, this node's releases."""
+    cfg = load(config, overrides)
+    check_inputs(cfg)
+    from .versions import check_versions  # this node's torch / vLLM / Megatron releases
+    check_versions(cfg.topology.device)
+    return cfg
+
+
+def generator_node(cfg: RunConfig) -> None:
+    """On a generator's node, before its children start: code rewards need the sandbox (or the
+    unsafe opt-out)."""
+    from .reward.sandbox import check_available
+    check_available(cfg)
+
+
+def check_inputs(cfg: RunConfig) -> None:
+    """Inputs that must exist before any rank starts work (clear message, not a deep traceback):
+    the model directory, the run's name, the user's reward functions, every dataset row."""
+    model = Path(cfg.model.path)
+    if not (model / "config.json").is_file():
+        hint = " (build the tiny one with: python tools/make_tiny_model.py --out models/tiny)"
+        raise ConfigError(f"config key 'model.path': no HF model at {model} (config.json missing){hint}")
+    from .storage.run_dir import RunDir
+    log = RunDir(cfg.run_dir).rollouts
+    if log.exists() and cfg.checkpoint.resume == "never":
+        raise ConfigError(f"config key 'name': run {cfg.name!r} already has {log}; choose another "
+                          f"name=..., remove {cfg.run_dir}, or resume it with checkpoint.resume=auto")
+    from .reward.custom import RewardFnError, check
+    try:        # the user's reward functions import, and take (completion, reference, row)
+        check(cfg)
+    except RewardFnError as exc:
+        raise ConfigError(str(exc)) from None
+    from .data.prompts import load_prompts_of
+    sample, datasets = None, {}
+    for key, value in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
+        if value is None:
+            continue
+        if not Path(value).exists():
+            raise ConfigError(f"config key '{key}': file not found: {value}")
+        try:    # every row parsed now, so a bad line stops the job before any rank starts
+            rows = load_prompts_of(cfg, value)
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"config key '{key}': {_one_line(exc)}") from None
+        if not rows:
+            raise ConfigError(f"config key '{key}': {value} holds no rows")
+        from .reward.math import MAX_ANSWER_CHARS
+        long_ref = next((i for i, r in enumerate(rows) if r["reward_kind"] == "math"
+                         and isinstance(r["reference"], str)
+                         and len(r["reference"]) > MAX_ANSWER_CHARS), None)
+        if long_ref is not None:    # the reward would parse it with sympy for every sample
+            raise ConfigError(f"config key '{key}': row {long_ref}: its answer is "
+                              f"{len(rows[long_ref]['reference'])} characters (at most "
+                              f"{MAX_ANSWER_CHARS}: an answer, not a solution)")
+        if key == "data.train_path":
+            sample = rows[0]
+        datasets[key] = rows
+    check_model_dir(cfg, sample, datasets)
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+# What the trainer converts (train/hf_convert.py: Qwen2 <-> Megatron GPTModel).
+SUPPORTED_MODEL_TYPES = ("qwen2",)
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file; unreadable, non-UTF-8 or bad JSON is one ConfigError line naming file and line."""
+    text = _read_utf8(path, "it")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}:{exc.lineno}:{exc.colno}: bad JSON: {exc.msg}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: bad JSON: nested too deeply") from None
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_model_config(cfg: RunConfig, hf: Any, source: str) -> None:
+    """`hf` (a config.json) describes a model the trainer converts and vLLM serves with this
+    config's parallelism and lengths."""
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{source}: expected a JSON object, got {type(hf).__name__}")
+    mt, archs = hf.get("model_type"), hf.get("architectures")
+    supported = (f"supported: model_type {', '.join(SUPPORTED_MODEL_TYPES)} "
+                 f"({', '.join(SUPPORTED_ARCHITECTURES)})")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"{source}: model_type {mt!r} is not supported ({supported})")
+    if archs is not None and not (isinstance(archs, list)
+                                  and any(a in SUPPORTED_ARCHITECTURES for a in archs)):
+        raise ConfigError(f"{source}: architectures {archs!r} is not supported ({supported})")
+    from .plan import Arch     # hidden_size, heads, layers, intermediate_size, vocab_size, kv heads
+    arch = Arch.from_hf(hf, source)
+    mpe = hf.get("max_position_embeddings")
+    if not _positive_int(mpe):
+        raise ConfigError(f"{source}: key 'max_position_embeddings' "
+                          + ("missing" if mpe is None else f"must be a positive integer, got {mpe!r}"))
+    eps = hf.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < 1):
+        raise ConfigError(f"{source}: key 'rms_norm_eps' must be a number in (0, 1), got {eps!r}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (silu only)")
+    if hf.get("use_sliding_window", False):
+        raise ConfigError(f"{source}: use_sliding_window is not supported")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{source}: rope_parameters / rope_scaling must be an object, got {rope!r}")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ConfigError(f"{source}: rope scaling {rope_type!r} is not supported (default only)")
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (0 < theta < math.inf):
+        raise ConfigError(f"{source}: key 'rope_theta' must be a positive number, got {theta!r}")
+    if not isinstance(hf.get("tie_word_embeddings", False), bool):
+        raise ConfigError(f"{source}: key 'tie_word_embeddings' must be true or false")
+    t, r, tr = cfg.topology, cfg.rollout, cfg.train
+    _check(r.max_model_len <= mpe, "rollout.max_model_len",
+           f"{r.max_model_len} exceeds max_position_embeddings = {mpe} of {source} (vLLM refuses it)")
+    _check(arch.layers % t.pp == 0, "topology.pp",
+           f"num_hidden_layers = {arch.layers} of {source} do not split over pp = {t.pp} stages")
+    for what, n in (("num_attention_heads", arch.heads), ("num_key_value_heads", arch.kv_heads),
+                    ("vocab_size", arch.vocab)):
+        _check(n % t.tp == 0, "topology.tp", f"{what} = {n} of {source} is not divisible by tp = {t.tp}")
+    etp = r.engine_tp
+    _check(arch.heads % etp == 0 and (arch.kv_heads % etp == 0 or etp % arch.kv_heads == 0),
+           "rollout.engine_tp", f"vLLM splits num_attention_heads = {arch.heads} and "
+           f"num_key_value_heads = {arch.kv_heads} of {source} over engine_tp = {etp}: they must divide")
+    if tr.recompute_num_layers is not None:
+        per_stage = arch.layers // t.pp
+        _check(tr.recompute_num_layers <= per_stage, "train.recompute_num_layers",
+               f"{tr.recompute_num_layers} exceeds the {per_stage} layers of a pipeline stage")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
+
+
+def check_model_dir(cfg: RunConfig, sample: dict | None = None,
+                    datasets: dict[str, list[dict]] | None = None) -> None:
+    """The model directory, cheaply (no weights read): config.json, weight files, tokenizer (which
+    must turn `sample`, a dataset row in `data.prompt_template`, into at least one token, and
+    every row of `datasets`, {config key: rows}, into a prompt that fits rollout.max_model_len)."""
+    model = Path(cfg.model.path)
+    path = model / "config.json"
+    hf = read_json(path)
+    check_model_config(cfg, hf, str(path))
+    index = model / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ConfigError(f"{index}: no 'weight_map' object")
+        for shard in sorted(set(map(str, weight_map.values()))):
+            if not (model / shard).is_file():
+                raise ConfigError(f"config key 'model.path': {index} names {shard}, which is missing")
+    elif not any(model.glob("*.safetensors")):
+        raise ConfigError(f"config key 'model.path': no *.safetensors weights in {model}")
+    if not any((model / f).is_file() for f in TOKENIZER_FILES):
+        # (transformers 5 would build an empty Qwen2 tokenizer without complaint)
+        raise ConfigError(f"config key 'model.path': no tokenizer in {model} (none of "
+                          f"{', '.join(TOKENIZER_FILES)})")
+    try:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
+    except Exception as exc:    # noqa: BLE001 - whatever transformers raises, one line
+        raise ConfigError(f"config key 'model.path': the tokenizer in {model} does not load: "
+                          f"{type(exc).__name__}: {_one_line(exc)}") from None
+    if len(tokenizer) > hf["vocab_size"]:
+        raise ConfigError(f"config key 'model.path': the tokenizer in {model} has {len(tokenizer)} "
+                          f"tokens but {path} vocab_size = {hf['vocab_size']}")
+    if cfg.data.chat and not (cfg.data.chat_template or getattr(tokenizer, "chat_template", None)):
+        raise ConfigError(f"config key 'data.chat': the tokenizer in {model} has no chat template; "
+                          f"give one in data.chat_template (a Jinja template or its file)")
+    if sample is not None:
+        from .data.prompts import prompt_ids
+        text = cfg.data.prompt_template.format(question=sample["question"])
+        try:
+            ids = prompt_ids(tokenizer, cfg.data, sample["question"])
+        except Exception as exc:    # noqa: BLE001
+            key = "data.chat_template" if cfg.data.chat else "model.path"
+            raise ConfigError(f"config key '{key}': the tokenizer in {model} fails on the first "
+                              f"prompt: {type(exc).__name__}: {_one_line(exc)}") from None
+        if not ids:
+            raise ConfigError(f"config key 'model.path': the tokenizer in {model} turns the first "
+                              f"prompt {text[:60]!r} into no tokens")
+        if len(ids) >= cfg.rollout.max_model_len:
+            raise ConfigError(f"config key 'rollout.max_model_len': the first prompt is {len(ids)} "
+                              f"tokens, no room to generate in {cfg.rollout.max_model_len}")
+    from .data.prompts import too_long
+    for key, rows in (datasets or {}).items():
+        problem = too_long(tokenizer, cfg.data, rows, cfg.rollout.max_model_len)
+        if problem:
+            raise ConfigError(f"config key '{key}': {problem} (drop such rows or raise "
+                              "rollout.max_model_len)")

@@ -1,0 +1,81 @@
+"""The package's import picture: no module imports, even lazily inside a function, a module that
+imports it back (an import circle), and config.py reads no file but the YAML."""
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "areal_hpc"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in PKG.rglob("*.py"):
+        parts = p.relative_to(PKG.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return out
+
+
+def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """Package modules `name` imports anywhere in its file."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            found.update(f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else mod for a in node.names)
+    return {m for m in found if m in mods and m != name}
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle():
+    mods = _modules()
+    edges = {m: _imports(m, p, mods) for m, p in mods.items()}
+    assert _circles(edges) == []
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]   # it sees one
+
+
+def test_config_reads_no_file_but_the_yaml():
+    """Every file access of config.py is the YAML's (load checks it exists, _read_utf8 reads
+    it); the model directory, datasets and the rest are preflight.py's."""
+    tree = ast.parse((PKG / "config.py").read_text())
+    io = ("read_text", "read_bytes", "open", "is_file", "is_dir", "exists", "glob", "iterdir", "stat")
+    where = {}
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call) and (getattr(node.func, "attr", None) in io
+                                                   or getattr(node.func, "id", None) == "open"):
+                    where.setdefault(fn.name, []).append(node.lineno)
+    assert sorted(where) == ["_read_utf8", "load"] and len(where["load"]) == 1, where
