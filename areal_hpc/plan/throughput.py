@@ -4,9 +4,9 @@
         [--gen-tok-s X] [--train-tok-s X] [--update-s X] [--lengths RUN_DIR|rollouts.h5]
         [--median-len N --p99-len N] [--steps S] [--search] [--devices D]
 
-Pure Python + numpy; it reuses the controller's own bookkeeping (`StalenessManager`,
-`ReadyBuffer`, `StaleGroups`, `staleness_of` of `areal_hpc.rollout.staleness`), so submission,
-dropping and reissuing follow the running code exactly.
+Pure Python + numpy; it drives the controller's own bookkeeping, `rollout.ledger.Ledger` (issue,
+arrived, drop_stale, take, trained), so submission, dropping and reissuing follow the running
+code exactly: the simulation adds only the engines, the trainer and the clock.
 
 Model
 -----
@@ -34,10 +34,10 @@ Model
   minimum over its samples; scoring takes no time.
 - Groups more than η versions behind the earliest version they can be trained at (the current
   one while the trainer waits, the next while it trains) are dropped as they arrive and when the
-  trainer looks for a batch (`ReadyBuffer.drop_older_than`, unless stale_policy=keep; their
-  prompts reissued first by `StaleGroups`), as the controller does. With abort_stale, once a
-  batch is taken the groups still in flight that are already too old stop where they are (their
-  tokens so far count as generated) and are dropped, as the generators do on StaleBefore.
+  trainer looks for a batch (`Ledger.drop_stale`, unless stale_policy=keep; their prompts
+  reissued first), as the controller does. With abort_stale, once a batch is taken the groups
+  still in flight that are already too old stop where they are (their tokens so far count as
+  generated), are sent as they are and dropped, as the generators do on StaleBefore.
 - Trainer: waits for B groups,
   takes the oldest B, trains for train_overhead_s + tokens / train_tok_s (tokens = output
   tokens of the batch, as metrics.jsonl's n_tokens), then updates the weights for update_s:
@@ -72,7 +72,8 @@ import numpy as np
 
 from ..config import ConfigError, RunConfig
 from ..launch.cpus import parse_cpus
-from ..rollout.staleness import ReadyBuffer, StaleGroups, StalenessManager, staleness_of
+from ..rollout.ledger import Ledger
+from ..rollout.staleness import staleness_of
 from ..storage import run_dir as run_files
 from .memory import _BYTES, generator_estimate, kv_bytes_per_token, read_arch, vllm_limits
 
@@ -267,15 +268,15 @@ def simulate(setup: Setup, rates: Rates, steps: int, seed: int = 0) -> SimResult
     G, B, n, C = setup.n_generators, setup.batch_prompts, setup.group_size, setup.seq_limit
     eta = setup.max_staleness
     peak = rates.gen_tok_s * (C + rates.c_half) / C
-    manager = StalenessManager(setup.max_concurrent_prompts, B, eta, total_batches=steps)
-    buffer = ReadyBuffer()
-    stale = StaleGroups(setup.stale_policy, setup.max_reissues)
+    # The controller's own bookkeeping: what to issue, to whom, which groups wait, which are too
+    # stale and come back (the prompt ids are the cursor's; the dataset is one row, never read).
+    ledger = Ledger(num_prompts=1, data_seed=0, generators=list(range(G)), batch_prompts=B,
+                    max_staleness=eta, max_concurrent=setup.max_concurrent_prompts,
+                    stale_policy=setup.stale_policy, max_reissues=setup.max_reissues,
+                    total_steps=steps)
     engines = [_Engine() for _ in range(G)]
-    in_flight = [0] * G
-    reissue: deque = deque()
     lengths_of: dict[int, np.ndarray] = {}
-    pending: dict[int, list] = {}        # prompt id -> [samples left, oldest versions...]
-    next_pid = 0
+    pending: dict[int, list] = {}        # prompt id -> [samples left, oldest version, engine]
     version = 0
     paused = False                       # engines stopped (weight update; colocated training)
     events: list = []                    # (time, kind, engine, stamp)
@@ -314,53 +315,40 @@ def simulate(setup: Setup, rates: Rates, steps: int, seed: int = 0) -> SimResult
             heapq.heappush(e.running, (e.progress + length, key))
 
     def submit() -> None:
-        nonlocal next_pid
-        cap = manager.get_capacity(version)
         touched = set()
-        for _ in range(max(cap, 0)):
-            i = min(range(G), key=in_flight.__getitem__)
-            if reissue:
-                pid = reissue.popleft()
-            else:
-                pid, next_pid = next_pid, next_pid + 1
+        for iss in ledger.issue():
+            i, pid = iss.rank, iss.prompt_id
+            if pid not in lengths_of:    # a new prompt (a reissued one keeps its lengths)
                 lengths_of[pid] = rates.lengths.sample(rng, n, setup.max_new_tokens)
             pending[pid] = [n, 10**9, i]
             for k, length in enumerate(lengths_of[pid]):
                 engines[i].queue.append(((pid, k), float(length)))
-            in_flight[i] += 1
-            manager.on_rollout_submitted()
             touched.add(i)
         for i in touched:
             advance(engines[i])
             fill(i)
             schedule(i)
 
-    def stale_before() -> int:
-        # as the controller (Ledger.stale_before): η behind the earliest version a group can
-        # still be trained at, the next one while a step trains
-        return version + (trainer != "wait") - eta
+    def arrive(pid: int, i: int, oldest: int) -> None:
+        """Engine i's group of prompt `pid` reaches the controller."""
+        ledger.arrived(i, [{"prompt_id": pid, "versions": [oldest], "output_tokens": ()}] * n, [])
 
     def drop_stale() -> None:
         nonlocal dropped
-        if not stale.drops:
-            return
-        for g in buffer.drop_older_than(stale_before()):
-            manager.on_rollout_dropped()
+        for g in ledger.drop_stale():
             pid = g.trajectories[0]["prompt_id"]
             dropped += 1
-            if stale.on_dropped(pid):
-                reissue.append(pid)
-            else:
-                lengths_of.pop(pid, None)
+            if all(p != pid for p, _ in ledger.reissue):
+                lengths_of.pop(pid, None)   # given up
 
     def abort_stale() -> None:
         """After a batch is taken, as the generators on StaleBefore: a group in flight with a
         token older than the next trainable version - η stops; its tokens so far are generated
         (and wasted), its prompt is dropped as stale."""
-        nonlocal dropped, gen_tokens
-        if not (setup.abort_stale and stale.drops and not setup.colocated):
+        nonlocal gen_tokens
+        if not (setup.abort_stale and ledger.stale_groups.drops and not setup.colocated):
             return
-        limit = stale_before()
+        limit = ledger.stale_before
         doomed = {pid for pid, p in pending.items() if p[1] < limit}
         if not doomed:
             return
@@ -375,14 +363,10 @@ def simulate(setup: Setup, rates: Rates, steps: int, seed: int = 0) -> SimResult
             heapq.heapify(kept)
             e.running = kept
             e.queue = deque(q for q in e.queue if q[0][0] not in doomed)
-        for pid in doomed:
-            in_flight[pending.pop(pid)[2]] -= 1
-            manager.on_rollout_rejected()
-            dropped += 1
-            if stale.on_dropped(pid):
-                reissue.append(pid)
-            else:
-                lengths_of.pop(pid, None)
+        for pid in sorted(doomed):      # as the generators: each sent, then dropped as stale
+            _, oldest, i = pending.pop(pid)
+            arrive(pid, i, oldest)
+        drop_stale()
         for i in range(G):
             fill(i)
             schedule(i)
@@ -391,14 +375,13 @@ def simulate(setup: Setup, rates: Rates, steps: int, seed: int = 0) -> SimResult
     def try_train() -> None:
         nonlocal trainer, wait_s, trained_tokens, trained_groups, span_s, span_busy_s
         drop_stale()
-        if len(buffer) < B:
+        if len(ledger.buffer) < B:
             return
-        groups = buffer.take(B)
+        groups = ledger.take(B)
         wait_s += now - wait_since
         tokens = 0.0
         for g in groups:
             pid = g.trajectories[0]["prompt_id"]
-            stale.on_trained(pid)
             tokens += float(lengths_of.pop(pid).sum())
             stal.extend(staleness_of(version, t["versions"]) for t in g.trajectories)
         trained_tokens += tokens
@@ -433,10 +416,7 @@ def simulate(setup: Setup, rates: Rates, steps: int, seed: int = 0) -> SimResult
             p[0] -= 1
             if p[0] == 0:                # the group is complete: to the controller
                 del pending[pid]
-                in_flight[i] -= 1
-                manager.on_rollout_accepted()
-                oldest = p[1]
-                buffer.add([{"prompt_id": pid, "versions": [oldest]} for _ in range(n)], [])
+                arrive(pid, i, p[1])
 
     submit()
     try_train()
@@ -464,6 +444,7 @@ def simulate(setup: Setup, rates: Rates, steps: int, seed: int = 0) -> SimResult
             heapq.heappush(events, (now + rates.update_s, 0, -1, 0))
         else:                            # update done: next version everywhere
             version += 1
+            ledger.trained(version)
             step_end.append(now)
             trainer, wait_since = "wait", now
             if len(step_end) == steps:  # done: no step beyond the last is counted
@@ -484,7 +465,7 @@ def simulate(setup: Setup, rates: Rates, steps: int, seed: int = 0) -> SimResult
     return SimResult(steps=steps, wall_s=wall, gen_busy_frac=busy, trainer_idle_frac=wait_s / wall,
                      staleness_mean=float(arr.mean()), staleness_p95=float(np.percentile(arr, 95)),
                      staleness_max=int(arr.max()), dropped_share=dropped / max(dropped + trained_groups, 1),
-                     lost=stale.lost, gen_tokens=gen_tokens, trained_tokens=trained_tokens,
+                     lost=ledger.stale_groups.lost, gen_tokens=gen_tokens, trained_tokens=trained_tokens,
                      ideal_wall_s=ideal, step_s=step_end)
 
 

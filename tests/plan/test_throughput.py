@@ -190,3 +190,44 @@ def test_assumed_rates_follow_the_stated_roofline():
     peak = T.GPU_HBM_BYTES_S * T.DECODE_BW_EFFICIENCY * cfg.rollout.engine_tp / (kv * ctx)
     assert c / step == pytest.approx(peak * c / (c + c_half))
     assert 0 < gen < peak
+
+
+def test_the_simulation_and_the_controller_follow_one_ledger(monkeypatch):
+    """The planner drives the controller's Ledger: the sequence of issues, arrivals, steps it
+    made on a long tail (drops and reissues among them), replayed on a fresh Ledger as the
+    controller would make them, gives the same prompts out, the same groups dropped and taken."""
+    from areal_hpc.plan import throughput
+    from areal_hpc.rollout import controller
+    from areal_hpc.rollout.ledger import Ledger
+    assert throughput.Ledger is controller.Ledger is Ledger
+
+    def summary(out):
+        if not isinstance(out, list):
+            return out
+        return [(x.rank, x.prompt_id) if hasattr(x, "prompt_id") else x.trajectories[0]["prompt_id"]
+                for x in out]
+
+    script, made = [], []
+
+    class Recorded(Ledger):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            made.append(kw)
+
+    for name in ("issue", "arrived", "drop_stale", "take", "trained"):
+        def method(self, *args, _name=name):
+            out = getattr(Ledger, _name)(self, *args)
+            script.append((_name, args, summary(out)))
+            return out
+        setattr(Recorded, name, method)
+    monkeypatch.setattr(throughput, "Ledger", Recorded)
+    res = simulate(_setup(max_staleness=1), _rates(lengths=LONG, train_tok_s=20000.0, update_s=0.05),
+                   30, seed=0)
+    drops = [s for s in script if s[0] == "drop_stale" and s[2]]
+    assert res.dropped_share > 0 and drops                        # the sequence holds drops
+    replay = Ledger(**made[0])
+    for name, args, out in script:
+        assert summary(getattr(replay, name)(*args)) == out, (name, args)
+    first = drops[0][2][0]                                        # a dropped prompt is issued again,
+    later = [s for s in script[script.index(drops[0]):] if s[0] == "issue" and s[2]]
+    assert later[0][2][0][1] == first                             # first
