@@ -692,7 +692,7 @@ def validate(cfg: RunConfig) -> None:
         value = getattr(cfg.reward, key)
         _check(math.isfinite(value) and 0 < value <= MAX_REWARD_TIMEOUT_S, f"reward.{key}",
                f"must be in (0, {MAX_REWARD_TIMEOUT_S:g}] seconds (one sample's scoring), got {value}")
-    from .reward.math import EXTRACTORS
+    from .data.answers import EXTRACTORS
     _check(cfg.reward.extractor in EXTRACTORS, "reward.extractor",
            f"must be one of {', '.join(EXTRACTORS)}, got {cfg.reward.extractor!r}")
     from .reward.custom import RewardFnError, specs_of

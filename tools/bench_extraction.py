@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from areal_hpc.reward.code import fenced_blocks  # noqa: E402
-from areal_hpc.reward.math import last_boxed  # noqa: E402
+from areal_hpc.data.answers import last_boxed  # noqa: E402
 
 _FENCE_REGEX = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 

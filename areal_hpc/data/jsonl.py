@@ -10,17 +10,8 @@ from __future__ import annotations
 
 import os
 
+from .answers import final_answer
 from .files import field, iter_rows
-
-GSM8K_ANSWER_MARK = "####"
-
-
-def final_answer(answer: str) -> str:
-    """A GSM8K answer (worked solution, then ``#### N``) cut to N; any other answer as it is."""
-    if GSM8K_ANSWER_MARK in answer:
-        return answer.rsplit(GSM8K_ANSWER_MARK, 1)[1].strip()
-    return answer
-
 
 def load_jsonl(path: str | os.PathLike, question_key: str = "question",
                answer_key: str = "answer") -> list[dict]:

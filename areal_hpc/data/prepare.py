@@ -31,7 +31,7 @@ import sys
 
 from .code_jsonl import parse_tests
 from .files import iter_rows
-from .jsonl import GSM8K_ANSWER_MARK, final_answer
+from .answers import GSM8K_ANSWER_MARK, final_answer, last_boxed
 
 LAYOUTS = ("gsm8k", "math", "apps", "livecodebench")
 # The fields that identify each layout, in the order `detect` tries them.
@@ -94,7 +94,6 @@ def _gsm8k(row: dict, where: str) -> dict:
 
 
 def _math(row: dict, where: str) -> dict:
-    from ..reward.math import last_boxed
 
     qk, question = _get(row, where, "problem", "question")
     if _key(row, "answer") is not None:

@@ -14,7 +14,8 @@ import os
 
 from .code_jsonl import load_code_jsonl
 from .files import field, iter_rows
-from .jsonl import final_answer, load_jsonl
+from .answers import final_answer
+from .jsonl import load_jsonl
 
 KINDS = ("math", "code")
 # The fields `data.prompt_template` may use, per kind: the controller fills the template with

@@ -14,85 +14,21 @@ kill).
 
 from __future__ import annotations
 
-import re
 import threading
 from decimal import Decimal, InvalidOperation
 
 from math_verify import parse, verify
 from math_verify.errors import TimeoutException
 
-from ..data.jsonl import GSM8K_ANSWER_MARK, final_answer
+# EXTRACTORS and extract_answer stay importable from here for user reward functions (custom.py).
+from ..data.answers import BOXED, EXTRACTORS, PLAIN_NUMBER, extract_answer, last_boxed  # noqa: F401
 
 SYMPY_TIMEOUT_S = 3  # whole seconds: signal.alarm's resolution
 MAX_ANSWER_CHARS = 1000  # a longer boxed answer is not a real answer; don't hand it to sympy
 MAX_SCAN_CHARS = 1 << 20    # the end of a completion searched for its answer (1 MiB of text)
 
-_BOXED = "\\boxed{"
-_BRACES = re.compile(r"\\boxed\{|[{}]")
-# 42, -7, 1,000, 3.25, .5 (GSM8K writes thousands separators); not 1e3, not 1,00.
-_PLAIN_NUMBER = re.compile(r"[+-]?(\d{1,3}(,\d{3})+|\d+)(\.\d+)?|[+-]?\.\d+")
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` with balanced braces, or None if there is none; an
-    unclosed one (e.g. a truncated completion) is skipped for an earlier, complete one.
-
-    One pass over the braces with a stack (a box closes where the brace depth counted from its
-    own ``{`` returns to 0), so text full of unclosed boxes costs no more than its length."""
-    stack: list[int] = []       # the open braces: a box's content start, or -1 for a plain {
-    best = None
-    for m in _BRACES.finditer(text):
-        if m.group() == "}":
-            if stack and (start := stack.pop()) >= 0 and (best is None or start > best[0]):
-                best = (start, m.start())
-        else:
-            stack.append(m.end() if m.group() == _BOXED else -1)
-    return None if best is None else text[best[0]:best[1]]
-
-
-_ANSWER_LINE = re.compile(r"answer\s*:\s*([^\n]*)", re.IGNORECASE)
-
-
-def _after_mark(text: str) -> str | None:
-    if GSM8K_ANSWER_MARK not in text:
-        return None
-    return final_answer(text).split("\n", 1)[0]
-
-
-def _answer_line(text: str) -> str | None:
-    found = _ANSWER_LINE.findall(text)
-    return found[-1] if found else None
-
-
-def _last_number(text: str) -> str | None:
-    found = [m.group(0) for m in _PLAIN_NUMBER.finditer(text)]
-    return found[-1] if found else None
-
-
-# How the predicted answer is taken from a completion (reward.extractor; custom reward functions
-# may use them through `extract_answer`).
-EXTRACTORS = {
-    "boxed": last_boxed,            # the last \boxed{...} (MATH, AIME, DeepScaleR)
-    "gsm8k": _after_mark,           # the line after the last "#### " (GSM8K's format)
-    "answer": _answer_line,         # the rest of the last "Answer: ..." line
-    "last_number": _last_number,    # the last number anywhere in the text
-}
-
-
-def extract_answer(text: str, how: str = "boxed") -> str | None:
-    """The predicted answer of `text` by extractor `how` (one of EXTRACTORS), trimmed of spaces
-    and a final full stop; None when there is none."""
-    if how not in EXTRACTORS:
-        raise ValueError(f"unknown answer extractor {how!r} (one of {', '.join(EXTRACTORS)})")
-    found = EXTRACTORS[how](text)
-    if found is None:
-        return None
-    found = found.strip()
-    return found[:-1].rstrip() if found.endswith(".") and how != "boxed" else found
-
-
 def _plain_number(s: str) -> Decimal | None:
-    if not _PLAIN_NUMBER.fullmatch(s):
+    if not PLAIN_NUMBER.fullmatch(s):
         return None
     try:
         return Decimal(s.replace(",", ""))
@@ -102,8 +38,8 @@ def _plain_number(s: str) -> Decimal | None:
 
 def _math_verify_equal(pred: str, answer: str) -> bool:
     timeout = SYMPY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
-    gold = parse(f"{_BOXED}{answer}}}", parsing_timeout=timeout)
-    target = parse(f"{_BOXED}{pred}}}", parsing_timeout=timeout)
+    gold = parse(f"{BOXED}{answer}}}", parsing_timeout=timeout)
+    target = parse(f"{BOXED}{pred}}}", parsing_timeout=timeout)
     if not gold or not target:
         return False
     return verify(gold, target, timeout_seconds=timeout)

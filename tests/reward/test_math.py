@@ -4,7 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_hpc.reward.math import last_boxed, math_reward
+from areal_hpc.data.answers import last_boxed
+from areal_hpc.reward.math import math_reward
 
 
 @pytest.mark.parametrize("completion, answer, reward", [
@@ -61,12 +62,12 @@ def test_works_off_the_main_thread():
     ("last_number", "no digits", None),
 ])
 def test_answer_extractors(how, text, expected):
-    from areal_hpc.reward.math import extract_answer
+    from areal_hpc.data.answers import extract_answer
     assert extract_answer(text, how) == expected
 
 
 def test_math_reward_with_another_extractor():
-    from areal_hpc.reward.math import extract_answer
+    from areal_hpc.data.answers import extract_answer
     assert math_reward("The total is 1,200.\n#### 1200", "1200", "gsm8k") == 1.0
     assert math_reward("Answer: 1/2", "0.5", "answer") == 1.0
     assert math_reward("\\boxed{7}", "7", "answer") == 0.0        # no Answer: line
