@@ -44,6 +44,7 @@ from ..reward.pool import RewardPool
 from ..topology import CONTROLLER_RANK, Topology
 from ..transport import messages as msgs
 from ..transport.mpi import Channel
+from .gen_clock import GenClock
 from .liveness import ControllerWatch, Pacer
 from .vllm_engine import FinishedSample, VLLMEngine, engine_options, group_seed
 
@@ -100,24 +101,7 @@ class Generator:
         self.tokens_generated = 0
         self.regenerated = 0
         self.stale_aborted = 0      # training groups stopped as too stale (StaleBefore)
-        # Where the time went, from the first training prompt until the run's last batch is
-        # taken (STEPS_DONE; else the stop): generating (busy),
-        # paused for weight updates, evaluating, or idle with nothing to generate (η bound
-        # reached); idle_scoring: idle while the reward pool still scores finished samples.
-        # The loop's own work: submit (prompts into the engine), send (scores collected, scored
-        # groups sent to the controller), other (the rest: messages, heartbeats), so that the
-        # buckets add up to the whole span. LOOP_WORK names those three.
-        self.seconds = {"busy": 0.0, "pause": 0.0, "eval": 0.0, "idle": 0.0, "idle_scoring": 0.0,
-                        "submit": 0.0, "send": 0.0, "other": 0.0}
-        # The engine's occupancy: vLLM's EngineCore generates in its own process while this loop
-        # does anything else (messages, submitting, scores), so the loop's "busy" bucket
-        # understates how long the engine had work. engine_s: seconds of the span the engine had
-        # training requests in flight, weight-update pauses and evaluations apart (_tick).
-        self.engine_s = 0.0
-        self._occupied_since: float | None = None
-        self._started = False
-        self._t_started = 0.0
-        self._t_ended: float | None = None      # STEPS_DONE: the accounting's span ends
+        self.clock = GenClock()     # where the time went (generators.json; gen_clock.py)
         self._heartbeats = Pacer(cfg.rollout.heartbeat_s)
         self.preempted = False
         self._engine_lost = False
@@ -157,15 +141,15 @@ class Generator:
                     break
             if not running:
                 break
-            with self._timed("send"):
+            with self.clock.timed("send"):
                 for _, group in self._collect_rewards():     # eval groups never reach this loop
                     self._send(group)
             if self.engine.has_unfinished() and not self._engine_lost:
-                with self._timed("busy"):
+                with self.clock.timed("busy"):
                     self._generate()
             else:       # nothing to generate: waiting on scores of finished samples, or on prompts
                 scoring = bool(self.rewards.unfinished)
-                with self._timed("idle_scoring" if scoring else "idle"):
+                with self.clock.timed("idle_scoring" if scoring else "idle"):
                     self.chan.idle(source=CONTROLLER_RANK, timeout=0.005 if scoring else 0.05)
         self._finish()
 
@@ -178,21 +162,20 @@ class Generator:
                 log.info("generator rank %d: %d prompt(s) not started, the engine is gone",
                          self.topo.rank, len(msg.prompts))
             case msgs.Prompts(prompts=prompts):
-                if not self._started:
-                    self._started, self._t_started = True, time.monotonic()
-                with self._timed("submit"):
+                self.clock.start()
+                with self.clock.timed("submit"):
                     for p in prompts:
                         self._submit("train", p)
             case msgs.WeightsNotice() if not self._engine_lost:
                 with self._engine_paused():
                     self._update_weights(msg)
             case msgs.StaleBefore(version=version) if not self._engine_lost:
-                with self._timed("send"):
+                with self.clock.timed("send"):
                     self._abort_stale(version)
             case msgs.StepsDone():
-                self._end_span()
+                self.clock.end()
             case msgs.EvalRequest():
-                with self._timed("eval"), self._engine_paused():
+                with self.clock.timed("eval"), self._engine_paused():
                     self._evaluate(msg)
             case msgs.Stop(preempted=preempted):
                 self.preempted = preempted
@@ -217,10 +200,10 @@ class Generator:
 
     def _finish(self) -> None:
         """After STOP: the totals to the controller, then the reward pool and the engine end."""
-        self._end_span()
+        self.clock.end()
         msgs.post(self.chan, msgs.GeneratorStats(
-            self.topo.rank, self.tokens_generated, dict(self.seconds), self.engine.version,
-            self.rewards.stats(), self.stale_aborted, self.engine_s), CONTROLLER_RANK)
+            self.topo.rank, self.tokens_generated, dict(self.clock.seconds), self.engine.version,
+            self.rewards.stats(), self.stale_aborted, self.clock.engine_s), CONTROLLER_RANK)
         self.chan.flush(timeout=60)
         self.rewards.close()
         try:
@@ -230,16 +213,6 @@ class Generator:
                 raise
             log.warning("generator rank %d: shutting down the lost vLLM engine: %s",
                         self.topo.rank, exc)
-
-    def _end_span(self) -> None:
-        """The span of `seconds` ends (the run's last batch is taken, or the stop): what follows,
-        the last step, the final evaluation and the trainer saving the policy, is not this
-        rank's time to account for. seconds["other"]: what of the span no other bucket holds."""
-        if self._started and self._t_ended is None:
-            self._t_ended = time.monotonic()
-            span = self._t_ended - self._t_started
-            timed = sum(v for k, v in self.seconds.items() if k != "other")
-            self.seconds["other"] = max(0.0, span - timed)
 
     def _update_weights(self, msg: msgs.WeightsNotice) -> None:
         """Load the announced version and acknowledge it: "started" first, so that a load that
@@ -262,7 +235,7 @@ class Generator:
                 return
             self.watch.weights_failed(version, msg.path is not None, time.monotonic() - t0, exc)
             raise
-        self._count("pause", paused_s)
+        self.clock.count("pause", paused_s)
         msgs.post(self.chan, msgs.WeightsAck(self.engine.version, "loaded", paused_s),
                   CONTROLLER_RANK)
 
@@ -275,17 +248,8 @@ class Generator:
                                                 self.tokens_generated), CONTROLLER_RANK)
 
     def _tick(self, count: bool = True) -> None:
-        """The engine's occupancy clock, called as the loop turns and after each message: the
-        time since the last tick goes to `engine_s` if the engine had training work then (and
-        `count`); whether it has work from now on is read afresh. Outside an evaluation the
-        engine holds only training requests, and its state changes only in this loop's calls
-        (submit, step, abort, load), each followed by a tick: exact to one loop turn (a request
-        the EngineCore has finished is counted until `step()` returns it)."""
-        now = time.monotonic()
-        if count and self._occupied_since is not None and self._started and self._t_ended is None:
-            self.engine_s += now - self._occupied_since
-        busy = not self._engine_lost and self.engine.has_unfinished()
-        self._occupied_since = now if busy else None
+        """The engine's occupancy clock (GenClock.tick): a lost engine has no work."""
+        self.clock.tick(not self._engine_lost and self.engine.has_unfinished(), count)
 
     @contextmanager
     def _engine_paused(self):
@@ -293,17 +257,6 @@ class Generator:
         self._tick()
         yield
         self._tick(count=False)
-
-    @contextmanager
-    def _timed(self, what: str):
-        t0 = time.monotonic()
-        yield
-        self._count(what, time.monotonic() - t0)
-
-    def _count(self, what: str, seconds: float) -> None:
-        """Into bucket `what`, within the span (from the first training prompt to its end)."""
-        if self._started and self._t_ended is None:
-            self.seconds[what] += seconds
 
     def _submit(self, kind: str, prompt: msgs.Prompt) -> None:
         r = self.cfg.rollout

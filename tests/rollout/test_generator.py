@@ -1,6 +1,4 @@
 """The generator's message handling that needs no engine."""
-import time
-
 from areal_hpc.rollout.generator import Generator
 from areal_hpc.transport import messages as msgs
 
@@ -15,7 +13,7 @@ def test_prompts_after_the_engine_was_lost_are_left_in_flight():
     are not submitted to it (that raised EngineDeadError and failed the job instead of letting it
     checkpoint); they stay in flight in the controller's books and are issued again on resume."""
     gen = Generator.__new__(Generator)
-    gen.engine, gen.groups, gen._engine_lost, gen._started = _DeadEngine(), {}, True, True
+    gen.engine, gen.groups, gen._engine_lost = _DeadEngine(), {}, True
     gen.topo = type("Topo", (), {"rank": 1})()
     prompt = msgs.Prompt(7, [1, 2, 3], 2, "math", "6")
     assert gen._handle(msgs.Prompts([prompt])) is True
@@ -23,66 +21,26 @@ def test_prompts_after_the_engine_was_lost_are_left_in_flight():
     assert gen.groups == {}
 
 
-def test_time_accounting_ends_with_the_training_steps():
-    """STEPS_DONE (the run's last batch is taken) closes the span of generators.json's
-    `seconds`: the last step, the final evaluation and the trainer saving the policy, which
-    follow, are not counted as the generator's idle time."""
-    gen = Generator.__new__(Generator)
-    gen.seconds = dict.fromkeys(("busy", "pause", "eval", "idle", "idle_scoring", "submit",
-                                 "send", "other"), 0.0)
-    gen._started, gen._t_ended = True, None
-    gen._t_started = time.monotonic() - 10.0     # 10 s since the first prompt
-    gen._count("busy", 7.0)
-    gen._count("pause", 0.5)
-    assert gen._handle(msgs.StepsDone()) is True
-    span = sum(gen.seconds.values())
-    assert 10.0 <= span < 10.5 and gen.seconds["other"] >= 2.5
-    gen._count("idle", 60.0)                # a long save of the policy after the steps
-    with gen._timed("busy"):
-        pass
-    gen._end_span()                         # again at the stop: the span stays closed
-    assert sum(gen.seconds.values()) == span and gen.seconds["idle"] == 0.0
-
-
-class _Engine:
-    unfinished = False
-
-    def has_unfinished(self):
-        return self.unfinished
-
-
-def test_engine_occupancy_counts_work_in_flight_not_weight_loads_or_the_time_after_the_span(
-        monkeypatch):
-    """`engine_s` counts the time the engine had training requests, whatever the loop did
-    meanwhile (vLLM's EngineCore generates in its own process), and not the time it had none,
-    a weight load's pause (a tick with count=False), or anything after the span's end."""
-    from areal_hpc.rollout import generator as mod
+def test_steps_done_closes_the_time_accounting():
+    """STEPS_DONE (the run's last batch is taken) ends the span of generators.json's `seconds`
+    (the rules: test_gen_clock.py)."""
+    from areal_hpc.rollout.gen_clock import GenClock
     now = [100.0]
-    monkeypatch.setattr(mod.time, "monotonic", lambda: now[0])
     gen = Generator.__new__(Generator)
-    gen.engine, gen._engine_lost = _Engine(), False
-    gen.engine_s, gen._occupied_since = 0.0, None
-    gen._started, gen._t_ended = True, None
+    gen.clock = GenClock(now=lambda: now[0])
+    gen.clock.start()
+    now[0] += 10.0
+    assert gen._handle(msgs.StepsDone()) is True
+    assert gen.clock.t_ended == 110.0 and gen.clock.seconds["other"] == 10.0
 
-    def after(seconds, unfinished=None, count=True):
-        now[0] += seconds
-        if unfinished is not None:
-            gen.engine.unfinished = unfinished
-        gen._tick(count)
 
-    after(0.0)
-    after(1.0, unfinished=True)         # idle 1 s, then prompts submitted
-    after(2.0)                          # the loop sent scores for 2 s: the engine generated
-    after(0.5, count=False)             # a weight load paused it 0.5 s
-    after(1.0, unfinished=False)        # its last request came back from a step
-    after(3.0)                          # idle, waiting for the η budget
-    assert gen.engine_s == 3.0
-    after(0.0, unfinished=True)
-    gen._t_ended = now[0]               # the run's last batch was taken
-    after(5.0)
-    assert gen.engine_s == 3.0
-    gen._engine_lost = True             # a lost engine has no work, whatever its books say
-    after(0.0)
-    gen._t_ended = None
-    after(1.0)
-    assert gen.engine_s == 3.0
+def test_a_lost_engine_has_no_work_whatever_its_books_say():
+    from areal_hpc.rollout.gen_clock import GenClock
+    now = [0.0]
+    gen = Generator.__new__(Generator)
+    gen.clock, gen.engine, gen._engine_lost = GenClock(now=lambda: now[0]), _DeadEngine(), True
+    gen.clock.start()
+    gen._tick()                             # the dead engine is not asked
+    now[0] += 5.0
+    gen._tick()
+    assert gen.clock.engine_s == 0.0
