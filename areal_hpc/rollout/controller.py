@@ -300,6 +300,8 @@ class Controller:
             self.ledger.put_back(groups)
         return [int(g.trajectories[0]["prompt_id"]) for g in groups]
 
+    collects_acks = True        # the trainer's weight notifier (train/weight_publisher.py)
+
     def send_weights_notice(self, version: int, *, plan=None, path: str | None = None) -> None:
         """Tell every generator that `version` is coming: over the weight group (`plan`, sent
         while the stage senders broadcast) or in the safetensors directory `path` (complete)."""

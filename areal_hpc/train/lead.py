@@ -18,6 +18,7 @@ from ..storage.run_dir import RunDir
 from ..storage.tensorboard import TensorBoardLog
 from ..topology import Topology
 from .diagnostics import CollapseWatch
+from .weight_publisher import SILENT
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 class Follower:
     """A trainer rank other than 0: none of rank 0's duties."""
     controller = None
+    weight_notifier = SILENT
 
     def state(self) -> dict | None:
         return None
@@ -71,6 +73,7 @@ class Lead(Follower):
             self.eval_rows = self.eval_rows[: d.eval_limit]
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.controller = Controller(cfg, topo, train_rows, tokenizer, resume=resume)
+        self.weight_notifier = self.controller      # announces updates, collects acknowledgements
         self.tb: TensorBoardLog | None = None
         self.progress = None
         self.evals: list[dict] = []

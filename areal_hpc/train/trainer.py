@@ -58,7 +58,7 @@ class Trainer:
         if self.resumed:
             self._checkpoint_s = time.monotonic() - t0
         self.lead = lead_of(cfg, topo, self.resumed["controller"] if self.resumed else None)
-        self.publisher = WeightPublisher.for_trainer(cfg, topo, self.actor, self.lead.controller)
+        self.publisher = WeightPublisher.for_trainer(cfg, topo, self.actor, self.lead.weight_notifier)
         # each batch: rank 0 -> one rank per data-parallel rank -> its TP/PP peers
         self.shares = coll.GroupScatter(topo.role_comm, group=self.actor.layout.dp_rank,
                                         timeout_s=cfg.rollout.collective_timeout_s,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Protocol
 
 from .. import preemption
 from ..storage.run_dir import RunDir
@@ -30,6 +31,33 @@ from ..transport import mpi as coll
 from ..transport import weights as wsync
 
 log = logging.getLogger(__name__)
+
+
+class WeightNotifier(Protocol):
+    """Who tells the generators about an update and collects their acknowledgements: trainer
+    rank 0's `Controller`; `SILENT` on every other rank (and in tests that play the generator
+    themselves)."""
+    collects_acks: bool
+
+    def send_weights_notice(self, version: int, *, plan=None, path: str | None = None) -> None: ...
+
+    def wait_weights_acks(self, version: int, timeout_s: float,
+                          cause: BaseException | None = None) -> None: ...
+
+
+class _Silent:
+    """The notifier of a rank that announces nothing and waits for no acknowledgement."""
+    collects_acks = False
+
+    def send_weights_notice(self, version: int, *, plan=None, path: str | None = None) -> None:
+        pass
+
+    def wait_weights_acks(self, version: int, timeout_s: float,
+                          cause: BaseException | None = None) -> None:
+        pass
+
+
+SILENT: WeightNotifier = _Silent()
 
 
 class WeightPublisher:
@@ -43,19 +71,19 @@ class WeightPublisher:
         collective_timeout_s: bounds the non-root ranks' wait for the outcome.
         weight_dir: where disk mode writes its versions.
         group: the weight group, on stage senders in broadcast mode (else None).
-        controller: trainer rank 0's `Controller` (announces, collects acknowledgements);
-            None on every other rank, and in tests that play the generator themselves.
+        notifier: announces the update and collects the acknowledgements (`WeightNotifier`:
+            trainer rank 0's `Controller`; `SILENT` elsewhere).
     """
 
     def __init__(self, cfg, actor, comm, *, pp: int, collective_timeout_s: float,
-                 weight_dir: str, group=None, controller=None):
+                 weight_dir: str, group=None, notifier: WeightNotifier = SILENT):
         self.cfg, self.actor, self.comm = cfg, actor, comm
         self.pp, self.collective_timeout_s = pp, collective_timeout_s
-        self.weight_dir, self.group, self.controller = weight_dir, group, controller
+        self.weight_dir, self.group, self.notifier = weight_dir, group, notifier
         self._plan: wsync.Plan | None = None
 
     @classmethod
-    def for_trainer(cls, cfg, topo, actor, controller=None) -> "WeightPublisher":
+    def for_trainer(cls, cfg, topo, actor, notifier: WeightNotifier = SILENT) -> "WeightPublisher":
         """The trainer's publisher: stage senders join the weight group (weight rank = stage)."""
         w, t = cfg.weights, cfg.topology
         group = None
@@ -64,7 +92,7 @@ class WeightPublisher:
         return cls(w, actor, topo.role_comm, pp=t.pp,
                    collective_timeout_s=cfg.rollout.collective_timeout_s,
                    weight_dir=w.disk_dir or str(RunDir(cfg.run_dir).weights), group=group,
-                   controller=controller)
+                   notifier=notifier)
 
     # -- the plan -------------------------------------------------------------------------------
     def plan(self) -> wsync.Plan:
@@ -131,8 +159,7 @@ class WeightPublisher:
         a, w = self.actor, self.cfg
         stage = a.weight_stage
         if w.mode == "broadcast":
-            if self.controller is not None:
-                self.controller.send_weights_notice(version, plan=plan)
+            self.notifier.send_weights_notice(version, plan=plan)
             if a.is_weight_sender:
                 wsync.broadcast_stage(self.group, plan, stage, a.iter_hf_weights(), a.device)
             elif stage is not None:
@@ -144,9 +171,7 @@ class WeightPublisher:
             self._join_gather()
         coll.barrier(self.comm, w.timeout_s,      # every stage's files are in place
                      what=f"weight update to version {version}: files written")
-        if self.controller is not None:
-            path = wsync.version_dir(self.weight_dir, version)
-            self.controller.send_weights_notice(version, path=str(path))
+        self.notifier.send_weights_notice(version, path=str(wsync.version_dir(self.weight_dir, version)))
 
     def _join_gather(self) -> None:
         """A TP peer of a stage sender: take part in gathering the stage's full tensors (each
@@ -157,7 +182,7 @@ class WeightPublisher:
     def _acknowledged(self, version: int, error: BaseException | None) -> tuple:
         """Rank 0: wait for every generator to run `version`; returns (failure, stopping).
         Every other rank: (None, False); rank 0's outcome reaches it in `publish`."""
-        if self.controller is None:
+        if not self.notifier.collects_acks:
             return None, False
         w = self.cfg
         # A preemption's TERM reaches vLLM's processes too, which die mid-update: no grace for
@@ -165,7 +190,7 @@ class WeightPublisher:
         grace = 0.0 if error is not None and preemption.requested() else w.timeout_s
         failure = None
         try:
-            self.controller.wait_weights_acks(version, grace, error)
+            self.notifier.wait_weights_acks(version, grace, error)
         except wsync.WeightSyncError as exc:
             failure = exc
         if failure is None and w.mode == "disk":
