@@ -29,7 +29,7 @@ from .config import ConfigError, RunConfig, _check, _read_utf8, load
 
 TINY_MODEL = Path("models/tiny")
 # The models the project builds itself when a config names them and they are not there yet:
-# path -> tools/make_tiny_model.py arguments.
+# path -> areal_hpc/tiny_model.py arguments.
 BUILT_MODELS = {TINY_MODEL: [], Path("models/tiny_answer"): ["--format", "answer"]}
 
 
@@ -39,7 +39,7 @@ def ensure_tiny_model(cfg: RunConfig) -> None:
         if Path(cfg.model.path).resolve() == path.resolve() and not (path / "config.json").exists():
             print(f"[launch] building the tiny model in {path} (once, a few minutes)",
                   file=sys.stderr, flush=True)
-            subprocess.run([sys.executable, "tools/make_tiny_model.py", "--out", str(path), *args],
+            subprocess.run([sys.executable, "-m", "areal_hpc.tiny_model", "--out", str(path), *args],
                            check=True, stdout=sys.stderr)
 
 

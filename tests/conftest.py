@@ -11,6 +11,29 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The two markers (`tools/test.sh -m "not slow"`: the fast set alone, a few minutes):
+#   e2e   a whole job through a launcher (mpiexec, the local Slurm cluster): tests/e2e and the
+#         Slurm tests;
+#   slow  starts vLLM engines, Megatron, MPI or torch.distributed worlds, sandboxes or jobs: a
+#         test using one of HEAVY_FIXTURES, or in a module marked `pytestmark = pytest.mark.slow`.
+# Every e2e test is slow too.
+HEAVY_FIXTURES = {"tiny_model", "jobs", "reward_fn_run", "slurm_env", "megatron_ws1", "engine"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "e2e: runs a whole job through a launcher (mpiexec, Slurm)")
+    config.addinivalue_line("markers", "slow: starts vLLM, Megatron, MPI worlds, sandboxes or jobs")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        rel = Path(str(item.fspath)).resolve().relative_to(ROOT / "tests")
+        if rel.parts[0] == "e2e" or rel.name.startswith("test_slurm"):
+            item.add_marker(pytest.mark.e2e)
+            item.add_marker(pytest.mark.slow)
+        elif HEAVY_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 class Jobs:
     """Start `python <args>` from the repo root, marked so that this session's job processes (MPI
