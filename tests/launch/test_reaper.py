@@ -10,6 +10,8 @@ import time
 import psutil
 import pytest
 
+pytestmark = pytest.mark.slow     # starts MPI / torch.distributed worlds or processes (tests/conftest.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # A stand-in for a rank: starts the reaper, then children like vLLM's (a child with its own

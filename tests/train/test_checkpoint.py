@@ -12,6 +12,8 @@ from areal_hpc.storage import checkpoint as ck
 from areal_hpc.topology import free_port
 from areal_hpc.train import checkpoint as train_ck
 
+pytestmark = pytest.mark.slow     # starts MPI / torch.distributed worlds or processes (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def actor_factory(tmp_path_factory):

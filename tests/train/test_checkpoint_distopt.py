@@ -25,6 +25,8 @@ from areal_hpc.topology import free_port
 from areal_hpc.train import checkpoint as train_ck
 from tests.train.test_checkpoint import _batch
 
+pytestmark = pytest.mark.slow     # starts MPI / torch.distributed worlds or processes (tests/conftest.py)
+
 WORKER = Path(__file__).with_name("distopt_worker.py")
 WORLD = 2
 SAVE_AT, STEPS = 2, 5

@@ -20,6 +20,8 @@ from areal_hpc.train.shares import split_batch
 sys.path.insert(0, str(Path(__file__).parent))
 from shares_worker import CFG, GROUP_SIZE, make_batch, old_share  # noqa: E402
 
+pytestmark = pytest.mark.slow     # starts MPI / torch.distributed worlds or processes (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("shares_worker.py")
 

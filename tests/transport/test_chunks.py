@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from areal_hpc.launch.local import mpiexec
+
+pytestmark = pytest.mark.slow     # starts MPI / torch.distributed worlds or processes (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("chunks_worker.py")

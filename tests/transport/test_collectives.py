@@ -9,6 +9,8 @@ import pytest
 
 from areal_hpc.launch.local import mpiexec
 
+pytestmark = pytest.mark.slow     # starts MPI / torch.distributed worlds or processes (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("collectives_worker.py")
 

@@ -23,6 +23,8 @@ from areal_hpc.transport.weights import (
     plan_stages,
 )
 
+pytestmark = pytest.mark.slow     # starts MPI / torch.distributed worlds or processes (tests/conftest.py)
+
 # Spawned children unpickle their targets by module name (`tests.transport.test_weights` under
 # --import-mode=importlib), which needs the repo root on the sys.path they inherit; the
 # `.venv/bin/pytest` entry point does not put it there (`python -m pytest` does).
