@@ -79,3 +79,40 @@ def test_config_reads_no_file_but_the_yaml():
                                                    or getattr(node.func, "id", None) == "open"):
                     where.setdefault(fn.name, []).append(node.lineno)
     assert sorted(where) == ["_read_utf8", "load"] and len(where["load"]) == 1, where
+
+
+# The package's floors, bottom to top (docs/architecture.md "Floors"): a module imports from its
+# own floor or below. An import that runs back up is listed in UP with its reason.
+FLOORS = {
+    0: ["config", "versions", "determinism", "preemption", "reaper", "progress"],
+    1: ["data", "algo", "transport", "topology"],
+    2: ["storage", "reward"],
+    3: ["rollout", "train", "plan"],
+    4: ["launch", "analysis", "audit", "replay", "main", "preflight", "tiny_model"],
+}
+UP = {
+    # config checks a value's syntax against its owner's definition (lazily, pure modules)
+    ("areal_hpc.config", "areal_hpc.data.answers"): "reward.extractor's names",
+    ("areal_hpc.config", "areal_hpc.data.prompts"): "data.prompt_template's fields",
+    ("areal_hpc.config", "areal_hpc.reward.custom"): "reward.functions' spec syntax",
+    ("areal_hpc.config", "areal_hpc.launch.cpus"): "topology.*_cpus's CPU-list syntax",
+    ("areal_hpc.plan.throughput", "areal_hpc.launch.cpus"): "the CPU-list syntax",
+    ("areal_hpc.rollout.vllm_engine", "areal_hpc.launch.cpus"): "the engine's cores",
+    ("areal_hpc.plan.__main__", "areal_hpc.launch.placement"): "`plan placement` prints its plan",
+    ("areal_hpc.preemption", "areal_hpc.plan.budget"): "the job's clock (time limit, signal lead)",
+    ("areal_hpc.reaper", "areal_hpc.rollout.vllm_engine"): "the MPI variables vLLM's children drop",
+    ("areal_hpc.rollout.generator", "areal_hpc.preflight"): "the generator's own start-up check",
+    ("areal_hpc.topology", "areal_hpc.train.layout"): "a trainer rank's layout, built on demand",
+}
+
+
+def _floor(module: str) -> int:
+    part = module.split(".")[1] if "." in module else ""
+    return next(f for f, names in FLOORS.items() if part in names)
+
+
+def test_imports_run_down_the_floors_but_the_listed_ones():
+    mods = _modules()
+    up = {(m, d) for m, p in mods.items() if m != "areal_hpc"
+          for d in _imports(m, p, mods) if d != "areal_hpc" and _floor(d) > _floor(m)}
+    assert up == set(UP), (sorted(up - set(UP)), sorted(set(UP) - up))
