@@ -27,10 +27,9 @@ def run_efficiency(run: Path, mode: str, target: float) -> dict:
     diagnostics of the last 10 steps, and whether the run collapsed (`mode`: "sync" or
     "async"). What tools/bench_async_vs_sync.py records per run."""
     from ..plan.throughput import pipelined_bound, read_metrics
-    run = Path(run)
-    steps = read_metrics(run)
-    gens = RunDir(run).read_generators()
-    evals = RunDir(run).read_all_evals()
+    rd = RunDir(run)
+    steps = read_metrics(rd.path)
+    gens, evals = rd.read_generators(), rd.read_all_evals()
     wall = steps[-1]["elapsed_s"]
     n = len(steps)
     busy = sum(g.seconds["busy"] for g in gens)
@@ -52,7 +51,7 @@ def run_efficiency(run: Path, mode: str, target: float) -> dict:
     else:
         ideal = pipelined_bound(n, per_step / gen_rate + load_s, train_s + sync_s)
         ideal_no_load = pipelined_bound(n, per_step / gen_rate, train_s + sync_s)
-    data = load_run(run / "rollouts.h5")
+    data = load_run(rd.rollouts)
     t = data.traj
     trained = t[t["consumed_step"] >= 0]
     dropped = t[t["consumed_step"] == -2]

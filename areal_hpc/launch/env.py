@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .. import determinism
 from ..config import ConfigError, RunConfig
-from ..preflight import launcher as prepare
+from ..preflight import launcher
 from .placement import GENERATOR, TRAINER, gpus_needed
 
 def rank_env(cfg: RunConfig) -> dict[str, str]:
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0 if argv else 2
     try:
-        cfg = prepare(argv[0], argv[1:])
+        cfg = launcher(argv[0], argv[1:])
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

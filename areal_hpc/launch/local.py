@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..config import ConfigError
 from .cpus import check_cpus, describe
-from ..preflight import launcher as prepare
+from ..preflight import launcher
 from .env import merged_env
 
 
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     config, overrides = argv[0], argv[1:]
     try:
-        cfg = prepare(config, overrides)
+        cfg = launcher(config, overrides)
         check_cpus(cfg.topology)
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from ..config import ConfigError, TopologyConfig
 from ..preemption import EXIT_PREEMPTED
 from ..storage.run_dir import RunDir
-from ..preflight import launcher as prepare
+from ..preflight import launcher
 from .env import export_lines
 
 
@@ -135,7 +135,7 @@ def _sbatch_line(**options) -> str:
 
 
 def submit(args) -> int:
-    cfg = prepare(args.config, args.overrides)
+    cfg = launcher(args.config, args.overrides)
     per_gen = cfg.rollout.engine_tp if args.gpus_per_generator is None else args.gpus_per_generator
     if args.gpus_per_node and per_gen != cfg.rollout.engine_tp:
         raise ConfigError(f"--gpus-per-generator {per_gen} differs from the recipe's "

@@ -622,13 +622,15 @@ def calibrate(run_dir: str | Path, c_half: float = 0.0) -> Rates:
         raise ConfigError(f"{rd.metrics}: a step lacks 'seconds' or 'n_tokens' ({exc})") from None
     try:
         gens = rd.read_generators()
-        if not gens:
-            raise run_files.RunFileError(f"{rd.generators}: no such file")
+    except run_files.RunFileError as exc:
+        raise ConfigError(str(exc)) from None
+    if not gens:
+        raise ConfigError(f"{rd.generators}: no such file")
+    try:
         busy = sum(float(g.seconds["busy"]) for g in gens)
         gen_tokens = sum(float(g.tokens) for g in gens)
     except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(str(exc) if isinstance(exc, run_files.RunFileError) else
-                          f"{rd.generators}: not a readable generators file ({exc})") from None
+        raise ConfigError(f"{rd.generators}: not a readable generators file ({exc})") from None
     lengths = load_lengths(d, metrics)
     if lengths.values is not None and lengths.source.endswith(run_files.ROLLOUTS):
         gen_tokens = float(lengths.values.sum())      # training samples only (no eval tokens)
