@@ -6,7 +6,8 @@
 #
 #   tools/local_slurm.sh up [N]     install the Debian packages if missing (root), start the daemons
 #                                   (N fake nodes, default 4), wait until all are idle; prints
-#                                   `export SLURM_CONF=...` on stdout. Idempotent.
+#                                   the client's `export SLURM_CONF=...` (and MPICH's netmod,
+#                                   client_env below) on stdout. Idempotent.
 #   tools/local_slurm.sh down       cancel the jobs, stop only the daemons this script started
 #   tools/local_slurm.sh status     sinfo + squeue (exit 1 when the controller is not up)
 #   eval "$(tools/local_slurm.sh up)"; sbatch --wait slurm/areal_tiny.sh
@@ -418,7 +419,23 @@ up() {
   done
   all_idle || { sinfo >&2 || true; die "nodes are not idle after 30s (logs: $log)"; }
   say "$n nodes idle ($fake_cpus CPUs, $gpus GPUs each); logs in $log"
+  client_env
+}
+
+# What a client of this cluster exports. The MPICH wheel runs over OFI tcp here: over UCX (its
+# default) a rank's business card is ~900 bytes, which MPICH's PMI-1 client puts as several lines
+# back to back, and Slurm 22.05's pmi2 plugin reads a PMI-1 request in one read() of at most 1 KiB,
+# parsing a line cut at the read's end as a request of its own ("mpi/pmi2: value not properly
+# terminated"): the step hangs or aborts, more often the busier the box, with 1 rank per node as
+# with 8. OFI's tcp address is 16 bytes: one short put for the whole step (slurm/site_gpu.sh names
+# the remedies for a site MPICH). The namespaced cluster keeps UCX: its own tests check UCX across
+# hosts.
+client_env() {
   echo "export SLURM_CONF=$conf"
+  if [ "$netns" != 1 ]; then
+    echo "export MPIR_CVAR_CH4_NETMOD=ofi"
+    echo "export FI_PROVIDER=tcp"
+  fi
 }
 
 stop_slurm() {
@@ -456,7 +473,7 @@ status() {
       fi
     done
   fi
-  echo "export SLURM_CONF=$conf"
+  client_env
 }
 
 case "${1:-}" in

@@ -13,7 +13,6 @@ resumed generator holds is generated again from its own seed, drawing what the u
 drew; the trainer's side was exact already (tools/replay_run.py --check)."""
 import json
 import signal
-import time
 
 import numpy as np
 from safetensors.numpy import load_file
@@ -104,6 +103,38 @@ def _differences(a, b) -> list[str]:
     return out
 
 
+def _signal_mid_generation(jobs, run, proc, step: int) -> None:
+    """USR1 to every rank halfway through the generation of step `step`'s batch, timed by the
+    vLLM engine's CPU time, not the wall clock: in sync mode the engine works only while that
+    batch is generated (between step-1's and step's metrics lines), and it spends about the
+    same CPU time on every step's batch (B groups of LONG_TOKENS tokens each), so half of the
+    previous step's is the middle of this one's whatever else the box runs. (A wall-clock delay
+    after the metrics line missed on a busy box: a step's generation takes about 0.6 s here,
+    and the weight update before it varies by as much.)"""
+    engines = []
+
+    def found() -> bool:
+        engines[:] = [p for p in jobs.processes() if p.name().startswith("VLLM::EngineCore")]
+        return bool(engines)
+
+    assert step >= 1
+    _wait_for(found, proc, poll=0.5)            # the engine and ranks are found before the clock
+    ranks = jobs.processes(ranks_only=True)     # runs: the signal goes out without a scan
+
+    def cpu() -> float:
+        return sum(t.user + t.system for t in (p.cpu_times() for p in engines))
+
+    _wait_for(lambda: _steps_done(run) >= step - 1, proc, poll=0.02)
+    before = cpu()
+    _wait_for(lambda: _steps_done(run) >= step, proc, poll=0.02)
+    start = cpu()
+    half = (start - before) / 2
+    assert half > 0.05, f"the engine spent {2 * half:.2f} s of CPU on step {step - 1}'s batch"
+    _wait_for(lambda: cpu() - start >= half, proc, poll=0.01)
+    for p in ranks:
+        p.send_signal(signal.SIGUSR1)
+
+
 def test_sync_run_repeats_and_a_preempted_one_equals_it(jobs, tiny_model, tmp_path):
     # a: uninterrupted, a checkpoint after every step; b (below): no timed checkpoint, preempted
     # mid-generation and resumed. Equal, they show both that saving a checkpoint disturbs
@@ -138,21 +169,12 @@ def test_sync_run_repeats_and_a_preempted_one_equals_it(jobs, tiny_model, tmp_pa
     r = jobs.run([*regen, str(later)], timeout=60)
     assert r.returncode == 2 and "--step 1" in r.stderr, r.stderr[-3000:]
 
-    # The same config preempted (USR1, as Slurm's time-limit warning) in the middle of step
-    # STEPS/2's first group: one group in flight at a time, each
-    # LONG_TOKENS decode steps; the signal goes out half a group minus 0.1 s after the previous
-    # step's metrics line, and the job stops its generator 0.01-0.17 s later (measured).
+    # The same config preempted (USR1, as Slurm's time-limit warning) while step STEPS/2's batch
+    # is being generated: _signal_mid_generation.
     args = _args(jobs, tiny_model, tmp_path, "b", "checkpoint.every_steps=0")
     run = tmp_path / "b"
     proc = jobs.start(args)
-    half = STEPS // 2
-    _wait_for(lambda: _steps_done(run) >= 1, proc)
-    ranks = jobs.processes(ranks_only=True)    # found once: the signal goes out without a scan
-    _wait_for(lambda: _steps_done(run) >= half, proc, poll=0.05)
-    group_s = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["wait_s"] / B
-    time.sleep(max(0.05, group_s / 2 - 0.1))
-    for p in ranks:
-        p.send_signal(signal.SIGUSR1)
+    _signal_mid_generation(jobs, run, proc, STEPS // 2)
     code, out = _finish(proc)
     assert code == 3, out[-4000:]
     done = _steps_done(run)

@@ -42,8 +42,9 @@ def slurm_env():
         up = _sh(tool, "up", timeout=900, check=False)
         assert up.returncode == 0, (up.stdout, up.stderr[-4000:])
         status = up
-    conf = re.search(r"export SLURM_CONF=(\S+)", status.stdout).group(1)
-    yield {**os.environ, "SLURM_CONF": conf}
+    exports = dict(re.findall(r"^export (\w+)=(\S+)$", status.stdout, re.M))
+    assert "SLURM_CONF" in exports, status.stdout
+    yield {**os.environ, **exports}
     if started:
         _sh(tool, "down", timeout=120, check=False)
 
@@ -335,17 +336,9 @@ def _scaled_recipe(script: Path, tmp_path, tiny_model, edit=lambda text: text):
 
 def _gpu_env(jobs, slurm_env):
     """The GPU recipes' environment here. The GPU software stack is not on this box: the version
-    check is for the real cluster. The MPICH wheel's netmod is OFI over tcp: over UCX (its
-    default) a node's business cards with 8 ranks per node (all "nodes" on this one host: shared
-    memory, tcp on every interface) are ~5 KB, which MPICH's PMI-1 client puts as ~10 lines of
-    ~900 bytes without waiting for each answer, and Slurm 22.05's pmi2 plugin reads PMI-1 in one
-    read() of at most 1024 bytes, parsing a line cut at the read's end as a request of its own
-    ("mpi/pmi2: value not properly terminated", then "request not begin with 'cmd='"): the step
-    hangs or a rank aborts on a garbled UCX address, more often the busier the box. OFI's tcp
-    address is 16 bytes, one 67-byte put for the whole step (slurm/site_gpu.sh names the same
-    remedy for a site MPICH)."""
-    return {**jobs.env(slurm_env), "AREAL_PYTHON": sys.executable, "AREAL_SKIP_VERSION_CHECK": "1",
-            "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
+    check is for the real cluster. (MPICH runs over OFI tcp, as on every job of the local cluster:
+    tools/local_slurm.sh's client_env says why.)"""
+    return {**jobs.env(slurm_env), "AREAL_PYTHON": sys.executable, "AREAL_SKIP_VERSION_CHECK": "1"}
 
 
 @pytest.mark.parametrize("script", GPU_RECIPES, ids=lambda p: p.name)
@@ -355,8 +348,7 @@ def test_gpu_recipe_places_every_rank_on_its_own_gpus_and_cores(slurm_env, jobs,
     (1 per trainer rank, rollout.engine_tp per generator rank), and the CPUs its component asked
     for; the 32B recipe's allocation also runs the placement under a plain `srun --het-group=0,1`
     (what submitit starts: every task sees the node's 8 GPUs) and each rank takes its own slice.
-    (Cancelled at the end whatever happens, so no other test meets its processes; why its MPI
-    runs over OFI: _gpu_env.)"""
+    (Cancelled at the end whatever happens, so no other test meets its processes.)"""
     config, comps = _sbatch_components(script)
     cpt = [int(re.findall(r"--cpus-per-task=(\d+)", script.read_text())[k]) for k in (0, 1)]
     plain = script.name == "areal_32b.sh"

@@ -68,11 +68,11 @@ def main() -> None:
                                     weight_dir=str(work / "weights"), group=group)
         plan = publisher.plan()
         if comm.Get_rank() == 0:
-            (work / f"{case['tag']}.plan.pkl").write_bytes(pickle.dumps(plan))
+            _publish(work / f"{case['tag']}.plan.pkl", pickle.dumps(plan))
         publisher.publish(case["version"])
         if comm.Get_rank() == 0:
-            (work / f"{case['tag']}.done").write_text(
-                str(wsync.version_dir(publisher.weight_dir, case["version"])))
+            _publish(work / f"{case['tag']}.done",
+                     str(wsync.version_dir(publisher.weight_dir, case["version"])).encode())
         comm.Barrier()
     dist.destroy_process_group()
 
@@ -90,10 +90,16 @@ def _train_step(actor, train: dict, comm, build_s: float, timeout_s: float = 900
     actor.save_hf(train["out"])
     shapes = {n: tuple(p.shape) for n, p in actor.model.named_parameters() if "embedding" in n or "output_layer" in n}
     if comm.Get_rank() == 0:
-        result = Path(train["out"]) / "result.pkl"
-        tmp = result.with_name(result.name + ".tmp")
-        tmp.write_bytes(pickle.dumps({"logprobs": before, "stats": stats, "shapes": shapes, "build_s": build_s}))
-        os.replace(tmp, result)
+        _publish(Path(train["out"]) / "result.pkl",
+                 pickle.dumps({"logprobs": before, "stats": stats, "shapes": shapes, "build_s": build_s}))
+
+
+def _publish(path: Path, data: bytes) -> None:
+    """Write `data` whole under `path`: the test polls for the name and reads it at once, so the
+    name appears only after the bytes are there."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
