@@ -24,6 +24,8 @@ import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .cpus import parse_cpus
+
 
 class ConfigError(ValueError):
     """A bad configuration: the message names the key and what is wrong."""
@@ -74,7 +76,7 @@ class TopologyConfig:
     gpu_mem_gib: float = 80.0
     gpu: str = ""                       # GPU model for the step-time preflight (h100, h200, a100, b200: areal_hpc/plan/budget.py); "" = no time check
     mfu: float = 0.35                   # model-FLOPs utilisation the step-time estimate assumes (python -m areal_hpc.plan time)
-    # CPU placement on each node (areal_hpc.launch.cpus), as taskset writes a list: "0", "0-3",
+    # CPU placement on each node (areal_hpc.cpus), as taskset writes a list: "0", "0-3",
     # "0,2-5". A role's ranks on one node share its cores in equal parts; each rank runs as many
     # compute threads as it has cores. Disjoint lists: the roles compute side by side (async);
     # the same list: each phase gets every core in turn (the synchronous baseline). "" or null =
@@ -671,7 +673,6 @@ def validate(cfg: RunConfig) -> None:
     check_choices(cfg)
     _check(t.n_trainers % (t.tp * t.pp) == 0, "topology.n_trainers",
            f"{t.n_trainers} trainer ranks are not a multiple of tp*pp = {t.tp * t.pp}")
-    from .launch.cpus import parse_cpus
     for key in ("trainer_cpus", "generator_cpus"):
         try:
             parse_cpus(getattr(t, key), f"topology.{key}")

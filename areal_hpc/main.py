@@ -83,7 +83,7 @@ def main(argv=None) -> int:
                   f"slurm/job.sh --dry-run prints the table)" if len(problems) > 1 else ""),
                   file=sys.stderr, flush=True)
         return 2
-    from .launch.cpus import bind_rank, check_cpus, format_cpus
+    from .cpus import bind_rank, check_cpus, format_cpus
     try:
         check_cpus(cfg.topology)
         cpus = bind_rank(cfg.topology, topo.role, topo.local_rank, topo.local_size)

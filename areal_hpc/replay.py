@@ -243,7 +243,7 @@ def read_metrics(run_dir: Path) -> dict[int, dict]:
 
 def trainer_threads(cfg) -> int:
     """How many torch threads the run's trainer rank ran (see the module docstring)."""
-    from .launch.cpus import role_cpus
+    from .cpus import role_cpus
     cpus = role_cpus(cfg.topology, "trainer")
     if cpus:
         return len(cpus)        # one trainer rank: all of them

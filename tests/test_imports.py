@@ -84,7 +84,7 @@ def test_config_reads_no_file_but_the_yaml():
 # The package's floors, bottom to top (docs/architecture.md "Floors"): a module imports from its
 # own floor or below. An import that runs back up is listed in UP with its reason.
 FLOORS = {
-    0: ["config", "versions", "determinism", "preemption", "reaper", "progress"],
+    0: ["config", "cpus", "versions", "determinism", "preemption", "reaper", "progress"],
     1: ["data", "algo", "transport", "topology"],
     2: ["storage", "reward"],
     3: ["rollout", "train", "plan"],
@@ -95,9 +95,6 @@ UP = {
     ("areal_hpc.config", "areal_hpc.data.answers"): "reward.extractor's names",
     ("areal_hpc.config", "areal_hpc.data.prompts"): "data.prompt_template's fields",
     ("areal_hpc.config", "areal_hpc.reward.custom"): "reward.functions' spec syntax",
-    ("areal_hpc.config", "areal_hpc.launch.cpus"): "topology.*_cpus's CPU-list syntax",
-    ("areal_hpc.plan.throughput", "areal_hpc.launch.cpus"): "the CPU-list syntax",
-    ("areal_hpc.rollout.vllm_engine", "areal_hpc.launch.cpus"): "the engine's cores",
     ("areal_hpc.plan.__main__", "areal_hpc.launch.placement"): "`plan placement` prints its plan",
     ("areal_hpc.preemption", "areal_hpc.plan.budget"): "the job's clock (time limit, signal lead)",
     ("areal_hpc.reaper", "areal_hpc.rollout.vllm_engine"): "the MPI variables vLLM's children drop",

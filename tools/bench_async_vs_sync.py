@@ -57,7 +57,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
-from areal_hpc.launch.cpus import format_cpus  # noqa: E402
+from areal_hpc.cpus import format_cpus  # noqa: E402
 
 from areal_hpc.analysis.efficiency import WINDOW, first_time_at, run_efficiency  # noqa: E402
 

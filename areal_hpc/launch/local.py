@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError
-from .cpus import check_cpus, describe
+from ..cpus import check_cpus, describe
 from ..preflight import launcher
 from .env import merged_env
 

@@ -33,7 +33,7 @@ import socket
 import sys
 from dataclasses import asdict, dataclass, field
 
-from .cpus import format_cpus
+from ..cpus import format_cpus
 
 from ..topology import GENERATOR, TRAINER, local_index, node_name
 

@@ -71,7 +71,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ConfigError, RunConfig
-from ..launch.cpus import parse_cpus
+from ..cpus import parse_cpus
 from ..rollout.ledger import Ledger
 from ..rollout.staleness import staleness_of
 from ..storage import run_dir as run_files
@@ -485,7 +485,7 @@ class Prediction:
 
 def device_units(cfg: RunConfig) -> tuple[int, int]:
     """(generator, trainer) devices: GPUs on CUDA; on CPU the cores of generator_cpus and
-    trainer_cpus when set (`areal_hpc.launch.cpus` lists), else one per rank."""
+    trainer_cpus when set (`areal_hpc.cpus` lists), else one per rank."""
     t = cfg.topology
     if t.device == "cuda":
         return t.n_generators * cfg.rollout.engine_tp, t.n_trainers

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from areal_hpc.launch.cpus import split_cpus
+from areal_hpc.cpus import split_cpus
 from areal_hpc.transport.weights import Bucket, WeightGroupAddress
 
 logger = logging.getLogger(__name__)

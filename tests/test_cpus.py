@@ -1,4 +1,4 @@
-"""CPU placement of the ranks (areal_hpc.launch.cpus): parsing, shares, binding, the launcher's
+"""CPU placement of the ranks (areal_hpc.cpus): parsing, shares, binding, the launcher's
 line; the binding itself on this process (affinity and torch's thread count), restored after."""
 import os
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from areal_hpc.config import load
-from areal_hpc.launch import cpus
+from areal_hpc import cpus
 
 CONFIG = "configs/tiny_cpu.yaml"
 
@@ -95,7 +95,7 @@ def test_a_generator_sharing_the_trainers_cores_yields_to_it():
     import subprocess
     import sys
     first = min(os.sched_getaffinity(0))
-    code = ("import os, sys; from areal_hpc.config import load; from areal_hpc.launch import cpus; "
+    code = ("import os, sys; from areal_hpc.config import load; from areal_hpc import cpus; "
             "t = load('configs/tiny_cpu.yaml', sys.argv[1:]).topology; before = os.nice(0); "
             "cpus.bind_rank(t, 'generator', 0, 1); print(os.nice(0) - before)")
     for gen, want in ((str(first), cpus.SHARED_GENERATOR_NICE), ("", 0)):
