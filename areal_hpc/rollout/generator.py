@@ -78,19 +78,14 @@ def _parse_request_id(rid: str) -> tuple[str, int, int]:
 
 
 class Generator:
-    # __init__ sets these; the defaults serve a loop's state made without it
-    _in_order = False           # rollout.mode sync: groups sent in prompt order
-    per_request_seeds = False   # rollout.per_request_seeds or deterministic
-    regenerated = 0             # partial samples of a preempted job generated again (_submit)
+    """A generator rank's loop around its children: the vLLM engine, the reward pool and the
+    channel to the controller. `start` makes the children on a rank; a test passes its own."""
 
-    def __init__(self, cfg: RunConfig, topo: Topology):
-        from transformers import AutoTokenizer
+    def __init__(self, cfg: RunConfig, topo: Topology, *, engine=None, rewards=None, chan=None,
+                 tokenizer=None, clock: GenClock | None = None):
         self.cfg, self.topo = cfg, topo
-        self.chan = Channel(topo.world)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.engine, self.rewards, self.chan, self.tokenizer = engine, rewards, chan, tokenizer
         self.per_request_seeds = seeded(cfg)     # rollout.per_request_seeds or deterministic
-        with preemption.shield_children():     # engine processes must outlive a USR1
-            self._start_children(cfg, topo)
         self.groups: dict[tuple[str, int], _Group] = {}
         self._kept: dict[tuple[str, int, int], int] = {}   # a continued sample's earlier tokens
         # rollout.mode sync: training groups are sent in the order their prompts came
@@ -99,28 +94,37 @@ class Generator:
         self._send_order: list[int] = []
         self._held: dict[int, _Group] = {}
         self.tokens_generated = 0
-        self.regenerated = 0
+        self.regenerated = 0        # partial samples of a preempted job generated again (_submit)
         self.stale_aborted = 0      # training groups stopped as too stale (StaleBefore)
-        self.clock = GenClock()     # where the time went (generators.json; gen_clock.py)
+        self.clock = clock or GenClock()    # where the time went (generators.json; gen_clock.py)
         self._heartbeats = Pacer(cfg.rollout.heartbeat_s)
         self.preempted = False
         self._engine_lost = False
         self.watch: ControllerWatch | None = None   # the controller's liveness, from the loop's start
 
-    def _start_children(self, cfg: RunConfig, topo: Topology) -> None:
+    @classmethod
+    def start(cls, cfg: RunConfig, topo: Topology) -> "Generator":
+        """On a generator rank: the channel, the tokenizer, this node's start-up check, then the
+        engine (joining the weight group) and the reward pool, kept out of a USR1's reach."""
+        from transformers import AutoTokenizer
+
         from ..preflight import generator_node
-        generator_node(cfg)   # on this node: code rewards need the sandbox (or the unsafe opt-out)
-        r = cfg.rollout
-        self.engine = VLLMEngine(cfg.model.path, dtype=cfg.model.dtype, seed=cfg.train.seed + topo.rank,
-                                 tensor_parallel_size=topo.engine_tp,
-                                 per_request_seeds=self.per_request_seeds, **engine_options(r))
-        if cfg.weights.mode == "broadcast":
-            self.engine.init_weight_group(topo.weight_group_address(cfg.weights),
-                                          topo.weight_group_rank)
-        rw = cfg.reward
-        self.rewards = RewardPool(rw.workers, math_timeout_s=rw.math_timeout_s,
-                                  unsafe_no_sandbox=rw.unsafe_no_sandbox, extractor=rw.extractor,
-                                  functions=custom.specs_of(cfg), fn_timeout_s=rw.fn_timeout_s)
+        chan = Channel(topo.world)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        with preemption.shield_children():     # engine processes must outlive a USR1
+            generator_node(cfg)   # on this node: code rewards need the sandbox (or the unsafe opt-out)
+            r = cfg.rollout
+            engine = VLLMEngine(cfg.model.path, dtype=cfg.model.dtype, seed=cfg.train.seed + topo.rank,
+                                tensor_parallel_size=topo.engine_tp,
+                                per_request_seeds=seeded(cfg), **engine_options(r))
+            if cfg.weights.mode == "broadcast":
+                engine.init_weight_group(topo.weight_group_address(cfg.weights),
+                                         topo.weight_group_rank)
+            rw = cfg.reward
+            rewards = RewardPool(rw.workers, math_timeout_s=rw.math_timeout_s,
+                                 unsafe_no_sandbox=rw.unsafe_no_sandbox, extractor=rw.extractor,
+                                 functions=custom.specs_of(cfg), fn_timeout_s=rw.fn_timeout_s)
+        return cls(cfg, topo, engine=engine, rewards=rewards, chan=chan, tokenizer=tokenizer)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
@@ -436,6 +440,6 @@ class Generator:
 
 def run_generator(cfg: RunConfig, topo: Topology) -> int:
     """Returns the exit code: 0, or EXIT_PREEMPTED when the controller stopped for a preemption."""
-    gen = Generator(cfg, topo)
+    gen = Generator.start(cfg, topo)
     gen.run()
     return preemption.EXIT_PREEMPTED if gen.preempted else 0

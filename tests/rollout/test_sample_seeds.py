@@ -5,6 +5,7 @@ from a prefix is reproducible given where it was cut."""
 import numpy as np
 import pytest
 
+from areal_hpc.config import RunConfig
 from areal_hpc.rollout import vllm_engine as ve
 
 from .test_vllm_engine import DTYPE, LONG_PROMPT, make_tiny_model, run_to_completion
@@ -38,9 +39,10 @@ def test_sync_mode_sends_groups_in_prompt_order():
 
     from .test_vllm_engine import _Chan
 
-    gen = Generator.__new__(Generator)          # the loop's state only; no MPI, no job
-    gen.chan, gen.topo = _Chan(), type("Topo", (), {"rank": 1})()
-    gen._in_order, gen._send_order, gen._held = True, [5, 3, 9, 4], {}
+    cfg = RunConfig()
+    cfg.rollout.mode = "sync"
+    gen = Generator(cfg, type("Topo", (), {"rank": 1})(), chan=_Chan())   # no MPI, no job
+    gen._send_order = [5, 3, 9, 4]
 
     def scored(pid):
         g = _Group(msgs.Prompt(pid, [1, 2], 1, "math", "1"))
@@ -70,7 +72,6 @@ def test_a_preempted_sample_from_the_current_weights_is_generated_again():
     all came from the weights the engine holds starts again from its own seed (it then draws
     what the uninterrupted run drew); one with tokens of older weights goes on from its prefix,
     a finished one is kept whole; without seeds every one is continued."""
-    from areal_hpc.config import RunConfig
     from areal_hpc.rollout.generator import Generator
     from areal_hpc.transport import messages as msgs
 
@@ -95,10 +96,9 @@ def test_a_preempted_sample_from_the_current_weights_is_generated_again():
         cont(0, [3, 3, 3]), cont(1, [2, 3]), cont(2, [3, 3], "stop"), cont(3, [])))
     s0 = ve.group_seed(RunConfig().train.seed, "train", 7)
     for seeded in (True, False):
-        gen = Generator.__new__(Generator)
-        gen.cfg = RunConfig()
-        gen.groups, gen._kept, gen.engine = {}, {}, Engine()
-        gen.per_request_seeds = seeded
+        cfg = RunConfig()
+        cfg.rollout.per_request_seeds = seeded
+        gen = Generator(cfg, type("Topo", (), {"rank": 1})(), engine=Engine())
         gen._submit("train", prompt)
         continued = [(rid, n) for rid, n, _ in gen.engine.continued]
         if seeded:

@@ -13,6 +13,7 @@ import psutil
 import pytest
 import torch
 
+from areal_hpc.config import RunConfig
 from areal_hpc.rollout import vllm_engine
 from areal_hpc.topology import free_port
 from areal_hpc.transport.weights import WeightGroupAddress
@@ -317,11 +318,8 @@ def test_generator_stops_a_stale_group_and_sends_it(engine):
     from areal_hpc.transport import messages as msgs
     from areal_hpc.transport.mpi import Tag
 
-    gen = Generator.__new__(Generator)          # the loop's state only; no MPI, no job
-    gen.engine, gen.groups, gen._kept = engine, {}, {}
-    gen.tokens_generated, gen.stale_aborted = 0, 0
-    gen.rewards, gen.chan = _NoScores(), _Chan()
-    gen.topo = type("Topo", (), {"rank": 3})()
+    gen = Generator(RunConfig(), type("Topo", (), {"rank": 3})(), engine=engine,   # no MPI, no job
+                    rewards=_NoScores(), chan=_Chan())
     prompt, max_new, v0 = list(range(60, 70)), 40, engine.version
 
     def submit(kind, pid, n):
