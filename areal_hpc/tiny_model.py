@@ -37,9 +37,10 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+from transformers import GenerationConfig, Qwen2ForCausalLM, Qwen2Tokenizer
 
 from .data.tiny_task import FORMATS, alphabet, make_problems
+from .random_models import random_qwen2
 from .reward.math import math_reward
 
 PAD, EOS = "<pad>", "<eos>"
@@ -66,7 +67,8 @@ def build_tokenizer(answer_format: str = "boxed") -> Qwen2Tokenizer:
 
 
 def build_model(tokenizer: Qwen2Tokenizer, args) -> Qwen2ForCausalLM:
-    config = Qwen2Config(
+    return random_qwen2(
+        args.seed,
         vocab_size=64 * math.ceil(len(tokenizer) / 64),  # the padding Megatron likes; rows unused
         hidden_size=args.hidden,
         num_hidden_layers=args.layers,
@@ -81,8 +83,6 @@ def build_model(tokenizer: Qwen2Tokenizer, args) -> Qwen2ForCausalLM:
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
     )
-    torch.manual_seed(args.seed)
-    return Qwen2ForCausalLM(config)
 
 
 def encode(tokenizer, text: str) -> list[int]:

@@ -95,26 +95,13 @@ def gib(x: float | None) -> str:
 
 def make_model(path: Path, shape: str) -> dict:
     """Random Qwen2 of `shape` + byte-level tokenizer in `path`; returns config.json."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from areal_hpc.random_models import qwen_byte_tokenizer, save_random_qwen2
 
     dims = SHAPES[shape]
-    vocab_rows = dims["vocab_size"]
-    eos = min(QWEN_EOS, vocab_rows - 3)
-    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
-    vocab |= {f"<|reserved_{i}|>": i for i in range(len(vocab), eos)}
-    vocab |= {"<|endoftext|>": eos, "<|im_start|>": eos + 1, "<|im_end|>": eos + 2}
-    path.mkdir(parents=True, exist_ok=True)
-    Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, eos_token="<|endoftext|>",
-                   pad_token="<|endoftext|>", model_max_length=dims["max_position_embeddings"]
-                   ).save_pretrained(path)
-    config = Qwen2Config(**dims, hidden_act="silu", attention_dropout=0.0, initializer_range=0.02,
-                         bos_token_id=eos, eos_token_id=eos, dtype="float32")
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    model.save_pretrained(path)
-    del model
+    eos = min(QWEN_EOS, dims["vocab_size"] - 3)
+    qwen_byte_tokenizer(path, eos, dims["max_position_embeddings"])
+    save_random_qwen2(path, **dims, hidden_act="silu", attention_dropout=0.0, initializer_range=0.02,
+                      bos_token_id=eos, eos_token_id=eos, dtype="float32")
     _trim()
     return json.loads((path / "config.json").read_text())
 

@@ -178,16 +178,15 @@ def make_model(env: Env, dims: dict, name: str, dtype: str | None = None) -> str
     """A random-weight Qwen2 (HF directory: config.json + model.safetensors) in `dtype` (default
     the checks' parameter dtype), built with transformers on the check's device. Cached per name."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from areal_hpc.random_models import random_qwen2
 
     out = env.tmp / name
     if (out / "config.json").exists():
         return str(out)
-    torch.manual_seed(0)
-    config = Qwen2Config(**dims, hidden_act="silu", attention_dropout=0.0, use_cache=False,
-                         bos_token_id=1, eos_token_id=2)
     with torch.device("cuda" if env.cuda else "cpu"):
-        model = Qwen2ForCausalLM(config)
+        model = random_qwen2(**dims, hidden_act="silu", attention_dropout=0.0, use_cache=False,
+                             bos_token_id=1, eos_token_id=2)
     model = model.to(torch.bfloat16 if (dtype or env.dtype) == "bfloat16" else torch.float32)
     model.save_pretrained(out)
     del model

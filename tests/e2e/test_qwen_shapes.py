@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 import torch
 
+from areal_hpc.random_models import qwen_byte_tokenizer, save_random_qwen2
 from areal_hpc.rollout import vllm_engine
 from areal_hpc.topology import free_port
 from areal_hpc.transport.weights import WeightGroupAddress
@@ -51,32 +52,14 @@ NEW_TOKENS = 16
 
 
 def make_qwen_model(path: Path) -> None:
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    # Byte-level BPE without merges, as tools/make_tiny_model.py builds its tokenizer (transformers
-    # loads a model_type "qwen2" tokenizer as Qwen2Tokenizer); reserved fillers up to Qwen's ids.
-    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
-    vocab |= {f"<|reserved_{i}|>": i for i in range(len(vocab), EOS)}
-    vocab |= {"<|endoftext|>": EOS, "<|im_start|>": EOS + 1, "<|im_end|>": EOS + 2}
-    Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, eos_token="<|endoftext|>",
-                   pad_token="<|endoftext|>", model_max_length=32768).save_pretrained(path)
-    config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=1024, num_hidden_layers=2,
-        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
-        rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02,
-        bos_token_id=EOS, eos_token_id=EOS, dtype="float32",
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):  # q/k/v: zero at init, so a wrong layout would not show
-                p.normal_(std=0.5, generator=g)
-            elif "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(path)
+    # Qwen's vocabulary size and special-token ids, q/k/v biases and norms made informative
+    # (zero and one at init, a wrong layout would not show).
+    qwen_byte_tokenizer(path, EOS, 32768)
+    save_random_qwen2(path, bias_std=0.5, norm=(1.0, 0.2),
+                      vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=1024,
+                      num_attention_heads=12, max_position_embeddings=32768, rope_theta=1e6,
+                      rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02,
+                      bos_token_id=EOS, eos_token_id=EOS, dtype="float32")
 
 
 @contextlib.contextmanager

@@ -28,7 +28,9 @@ def make_tiny_model(path):
     """Random Qwen2 (head_dim 32: vLLM's CPU attention has no kernel for 16) + char tokenizer.
     Two KV heads, so that a Megatron TP=2 trainer can shard it (tests of the weight path)."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast
+
+    from areal_hpc.random_models import save_random_qwen2
 
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2} | {chr(0x21 + i): 3 + i for i in range(125)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -36,14 +38,10 @@ def make_tiny_model(path):
     PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
     ).save_pretrained(path)
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=128, max_position_embeddings=512,
-        tie_word_embeddings=False, initializer_range=0.2,  # peaked, so that a weight change shows
-        eos_token_id=1, bos_token_id=1, pad_token_id=0,
-    )
-    Qwen2ForCausalLM(config).save_pretrained(path)
+    save_random_qwen2(path, num_attention_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False,
+                      initializer_range=0.2,  # peaked, so that a weight change shows
+                      eos_token_id=1, bos_token_id=1, pad_token_id=0)
 
 
 def hf_model(model_dir, weights_path=None):

@@ -2,8 +2,9 @@
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
+from areal_hpc.random_models import random_qwen2
 from areal_hpc.train.hf_convert import (
     gpt_model_kwargs,
     hf_to_megatron,
@@ -13,18 +14,8 @@ from areal_hpc.train.hf_convert import (
 
 
 def tiny_qwen2(tie: bool, seed: int = 0) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=tie, rope_theta=10000.0,
-    )
-    model = Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():  # default init leaves biases 0 and norms 1: make them informative
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.normal_(mean=0.5 if "norm" in name else 0.0, std=0.5)
-    return model
+    return random_qwen2(seed, bias_std=0.5, norm=(0.5, 0.5), tie_word_embeddings=tie,
+                        rope_theta=10000.0).eval()
 
 
 @pytest.mark.parametrize("tie", [False, True])

@@ -1,0 +1,61 @@
+"""Random Qwen2 models and a Qwen-like tokenizer, for the tests, the benchmarks and the tiny model:
+the one place that knows how the project builds a model it has not trained.
+
+`random_qwen2` draws every weight from torch's global generator after `torch.manual_seed(seed)`,
+so a model is the same for the same seed, shape and perturbation. Hugging Face's init leaves the
+q/k/v biases at 0 and the RMSNorm weights at 1: a converter that put them in the wrong place
+would not show, so a test of layouts asks for `bias_std` and `norm` to make them informative.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+# The shape a test model has unless it says otherwise: 2 layers, grouped-query attention (4 query
+# heads, 2 key/value heads), a vocabulary of 128.
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def random_qwen2(seed: int = 0, *, bias_std: float = 0.0, norm: tuple[float, float] | None = None,
+                 **fields):
+    """A Qwen2ForCausalLM of `SMALL`'s shape, any Qwen2Config field overridden by `fields`.
+    After the init, with `bias_std` > 0 the biases are drawn N(0, bias_std²) and with
+    `norm` = (mean, std) the norms' weights N(mean, std²)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**{**SMALL, **fields}))
+    if bias_std > 0 or norm is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias") and bias_std > 0:
+                    p.normal_(std=bias_std)
+                elif "norm" in name and norm is not None:
+                    p.normal_(mean=norm[0], std=norm[1])
+    return model
+
+
+def save_random_qwen2(path, seed: int = 0, *, bias_std: float = 0.0,
+                      norm: tuple[float, float] | None = None, **fields) -> str:
+    """`random_qwen2(...)` saved as a Hugging Face directory at `path`; returns the path."""
+    random_qwen2(seed, bias_std=bias_std, norm=norm, **fields).save_pretrained(path)
+    return str(path)
+
+
+def qwen_byte_tokenizer(path, eos: int, max_len: int):
+    """A byte-level Qwen2Tokenizer without merges saved at `path`: the 256 byte symbols at ids
+    0..255, reserved fillers up to `eos`, then <|endoftext|> (= eos and pad), <|im_start|> and
+    <|im_end|>, as Qwen's own ids lie (transformers loads any model_type "qwen2" checkpoint's
+    tokenizer as Qwen2Tokenizer, so it is built as one). Returns the tokenizer."""
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
+    vocab |= {f"<|reserved_{i}|>": i for i in range(len(vocab), eos)}
+    vocab |= {"<|endoftext|>": eos, "<|im_start|>": eos + 1, "<|im_end|>": eos + 2}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, eos_token="<|endoftext|>",
+                         pad_token="<|endoftext|>", model_max_length=max_len)
+    Path(path).mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(path)
+    return tok
