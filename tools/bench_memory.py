@@ -66,16 +66,14 @@ def _reset_peak() -> bool:
 
 
 def make_model(out: Path, hidden: int, layers: int, vocab: int, max_pos: int) -> dict:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from areal_hpc.random_models import save_random_qwen2
 
     heads = hidden // 64
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(5.5 * hidden) // 128 * 128,
-                      num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=max(1, heads // 4), max_position_embeddings=max_pos,
-                      tie_word_embeddings=False, torch_dtype="float32")
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).save_pretrained(out)
+    save_random_qwen2(out, vocab_size=vocab, hidden_size=hidden,
+                      intermediate_size=int(5.5 * hidden) // 128 * 128, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
+                      max_position_embeddings=max_pos, tie_word_embeddings=False,
+                      torch_dtype="float32")
     return json.loads((out / "config.json").read_text())
 
 
@@ -93,17 +91,12 @@ def _base(model_dir: str, tokens: int, attention: str) -> list[str]:
 
 def worker(model_dir: str, tokens: int, attention: str, extra: list[str]) -> None:
     import numpy as np
-    import torch
-    import torch.distributed as dist
 
     from areal_hpc.config import load
-    from areal_hpc.topology import free_port
-    from areal_hpc.train.megatron_model import init_megatron_parallel
+    from areal_hpc.train.megatron_model import single_process
 
-    torch.set_num_threads(1)
     cfg = load(None, case_overrides(model_dir, tokens, attention, extra))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    init_megatron_parallel(1, 1, cfg.train.seed, backend="gloo")
+    single_process(cfg.train.seed)
     from areal_hpc.train.actor import Actor  # imports first, so RSS0 holds the libraries
 
     _trim()
@@ -179,17 +172,13 @@ def run_cases(args) -> None:
 
 def saved_worker(attention: str) -> None:
     import torch
-    import torch.distributed as dist
 
     from areal_hpc import plan
-    from areal_hpc.topology import free_port
     from areal_hpc.train import cpu_compat
     from areal_hpc.train.attention import packed_seq_params
-    from areal_hpc.train.megatron_model import build_gpt_model, init_megatron_parallel
+    from areal_hpc.train.megatron_model import build_gpt_model, single_process
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    init_megatron_parallel(1, 1, 0, backend="gloo")
+    single_process()
     hf = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=704,
               vocab_size=1000, num_hidden_layers=2, max_position_embeddings=4096, rms_norm_eps=1e-6)
     arch = plan.Arch.from_hf(hf)

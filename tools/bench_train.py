@@ -129,17 +129,15 @@ def main() -> None:
 
     import numpy as np
     import torch
-    import torch.distributed as dist
 
     from areal_hpc.config import TrainConfig
-    from areal_hpc.topology import free_port
     from areal_hpc.train.actor import Actor
+    from areal_hpc.train.megatron_model import single_process
 
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     packs = [int(x) for x in str(args.max_tokens_per_mb).split(",")]
     args.max_tokens_per_mb = packs[0]
     cfg = TrainConfig(lr=3e-4, max_tokens_per_mb=max(packs), prox=args.prox, attention=args.attention)
+    single_process(cfg.seed, threads=args.threads)
     actor = Actor(cfg, args.model, group_size=8)
     seqs = make_batch(actor, args.seqs)
     actor.cfg.max_tokens_per_mb = args.max_tokens_per_mb
@@ -178,17 +176,13 @@ def main() -> None:
 def random_model(hidden: int, layers: int) -> str:
     import tempfile
 
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from areal_hpc.random_models import save_random_qwen2
 
-    out = tempfile.mkdtemp(prefix="bench_train_model_")
     heads = max(hidden // 32, 4)
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=1024, hidden_size=hidden, intermediate_size=hidden * 3,
-                                 num_hidden_layers=layers, num_attention_heads=heads,
-                                 num_key_value_heads=max(heads // 4, 1), max_position_embeddings=8192)
-                     ).save_pretrained(out)
-    return out
+    return save_random_qwen2(tempfile.mkdtemp(prefix="bench_train_model_"), vocab_size=1024,
+                             hidden_size=hidden, intermediate_size=hidden * 3,
+                             num_hidden_layers=layers, num_attention_heads=heads,
+                             num_key_value_heads=max(heads // 4, 1), max_position_embeddings=8192)
 
 
 def one_case(actor, seqs, reps: int, packs: list[int]) -> None:

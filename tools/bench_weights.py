@@ -45,15 +45,12 @@ SIZES = {
 
 
 def make_model(path: Path, size: str) -> int:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from areal_hpc.random_models import random_qwen2
 
     hidden, layers, heads, inter, vocab = SIZES[size]
-    torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=heads, intermediate_size=inter, vocab_size=vocab,
-                      max_position_embeddings=256, tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(cfg)
+    model = random_qwen2(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=heads, intermediate_size=inter, vocab_size=vocab,
+                         max_position_embeddings=256, tie_word_embeddings=False)
     model.save_pretrained(path)
     return sum(p.numel() for p in model.parameters())
 
@@ -207,16 +204,11 @@ def main() -> None:
     if args.breakdown:
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
-    import torch
-    import torch.distributed as dist
 
-    from areal_hpc.topology import free_port
-    from areal_hpc.train.megatron_model import init_megatron_parallel
+    from areal_hpc.train.megatron_model import single_process
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    init_megatron_parallel(1, 1, seed=0, backend="gloo")
+    single_process(threads=args.threads)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes.split(","):

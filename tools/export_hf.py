@@ -82,17 +82,12 @@ def main(argv=None) -> int:
               f"not there", file=sys.stderr)
         return 2
 
-    import torch
     import torch.distributed as dist
-    from areal_hpc.topology import free_port
     from areal_hpc.train.actor import Actor
     from areal_hpc.train.checkpoint import load_model
     from areal_hpc.train.hf_export import ExportError, export
-    from areal_hpc.train.megatron_model import init_megatron_parallel
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
-    init_megatron_parallel(tp=1, pp=1, seed=0, backend="gloo")
+    from areal_hpc.train.megatron_model import single_process
+    single_process()
     actor = Actor(cfg.train, cfg.model.path, group_size=cfg.rollout.group_size,
                   temperature=cfg.rollout.temperature, dtype=cfg.model.dtype)
     if ckpt is not None:

@@ -61,6 +61,21 @@ def init_megatron_parallel(tp: int, pp: int, seed: int, backend: str | None = No
     model_parallel_cuda_manual_seed(seed)
 
 
+def single_process(seed: int = 0, threads: int | None = 1) -> None:
+    """A trainer of one rank in this process (the tests' and tools' Actor): a gloo world of one
+    and Megatron's groups at tp = pp = 1, each made only if this process has none yet; torch's
+    compute threads set to `threads` (None: left as they are). The world's store is in this
+    process (no port to pick, none to lose to another process)."""
+    if threads:
+        torch.set_num_threads(threads)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if dist.get_world_size() != 1:
+        raise RuntimeError(f"a single-process trainer in a world of {dist.get_world_size()} ranks")
+    if not parallel_state.model_parallel_is_initialized():
+        init_megatron_parallel(1, 1, seed, backend="gloo")
+
+
 def read_hf_config(model_dir: str) -> dict:
     with open(os.path.join(model_dir, "config.json")) as f:
         return json.load(f)

@@ -5,11 +5,9 @@ import json
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from areal_hpc.config import TrainConfig
 from areal_hpc.storage import checkpoint as ck
-from areal_hpc.topology import free_port
 from areal_hpc.train import checkpoint as train_ck
 
 pytestmark = pytest.mark.slow     # starts MPI / torch.distributed worlds or processes (tests/conftest.py)
@@ -17,22 +15,14 @@ pytestmark = pytest.mark.slow     # starts MPI / torch.distributed worlds or pro
 
 @pytest.fixture(scope="module")
 def actor_factory(tmp_path_factory):
-    from megatron.core import parallel_state
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
+    from areal_hpc.random_models import save_random_qwen2
     from areal_hpc.train.actor import Actor
-    from areal_hpc.train.megatron_model import init_megatron_parallel
+    from areal_hpc.train.megatron_model import single_process
 
-    torch.set_num_threads(1)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        init_megatron_parallel(tp=1, pp=1, seed=0, backend="gloo")
+    single_process()
     path = tmp_path_factory.mktemp("qwen2")
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                 max_position_embeddings=64)).save_pretrained(path)
+    save_random_qwen2(path, vocab_size=64, hidden_size=32, intermediate_size=64,
+                      max_position_embeddings=64)
     return lambda: Actor(TrainConfig(lr=1e-3, max_tokens_per_mb=64), str(path), group_size=2)
 
 

@@ -39,13 +39,10 @@ ACTOR = dict(group_size=2)
 
 
 def _model_dir(path: Path) -> str:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from areal_hpc.random_models import save_random_qwen2
 
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                 max_position_embeddings=64)).save_pretrained(path)
-    return str(path)
+    return save_random_qwen2(path, vocab_size=64, hidden_size=32, intermediate_size=64,
+                             max_position_embeddings=64)
 
 
 def launch(work: Path) -> list[dict]:
@@ -127,18 +124,10 @@ def test_optimizer_layout_mismatch_is_refused(runs):
 
 @pytest.fixture(scope="module")
 def plain_factory(tmp_path_factory):
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
     from areal_hpc.train.actor import Actor
-    from areal_hpc.train.megatron_model import init_megatron_parallel
+    from areal_hpc.train.megatron_model import single_process
 
-    torch.set_num_threads(1)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                                world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        init_megatron_parallel(tp=1, pp=1, seed=0, backend="gloo")
+    single_process()
     path = _model_dir(tmp_path_factory.mktemp("plain") / "qwen2")
     cfg = TrainConfig(lr=1e-3, max_tokens_per_mb=64, weight_decay=0.01)
     return lambda distributed=False: Actor(
