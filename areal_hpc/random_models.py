@@ -36,10 +36,10 @@ def random_qwen2(seed: int = 0, *, bias_std: float = 0.0, norm: tuple[float, flo
     return model
 
 
-def save_random_qwen2(path, seed: int = 0, *, bias_std: float = 0.0,
-                      norm: tuple[float, float] | None = None, **fields) -> str:
-    """`random_qwen2(...)` saved as a Hugging Face directory at `path`; returns the path."""
-    random_qwen2(seed, bias_std=bias_std, norm=norm, **fields).save_pretrained(path)
+def save_random_qwen2(path, seed: int = 0, **options) -> str:
+    """`random_qwen2(seed, **options)` saved as a Hugging Face directory at `path`; returns the
+    path."""
+    random_qwen2(seed, **options).save_pretrained(path)
     return str(path)
 
 

@@ -426,10 +426,10 @@ up() {
 # default) a rank's business card is ~900 bytes, which MPICH's PMI-1 client puts as several lines
 # back to back, and Slurm 22.05's pmi2 plugin reads a PMI-1 request in one read() of at most 1 KiB,
 # parsing a line cut at the read's end as a request of its own ("mpi/pmi2: value not properly
-# terminated"): the step hangs or aborts, more often the busier the box, with 1 rank per node as
-# with 8. OFI's tcp address is 16 bytes: one short put for the whole step (slurm/site_gpu.sh names
-# the remedies for a site MPICH). The namespaced cluster keeps UCX: its own tests check UCX across
-# hosts.
+# terminated"): the step hangs or aborts, more often the busier the box (traced with 8 ranks per
+# node; the tiny job's 1 per node failed the same way). OFI's tcp address is 16 bytes: one short
+# put for the whole step (slurm/site_gpu.sh names the remedies for a site MPICH). The namespaced
+# cluster keeps UCX: its own tests check UCX across hosts.
 client_env() {
   echo "export SLURM_CONF=$conf"
   if [ "$netns" != 1 ]; then

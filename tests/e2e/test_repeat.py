@@ -111,15 +111,13 @@ def _signal_mid_generation(jobs, run, proc, step: int) -> None:
     previous step's is the middle of this one's whatever else the box runs. (A wall-clock delay
     after the metrics line missed on a busy box: a step's generation takes about 0.6 s here,
     and the weight update before it varies by as much.)"""
-    engines = []
-
-    def found() -> bool:
-        engines[:] = [p for p in jobs.processes() if p.name().startswith("VLLM::EngineCore")]
-        return bool(engines)
+    def engine_cores() -> list:
+        return [p for p in jobs.processes() if p.name().startswith("VLLM::EngineCore")]
 
     assert step >= 1
-    _wait_for(found, proc, poll=0.5)            # the engine and ranks are found before the clock
-    ranks = jobs.processes(ranks_only=True)     # runs: the signal goes out without a scan
+    _wait_for(engine_cores, proc, poll=0.5)     # the engine and ranks are found before the clock
+    engines = engine_cores()                    # runs: the signal goes out without a scan
+    ranks = jobs.processes(ranks_only=True)
 
     def cpu() -> float:
         return sum(t.user + t.system for t in (p.cpu_times() for p in engines))
