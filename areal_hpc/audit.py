@@ -66,6 +66,7 @@ from .config import ConfigError, RunConfig, load as load_config
 from .analysis.load import version_blocks
 from .storage import checkpoint as ck
 from .storage import run_dir as run_files
+from .storage.run_state import ControllerState
 from .storage.rollout_log import (DROPPED_STALE, NO_SEED, NOT_CONSUMED, PARTIAL, ROLLED_BACK,
                                   STATUS_NAMES, RolloutLogError, RolloutReader, group_starts)
 
@@ -150,7 +151,7 @@ class _Run:
     metrics: list[tuple[int, dict]] | None      # (line number, record); None: no file
     ckpt: Path | None = None
     ck_step: int | None = None
-    ctrl: dict | None = None    # the checkpoint's controller state (Controller.state)
+    ctrl: ControllerState | None = None    # the checkpoint's controller state
 
 
 def _some(items, k: int = EXAMPLES) -> str:
@@ -370,8 +371,8 @@ def _project(run: _Run) -> _Projection | None:
     if run.ctrl is None:
         return None
     c, rows = run.ck_step, len(run.consumed)
-    R = int(run.ctrl["rollout_rows"])
-    buf = run.ctrl["buffer_rows"].astype(np.int64)
+    R = int(run.ctrl.rollout_rows)
+    buf = run.ctrl.buffer_rows.astype(np.int64)
     consumed, proj = run.consumed, run.consumed.copy()
     problems, lines = [], []
     if R > rows:
@@ -575,9 +576,9 @@ def _check_prompts(run: _Run, groups: _Groups, proj: _Projection | None) -> Chec
     for g, p in enumerate(groups.pid.tolist()):
         by_pid[p].append(g)
     ctrl = run.ctrl
-    inflight = set(ctrl["inflight_prompt_ids"].tolist()) if ctrl is not None else set()
+    inflight = set(ctrl.inflight_prompt_ids.tolist()) if ctrl is not None else set()
     known = np.asarray(sorted(set(by_pid) | inflight), dtype=np.int64)
-    bound = (int(ctrl["cursor_consumed"]) if ctrl is not None
+    bound = (int(ctrl.cursor_consumed) if ctrl is not None
              else int(known[-1]) + 1 if len(known) else 0)
     n_norows, norows = _missing(known, bound)      # issued, with no rows, not in flight
     bad, unknown = [], []
@@ -649,17 +650,17 @@ def _check_prompts(run: _Run, groups: _Groups, proj: _Projection | None) -> Chec
                        f"{groups.rows(g)} (prompt {groups.pid[g]}: {groups.states(g, column)})"
                        for g in odd))
     if ctrl is not None:
-        seen = int(ctrl["rollout_rows"])
+        seen = int(ctrl.rollout_rows)
         beyond = np.flatnonzero(run.pid[:seen] >= bound)
         if len(beyond):
             bad.append(f"rows the checkpoint saw hold prompt ids at or past its data cursor "
                        f"({bound}): {_some(f'row {i} (prompt {run.pid[i]})' for i in beyond)}")
         dropped_groups = int(((status == DROPPED_STALE) & uniform).sum())
-        if ctrl["dropped_stale"] != dropped_groups:
-            bad.append(f"the checkpoint counts {ctrl['dropped_stale']} group(s) dropped as stale "
+        if ctrl.dropped_stale != dropped_groups:
+            bad.append(f"the checkpoint counts {ctrl.dropped_stale} group(s) dropped as stale "
                        f"(dropped_stale), the log {dropped_groups}")
-        if "lost_stale" in ctrl and ctrl["lost_stale"] != cats["given up"]:
-            bad.append(f"the checkpoint counts {ctrl['lost_stale']} prompt(s) given up "
+        if ctrl.lost_stale is not None and ctrl.lost_stale != cats["given up"]:
+            bad.append(f"the checkpoint counts {ctrl.lost_stale} prompt(s) given up "
                        f"(lost_stale), the log {cats['given up']}")
     policy = f"stale_policy {run.policy}" + (f", at most {run.max_reissues} reissue(s)"
                                              if run.policy == "reissue" else "")
@@ -682,7 +683,7 @@ def _check_prompts(run: _Run, groups: _Groups, proj: _Projection | None) -> Chec
                 f"again): {cats['after the checkpoint']}" if cats["after the checkpoint"] else "")]
     if ctrl is not None:
         lines.append(f"lost: {len(lost) + n_norows}")
-        if "lost_stale" not in ctrl:
+        if ctrl.lost_stale is None:
             lines.append("the checkpoint predates its lost_stale counter: given-up prompts not "
                          "compared with it")
         return Check(name, not bad, lines + bad)
@@ -702,8 +703,8 @@ def _check_pending(run: _Run, groups: _Groups, proj: _Projection | None) -> Chec
     if proj is None:
         return Check(name, None, [f"not checkable: {run.ckpt.name} holds no controller state"])
     ctrl, c = run.ctrl, run.ck_step
-    buf = ctrl["buffer_rows"].astype(np.int64)
-    ends = [0, *ctrl["buffer_group_ends"].astype(np.int64).tolist()]
+    buf = ctrl.buffer_rows.astype(np.int64)
+    ends = [0, *ctrl.buffer_group_ends.astype(np.int64).tolist()]
     bad = list(proj.problems)
     pending = np.flatnonzero(proj.consumed == NOT_CONSUMED)
     extra = np.setdiff1d(pending, buf)
@@ -724,12 +725,12 @@ def _check_pending(run: _Run, groups: _Groups, proj: _Projection | None) -> Chec
     # groups plus the buffered ones; generated_tokens: every row received, dropped ones too
     # (PARTIAL rows are not received trajectories: their tokens count in the row continuing them)
     accepted = run.B * c + len(ends) - 1
-    if ctrl["accepted"] != accepted:
-        bad.append(f"the checkpoint counts {ctrl['accepted']} accepted group(s), its step and "
+    if ctrl.accepted != accepted:
+        bad.append(f"the checkpoint counts {ctrl.accepted} accepted group(s), its step and "
                    f"buffer make {accepted} (B x {c} trained + {len(ends) - 1} buffered)")
     tokens = int(run.out_len[(proj.consumed != ROLLED_BACK) & (proj.consumed != PARTIAL)].sum())
-    if ctrl["generated_tokens"] != tokens:
-        bad.append(f"the checkpoint counts {ctrl['generated_tokens']} generated tokens, the log's "
+    if ctrl.generated_tokens != tokens:
+        bad.append(f"the checkpoint counts {ctrl.generated_tokens} generated tokens, the log's "
                    f"rows it saw hold {tokens}")
     seen_as = " (as a resume sees the log)" if proj.went_on else ""
     lines = [f"{len(buf)} row(s) in {len(ends) - 1} group(s) buffered at {run.ckpt.name}; "
@@ -834,8 +835,8 @@ def _check_continued(run: _Run, groups: _Groups) -> Check:
         later[(int(run.pid[i]), int(run.sidx[i]))].append(i)
     ctrl = run.ctrl
     referenced = set()
-    if ctrl is not None and "partial_first_row" in ctrl:
-        for first, k in zip(ctrl["partial_first_row"].tolist(), ctrl["partial_rows"].tolist()):
+    if ctrl is not None:
+        for first, k in zip(ctrl.partial_first_row.tolist(), ctrl.partial_rows.tolist()):
             referenced.update(range(first, first + k))
     bad, waiting, after, redrawn, kept, continued = [], [], [], [], 0, 0
     with RolloutReader(run.run_dir / run_files.ROLLOUTS) as r:
@@ -845,7 +846,7 @@ def _check_continued(run: _Run, groups: _Groups) -> Check:
             if nxt is None:
                 if i in referenced:
                     waiting.append(i)
-                elif ctrl is None or i >= int(ctrl["rollout_rows"]):
+                elif ctrl is None or i >= int(ctrl.rollout_rows):
                     after.append(i)     # no checkpoint saw it: a resume rolls it back
                 else:
                     bad.append(f"row {i} (prompt {key[0]} sample {key[1]}): partial, never "
@@ -905,7 +906,7 @@ def audit(run_dir: str | Path, *, check_crc: bool = True,
     r = run.cfg.rollout
     S = int(run.consumed.max()) + 1 if (run.consumed >= 0).any() else 0
     ckpt = (f"{run.ckpt.relative_to(run_dir)} (step {run.ck_step}"
-            + (f", {int(run.ctrl['rollout_rows'])} rows)" if run.ctrl is not None else ")")
+            + (f", {int(run.ctrl.rollout_rows)} rows)" if run.ctrl is not None else ")")
             if run.ckpt is not None else "none valid")
     summary = [f"config: B = {run.B} prompts x n = {run.n} samples a step, η = {run.eta} "
                f"({r.mode}), stale_policy {run.policy}, total_steps {run.cfg.train.total_steps}",

@@ -15,6 +15,7 @@ import pytest
 from areal_hpc import audit as au
 from areal_hpc.config import load, to_yaml
 from areal_hpc.storage import checkpoint as ck
+from areal_hpc.storage.run_state import ControllerState
 from areal_hpc.storage.rollout_log import (DROPPED_STALE, NOT_CONSUMED, PARTIAL, ROLLED_BACK,
                                            RolloutReader, RolloutWriter)
 
@@ -32,7 +33,8 @@ def config_yaml(policy: str = "reissue", max_reissues: int = 1) -> str:
                                f"rollout.max_reissues={max_reissues}"]))
 
 
-def write_checkpoint(run_dir: Path, step: int, controller: dict, config_yaml: str) -> Path:
+def write_checkpoint(run_dir: Path, step: int, controller: ControllerState,
+                     config_yaml: str) -> Path:
     """state.h5 by checkpoint.write_state and manifest.json by checkpoint.write_manifest, as a
     save writes them."""
     d = ck.step_dir(run_dir, step)
@@ -136,47 +138,47 @@ class Sim:
                                 "staleness_max": int(stale)}) + "\n")
         self.version += 1
 
-    def state(self) -> dict:
+    def state(self) -> ControllerState:
         inflight = sorted(self.inflight) + self.reissue
         part = sorted((p, *self.partial[p]) for p in inflight if p in self.partial)
-        return {
-                "partial_prompt_ids": np.asarray([p for p, _, _ in part], np.int64),
-                "partial_first_row": np.asarray([r for _, r, _ in part], np.int64),
-                "partial_rows": np.asarray([n for _, _, n in part], np.int64),"version": self.version, "cursor_consumed": self.cursor,
-                "accepted": self.accepted, "rejected": self.dropped, "dropped_stale": self.dropped,
-                "lost_stale": self.lost, "generated_tokens": self.tokens,
-                "rollout_rows": self.writer.n_rows,
-                "buffer_rows": np.asarray([r for _, rs, _ in self.buffer for r in rs], np.int64),
-                "buffer_group_ends": np.cumsum([len(rs) for _, rs, _ in self.buffer],
-                                               dtype=np.int64),
-                "inflight_prompt_ids": np.asarray(inflight, np.int64),
-                "inflight_dataset_index": np.asarray(inflight, np.int64)}
+        return ControllerState(
+            partial_prompt_ids=np.asarray([p for p, _, _ in part], np.int64),
+            partial_first_row=np.asarray([r for _, r, _ in part], np.int64),
+            partial_rows=np.asarray([n for _, _, n in part], np.int64),
+            version=self.version, cursor_consumed=self.cursor,
+            accepted=self.accepted, rejected=self.dropped, dropped_stale=self.dropped,
+            lost_stale=self.lost, generated_tokens=self.tokens,
+            rollout_rows=self.writer.n_rows,
+            buffer_rows=np.asarray([r for _, rs, _ in self.buffer for r in rs], np.int64),
+            buffer_group_ends=np.cumsum([len(rs) for _, rs, _ in self.buffer], dtype=np.int64),
+            inflight_prompt_ids=np.asarray(inflight, np.int64),
+            inflight_dataset_index=np.asarray(inflight, np.int64))
 
     def checkpoint(self, tamper=None) -> None:
         state = self.state()
         if tamper is not None:
-            tamper(state)
+            state = tamper(state)
         write_checkpoint(self.run_dir, self.version, state, self.yaml)
 
     def crash_and_resume(self) -> None:
         self.writer.close()
         path, _ = ck.find_latest(self.run_dir)
         st = ck.read_state(path / ck.STATE)["controller"]
-        self.writer = RolloutWriter.reopen(self.log, st["rollout_rows"])
-        rows = st["buffer_rows"].tolist()
+        self.writer = RolloutWriter.reopen(self.log, st.rollout_rows)
+        rows = st.buffer_rows.tolist()
         self.writer.mark_consumed(rows, NOT_CONSUMED)
-        ends = [0, *st["buffer_group_ends"].tolist()]
+        ends = [0, *st.buffer_group_ends.tolist()]
         with RolloutReader(self.log) as r:
             self.buffer = [(int(r[rows[a]]["prompt_id"]), rows[a:b],
                             int(min(min(r[i]["versions"]) for i in rows[a:b])))
                            for a, b in zip(ends[:-1], ends[1:])]
-        self.version, self.cursor = st["version"], st["cursor_consumed"]
-        self.accepted, self.dropped = st["accepted"], st["dropped_stale"]
-        self.lost = st["lost_stale"]
-        self.tokens = st["generated_tokens"]
+        self.version, self.cursor = st.version, st.cursor_consumed
+        self.accepted, self.dropped = st.accepted, st.dropped_stale
+        self.lost = st.lost_stale
+        self.tokens = st.generated_tokens
         self.inflight, self.times = {}, {}
-        self.reissue = st["inflight_prompt_ids"].tolist()
-        self.partial = {p: (r, n) for p, r, n in zip(*(st[k].tolist() for k in (
+        self.reissue = st.inflight_prompt_ids.tolist()
+        self.partial = {p: (r, n) for p, r, n in zip(*(getattr(st, k).tolist() for k in (
             "partial_prompt_ids", "partial_first_row", "partial_rows")))}
         metrics = self.run_dir / "metrics.jsonl"
         keep = [ln for ln in metrics.read_text().splitlines()
@@ -304,8 +306,8 @@ def test_step_missing_from_log(clean):
 
 def test_lost_prompt(tmp_path):
     def forget_inflight(state):
-        state["inflight_prompt_ids"] = state["inflight_prompt_ids"][:0]
-        state["inflight_dataset_index"] = state["inflight_dataset_index"][:0]
+        return state.replace(inflight_prompt_ids=state.inflight_prompt_ids[:0],
+                             inflight_dataset_index=state.inflight_dataset_index[:0])
     report = au.audit(build_run(tmp_path / "r", final_tamper=forget_inflight))
     assert failing(report) == {3}, report.text()
     assert "1 prompt(s) lost" in "\n".join(report.checks[2].detail)
@@ -313,9 +315,9 @@ def test_lost_prompt(tmp_path):
 
 def test_pending_rows_not_buffered(tmp_path):
     def forget_buffer(state):
-        state["buffer_rows"] = state["buffer_rows"][:0]
-        state["buffer_group_ends"] = state["buffer_group_ends"][:0]
-        state["accepted"] -= 1
+        return state.replace(buffer_rows=state.buffer_rows[:0],
+                             buffer_group_ends=state.buffer_group_ends[:0],
+                             accepted=state.accepted - 1)
     report = au.audit(build_run(tmp_path / "r", final_tamper=forget_buffer))
     assert failing(report) == {4}, report.text()
     assert "2 pending row(s) the checkpoint did not buffer" in "\n".join(report.checks[3].detail)
@@ -455,8 +457,8 @@ def test_continuation_that_does_not_start_with_its_partial_row(tmp_path):
 
 def test_partial_rows_the_checkpoint_forgot(tmp_path):
     def forget(state):
-        for k in ("partial_prompt_ids", "partial_first_row", "partial_rows"):
-            state[k] = np.zeros(0, np.int64)
+        return state.replace(**{k: np.zeros(0, np.int64) for k in (
+            "partial_prompt_ids", "partial_first_row", "partial_rows")})
     report = au.audit(preempted_run(tmp_path / "r", resume=False, tamper=forget))
     assert failing(report) == {7}, report.text()
     assert "not among the checkpoint's partial groups" in report.text()

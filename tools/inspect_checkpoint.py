@@ -31,15 +31,15 @@ def describe(path: Path, check_crc: bool) -> bool:
           f"{'saved' if state['scheduler'] else 'none'}")
     c = state["controller"]
     if c is not None:
-        groups = len(c["buffer_group_ends"])
-        print(f"  controller: version {c['version']}, data cursor {c['cursor_consumed']}, "
-              f"accepted {c['accepted']}, rejected {c['rejected']}, dropped stale "
-              f"{c['dropped_stale']}, rollout-log rows {c['rollout_rows']}")
-        partial = c.get("partial_prompt_ids", ())
-        cont = (f" ({len(partial)} to continue from {int(sum(c['partial_rows']))} partial rows)"
+        groups = len(c.buffer_group_ends)
+        print(f"  controller: version {c.version}, data cursor {c.cursor_consumed}, "
+              f"accepted {c.accepted}, rejected {c.rejected}, dropped stale "
+              f"{c.dropped_stale}, rollout-log rows {c.rollout_rows}")
+        partial = c.partial_prompt_ids
+        cont = (f" ({len(partial)} to continue from {int(sum(c.partial_rows))} partial rows)"
                 if len(partial) else "")
-        print(f"  buffered groups {groups} ({len(c['buffer_rows'])} trajectories), prompts in "
-              f"flight {len(c['inflight_prompt_ids'])}{cont}")
+        print(f"  buffered groups {groups} ({len(c.buffer_rows)} trajectories), prompts in "
+              f"flight {len(c.inflight_prompt_ids)}{cont}")
     shards = sorted(f for f in manifest["files"] if f.startswith(ck.SHARDS + "/"))
     if state.get("optimizer_state") is None:
         what = "optimizer: not recorded (older checkpoint)"

@@ -34,6 +34,7 @@ from ..config import RunConfig, to_yaml
 from ..data.prompts import prompt_ids
 from ..storage.rollout_log import DROPPED_STALE, PARTIAL, RolloutWriter
 from ..storage.run_dir import RunDir
+from ..storage.run_state import ControllerState
 from ..topology import Topology
 from ..transport import messages as msgs
 from ..transport.mpi import Channel
@@ -63,7 +64,7 @@ SERVICE_JOIN_S = 60.0
 
 class Controller:
     def __init__(self, cfg: RunConfig, topo: Topology, train_rows: list[dict], tokenizer,
-                 resume: dict | None = None):
+                 resume: ControllerState | None = None):
         self.cfg, self.topo = cfg, topo
         self.chan = Channel(topo.world)
         self.rows = train_rows
@@ -379,7 +380,7 @@ class Controller:
         self.writer.close()
 
     # -- checkpoint and resume ------------------------------------------------------------------
-    def state(self) -> dict:
+    def state(self) -> ControllerState:
         """What a resumed controller needs (saved in the checkpoint's state.h5): the ledger's
         state (version, data cursor, staleness counters, the log rows of buffered groups, the
         prompts in flight with the PARTIAL rows to continue them from) and the number of log
@@ -387,22 +388,23 @@ class Controller:
         with self._cond:
             return self.ledger.to_state(self.writer.n_rows)
 
-    def _restore(self, state: dict, path) -> None:
+    def _restore(self, state: ControllerState, path) -> None:
         """Continue from `state()` of a checkpoint: reopen the rollout log (rows after the
         checkpoint are marked ROLLED_BACK, buffered rows pending again), refill the buffer from it,
         and queue the prompts that were in flight to be issued first."""
         from ..storage.rollout_log import NOT_CONSUMED, RolloutReader
-        rows = [int(r) for r in state["buffer_rows"]]
-        ends = [0, *map(int, state["buffer_group_ends"])]
+        rows = state.buffer_rows.tolist()
+        groups = [g.tolist() for g in state.groups()]
         with RolloutReader(path) as reader:
             trajs = [reader[r] for r in rows]
         for t in trajs:
             t["output_tokens"] = np.asarray(t["output_tokens"])
-        self.writer = RolloutWriter.reopen(path, int(state["rollout_rows"]))
+        self.writer = RolloutWriter.reopen(path, state.rollout_rows)
         self.writer.mark_consumed(rows, NOT_CONSUMED)
-        self.ledger.restore(state, [(trajs[a:b], rows[a:b]) for a, b in zip(ends[:-1], ends[1:])])
+        by_row = dict(zip(rows, trajs))
+        self.ledger.restore(state, [([by_row[r] for r in g], g) for g in groups])
         led = self.ledger
         kept = self._check_partial(path)
         log.info("resumed at version %d: %d buffered groups, %d prompts to reissue (%d of them "
-                 "continued from %d partial tokens), cursor at %d", led.version, len(ends) - 1,
+                 "continued from %d partial tokens), cursor at %d", led.version, len(groups),
                  len(led.reissue), len(led.partial), kept, led.cursor.consumed)

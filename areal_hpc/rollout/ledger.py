@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..storage.run_state import ControllerState
 from .staleness import ReadyBuffer, ReadyGroup, StaleGroups, StalenessManager
 
 
@@ -168,44 +169,42 @@ class Ledger:
         self.version = new_version
 
     # -- checkpoint -----------------------------------------------------------------------------
-    def to_state(self, rollout_rows: int) -> dict:
+    def to_state(self, rollout_rows: int) -> ControllerState:
         """What a resumed ledger needs (the controller's part of a checkpoint's state.h5)."""
         groups = self.buffer.groups()
-        rows = [r for g in groups for r in g.rows]
         inflight = sorted(self.prompts_in_flight.items()) + list(self.reissue)
         partial = sorted((p, *self.partial[p]) for p, _ in inflight if p in self.partial)
         ints = lambda v: np.asarray(v, dtype=np.int64)
-        return {
-            "version": self.version, "cursor_consumed": self.cursor.consumed,
-            "accepted": self.staleness.accepted, "rejected": self.staleness.rejected,
-            "dropped_stale": self.dropped_stale, "lost_stale": self.stale_groups.lost,
-            "generated_tokens": self.generated_tokens,
-            "rollout_rows": rollout_rows,
-            "buffer_rows": ints(rows),
-            "buffer_group_ends": np.cumsum([len(g.rows) for g in groups], dtype=np.int64),
-            "inflight_prompt_ids": ints([p for p, _ in inflight]),
-            "inflight_dataset_index": ints([i for _, i in inflight]),
-            "partial_prompt_ids": ints([p for p, _, _ in partial]),
-            "partial_first_row": ints([r for _, r, _ in partial]),
-            "partial_rows": ints([n for _, _, n in partial]),
-        }
+        return ControllerState(
+            version=self.version, cursor_consumed=self.cursor.consumed,
+            accepted=self.staleness.accepted, rejected=self.staleness.rejected,
+            dropped_stale=self.dropped_stale, lost_stale=self.stale_groups.lost,
+            generated_tokens=self.generated_tokens, rollout_rows=rollout_rows,
+            buffer_rows=ints([r for g in groups for r in g.rows]),
+            buffer_group_ends=np.cumsum([len(g.rows) for g in groups], dtype=np.int64),
+            inflight_prompt_ids=ints([p for p, _ in inflight]),
+            inflight_dataset_index=ints([i for _, i in inflight]),
+            partial_prompt_ids=ints([p for p, _, _ in partial]),
+            partial_first_row=ints([r for _, r, _ in partial]),
+            partial_rows=ints([n for _, _, n in partial]))
 
-    def restore(self, state: dict, buffered: list[tuple[list[dict], list[int]]]) -> None:
+    def restore(self, state: ControllerState, buffered: list[tuple[list[dict], list[int]]]) -> None:
         """Continue from `to_state`: `buffered` are its buffered groups (trajectories, rows),
         read back from the log. Prompts in flight are issued again first (with their partial
         rows); the η budget continues from the saved counters."""
         for trajs, rows in buffered:
             self.buffer.add(trajs, rows)
-        self.version = int(state["version"])
-        self.cursor.consumed = int(state["cursor_consumed"])
+        self.version = state.version
+        self.cursor.consumed = state.cursor_consumed
         # The saved counters (the buffered groups count as accepted); nothing runs yet: the
         # prompts that were in flight count again when they are issued again.
         st = self.staleness
-        st.accepted, st.rejected, st.running = int(state["accepted"]), int(state["rejected"]), 0
-        self.dropped_stale = int(state["dropped_stale"])
-        self.stale_groups.lost = int(state.get("lost_stale", 0))   # absent before stale_policy
-        self.generated_tokens = int(state["generated_tokens"])
-        self.reissue = list(zip(map(int, state["inflight_prompt_ids"]),
-                                map(int, state["inflight_dataset_index"])))
-        self.partial = {int(p): (int(r), int(n)) for p, r, n in zip(
-            *(state.get(k, ()) for k in ("partial_prompt_ids", "partial_first_row", "partial_rows")))}
+        st.accepted, st.rejected, st.running = state.accepted, state.rejected, 0
+        self.dropped_stale = state.dropped_stale
+        self.stale_groups.lost = state.lost_stale or 0      # None before stale_policy
+        self.generated_tokens = state.generated_tokens
+        self.reissue = list(zip(state.inflight_prompt_ids.tolist(),
+                                state.inflight_dataset_index.tolist()))
+        self.partial = {p: (r, n) for p, r, n in zip(state.partial_prompt_ids.tolist(),
+                                                     state.partial_first_row.tolist(),
+                                                     state.partial_rows.tolist())}

@@ -15,6 +15,7 @@ import time
 from .. import preemption
 from ..config import RunConfig
 from ..storage.run_dir import RunDir
+from ..storage.run_state import ControllerState
 from ..storage.tensorboard import TensorBoardLog
 from ..topology import Topology
 from .diagnostics import CollapseWatch
@@ -60,7 +61,7 @@ class Follower:
 class Lead(Follower):
     """Trainer rank 0: the controller, the run directory's files, TensorBoard, the progress."""
 
-    def __init__(self, cfg: RunConfig, topo: Topology, resume: dict | None):
+    def __init__(self, cfg: RunConfig, topo: Topology, resume: ControllerState | None):
         from transformers import AutoTokenizer
 
         from ..data.prompts import load_prompts_of
@@ -172,6 +173,6 @@ class Lead(Follower):
             self.tb.close()
 
 
-def lead_of(cfg: RunConfig, topo: Topology, resume: dict | None) -> Follower:
+def lead_of(cfg: RunConfig, topo: Topology, resume: ControllerState | None) -> Follower:
     """This trainer rank's share of rank 0's duties: a `Lead` on rank 0, else a `Follower`."""
     return Lead(cfg, topo, resume) if topo.is_controller else Follower()

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 
 from areal_hpc.preemption import TEST_HOOK_ENV
 from areal_hpc.storage import checkpoint as ck
@@ -56,7 +55,7 @@ def test_step_stopped_midway_is_kept_and_retrained(jobs, tiny_model, tmp_path):
     ctrl = ck.read_state(path / ck.STATE)["controller"]
     with RolloutReader(run_dir / "rollouts.h5") as r:
         pid = r.column("prompt_id")
-    buffered = pid[np.asarray(ctrl["buffer_rows"], dtype=np.int64)].tolist()
+    buffered = pid[ctrl.buffer_rows].tolist()
     for p in prompts:                               # each group whole in the buffer
         assert buffered.count(p) == N, (p, buffered)
 

@@ -55,7 +55,7 @@ def _check_log(run_dir, steps=STEPS, rows_per_step=B * N):
     # nothing lost: pending rows are exactly the final checkpoint's buffer
     state = ck.read_state(ck.find_latest(run_dir)[0] / ck.STATE)
     pending = {i for i, c in enumerate(consumed) if c == NOT_CONSUMED}
-    assert pending == set(state["controller"]["buffer_rows"].tolist())
+    assert pending == set(state["controller"].buffer_rows.tolist())
     # a rolled-back trajectory's prompt was issued again (same prompt id)
     rolled = {k[0] for k, c in zip(keys, consumed) if c == ROLLED_BACK}
     live = {k[0] for k, c in zip(keys, consumed) if c != ROLLED_BACK}

@@ -181,7 +181,7 @@ def test_sync_run_repeats_and_a_preempted_one_equals_it(jobs, tiny_model, tmp_pa
     cut = [i for i, p in partial.items() if p[5] == "abort" and 0 < len(p[2]) < LONG_TOKENS]
     assert cut, f"no sample was mid-generation at the preemption: {partial}"
     ctrl = ck.read_state(ck.find_latest(run)[0] / ck.STATE)["controller"]
-    referenced = {r for first, n in zip(ctrl["partial_first_row"], ctrl["partial_rows"])
+    referenced = {r for first, n in zip(ctrl.partial_first_row, ctrl.partial_rows)
                   for r in range(first, first + n)}
     assert referenced == set(partial)
 

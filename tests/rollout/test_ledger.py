@@ -79,7 +79,7 @@ class World:
         self.led.restore(state, buffered)
         self.trained = dict(trained)
         self.out = {}
-        self.log = self.log[:state["rollout_rows"]]     # later rows rolled back
+        self.log = self.log[:state.rollout_rows]     # later rows rolled back
 
     def accounted(self):
         """Every prompt issued is exactly one of: out, queued again, buffered, trained, given up."""
@@ -120,15 +120,13 @@ def test_state_round_trips():
     state = w.led.to_state(len(w.log))
     again = ledger()
     again.restore(state, [(g.trajectories, g.rows) for g in w.led.buffer.groups()])
-    assert {k: v.tolist() if isinstance(v, np.ndarray) else v
-            for k, v in again.to_state(len(w.log)).items()} == \
-        {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in state.items()}
+    assert again.to_state(len(w.log)).as_lists() == state.as_lists()
     # after the resume nothing runs; the prompts that were out go first, the partial one with
     # its rows
     assert again.staleness.running == 0
     first = again.issue()
-    assert [(i.prompt_id, i.partial is not None) for i in first[:len(state["inflight_prompt_ids"])]] \
-        == [(int(p), int(p) in w.led.partial) for p in state["inflight_prompt_ids"]]
+    assert [(i.prompt_id, i.partial is not None) for i in first[:len(state.inflight_prompt_ids)]] \
+        == [(int(p), int(p) in w.led.partial) for p in state.inflight_prompt_ids]
 
 
 def test_issue_respects_eta_and_balances_generators():

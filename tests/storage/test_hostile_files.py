@@ -18,6 +18,8 @@ import pytest
 
 from areal_hpc.storage import checkpoint as ck
 from areal_hpc.storage.rollout_log import RolloutLogError, RolloutReader, RolloutWriter
+from areal_hpc.storage import run_state
+from areal_hpc.storage.run_state import ControllerState
 
 ROOT = Path(__file__).resolve().parents[2]
 HANG = 60           # a subprocess still running after this long is a hang (the box is shared)
@@ -253,12 +255,12 @@ def test_inconsistent_lengths_are_errors(closed_log, tmp_path):
 
 # ---------------------------------------------------------------------------- checkpoints
 
-CONTROLLER = {"version": 2, "cursor_consumed": 8, "accepted": 4, "rejected": 0,
-              "dropped_stale": 0, "generated_tokens": 100, "rollout_rows": 10,
-              "buffer_rows": np.array([6, 7], dtype=np.int64),
-              "buffer_group_ends": np.array([2], dtype=np.int64),
-              "inflight_prompt_ids": np.array([5], dtype=np.int64),
-              "inflight_dataset_index": np.array([5], dtype=np.int64)}
+CONTROLLER = ControllerState(
+    version=2, cursor_consumed=8, accepted=4, rejected=0, dropped_stale=0,
+    generated_tokens=100, rollout_rows=10, buffer_rows=np.array([6, 7], dtype=np.int64),
+    buffer_group_ends=np.array([2], dtype=np.int64),
+    inflight_prompt_ids=np.array([5], dtype=np.int64),
+    inflight_dataset_index=np.array([5], dtype=np.int64))
 
 
 def _manifest(ckpt: Path, step: int) -> dict:
@@ -307,7 +309,7 @@ def test_pickled_rng_state_is_never_unpickled(tmp_path, caplog):
         found = ck.find_latest(tmp_path)
     assert found is not None and found[0] == ckpt
     state = ck.read_state(ckpt / ck.STATE)
-    assert state["rng"] == [None] and state["controller"]["version"] == 2
+    assert state["rng"] == [None] and state["controller"].version == 2
     assert not marker.exists()
     src = (ROOT / "areal_hpc/storage/checkpoint.py").read_text()
     assert "import pickle" not in src and "pickle.load" not in src
@@ -324,7 +326,7 @@ def test_rng_states_round_trip_without_pickle(tmp_path):
     ckpt = _fake_checkpoint(tmp_path, 1)
     with h5py.File(ckpt / ck.STATE, "a") as f:
         del f["rng/trainer_rank_0"]
-        ck._write_rng(f["rng"].create_group("trainer_rank_0"), saved)
+        run_state._write_rng(f["rng"].create_group("trainer_rank_0"), saved)
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
     ck.set_rng_state(ck.read_state(ckpt / ck.STATE)["rng"][0])
     assert (random.random(), random.gauss(0, 1), np.random.rand(), torch.rand(2).tolist()) == want

@@ -8,6 +8,7 @@ import torch
 
 from areal_hpc.config import TrainConfig
 from areal_hpc.storage import checkpoint as ck
+from areal_hpc.storage.run_state import ControllerState
 from areal_hpc.train import checkpoint as train_ck
 
 pytestmark = pytest.mark.slow     # starts MPI / torch.distributed worlds or processes (tests/conftest.py)
@@ -41,10 +42,11 @@ def _weights(actor) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in actor.hf_state_dict().items()}
 
 
-CONTROLLER = {"version": 1, "cursor_consumed": 12, "accepted": 6, "rejected": 1, "dropped_stale": 3,
-              "lost_stale": 1, "generated_tokens": 960, "rollout_rows": 40,
-              "buffer_rows": np.arange(8, dtype=np.int64), "buffer_group_ends": np.array([4, 8]),
-              "inflight_prompt_ids": np.array([10, 11]), "inflight_dataset_index": np.array([3, 7])}
+CONTROLLER = ControllerState(
+    version=1, cursor_consumed=12, accepted=6, rejected=1, dropped_stale=3, lost_stale=1,
+    generated_tokens=960, rollout_rows=40, buffer_rows=np.arange(8, dtype=np.int64),
+    buffer_group_ends=np.array([4, 8]), inflight_prompt_ids=np.array([10, 11]),
+    inflight_dataset_index=np.array([3, 7]))
 
 
 def test_resume_is_exact_and_state_round_trips(actor_factory, tmp_path):
@@ -70,9 +72,9 @@ def test_resume_is_exact_and_state_round_trips(actor_factory, tmp_path):
 
     assert state["step"] == 1 and state["config_yaml"] == "name: t\n"
     c = state["controller"]
-    assert c["cursor_consumed"] == 12 and c["version"] == 1 and c["lost_stale"] == 1
-    np.testing.assert_array_equal(c["inflight_dataset_index"], [3, 7])
-    np.testing.assert_array_equal(c["buffer_rows"], np.arange(8))
+    assert c.cursor_consumed == 12 and c.version == 1 and c.lost_stale == 1
+    np.testing.assert_array_equal(c.inflight_dataset_index, [3, 7])
+    np.testing.assert_array_equal(c.buffer_rows, np.arange(8))
 
 
 def test_corrupt_newest_falls_back_with_message(actor_factory, tmp_path, caplog):
