@@ -41,7 +41,7 @@ from ..transport.mpi import Channel
 from ..transport.weights import AckTracker
 from .ledger import Ledger
 from .liveness import GeneratorWatch, Pacer, ServiceThread
-from .staleness import staleness_of
+from .staleness import Batch, staleness_of
 
 log = logging.getLogger(__name__)
 
@@ -249,10 +249,11 @@ class Controller:
             for g in self.topo.generator_ranks:
                 msgs.post(self.chan, msgs.StaleBefore(version), g)
 
-    def next_batch(self, on_wait=None, should_stop=None) -> tuple[list[dict] | None, dict | None]:
-        """Block until B groups are ready; returns the flattened trajectories (group-contiguous)
-        and batch stats. `on_wait(n_ready)` is called while waiting (progress display); when
-        `should_stop()` turns true first (preemption), returns (None, None) and takes nothing."""
+    def next_batch(self, on_wait=None, should_stop=None) -> Batch | None:
+        """Block until B groups are ready; returns them as one `Batch` (trajectories group after
+        group, their log rows, the batch statistics). `on_wait(n_ready)` is called while waiting
+        (progress display); when `should_stop()` turns true first (preemption), returns None
+        and takes nothing."""
         B = self.cfg.train.batch_prompts
         t0 = time.monotonic()
         self._start_service()
@@ -263,7 +264,7 @@ class Controller:
 
             self._wait(ready, on_wait)
             if should_stop and should_stop():
-                return None, None
+                return None
             groups = self.ledger.take(B)                  # oldest first
             self._taken = groups                          # until trained (or put back)
             dropped, self._dropped_since_batch = self._dropped_since_batch, 0
@@ -282,9 +283,8 @@ class Controller:
                  "dropped_stale": dropped, "lost_stale": self.ledger.stale_groups.lost,
                  "reward_errors": sum(1 for t in trajs if t.get("reward_error")),
                  "response_len": float(np.mean([len(t["output_tokens"]) for t in trajs])),
-                 **reward_extras(trajs),
-                 "rows": [r for g in groups for r in g.rows]}
-        return trajs, stats
+                 **reward_extras(trajs)}
+        return Batch.of(groups, stats)
 
     def on_trained(self, rows: list[int], step: int, new_version: int) -> None:
         with self._cond:

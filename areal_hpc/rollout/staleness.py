@@ -77,6 +77,21 @@ class ReadyGroup:
     rows: list                  # their rows in the rollout log
 
 
+@dataclass
+class Batch:
+    """One training step's data as the controller hands it to the trainer (on trainer rank 0):
+    the trajectories group after group, their rollout-log rows in the same order (marked with
+    the step once it is trained), and the batch statistics that go to metrics.jsonl."""
+    trajectories: list[dict]
+    rows: list[int]
+    stats: dict
+
+    @classmethod
+    def of(cls, groups: list[ReadyGroup], stats: dict) -> Batch:
+        return cls([t for g in groups for t in g.trajectories], [r for g in groups for r in g.rows],
+                   stats)
+
+
 class ReadyBuffer:
     """Scored groups waiting for a training step, taken oldest policy version first.
 

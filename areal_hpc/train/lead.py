@@ -15,6 +15,7 @@ import time
 from .. import preemption
 from ..config import RunConfig
 from ..storage.run_dir import RunDir
+from ..rollout.staleness import Batch
 from ..storage.run_state import ControllerState
 from ..storage.tensorboard import TensorBoardLog
 from ..topology import Topology
@@ -35,10 +36,10 @@ class Follower:
     def begin(self, version: int, resumed: bool) -> None:
         pass
 
-    def batch(self) -> tuple[list[dict] | None, dict | None]:
-        return None, None
+    def batch(self) -> Batch | None:
+        return None
 
-    def trained(self, step: int, version: int, stats: dict, train_stats: dict,
+    def trained(self, step: int, version: int, batch: Batch | None, train_stats: dict,
                 weight_sync_s: float) -> None:
         pass
 
@@ -103,19 +104,19 @@ class Lead(Follower):
         self._t_record = self._t_loop = time.monotonic()
         self._eval_s = 0.0
 
-    def batch(self) -> tuple[list[dict] | None, dict | None]:
-        """B groups, none older than η; (None, None) when a preemption signal arrived (checked
-        while waiting, too)."""
+    def batch(self) -> Batch | None:
+        """B groups, none older than η; None when a preemption signal arrived (checked while
+        waiting, too)."""
         return self.controller.next_batch(on_wait=self.progress.waiting,
                                           should_stop=preemption.requested)
 
-    def trained(self, step: int, version: int, stats: dict, train_stats: dict,
+    def trained(self, step: int, version: int, batch: Batch, train_stats: dict,
                 weight_sync_s: float) -> None:
         """Step `step` is trained and `version` published: mark its rows, write its metrics."""
-        self.controller.on_trained(stats.pop("rows"), step, version)
+        self.controller.on_trained(batch.rows, step, version)
         now = time.monotonic()
         gen_tokens = self.controller.generated_tokens
-        record = {"step": step, "version": version, **stats, **train_stats,
+        record = {"step": step, "version": version, **batch.stats, **train_stats,
                   "weight_sync_s": weight_sync_s,
                   "gen_tok_per_s": (gen_tokens - self._gen_tokens) / (now - self._t_record),
                   # wall clock, and this attempt's seconds since its first step began, held-out

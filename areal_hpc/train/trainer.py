@@ -24,6 +24,7 @@ from pathlib import Path
 
 from .. import preemption
 from ..config import RunConfig
+from ..rollout.staleness import Batch
 from ..storage.run_dir import RunDir
 from ..topology import Topology
 from ..transport import mpi as coll
@@ -100,20 +101,20 @@ class Trainer:
                         comm=self.topo.role_comm)
         self._checkpoint_s = time.monotonic() - t0
 
-    def _batch(self) -> tuple[BatchShare | None, dict | None]:
+    def _batch(self) -> tuple[BatchShare | None, Batch | None]:
         """Rank 0 gathers the batch from the controller and splits it (advantages, batch
         statistics, minibatches, data-parallel shares: `shares.split_batch`); every trainer
         rank receives only its data-parallel share (TP/PP peers the same one), in messages of
         at most `transport.mpi.MAX_MESSAGE_BYTES` (`GroupScatter`). Returns (share, the
-        controller's batch statistics on rank 0, None elsewhere); (None, stats) when a
-        preemption signal arrived. A batch that cannot be split raises on every rank."""
+        controller's `Batch` on rank 0, None elsewhere); (None, None) when a preemption
+        signal arrived. A batch that cannot be split raises on every rank."""
         layout = self.actor.layout
         parts = None
-        trajs, stats = self.lead.batch()
+        batch = self.lead.batch()
         if self.topo.is_controller:
             try:
-                parts = ([None] * layout.dp if trajs is None else
-                         split_batch(trajs, self.cfg.train, self.cfg.rollout.group_size, layout.dp,
+                parts = ([None] * layout.dp if batch is None else
+                         split_batch(batch.trajectories, self.cfg.train, self.cfg.rollout.group_size, layout.dp,
                                      self.cfg.rollout.max_new_tokens))
             except ValueError as exc:       # every rank raises it, none waits for a share
                 parts = [exc] * layout.dp
@@ -122,7 +123,7 @@ class Trainer:
             what=f"the batch of step {self.version} (trainer rank 0 waits for it)")
         if isinstance(share, Exception):
             raise share
-        return share, stats
+        return share, batch
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> int:
@@ -136,7 +137,7 @@ class Trainer:
             self.publisher.publish(self.version)    # generators start from the checkpoint's weights
         self.lead.begin(self.version, resumed=bool(self.resumed))
         for step in range(start, total):
-            share, stats = self._batch()                    # B groups, none older than η
+            share, batch = self._batch()                    # B groups, none older than η
             if share is None:                               # preempted: stop, checkpoint, requeue
                 return self._preempted(start)
             try:                                            # decoupled PPO
@@ -148,7 +149,7 @@ class Trainer:
             self.version = step + 1
             weight_sync_s = self.publisher.publish(self.version)  # generators go on with it
             self._last_publish_s = weight_sync_s
-            self.lead.trained(step, self.version, stats, train_stats, weight_sync_s)
+            self.lead.trained(step, self.version, batch, train_stats, weight_sync_s)
             if ck.every_steps and self.version % ck.every_steps == 0 and self.version < total:
                 self._checkpoint()
             every = cfg.data.eval_every_steps

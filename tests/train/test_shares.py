@@ -117,12 +117,14 @@ def test_the_trainers_batch_is_a_share_none_at_a_preemption_and_a_bad_batch_rais
 
     from mpi4py import MPI
 
+    from areal_hpc.rollout.staleness import Batch
     from areal_hpc.train.layout import ParallelLayout
     from areal_hpc.train.trainer import Trainer
     from areal_hpc.transport import mpi as coll
 
     seqs = make_batch(groups=3)
-    batches = iter([(seqs, {"rows": [1]}), (None, {"rows": []}), (seqs[:1], {"rows": [2]})])
+    first = Batch(seqs, [1], {"reward": 0.5})
+    batches = iter([first, None, Batch(seqs[:1], [2], {})])
     t = object.__new__(Trainer)
     t.cfg = SimpleNamespace(train=CFG, rollout=SimpleNamespace(group_size=GROUP_SIZE,
                                                                collective_timeout_s=10.0,
@@ -132,12 +134,12 @@ def test_the_trainers_batch_is_a_share_none_at_a_preemption_and_a_bad_batch_rais
     t.lead = SimpleNamespace(batch=lambda: next(batches))
     t.version = 0
     t.shares = coll.GroupScatter(MPI.COMM_SELF, group=0)
-    share, stats = t._batch()
+    share, batch = t._batch()
     want = split_batch(seqs, CFG, GROUP_SIZE, 1)[0]
-    assert stats == {"rows": [1]} and share.n_seqs == len(seqs) == want.n_seqs
+    assert batch is first and share.n_seqs == len(seqs) == want.n_seqs
     assert [[id(s["output_tokens"]) for s in mb] for mb in share.minibatches] == \
         [[id(s["output_tokens"]) for s in mb] for mb in want.minibatches]
-    assert t._batch() == (None, {"rows": []})
+    assert t._batch() == (None, None)
     with pytest.raises(ValueError, match="cannot fill 2 minibatches"):
         t._batch()
 
