@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #   slow  starts vLLM engines, Megatron, MPI or torch.distributed worlds, sandboxes or jobs: a
 #         test using one of HEAVY_FIXTURES, or in a module marked `pytestmark = pytest.mark.slow`.
 # Every e2e test is slow too.
-HEAVY_FIXTURES = {"tiny_model", "jobs", "reward_fn_run", "slurm_env", "megatron_ws1", "engine"}
+HEAVY_FIXTURES = {"tiny_model", "jobs", "reward_fn_run", "slurm_env", "megatron_ws1", "engine",
+                  "run_distributed"}
 
 
 def pytest_configure(config):
@@ -33,6 +34,76 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         elif HEAVY_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+def _world_env(env: dict | None) -> dict:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
+
+
+def _mpi_world(worker: Path, n: int, args) -> list[str]:
+    from areal_hpc.launch.local import mpiexec
+    return [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", str(worker), *map(str, args)]
+
+
+class World:
+    """The one harness of the distributed tests: a test's worker script run as a world of n ranks,
+    from the repository root, each rank with OMP_NUM_THREADS=1 and the repository on PYTHONPATH
+    (`env` adds to that).
+    - `world(worker, n, *args)` (mpi=True): `mpiexec -n N python -m mpi4py WORKER ARGS`, an MPI
+      world (the worker asks MPI for its rank); mpi=False: N processes `python WORKER RANK N PORT
+      ARGS`, a torch.distributed world on a free port. Returns the output (stdout and stderr,
+      the ranks one after another without MPI); `check`: every rank must exit 0 (the assertion
+      shows the output's end).
+    - `start(worker, n, *args)`: the MPI world in the background (a Popen of mpiexec, output in
+      its stdout), for a test that plays a part beside it; `stop(proc)` ends one still running.
+    """
+
+    @staticmethod
+    def __call__(worker: Path, n: int, *args, mpi: bool = True, env: dict | None = None,
+            timeout: float = 600, check: bool = True) -> str:
+        if mpi:
+            r = subprocess.run(_mpi_world(worker, n, args), cwd=ROOT, capture_output=True,
+                               text=True, timeout=timeout, env=_world_env(env))
+            out = r.stdout + r.stderr
+            assert not check or r.returncode == 0, out[-4000:]
+            return out
+        from areal_hpc.topology import free_port
+        port = str(free_port())
+        procs = [subprocess.Popen([sys.executable, str(worker), str(r), str(n), port,
+                                   *map(str, args)], cwd=ROOT, env=_world_env(env),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for r in range(n)]
+        try:
+            logs = [p.communicate(timeout=timeout)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        for p, log in zip(procs, logs):
+            assert not check or p.returncode == 0, log[-4000:]
+        return "".join(logs)
+
+    @staticmethod
+    def start(worker: Path, n: int, *args, env: dict | None = None) -> subprocess.Popen:
+        return subprocess.Popen(_mpi_world(worker, n, args), cwd=ROOT, env=_world_env(env),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    @staticmethod
+    def stop(proc: subprocess.Popen) -> None:
+        if proc.poll() is None:     # mpiexec passes SIGTERM on to the ranks; SIGKILL would orphan them
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="session")
+def run_distributed() -> World:
+    return World()
 
 
 class Jobs:

@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import pickle
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -92,7 +91,7 @@ def qwen_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trainer(qwen_dir, tmp_path_factory):
+def trainer(qwen_dir, tmp_path_factory, run_distributed):
     """The trainer job: builds the Actor (HF → Megatron, TP=2), waits for the samples, trains one
     step, then publishes version 1 over the weight group as the stage-0 sender."""
     work = tmp_path_factory.mktemp("trainer")
@@ -101,17 +100,9 @@ def trainer(qwen_dir, tmp_path_factory):
     case = {"tag": "qwen", "tp": TP, "pp": 1, "mode": "broadcast", "port": free_port(),
             "version": 1, "model_dir": qwen_dir, "train": train}
     (work / "in.pkl").write_bytes(pickle.dumps({"cases": [case], "torch_port": free_port()}))
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    proc = subprocess.Popen([mpiexec, "-n", str(TP), sys.executable, "-m", "mpi4py", WORKER, str(work)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = run_distributed.start(WORKER, TP, work)
     yield SimpleNamespace(proc=proc, work=work, case=case, out=Path(train["out"]))
-    if proc.poll() is None:  # a test failed before the job finished
-        proc.terminate()  # mpiexec passes SIGTERM on to the ranks; SIGKILL would orphan them
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    run_distributed.stop(proc)      # a test failed before the job finished
 
 
 @pytest.fixture(scope="module")

@@ -416,13 +416,11 @@ def _wait_for(path, proc, timeout=600):
     (2, [("tp2", 2, 1, "broadcast"), ("pp2", 1, 2, "broadcast"), ("pp2_disk", 1, 2, "disk")]),
     (4, [("tp2pp2", 2, 2, "broadcast")]),
 ], ids=["world1", "world2", "world4"])
-def test_update_from_trainer_layouts(engine, model_dir, tmp_path, world, layouts):
+def test_update_from_trainer_layouts(engine, model_dir, tmp_path, world, layouts, run_distributed):
     """The trainer's own `WeightPublisher` from Megatron layouts (TP gathered, one sender per
     PP stage, or versioned safetensors on disk) into the running engine: afterwards vLLM's
     log-probs match a HF forward pass of the weights the trainer was loaded with."""
     import pickle
-    import subprocess
-    import sys
 
     cases = []
     for i, (tag, tp, pp, mode) in enumerate(layouts):
@@ -430,10 +428,7 @@ def test_update_from_trainer_layouts(engine, model_dir, tmp_path, world, layouts
                       "version": 10 + i + 10 * world,
                       "model_dir": _perturbed_copy(model_dir, tmp_path / tag, 1000 * world + i)})
     (tmp_path / "in.pkl").write_bytes(pickle.dumps({"cases": cases, "torch_port": free_port()}))
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    proc = subprocess.Popen([mpiexec, "-n", str(world), sys.executable, "-m", "mpi4py", WORKER,
-                             str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = run_distributed.start(WORKER, world, tmp_path)
     prompts = {"p0": [5, 6, 7, 8], "p1": list(range(20, 50))}
     try:
         for case in cases:
@@ -466,9 +461,7 @@ def test_update_from_trainer_layouts(engine, model_dir, tmp_path, world, layouts
                 assert diff < ATOL and moved > 0.05
         assert proc.wait(timeout=300) == 0, proc.stdout.read()[-4000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        run_distributed.stop(proc)
     disk = [c for c in cases if c["mode"] == "disk"]
     if disk:                            # disk mode keeps the newest version only
         weights_dir = tmp_path / "weights"

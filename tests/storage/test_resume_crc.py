@@ -5,16 +5,12 @@ single-process path, and a real 4-rank mpiexec world where a file checked by a n
 corrupted: every rank passes the checkpoint over with the message naming the file and takes the
 older one, each rank having read about a quarter of the bytes."""
 import json
-import os
 import pickle
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from areal_hpc.launch.local import mpiexec
 from areal_hpc.storage import checkpoint as ck
 from areal_hpc.train.checkpoint import shard_owner
 
@@ -137,13 +133,10 @@ def test_single_process_path_reads_everything_and_names_the_file(runs, caplog):
     assert ck.find_latest(root / "corrupt", check_crc=False)[1]["step"] == 4
 
 
-def test_four_ranks_split_the_checks_and_reject_a_corrupted_file_together(runs, tmp_path):
+def test_four_ranks_split_the_checks_and_reject_a_corrupted_file_together(runs, tmp_path,
+                                                                           run_distributed):
     root, bad = runs
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([mpiexec(), "-n", str(RANKS), sys.executable, "-m", "mpi4py", str(WORKER),
-                        str(tmp_path), str(root / "clean"), str(root / "corrupt")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    run_distributed(WORKER, RANKS, tmp_path, root / "clean", root / "corrupt", timeout=300)
     reports = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(RANKS)]
     one = ck.validate(ck.step_dir(root / "clean", 4))["bytes"]
     two = ck.validate(ck.step_dir(root / "clean", 2))["bytes"]

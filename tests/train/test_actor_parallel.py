@@ -10,9 +10,7 @@ with the dense-mask attention (the exact reference), and every TP/PP layout must
 Sequence parallelism, full activation recompute and the distributed optimizer are layouts too.
 """
 
-import os
 import pickle
-import subprocess
 from dataclasses import replace
 import sys
 from pathlib import Path
@@ -23,7 +21,6 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from areal_hpc.config import TrainConfig
-from areal_hpc.topology import free_port
 
 CFG = TrainConfig(lr=1e-3, max_tokens_per_mb=40, ppo_minibatches=2, adv_norm="batch",
                   lr_warmup_steps=1, lr_decay_style="linear", total_steps=2)
@@ -57,19 +54,11 @@ def batches(model_dir):
     return steps
 
 
-def launch(world: int, cases: list[dict], work: Path) -> dict:
+def launch(run_distributed, world: int, cases: list[dict], work: Path) -> dict:
     """Run `cases` in one gloo world of `world` processes; {tag: [output of each rank]}."""
     with open(work / "in.pkl", "wb") as f:
         pickle.dump({"cases": cases, "cfg": CFG, "actor": ACTOR}, f)
-    port = str(free_port())
-    repo = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), port, str(work)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(world)]
-    logs = [p.communicate(timeout=900)[0].decode() for p in procs]
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
+    run_distributed(WORKER, world, work, mpi=False, timeout=900)
     return {c["tag"]: [pickle.loads((work / f"{c['tag']}.{r}.pkl").read_bytes()) for r in range(world)]
             for c in cases}
 
@@ -118,7 +107,7 @@ def case(tag, tp, pp, model_dir, references, **train):
     return dict(tag=tag, tp=tp, pp=pp, model_dir=model_dir, batches=references[model_dir][0], train=train)
 
 
-def test_two_processes_tp2_pp2_dp2(references, model_dir, tied_model_dir, tmp_path):
+def test_two_processes_tp2_pp2_dp2(references, model_dir, tied_model_dir, tmp_path, run_distributed):
     """One 2-process world, four layouts in turn: TP=2, PP=2, DP=2, and PP=2 with tied embeddings."""
     cases = [case("tp2", 2, 1, model_dir, references), case("pp2", 1, 2, model_dir, references),
              case("dp2", 1, 1, model_dir, references), case("pp2_tied", 1, 2, tied_model_dir, references),
@@ -126,7 +115,7 @@ def test_two_processes_tp2_pp2_dp2(references, model_dir, tied_model_dir, tmp_pa
              case("tp2_recompute", 2, 1, model_dir, references, recompute_granularity="full",
                   recompute_method="uniform", recompute_num_layers=1),
              case("dp2_distopt", 1, 1, model_dir, references, distributed_optimizer=True)]
-    outs = launch(2, cases, tmp_path)
+    outs = launch(run_distributed, 2, cases, tmp_path)
     for c in cases:
         check_layout(outs[c["tag"]], references[c["model_dir"]][1], c["model_dir"])
     for tag in ("tp2", "pp2", "tp2_sp"):  # packed attention at TP2 / PP2 equals the mask path
@@ -140,9 +129,9 @@ def test_two_processes_tp2_pp2_dp2(references, model_dir, tied_model_dir, tmp_pa
     assert [s["n_micro_batches"] % 2 for s in outs["pp2"][0]["stats"]] == [0, 0]  # a multiple of pp
 
 
-def test_four_processes_tp2xpp2_and_pp2xdp2(references, model_dir, tmp_path):
+def test_four_processes_tp2xpp2_and_pp2xdp2(references, model_dir, tmp_path, run_distributed):
     cases = [case("tp2pp2", 2, 2, model_dir, references), case("pp2dp2", 1, 2, model_dir, references)]
-    outs = launch(4, cases, tmp_path)
+    outs = launch(run_distributed, 4, cases, tmp_path)
     for c in cases:
         check_layout(outs[c["tag"]], references[model_dir][1], model_dir)
     # equal micro-batch counts on both data-parallel ranks (global ranks 0 and 1), a multiple of pp

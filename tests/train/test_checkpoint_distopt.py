@@ -9,10 +9,7 @@ give the uninterrupted run's losses, grad norms, lrs, Adam state and weights bit
 """
 
 import dataclasses
-import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import h5py
@@ -21,7 +18,6 @@ import torch
 
 from areal_hpc.config import TrainConfig
 from areal_hpc.storage import checkpoint as ck
-from areal_hpc.topology import free_port
 from areal_hpc.train import checkpoint as train_ck
 from tests.train.test_checkpoint import _batch
 
@@ -45,27 +41,19 @@ def _model_dir(path: Path) -> str:
                              max_position_embeddings=64)
 
 
-def launch(work: Path) -> list[dict]:
+def launch(run_distributed, work: Path) -> list[dict]:
     """Run the worker's world in `work`; the output of each rank."""
     model_dir = _model_dir(work / "qwen2")
     spec = {"model_dir": str(model_dir), "cfg": CFG, "actor": ACTOR, "save_at": SAVE_AT,
             "batches": [_batch(s) for s in range(STEPS)]}
     (work / "in.pkl").write_bytes(pickle.dumps(spec))
-    port = str(free_port())
-    repo = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(WORLD), port, str(work)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(WORLD)]
-    logs = [p.communicate(timeout=600)[0].decode() for p in procs]
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
+    run_distributed(WORKER, WORLD, work, mpi=False, timeout=600)
     return [pickle.loads((work / f"out.{r}.pkl").read_bytes()) for r in range(WORLD)]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return launch(tmp_path_factory.mktemp("distopt"))
+def runs(tmp_path_factory, run_distributed):
+    return launch(run_distributed, tmp_path_factory.mktemp("distopt"))
 
 
 def _max_diff(a: dict, b: dict) -> float:

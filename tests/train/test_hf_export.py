@@ -5,7 +5,6 @@ the same from two gloo processes (pp = 2, tp = 2); atomic and restartable."""
 import json
 import os
 import pickle
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +13,6 @@ import torch
 from safetensors.torch import load_file
 
 from areal_hpc.config import TrainConfig
-from areal_hpc.topology import free_port
 from areal_hpc.train import hf_export
 from areal_hpc.train.hf_export import INDEX, ExportError, export, is_complete
 
@@ -127,21 +125,14 @@ def test_peak_stays_within_a_chunk(megatron_ws1, tmp_path):
 
 
 def test_two_processes_pp2_and_tp2_equal_single_process(megatron_ws1, model_dir, tied_model_dir,
-                                                         tmp_path):
+                                                         tmp_path, run_distributed):
     chunk = 16 << 10
     cases = [{"tag": "pp2", "tp": 1, "pp": 2, "model_dir": model_dir, "chunk_bytes": chunk},
              {"tag": "pp2_tied", "tp": 1, "pp": 2, "model_dir": tied_model_dir, "chunk_bytes": chunk},
              {"tag": "tp2", "tp": 2, "pp": 1, "model_dir": model_dir, "chunk_bytes": chunk}]
     with open(tmp_path / "in.pkl", "wb") as f:
         pickle.dump({"cases": cases, "cfg": TrainConfig()}, f)
-    port, repo = str(free_port()), str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), "2", port, str(tmp_path)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(2)]
-    logs = [p.communicate(timeout=900)[0].decode() for p in procs]
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
+    run_distributed(WORKER, 2, tmp_path, mpi=False, timeout=900)
     for src, tag in ((model_dir, "pp2"), (tied_model_dir, "pp2_tied"), (model_dir, "tp2")):
         export(_actor(src), tmp_path / f"ref_{tag}", chunk_bytes=chunk, step=3)
         assert_same(read_export(tmp_path / tag), read_export(tmp_path / f"ref_{tag}"))

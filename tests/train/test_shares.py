@@ -3,9 +3,7 @@
 compute on every rank from the whole batch; training a sent share is bit for bit training the
 whole batch."""
 import json
-import os
 import pickle
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +12,6 @@ import pytest
 import torch
 
 from areal_hpc.config import TrainConfig
-from areal_hpc.launch.local import mpiexec
 from areal_hpc.train.shares import split_batch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -82,13 +79,9 @@ def test_a_sent_share_trains_bit_for_bit_like_the_whole_batch(megatron_ws1, mode
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_each_trainer_rank_receives_only_its_data_parallel_share(tmp_path):
+def test_each_trainer_rank_receives_only_its_data_parallel_share(tmp_path, run_distributed):
     """4 ranks, dp2 x tp2 and dp2 x pp2 (Megatron's groups, gloo), pieces of at most 64 KiB."""
-    env = {**os.environ, "AREAL_MPI_MAX_MESSAGE_BYTES": str(64 * 1024), "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([mpiexec(), "-n", "4", sys.executable, "-m", "mpi4py", str(WORKER),
-                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env=env)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    run_distributed(WORKER, 4, tmp_path, env={"AREAL_MPI_MAX_MESSAGE_BYTES": str(64 * 1024)})
     reports = {k: json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(4)}
     whole = reports[0]["whole_bytes"]
     for name in ("dp2xtp2", "dp2xpp2"):

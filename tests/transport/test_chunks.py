@@ -1,15 +1,11 @@
 """Payloads larger than one MPI message: `bcast` and `GroupScatter` cut them into pieces of at
 most MAX_MESSAGE_BYTES, here lowered to 1 KiB, on a real 4-rank mpiexec job."""
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from areal_hpc.launch.local import mpiexec
 
 pytestmark = pytest.mark.slow     # starts MPI / torch.distributed worlds or processes (tests/conftest.py)
 
@@ -18,11 +14,9 @@ WORKER = Path(__file__).with_name("chunks_worker.py")
 LIMIT = 1024
 
 
-def test_large_payloads_go_in_pieces_below_the_limit():
-    env = {**os.environ, "AREAL_MPI_MAX_MESSAGE_BYTES": str(LIMIT)}
-    r = subprocess.run([mpiexec(), "-n", "4", sys.executable, "-m", "mpi4py", str(WORKER)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    out = r.stdout + r.stderr
+def test_large_payloads_go_in_pieces_below_the_limit(run_distributed):
+    out = run_distributed(WORKER, 4, env={"AREAL_MPI_MAX_MESSAGE_BYTES": str(LIMIT)}, timeout=300,
+                          check=False)
     reports = {int(m[0]): json.loads(m[1]) for m in re.findall(r"rank (\d) OK (\{.*?\})", out)}
     assert sorted(reports) == [0, 1, 2, 3], out[-3000:]
     for rank, rep in reports.items():

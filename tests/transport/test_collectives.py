@@ -1,13 +1,10 @@
 """Bounded MPI collectives (areal_hpc.transport.mpi.bcast / gather / barrier) and the Channel's
 background receive, on a real 3-rank mpiexec job (no vLLM, no torch)."""
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from areal_hpc.launch.local import mpiexec
 
 pytestmark = pytest.mark.slow     # starts MPI / torch.distributed worlds or processes (tests/conftest.py)
 
@@ -15,21 +12,20 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("collectives_worker.py")
 
 
-def _run(scenario: str, timeout: float = 120) -> str:
-    r = subprocess.run([mpiexec(), "-n", "3", sys.executable, "-m", "mpi4py", str(WORKER), scenario],
-                       cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    return r.stdout + r.stderr
+@pytest.fixture
+def run(run_distributed):
+    return lambda scenario: run_distributed(WORKER, 3, scenario, timeout=120, check=False)
 
 
-def test_bounded_collectives_and_channel_work():
-    out = _run("ok")
+def test_bounded_collectives_and_channel_work(run):
+    out = run("ok")
     assert sorted(re.findall(r"rank (\d) OK", out)) == ["0", "1", "2"], out[-3000:]
     assert "channel: longest poll" in out, out[-3000:]
 
 
 @pytest.mark.parametrize("op", ["barrier", "bcast", "gather"])
-def test_a_missing_rank_times_out_with_a_message(op):
-    out = _run(op)
+def test_a_missing_rank_times_out_with_a_message(op, run):
+    out = run(op)
     # mpiexec forwards each rank's output in chunks, so one rank's line may run into another's:
     # a report ends where the next one starts, not at a newline
     hits = re.findall(r"rank (\d) TIMEOUT ([\d.]+) (.*?)(?=rank \d (?:TIMEOUT|LATE|COMPLETED)|\n|$)", out)
