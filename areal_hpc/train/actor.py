@@ -21,12 +21,10 @@ ranks): each micro-batch returns its loss *sum* and token count, and Megatron
 (`calculate_per_token_loss`) divides the accumulated gradient by the minibatch's global token
 count.
 
-Micro-batches are padding-free: their sequences are concatenated into one row. With
-`train.attention` varlen (the default) each sequence attends within itself through Megatron's THD
-`PackedSeqParams` (cumulative sequence lengths; `areal_hpc.train.attention`): work Σ lenᵢ²,
-memory linear in the row. With `mask` the row gets a dense block-diagonal causal `[S, S]` mask
-through Megatron's local attention (the exact reference, S² work and memory). With sequence
-parallelism the row is padded to a multiple of tp by a separate dummy sequence.
+Micro-batches are padding-free (`areal_hpc.train.micro_batches`): a share's sequences are
+planned into micro-batches of at most `train.max_tokens_per_mb` tokens, the same count on every
+data-parallel rank, and each is packed into one row (varlen attention by default, a dense
+block-diagonal mask with `train.attention: mask`).
 
 Log-probs come from the last hidden states in chunks of `train.logprob_chunk_tokens` tokens
 (`areal_hpc.train.logprobs`): the model's output layer hands back hidden states, and no
@@ -45,7 +43,6 @@ import copy
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -60,14 +57,13 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from safetensors.torch import save_file
 
 from areal_hpc import determinism
-from areal_hpc.algo.packing import balanced_allocate
 from areal_hpc.algo.ppo import OffPolicy, decoupled_ppo_loss, loglinear_prox_logprobs
 from areal_hpc.config import TrainConfig
 from areal_hpc.train import megatron_model
-from areal_hpc.train.attention import packed_seq_params
 from areal_hpc.train.layout import ParallelLayout
 from areal_hpc.train.cpu_compat import CudaToCpuMode
 from areal_hpc.train.logprobs import chunked_token_logprobs
+from areal_hpc.train.micro_batches import MicroBatch, pack, plan_micro_batches
 from areal_hpc.train.shares import BatchShare, dp_split, sequence_lengths, split_batch
 
 # Files of a HF model directory that are weights (rewritten by save_hf); all others are copied.
@@ -205,33 +201,6 @@ class StepSnapshot:
             torch.cuda.synchronize()
 
 
-@dataclass
-class _MicroBatch:
-    """One packed row. S = total tokens of its sequences, N = their output tokens.
-
-    A micro-batch with no sequences (a rank with less data than the agreed micro-batch count)
-    is one padding token with N = 0: it runs through the schedule and contributes nothing.
-    """
-
-    seq_ids: list[int]  # indices into the step's `seqs`
-    out_lens: list[int]  # output tokens per sequence
-    tokens: torch.Tensor  # [1, S] int64
-    position_ids: torch.Tensor  # [1, S] int64, restarting per sequence
-    attention_mask: torch.Tensor | None  # mask attention: [1, 1, S, S] bool, True = masked
-    packed_seq_params: object | None  # varlen attention: Megatron PackedSeqParams (THD)
-    out_pos: torch.Tensor  # [N] positions whose logits predict the output tokens
-    targets: torch.Tensor  # [1, N] int64, the output tokens
-    # training only, [N]
-    behav_logprobs: torch.Tensor | None = None
-    advantages: torch.Tensor | None = None
-    versions: torch.Tensor | None = None  # int64, loglinear π_prox only
-    prox_logprobs: torch.Tensor | None = None  # set on the last stage before the first minibatch
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.out_pos.numel())
-
-
 class Actor:
     """The trained policy on one trainer rank (its TP shard of its pipeline stage).
 
@@ -353,76 +322,23 @@ class Actor:
     # ---------------------------------------------------------------- batches
 
     def _plan(self, lengths: list[int], equalise_dp: bool) -> list[list[int]]:
-        """Micro-batches (index lists into `lengths`): at most `max_tokens_per_mb` tokens each,
-        balanced, a multiple of pp; with `equalise_dp` as many as on the busiest data-parallel
-        rank (AReaL all-gathers the count and takes the max; so do we, by all-reduce)."""
-        budget = self.cfg.max_tokens_per_mb
-        groups = balanced_allocate(lengths, budget, divisor=self.pp)
-        if equalise_dp and self.layout.dp > 1:
-            k = torch.tensor(len(groups), device=self.device)
+        """Micro-batches of `lengths` (`micro_batches.plan`); with `equalise_dp` as many as on
+        the busiest data-parallel rank (AReaL all-gathers the count and takes the max; so do we,
+        by all-reduce)."""
+        def busiest(n: int) -> int:
+            k = torch.tensor(n, device=self.device)
             dist.all_reduce(k, op=dist.ReduceOp.MAX, group=self.layout.dp_group())
-            if int(k) > len(groups):
-                groups = balanced_allocate(lengths, budget, min_groups=int(k), divisor=self.pp)
-        return groups
+            return int(k)
+        return plan_micro_batches(lengths, self.cfg.max_tokens_per_mb, self.pp,
+                                  busiest if equalise_dp and self.layout.dp > 1 else None)
 
-    def _pack(self, seqs: list[dict], mb_ids: list[int], per_token: dict | None = None) -> _MicroBatch:
-        """Concatenate `seqs[mb_ids]` into one row; `per_token` adds `[N]` training inputs
-        (name -> one array per sequence of the step, each `[len(output_tokens)]`)."""
-        tokens, positions, segments, out_pos, out_lens = [], [], [], [], []
-        offset = 0
-        for k, i in enumerate(mb_ids):
-            prompt = np.asarray(seqs[i]["prompt_tokens"], dtype=np.int64)
-            output = np.asarray(seqs[i]["output_tokens"], dtype=np.int64)
-            if len(prompt) == 0:
-                raise ValueError(f"sequence {i} has an empty prompt")
-            n = len(prompt) + len(output)
-            tokens += [prompt, output]
-            positions.append(np.arange(n))
-            segments.append(np.full(n, k))
-            # logits at position p predict token p + 1
-            out_pos.append(offset + len(prompt) - 1 + np.arange(len(output)))
-            out_lens.append(len(output))
-            offset += n
-        if not mb_ids:  # a filler: one token, nothing to predict
-            one = np.zeros(1, np.int64)
-            tokens, positions, segments, out_pos = [one], [one], [one], [np.zeros(0, np.int64)]
-        seq_lens = [len(x) for x in positions]
-        pad = -sum(seq_lens) % self._row_multiple
-        if pad:  # its own dummy sequence: nothing attends to it, it predicts nothing
-            tokens.append(np.zeros(pad, np.int64))
-            positions.append(np.arange(pad))
-            segments.append(np.full(pad, len(seq_lens)))
-            seq_lens.append(pad)
-        dev = self.device
-        mask = params = None
-        if self.attention == "mask":
-            seg = torch.from_numpy(np.concatenate(segments)).to(dev)
-            s = seg.numel()
-            causal = torch.ones(s, s, dtype=torch.bool, device=dev).triu(1)
-            mask = (causal | (seg[:, None] != seg[None, :]))[None, None]
-        else:
-            params = packed_seq_params(seq_lens, dev)
-        out_pos_t = torch.from_numpy(np.concatenate(out_pos)).to(dev)
-        tokens_t = torch.from_numpy(np.concatenate(tokens)).to(dev)[None]
-        mb = _MicroBatch(
-            seq_ids=list(mb_ids),
-            out_lens=out_lens,
-            tokens=tokens_t,
-            position_ids=torch.from_numpy(np.concatenate(positions)).to(dev)[None],
-            attention_mask=mask,
-            packed_seq_params=params,
-            out_pos=out_pos_t,
-            targets=tokens_t[:, out_pos_t + 1],
-        )
-        for name, per_seq in (per_token or {}).items():
-            dtype = np.int64 if name == "versions" else np.float32
-            parts = [np.asarray(per_seq[i], dtype=dtype) for i in mb_ids] or [np.zeros(0, dtype)]
-            setattr(mb, name, torch.from_numpy(np.concatenate(parts)).to(dev))
-        return mb
+    def _pack(self, seqs: list[dict], mb_ids: list[int], per_token: dict | None = None) -> MicroBatch:
+        return pack(seqs, mb_ids, per_token, attention=self.attention,
+                    row_multiple=self._row_multiple, device=self.device)
 
     # ---------------------------------------------------------------- forward
 
-    def _token_logprobs(self, hidden: torch.Tensor, mb: _MicroBatch) -> torch.Tensor:
+    def _token_logprobs(self, hidden: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """`[N]` log π(a_t|s_t) at temperature T from the last hidden states `[1, S, H]`,
         against this TP rank's vocabulary slice, `logprob_chunk_tokens` tokens at a time."""
         weight = megatron_model.output_weight(self.model)
@@ -440,7 +356,7 @@ class Actor:
                        packed_seq_params=mb.packed_seq_params)  # last stage: [1, S, H]
         return output, partial(loss_fn, mb)
 
-    def _run(self, micro_batches: list[_MicroBatch], loss_fn, forward_only: bool) -> list[dict]:
+    def _run(self, micro_batches: list[MicroBatch], loss_fn, forward_only: bool) -> list[dict]:
         """Megatron's schedule over the micro-batches (1F1B with pp > 1); the loss outputs on
         the last pipeline stage, [] on the others."""
         with CudaToCpuMode():
@@ -457,13 +373,13 @@ class Actor:
     def _n_tokens(self, n: int) -> torch.Tensor:
         return torch.tensor(n, dtype=torch.int, device=self.device)
 
-    def _logprob_loss(self, mb: _MicroBatch, hidden: torch.Tensor):
+    def _logprob_loss(self, mb: MicroBatch, hidden: torch.Tensor):
         logprobs = self._token_logprobs(hidden, mb)
         zero = torch.zeros((), device=self.device)
         return zero, self._n_tokens(mb.n_tokens), {"logprobs": logprobs.detach().clone()}
 
     @torch.no_grad()
-    def _forward_logprobs(self, micro_batches: list[_MicroBatch], to_all_stages: bool) -> list:
+    def _forward_logprobs(self, micro_batches: list[MicroBatch], to_all_stages: bool) -> list:
         """`[N]` float32 log-probs per micro-batch (tensors): on the last stage, and on every
         stage with `to_all_stages` (sent from the last stage); None elsewhere."""
         outputs = self._run(micro_batches, self._logprob_loss, forward_only=True)
@@ -500,7 +416,7 @@ class Actor:
 
     # ---------------------------------------------------------------- train
 
-    def _ppo_loss(self, version: int, mb: _MicroBatch, hidden: torch.Tensor):
+    def _ppo_loss(self, version: int, mb: MicroBatch, hidden: torch.Tensor):
         logprobs = self._token_logprobs(hidden, mb)
         if self.prox == "loglinear":
             prox = loglinear_prox_logprobs(mb.behav_logprobs, logprobs, mb.versions, version)
@@ -533,14 +449,14 @@ class Actor:
         }
         return loss_sum, self._n_tokens(n), sums
 
-    def _plan_step(self, seqs: list[dict], per_token: dict) -> list[list[_MicroBatch]]:
+    def _plan_step(self, seqs: list[dict], per_token: dict) -> list[list[MicroBatch]]:
         """This rank's packed micro-batches, per minibatch (see the module docstring), of a
         whole batch."""
         per_rank = dp_split(sequence_lengths(seqs), self.cfg.ppo_minibatches, self.layout.dp)
         return self._pack_minibatches(seqs, per_token, per_rank[self.layout.dp_rank])
 
     def _pack_minibatches(self, seqs: list[dict], per_token: dict,
-                          minibatches: list[list[int]]) -> list[list[_MicroBatch]]:
+                          minibatches: list[list[int]]) -> list[list[MicroBatch]]:
         """Micro-batches of each minibatch (indices into `seqs`; this rank's share), the same
         number on every data-parallel rank."""
         lengths = sequence_lengths(seqs)
