@@ -1,4 +1,4 @@
-"""The run audit (areal_hpc/audit.py) on run directories written by the project's own writers:
+"""The run audit (areal_hpc/audit/) on run directories written by the project's own writers:
 the real RolloutWriter (its reopen marks rolled-back rows, as a resume does), the real
 checkpoint.write_state and checkpoint.write_manifest of areal_hpc/storage (no Megatron shards:
 find_latest and read_state need only what the manifest lists), config.yaml as main.py writes

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Audit a finished or stopped run directory: the pipeline's guarantees checked from its files
-(areal_hpc/audit.py). Exit status 0 all hold, 1 one is violated, 2 an input is unreadable.
+(areal_hpc/audit/). Exit status 0 all hold, 1 one is violated, 2 an input is unreadable.
 
     python tools/audit_run.py runs/tiny [--no-crc]
 """
