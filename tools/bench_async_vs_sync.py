@@ -155,7 +155,8 @@ def compare(path: Path) -> None:
     file: each run replayed from its own measured rates (`calibrate`), and the speedup predicted
     from the async runs alone (the sync baseline at linearly scaled rates, the planner's default)."""
     from areal_hpc.config import load
-    from areal_hpc.plan.throughput import calibrate, predict
+    from areal_hpc.plan.calibration import calibrate
+    from areal_hpc.plan.throughput import predict
     data = json.loads(path.read_text())
     rows, by = [], {}
     for rec in (r for r in data["records"] if r.get("ok")):

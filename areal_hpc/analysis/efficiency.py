@@ -26,7 +26,8 @@ def run_efficiency(run: Path, mode: str, target: float) -> dict:
     training-accuracy curves and the time each first reaches `target`, the off-policy
     diagnostics of the last 10 steps, and whether the run collapsed (`mode`: "sync" or
     "async"). What tools/bench_async_vs_sync.py records per run."""
-    from ..plan.throughput import pipelined_bound, read_metrics
+    from ..plan.calibration import read_metrics
+    from ..plan.throughput import pipelined_bound
     rd = RunDir(run)
     steps = read_metrics(rd.path)
     gens, evals = rd.read_generators(), rd.read_all_evals()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import budget, memory, throughput
+from . import budget, memory, throughput_cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
                                  description="memory and throughput models of a run")
     sub = ap.add_subparsers(dest="cmd", required=True)
     memory.add_memory_parser(sub)
-    throughput.add_parser(sub)
+    throughput_cli.add_parser(sub)
     budget.add_time_parser(sub)
     from ..launch import placement
     placement.add_parser(sub)
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         return budget.time_command(args, console)
     if args.cmd == "placement":
         return placement.plan_command(args, console)
-    return throughput.throughput_command(args, console)
+    return throughput_cli.throughput_command(args, console)
 
 
 if __name__ == "__main__":

@@ -162,7 +162,8 @@ def estimate_time(cfg: RunConfig, gpu: str | None = None, mfu: float | None = No
                   ckpt_bytes_s: float | None = None, arch: Arch | None = None) -> StepTime:
     """The step-time estimate of `cfg` on `gpu` (default topology.gpu) at `mfu` (default
     topology.mfu)."""
-    from .throughput import UPDATE_FIXED_S, WEIGHT_BCAST_BYTES_S, GPU_HBM_BYTES_S, assumed_rates
+    from .calibration import assumed_rates
+    from .throughput import GPU_HBM_BYTES_S, UPDATE_FIXED_S, WEIGHT_BCAST_BYTES_S
 
     spec = gpu_spec(gpu if gpu is not None else cfg.topology.gpu, "--gpu" if gpu is not None else "topology.gpu")
     mfu = cfg.topology.mfu if mfu is None else mfu

@@ -54,19 +54,18 @@ Model
   not overlap. `SimResult.ideal_wall_s` uses the run's own generated tokens,
   so a simulated (or measured) run never beats it.
 
-Rates: measured ones come from a finished run (`calibrate`: metrics.jsonl, generators.json,
-rollouts.h5, config.yaml) or from flags. Without either, `assumed_rates` derives them from a
-roofline of the model on H100-class GPUs (datasheet peaks times assumed efficiencies): these
-are ASSUMPTIONS, to be replaced by measured numbers.
+Rates (plan/calibration.py): measured ones come from a finished run (`calibrate`:
+metrics.jsonl, generators.json, rollouts.h5, config.yaml) or from flags. Without either,
+`assumed_rates` derives them from a roofline of the model on H100-class GPUs (datasheet peaks
+times assumed efficiencies): these are ASSUMPTIONS, to be replaced by measured numbers. The
+command line is plan/throughput_cli.py.
 """
 from __future__ import annotations
 
 import heapq
 import math
-import sys
 from collections import deque
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import numpy as np
 
@@ -74,7 +73,6 @@ from ..config import ConfigError, RunConfig
 from ..cpus import parse_cpus
 from ..rollout.ledger import Ledger
 from ..rollout.staleness import staleness_of
-from ..storage import run_dir as run_files
 from .memory import _BYTES, generator_estimate, kv_bytes_per_token, read_arch, vllm_limits
 
 Z99 = 2.3263478740408408            # standard normal quantile of 0.99
@@ -560,247 +558,3 @@ def search(cfg: RunConfig, rates: Rates, devices: int | None = None, etas=ETAS, 
     rows.append(SearchRow(D, D, 0, simulate(s_setup, s_rates, steps, seed), "sync"))
     rows.sort(key=lambda row: -row.result.steps_per_hour)
     return rows
-
-
-# ------------------------------------------------------------------------------ calibration
-
-def load_lengths(path: str | Path, metrics: list[dict] | None = None) -> Lengths:
-    """Output lengths of a rollout log (a file, or a run directory's rollouts.h5). A run
-    directory without one falls back to metrics.jsonl's per-step mean response_len."""
-    p = Path(path)
-    h5 = p / run_files.ROLLOUTS if p.is_dir() else p
-    if h5.is_file():
-        from ..storage.rollout_log import RolloutReader
-        try:
-            with RolloutReader(h5) as reader:
-                out = np.diff(np.r_[0, reader.column("output_end")])
-                prompt = np.diff(np.r_[0, reader.column("prompt_end")])
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"{h5}: not a readable rollout log ({str(exc).splitlines()[0]})") from None
-        if out.size == 0 or not np.any(out > 0):
-            raise ConfigError(f"{h5}: no trajectories with output tokens")
-        out = out[out > 0]
-        return Lengths(values=out, prompt_len=float(prompt.mean()), source=str(h5))
-    if p.is_dir():
-        if metrics is None:
-            metrics = read_metrics(p)
-        lens = [m["response_len"] for m in metrics if m.get("response_len", 0) > 0]
-        if lens:
-            return Lengths(values=np.array(lens), source=f"{run_files.RunDir(p).metrics} (response_len)")
-        raise ConfigError(f"{p}: no rollouts.h5 and no response_len in metrics.jsonl")
-    raise ConfigError(f"{p}: no such run directory or rollout log")
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    """metrics.jsonl's step records; ConfigError without any."""
-    rd = run_files.RunDir(run_dir)
-    try:
-        recs = rd.read_metrics()
-    except run_files.RunFileError as exc:
-        raise ConfigError(str(exc)) from None
-    if not recs:
-        raise ConfigError(f"{rd.metrics}: no step records")
-    return recs
-
-
-def calibrate(run_dir: str | Path, c_half: float = 0.0) -> Rates:
-    """Rates measured by a finished run: generation tokens/s while busy (rollout-log output
-    tokens, else generators.json tokens, over the generators' busy seconds, per engine),
-    training tokens/s (sum n_tokens / sum seconds; with >= 4 steps and a positive intercept,
-    a least-squares fit gives train_overhead_s too), update_s (mean weight_sync_s) and the
-    output lengths. c_half is not measurable from the files (default 0)."""
-    d = Path(run_dir)
-    if not d.is_dir():
-        raise ConfigError(f"--from-run: no run directory at {d}")
-    rd = run_files.RunDir(d)
-    metrics = read_metrics(d)
-    try:
-        secs = np.array([float(m["seconds"]) for m in metrics])
-        toks = np.array([float(m["n_tokens"]) for m in metrics])
-        upd = np.array([float(m.get("weight_sync_s", 0.0)) for m in metrics])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"{rd.metrics}: a step lacks 'seconds' or 'n_tokens' ({exc})") from None
-    try:
-        gens = rd.read_generators()
-    except run_files.RunFileError as exc:
-        raise ConfigError(str(exc)) from None
-    if not gens:
-        raise ConfigError(f"{rd.generators}: no such file")
-    try:
-        busy = sum(float(g.seconds["busy"]) for g in gens)
-        gen_tokens = sum(float(g.tokens) for g in gens)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"{rd.generators}: not a readable generators file ({exc})") from None
-    lengths = load_lengths(d, metrics)
-    if lengths.values is not None and lengths.source.endswith(run_files.ROLLOUTS):
-        gen_tokens = float(lengths.values.sum())      # training samples only (no eval tokens)
-    if busy <= 0 or gen_tokens <= 0 or secs.sum() <= 0 or toks.sum() <= 0:
-        raise ConfigError(f"{d}: no generation or training time recorded")
-    train_tok_s, overhead = toks.sum() / secs.sum(), 0.0
-    if len(secs) >= 4 and np.ptp(toks) > 0:
-        slope, icpt = np.polyfit(toks, secs, 1)
-        if slope > 0 and icpt > 0:
-            train_tok_s, overhead = 1.0 / slope, float(icpt)
-    return Rates(gen_tok_s=gen_tokens / busy, train_tok_s=float(train_tok_s),
-                 update_s=float(upd.mean()), lengths=lengths, train_overhead_s=overhead,
-                 c_half=c_half, source=str(d))
-
-
-def assumed_rates(cfg: RunConfig, lengths: "Lengths | None" = None) -> tuple[float, float, float, float]:
-    """ASSUMED (gen_tok_s, train_tok_s, update_s, c_half) from a roofline of the model on
-    H100-class GPUs (the constants above); ConfigError when the model's config.json is unknown.
-
-    train: FLOPs per trained token = 6 P (forward + backward) + 2 P with full recompute + 2 P
-    for the recompute π_prox forward, at TRAIN_MFU of every trainer GPU's peak.
-    decode: one step of C sequences reads the bf16 weights once (2 P bytes) and every sequence's
-    KV cache (2 layers kv_heads head_dim 2 bytes per token, at the mean context prompt + L/2),
-    at DECODE_BW_EFFICIENCY of the engine's GPUs' bandwidth; C as the simulation's seq_limit.
-    That step time (2 P + c kv ctx) / bandwidth is the simulation's T(c) = peak c / (c + c_half)
-    with c_half = 2 P / (kv ctx): a lone long sequence decodes at its latency bound, not at the
-    full engine's rate (the sync baseline's long tail).
-    update: 2 P bytes at WEIGHT_BCAST_BYTES_S plus UPDATE_FIXED_S."""
-    try:
-        arch = read_arch(cfg)
-    except ConfigError:
-        raise ConfigError("no rates: pass --from-run RUN_DIR or --gen-tok-s, --train-tok-s, "
-                          "--update-s (the model's config.json is not readable for assumed "
-                          "defaults)") from None
-    p = float(arch.total_params)
-    tr = cfg.train
-    flops = (6 + 2 * (tr.recompute_granularity == "full") + 2 * (tr.prox == "recompute")) * p
-    train_tok_s = cfg.topology.n_trainers * GPU_BF16_FLOPS * TRAIN_MFU / flops
-    r = cfg.rollout
-    c = max(1, min(math.ceil(r.max_concurrent_prompts * r.group_size / cfg.topology.n_generators),
-                   vllm_limits(cfg)[0]))
-    mean_len = lengths.mean(r.max_new_tokens) if lengths is not None else r.max_new_tokens / 2
-    prompt = lengths.prompt_len if lengths is not None else 0.0
-    kv_per_token = kv_bytes_per_token(arch, 2)      # bf16, the whole engine
-    bytes_per_token = 2 * p / c + kv_per_token * (prompt + mean_len / 2)
-    gen_tok_s = r.engine_tp * GPU_HBM_BYTES_S * DECODE_BW_EFFICIENCY / bytes_per_token
-    update_s = 2 * p / WEIGHT_BCAST_BYTES_S + UPDATE_FIXED_S
-    c_half = 2 * p / (kv_per_token * max(1.0, prompt + mean_len / 2))
-    return gen_tok_s, train_tok_s, update_s, c_half
-
-
-# ------------------------------------------------------------------------------ CLI
-
-def add_parser(sub) -> None:
-    tp = sub.add_parser("throughput", help="simulated steps/hour of a config: async vs sync, search")
-    tp.add_argument("config")
-    tp.add_argument("overrides", nargs="*", help="key=value")
-    tp.add_argument("--from-run", default=None, help="calibrate the rates from a finished run directory")
-    tp.add_argument("--gen-tok-s", type=float, default=None, help="one engine's decode tokens/s, full")
-    tp.add_argument("--train-tok-s", type=float, default=None, help="the trainer's tokens/s")
-    tp.add_argument("--update-s", type=float, default=None, help="seconds per weight update")
-    tp.add_argument("--train-overhead-s", type=float, default=None, help="fixed seconds per step")
-    tp.add_argument("--c-half", type=float, default=None, help="engine half-saturation concurrency")
-    tp.add_argument("--lengths", default=None, help="RUN_DIR or rollouts.h5: output lengths")
-    tp.add_argument("--median-len", type=float, default=None)
-    tp.add_argument("--p99-len", type=float, default=None)
-    tp.add_argument("--kv-tokens", type=float, default=None, help="KV tokens per engine")
-    tp.add_argument("--steps", type=int, default=None, help="steps to simulate (default total_steps)")
-    tp.add_argument("--seed", type=int, default=0)
-    tp.add_argument("--search", action="store_true", help="search device splits and η")
-    tp.add_argument("--devices", type=int, default=None, help="devices (CPU: cores) to split")
-
-
-def _positive(value, flag: str, zero_ok: bool = False) -> None:
-    if value is not None and not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
-        raise ConfigError(f"{flag}: must be {'>= 0' if zero_ok else 'positive'}, got {value:g}")
-
-
-def rates_from_args(args, cfg: RunConfig) -> Rates:
-    for flag in ("gen_tok_s", "train_tok_s", "median_len", "p99_len", "kv_tokens"):
-        _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
-    for flag in ("update_s", "train_overhead_s", "c_half"):
-        _positive(getattr(args, flag), "--" + flag.replace("_", "-"), zero_ok=True)
-    if args.steps is not None and args.steps < 1:
-        raise ConfigError(f"--steps: must be >= 1, got {args.steps}")
-    if args.devices is not None and args.devices < 2:
-        raise ConfigError(f"--devices: need at least 2, got {args.devices}")
-    base = calibrate(args.from_run) if args.from_run else None
-    if args.lengths:
-        if not Path(args.lengths).exists():
-            raise ConfigError(f"--lengths: no run directory or rollout log at {args.lengths}")
-        lengths = load_lengths(args.lengths)
-    elif args.median_len or args.p99_len:
-        if not (args.median_len and args.p99_len) or args.p99_len < args.median_len:
-            raise ConfigError("--median-len/--p99-len: give both, with p99 >= median")
-        lengths = Lengths(median=args.median_len, p99=args.p99_len, source="lognormal (flags)")
-    elif base is not None:
-        lengths = base.lengths
-    else:
-        raise ConfigError("no output lengths: pass --from-run, --lengths or --median-len/--p99-len")
-    if base is None:
-        need = [args.gen_tok_s, args.train_tok_s, args.update_s]
-        if all(v is not None for v in need):
-            base = Rates(*need, lengths, source="flags")
-        else:
-            *assumed, c_half = assumed_rates(cfg, lengths)
-            vals = [v if v is not None else a for v, a in zip(need, assumed)]
-            base = Rates(*vals, lengths, c_half=c_half, source="ASSUMED H100 roofline (+ flags)")
-    r = replace(base, lengths=lengths)
-    for name in ("gen_tok_s", "train_tok_s", "update_s", "train_overhead_s", "c_half"):
-        if getattr(args, name) is not None:
-            r = replace(r, **{name: getattr(args, name)})
-            if base.source not in ("flags",) and "flags" not in r.source:
-                r = replace(r, source=r.source + " + flags")
-    r.check()
-    return r
-
-
-def _result_cells(res: SimResult) -> list[str]:
-    return [f"{res.steps_per_hour:.1f}", f"{res.wall_s:.1f}", f"{100 * res.gen_busy_frac:.0f}%",
-            f"{100 * res.trainer_idle_frac:.0f}%", f"{res.staleness_mean:.2f}",
-            f"{res.staleness_p95:.0f}", f"{100 * res.dropped_share:.1f}%",
-            f"{res.ideal_steps_per_hour:.1f}"]
-
-
-_COLUMNS = ("steps/h", "wall s", "gen busy", "tr idle", "stale", "p95", "dropped", "ideal/h")
-
-
-def throughput_command(args, console) -> int:
-    """`python -m areal_hpc.plan throughput`: exit 0 with the tables, 2 with `error: ...`."""
-    from rich.table import Table
-
-    from ..config import load
-    try:
-        cfg = load(args.config, args.overrides)
-        rates = rates_from_args(args, cfg)
-        steps = args.steps or cfg.train.total_steps
-        pred = predict(cfg, rates, steps, args.seed, kv_tokens=args.kv_tokens)
-        rows = search(cfg, rates, args.devices, steps=min(steps, 8), seed=args.seed) if args.search else []
-    except (ConfigError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    gu, tu = device_units(cfg)
-    s = pred.setup
-    console.print(f"[bold]{cfg.name}[/]: {s.n_generators} generator engine(s) ({gu} device(s)), "
-                  f"trainer {tu} device(s); B {s.batch_prompts} x n {s.group_size}, η "
-                  f"{s.max_staleness}, {s.seq_limit} sequences per engine, {steps} steps")
-    console.print(f"rates ({rates.source}): gen {rates.gen_tok_s:.1f} tok/s per engine, train "
-                  f"{rates.train_tok_s:.1f} tok/s + {rates.train_overhead_s:.2f} s/step, update "
-                  f"{rates.update_s:.2f} s, c_half {rates.c_half:g}")
-    console.print(f"lengths: {rates.lengths.describe()}")
-    tab = Table(title="predicted throughput (simulation)")
-    tab.add_column("schedule")
-    for c in _COLUMNS:
-        tab.add_column(c, justify="right")
-    tab.add_row(f"async (η {s.max_staleness})", *_result_cells(pred.async_))
-    tab.add_row("sync colocated (η 0)", *_result_cells(pred.sync))
-    console.print(tab)
-    console.print(f"async/sync speedup: [bold]{pred.speedup:.2f}x[/]  (stale: mean staleness of "
-                  "trained samples; ideal/h: the full-overlap bound)")
-    if rows:
-        st = Table(title=f"search: device split x η ({min(steps, 8)} steps each), by steps/hour")
-        st.add_column("gen dev", justify="right")
-        st.add_column("train dev", justify="right")
-        st.add_column("schedule")
-        for c in _COLUMNS:
-            st.add_column(c, justify="right")
-        for row in rows:
-            sched = "sync" if row.schedule == "sync" else f"async η{row.eta}"
-            st.add_row(str(row.gen_devices), str(row.train_devices), sched, *_result_cells(row.result))
-        console.print(st)
-    return 0
-

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from areal_hpc.plan import main
-from areal_hpc.plan.throughput import Lengths, Rates, Setup, calibrate, predict, simulate, sync_variant
+from areal_hpc.plan.calibration import calibrate
+from areal_hpc.plan.throughput import Lengths, Rates, Setup, predict, simulate, sync_variant
 from areal_hpc.config import load
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -172,10 +173,11 @@ def test_cli(tmp_path, capsys):
 def test_assumed_rates_follow_the_stated_roofline():
     """Without measured rates: the H100 roofline of the docstring, from the recipe's model."""
     from areal_hpc.plan import throughput as T
+    from areal_hpc.plan.calibration import assumed_rates
     from areal_hpc.plan.memory import read_arch
     cfg = load(str(ROOT / "configs/qwen2_5_1_5b_math.yaml"))
     lengths = Lengths(median=6000, p99=27648)
-    gen, train, update, c_half = T.assumed_rates(cfg, lengths)
+    gen, train, update, c_half = assumed_rates(cfg, lengths)
     arch = read_arch(cfg)
     p = arch.total_params
     per_token = (6 + 2 * (cfg.train.recompute_granularity == "full") + 2 * (cfg.train.prox == "recompute")) * p
