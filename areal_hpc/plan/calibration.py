@@ -44,16 +44,21 @@ def load_lengths(path: str | Path, metrics: list[dict] | None = None) -> Lengths
     raise ConfigError(f"{p}: no such run directory or rollout log")
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    """metrics.jsonl's step records; ConfigError without any."""
-    rd = run_files.RunDir(run_dir)
+def _records(read, path: Path, none: str) -> list:
+    """What `read()` returns from the run file `path`; ConfigError when it is bad or empty."""
     try:
-        recs = rd.read_metrics()
+        recs = read()
     except run_files.RunFileError as exc:
         raise ConfigError(str(exc)) from None
     if not recs:
-        raise ConfigError(f"{rd.metrics}: no step records")
+        raise ConfigError(f"{path}: {none}")
     return recs
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's step records; ConfigError without any."""
+    rd = run_files.RunDir(run_dir)
+    return _records(rd.read_metrics, rd.metrics, "no step records")
 
 
 def calibrate(run_dir: str | Path, c_half: float = 0.0) -> Rates:
@@ -73,12 +78,7 @@ def calibrate(run_dir: str | Path, c_half: float = 0.0) -> Rates:
         upd = np.array([float(m.get("weight_sync_s", 0.0)) for m in metrics])
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"{rd.metrics}: a step lacks 'seconds' or 'n_tokens' ({exc})") from None
-    try:
-        gens = rd.read_generators()
-    except run_files.RunFileError as exc:
-        raise ConfigError(str(exc)) from None
-    if not gens:
-        raise ConfigError(f"{rd.generators}: no such file")
+    gens = _records(rd.read_generators, rd.generators, "no such file")
     try:
         busy = sum(float(g.seconds["busy"]) for g in gens)
         gen_tokens = sum(float(g.tokens) for g in gens)
