@@ -3,7 +3,7 @@ file or row, before any rank spends node time:
 
 - `launcher(config, overrides)`: what every launcher (mpiexec, the slurm/ batch scripts through
   `launch/env.py`, submitit) runs on the submitting host: the config (schema, ranges and
-  cross-field rules: config.py), every rank's memory estimate against its GPU (plan/memory.py),
+  cross-field rules: config/rules.py), every rank's memory estimate against its GPU (plan/memory.py),
   a step and its checkpoint against the preemption signal's lead (plan/budget.py), the installed
   torch / vLLM / Megatron releases, the tiny model built if the config names it, the inputs
   (`check_inputs`), and the sandbox for code rewards.
@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from . import determinism
-from .config import ConfigError, RunConfig, _check, _read_utf8, load
+from .config import ConfigError, RunConfig, _read_utf8, load
+from .config.rules import _check
 
 TINY_MODEL = Path("models/tiny")
 # The models the project builds itself when a config names them and they are not there yet:

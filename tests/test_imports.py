@@ -1,5 +1,5 @@
 """The package's import picture: no module imports, even lazily inside a function, a module that
-imports it back (an import circle), and config.py reads no file but the YAML."""
+imports it back (an import circle), and the config package reads no file but the YAML."""
 import ast
 from pathlib import Path
 
@@ -67,12 +67,13 @@ def test_no_import_circle():
 
 
 def test_config_reads_no_file_but_the_yaml():
-    """Every file access of config.py is the YAML's (load checks it exists, _read_utf8 reads
-    it); the model directory, datasets and the rest are preflight.py's."""
-    tree = ast.parse((PKG / "config.py").read_text())
+    """Every file access of the config package is the YAML's (load checks it exists, _read_utf8
+    reads it); the model directory, datasets and the rest are preflight.py's."""
+    trees = [ast.parse(f.read_text()) for f in sorted((PKG / "config").glob("*.py"))]
+    assert len(trees) == 3                  # __init__ (loading), schema, rules
     io = ("read_text", "read_bytes", "open", "is_file", "is_dir", "exists", "glob", "iterdir", "stat")
     where = {}
-    for fn in ast.walk(tree):
+    for fn in (f for tree in trees for f in ast.walk(tree)):
         if isinstance(fn, ast.FunctionDef):
             for node in ast.walk(fn):
                 if isinstance(node, ast.Call) and (getattr(node.func, "attr", None) in io
@@ -92,9 +93,9 @@ FLOORS = {
 }
 UP = {
     # config checks a value's syntax against its owner's definition (lazily, pure modules)
-    ("areal_hpc.config", "areal_hpc.data.answers"): "reward.extractor's names",
-    ("areal_hpc.config", "areal_hpc.data.prompts"): "data.prompt_template's fields",
-    ("areal_hpc.config", "areal_hpc.reward.custom"): "reward.functions' spec syntax",
+    ("areal_hpc.config.rules", "areal_hpc.data.answers"): "reward.extractor's names",
+    ("areal_hpc.config.rules", "areal_hpc.data.prompts"): "data.prompt_template's fields",
+    ("areal_hpc.config.rules", "areal_hpc.reward.custom"): "reward.functions' spec syntax",
     ("areal_hpc.plan.__main__", "areal_hpc.launch.placement"): "`plan placement` prints its plan",
     ("areal_hpc.preemption", "areal_hpc.plan.budget"): "the job's clock (time limit, signal lead)",
     ("areal_hpc.reaper", "areal_hpc.rollout.vllm_engine"): "the MPI variables vLLM's children drop",

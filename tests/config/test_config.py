@@ -131,7 +131,7 @@ def test_every_enumeration_is_checked_from_one_table(tmp_path):
     one line naming the key and every choice."""
     import re
 
-    from areal_hpc.config import CHOICES, _get, _names
+    from areal_hpc.config.rules import CHOICES, _get, _names
     base = load(_yaml(tmp_path, BASE))
     for key, choices in CHOICES.items():
         assert _get(base, key) in choices, key

@@ -1,0 +1,286 @@
+"""What a configuration's values must satisfy: every numeric key's range (`RANGES`), every
+enumeration's choices (`CHOICES`), and the cross-field rules (`validate`); one `ConfigError`
+line naming the key."""
+from __future__ import annotations
+
+import math
+import signal as _signal
+import string
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+
+from ..cpus import parse_cpus
+
+
+from .schema import (ConfigError, RunConfig)
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"config key '{key}': {msg}")
+
+
+INT_MAX = 2**31 - 1          # counts end up in int32 tensors, vLLM / torch arguments
+MAX_RANKS = 65536            # ranks of one role (the launcher and Slurm bound the real number)
+SEED_MAX = 2**31 - 1         # + rank offsets stays below numpy's 2**32
+MAX_TIMEOUT_S = 30 * 86400.0  # torch.distributed / threading timeouts must be finite
+MAX_REWARD_WORKERS = 512      # reward processes per generator: more is a typo, not a plan
+MAX_REWARD_TIMEOUT_S = 3600.0  # one sample's scoring; the pool restarts a worker past it
+
+
+@dataclass(frozen=True)
+class Range:
+    """Allowed values of one numeric key; None = unbounded on that side (floats must be finite)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    why: str = ""
+
+    def problem(self, value) -> str | None:
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"must be a finite number, got {value}"
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return f"must be {'>' if self.lo_open else '>='} {_num(self.lo)}, got {_num(value)}" + self.why
+        if self.hi is not None and (value >= self.hi if self.hi_open else value > self.hi):
+            return f"must be {'<' if self.hi_open else '<='} {_num(self.hi)}, got {_num(value)}" + self.why
+        return None
+
+
+def _num(x) -> str:
+    if isinstance(x, int):
+        return str(x)
+    return str(int(x)) if x.is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+
+_COUNT = Range(1, INT_MAX)
+_NONNEG = Range(0, INT_MAX)
+_TIMEOUT = Range(0.001, MAX_TIMEOUT_S, why=" (seconds)")
+_RANKS = Range(1, MAX_RANKS)
+
+# Every int / float key of the schema (reward.* is checked in `validate` itself); optional keys
+# are checked when set. tests/config checks that no numeric key is missing here.
+RANGES: dict[str, Range] = {
+    "data.eval_limit": Range(0, INT_MAX, why=" (0 = all)"),
+    "data.eval_samples": Range(1, 65536),
+    "data.eval_every_steps": _NONNEG,
+    "data.seed": Range(0, SEED_MAX),
+    "topology.n_trainers": _RANKS,
+    "topology.n_generators": _RANKS,
+    "topology.tp": _RANKS,
+    "topology.pp": _RANKS,
+    "topology.gpu_mem_gib": Range(0, 65536, why=" (0 = no memory preflight)"),
+    "topology.mfu": Range(0, 1, lo_open=True, why=" (model-FLOPs utilisation)"),
+    "rollout.group_size": Range(1, 65536),
+    "rollout.max_new_tokens": _COUNT,
+    # vLLM refuses temperatures above 2 and raises those below 0.01 to 0.01, which would no
+    # longer be the temperature the trainer scores the behaviour log-probs with.
+    "rollout.temperature": Range(0.01, 2.0, why=" (vLLM samples at temperatures in [0.01, 2])"),
+    "rollout.top_p": Range(0, 1, lo_open=True),
+    "rollout.max_staleness": _NONNEG,
+    "rollout.max_concurrent_prompts": _COUNT,
+    "rollout.max_reissues": _NONNEG,
+    "rollout.max_model_len": Range(2, INT_MAX),
+    "rollout.kv_cache_gib": Range(1, 65536, why=" (or null: vLLM's default)"),
+    "rollout.gpu_memory_utilization": Range(0, 1, lo_open=True),
+    "rollout.heartbeat_s": _TIMEOUT,
+    "rollout.generator_timeout_s": _TIMEOUT,
+    "rollout.collective_timeout_s": _TIMEOUT,
+    "rollout.engine_tp": _RANKS,
+    "rollout.max_num_seqs": _COUNT,
+    "rollout.max_num_batched_tokens": _COUNT,
+    "train.total_steps": _COUNT,
+    "train.batch_prompts": _COUNT,
+    "train.lr": Range(0, 1, lo_open=True),
+    "train.lr_warmup_steps": _NONNEG,
+    "train.lr_decay_steps": _COUNT,
+    "train.min_lr": Range(0, 1),
+    "train.weight_decay": Range(0),
+    "train.adam_beta1": Range(0, 1, hi_open=True),
+    "train.adam_beta2": Range(0, 1, hi_open=True),
+    "train.adam_eps": Range(0, 1, lo_open=True),
+    "train.clip_grad": Range(0, why=" (0 = no clipping)"),
+    "train.ppo_minibatches": _COUNT,
+    "train.eps_clip": Range(0, 1, lo_open=True, hi_open=True),
+    "train.eps_clip_high": Range(0, lo_open=True),
+    "train.dual_clip": Range(1, lo_open=True, why=" (or null: off)"),
+    "train.behav_imp_weight_cap": Range(1, why=" (or null: no cap)"),
+    "train.behav_clip": Range(0, 1, lo_open=True, hi_open=True),
+    "train.behav_imp_weight_floor": Range(0, 1, lo_open=True),
+    "train.seq_imp_weight_low": Range(0, 1, lo_open=True),
+    "train.seq_imp_weight_high": Range(1),
+    "train.behav_kl_coef": Range(0, 10),
+    "train.overlong_buffer": _COUNT,
+    "train.reward_bias": Range(),
+    "train.reward_scaling": Range(0, lo_open=True),
+    "train.reward_clip": Range(0, lo_open=True),
+    "train.max_tokens_per_mb": _COUNT,
+    "train.logprob_chunk_tokens": _COUNT,
+    "train.recompute_num_layers": _COUNT,
+    "train.seed": Range(0, SEED_MAX),
+    "weights.bucket_mb": Range(1, 65536),
+    "weights.timeout_s": _TIMEOUT,
+    "weights.join_timeout_s": _TIMEOUT,
+    "checkpoint.every_steps": Range(0, INT_MAX, why=" (0 = none on a timer)"),
+    "checkpoint.keep": _COUNT,
+    "checkpoint.export_chunk_mb": Range(1, 65536),
+    "checkpoint.signal_lead_s": Range(0, MAX_TIMEOUT_S, why=" (seconds; 0 = from the batch script)"),
+    "checkpoint.time_limit_s": Range(0, MAX_TIMEOUT_S, why=" (seconds; 0 = from Slurm)"),
+}
+
+# train.off_policy's choices (algo/ppo.py OffPolicy says what each does).
+OFF_POLICY_OBJECTIVES = ("decoupled", "trust_region", "token_mask", "seq_mask", "naive")
+
+# Every key whose value is one of a few names (None: null), checked once by `check_choices`.
+CHOICES: dict[str, tuple] = {
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "data.kind": ("math", "code"),
+    "topology.device": ("cpu", "cuda"),
+    "topology.trainer_backend": ("gloo", "nccl"),
+    "topology.weight_backend": ("gloo", "nccl"),
+    "rollout.mode": ("async", "sync"),
+    "rollout.stale_policy": ("reissue", "drop", "keep"),
+    "train.prox": ("recompute", "loglinear", "behaviour"),
+    "train.off_policy": OFF_POLICY_OBJECTIVES,
+    "train.overlong": ("keep", "filter", "shape"),
+    "train.attention": ("auto", "varlen", "mask"),
+    "train.recompute_granularity": (None, "selective", "full"),
+    "train.lr_decay_style": ("constant", "linear", "cosine"),
+    "train.reward_norm": ("group", "none"),
+    "train.adv_norm": ("batch", "none"),
+    "weights.mode": ("broadcast", "disk"),
+    "checkpoint.resume": ("auto", "never"),
+}
+
+
+def _names(choices: tuple) -> str:
+    """("a", "b", None) -> "a, b or null"."""
+    words = ["null" if c is None else str(c) for c in choices]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+# Preemption signals must be catchable (KILL, STOP are not), not synchronous faults (a handler
+# that returns re-runs the faulting instruction) and not CHLD (every child process exit sends it).
+UNUSABLE_SIGNALS = ("KILL", "STOP", "SEGV", "BUS", "FPE", "ILL", "CHLD")
+
+
+def _get(cfg: RunConfig, key: str):
+    node = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def check_ranges(cfg: RunConfig) -> None:
+    for key, rng in RANGES.items():
+        value = _get(cfg, key)
+        if value is None:
+            continue
+        problem = rng.problem(value)
+        if problem:
+            raise ConfigError(f"config key '{key}': {problem}")
+
+
+def check_choices(cfg: RunConfig) -> None:
+    for key, choices in CHOICES.items():
+        value = _get(cfg, key)
+        _check(value in choices, key, f"must be {_names(choices)}, got {value!r}")
+
+
+def check_signals(names: list) -> None:
+    for name in names:
+        _check(isinstance(name, str) and f"SIG{name}" in _signal.Signals.__members__,
+               "checkpoint.signals", f"unknown signal {name!r} (names without SIG, e.g. USR1, TERM)")
+        why = "cannot be caught" if name in ("KILL", "STOP") else "not a notification signal"
+        _check(name not in UNUSABLE_SIGNALS, "checkpoint.signals",
+               f"SIG{name} cannot announce a preemption ({why}); use e.g. USR1 or TERM")
+
+
+def check_template(template: str, kind: str, key: str = "data.prompt_template") -> None:
+    """The fields of `template` (str.format syntax) must be ones the data kind fills in."""
+    from ..data.prompts import TEMPLATE_FIELDS
+    fields = TEMPLATE_FIELDS.get(kind, ())
+    names = ", ".join("{" + f + "}" for f in fields)
+    try:
+        parts = list(string.Formatter().parse(template))
+    except ValueError as exc:   # "Single '}' encountered", "expected '}' before end of string"
+        raise ConfigError(f"config key '{key}': {exc} in {template!r} (write literal braces as "
+                          f"{{{{ and }}}})") from None
+    used = set()
+    for _, name, spec, conversion in parts:
+        if name is None:
+            continue
+        _check(name in fields, key,
+               f"unknown field {{{name}}} in {template!r}: data.kind={kind} fills in {names} "
+               f"(write literal braces as {{{{ and }}}})" if name else
+               f"positional field {{}} in {template!r}: name it, one of {names}")
+        _check(conversion in (None, "s", "r", "a"), key, f"bad conversion !{conversion} in {{{name}}}")
+        _check("{" not in (spec or ""), key, f"nested field in the format spec of {{{name}}}")
+        try:
+            format("x", spec or "")
+        except ValueError as exc:
+            raise ConfigError(f"config key '{key}': bad format spec {{{name}:{spec}}}: {exc}") from None
+        used.add(name)
+    _check(bool(used), key, f"{template!r} has no field: every prompt would be the same text "
+           f"(use {names})")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Semantic checks that types alone cannot express."""
+    t, r, tr = cfg.topology, cfg.rollout, cfg.train
+    check_ranges(cfg)       # first: the checks below may divide by these
+    check_choices(cfg)
+    _check(t.n_trainers % (t.tp * t.pp) == 0, "topology.n_trainers",
+           f"{t.n_trainers} trainer ranks are not a multiple of tp*pp = {t.tp * t.pp}")
+    for key in ("trainer_cpus", "generator_cpus"):
+        try:
+            parse_cpus(getattr(t, key), f"topology.{key}")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    _check(r.max_new_tokens < r.max_model_len, "rollout.max_new_tokens",
+           f"{r.max_new_tokens} leaves no room for a prompt in rollout.max_model_len = "
+           f"{r.max_model_len}")
+    name = PurePosixPath(cfg.name)
+    _check(bool(cfg.name) and not name.is_absolute() and ".." not in name.parts
+           and "\0" not in cfg.name, "name",
+           f"must be a folder name inside output_dir (not absolute, no '..'), got {cfg.name!r}")
+    _check(r.generator_timeout_s > 2 * r.heartbeat_s, "rollout.generator_timeout_s",
+           f"must exceed two heartbeats (2 * rollout.heartbeat_s = {2 * r.heartbeat_s})")
+    _check(1 <= cfg.reward.workers <= MAX_REWARD_WORKERS, "reward.workers",
+           f"must be in [1, {MAX_REWARD_WORKERS}] (processes per generator), got {cfg.reward.workers}")
+    for key in ("math_timeout_s", "fn_timeout_s"):
+        value = getattr(cfg.reward, key)
+        _check(math.isfinite(value) and 0 < value <= MAX_REWARD_TIMEOUT_S, f"reward.{key}",
+               f"must be in (0, {MAX_REWARD_TIMEOUT_S:g}] seconds (one sample's scoring), got {value}")
+    from ..data.answers import EXTRACTORS
+    _check(cfg.reward.extractor in EXTRACTORS, "reward.extractor",
+           f"must be one of {', '.join(EXTRACTORS)}, got {cfg.reward.extractor!r}")
+    from ..reward.custom import RewardFnError, specs_of
+    try:
+        specs_of(cfg)
+    except RewardFnError as exc:
+        raise ConfigError(str(exc)) from None
+    _check(tr.max_tokens_per_mb >= r.max_model_len, "train.max_tokens_per_mb",
+           f"must hold one whole sequence: >= rollout.max_model_len = {r.max_model_len}")
+    _check(tr.overlong != "shape" or tr.overlong_buffer < r.max_new_tokens, "train.overlong_buffer",
+           f"must be below rollout.max_new_tokens = {r.max_new_tokens} (the ramp ends there)")
+    if tr.recompute_granularity == "full":
+        _check(tr.recompute_method in ("uniform", "block"), "train.recompute_method",
+               f"full recompute needs uniform or block, got {tr.recompute_method!r}")
+        _check(tr.recompute_num_layers is not None and tr.recompute_num_layers >= 1,
+               "train.recompute_num_layers", "full recompute needs a layer count >= 1")
+    else:
+        _check(tr.recompute_method is None and tr.recompute_num_layers is None,
+               "train.recompute_method", "only with train.recompute_granularity=full")
+    _check(not tr.sequence_parallel or t.tp > 1, "train.sequence_parallel", "needs topology.tp > 1")
+    dp = t.n_trainers // (t.tp * t.pp)
+    _check(tr.batch_prompts * r.group_size >= tr.ppo_minibatches * dp, "train.ppo_minibatches",
+           f"{tr.batch_prompts * r.group_size} sequences per step cannot fill {tr.ppo_minibatches} "
+           f"minibatches on each of {dp} data-parallel ranks")
+    _check(tr.min_lr <= tr.lr, "train.min_lr", f"must be <= train.lr = {tr.lr}, got {tr.min_lr}")
+    decay = tr.lr_decay_steps if tr.lr_decay_steps is not None else tr.total_steps * tr.ppo_minibatches
+    _check(decay > tr.lr_warmup_steps, "train.lr_decay_steps",
+           f"must exceed lr_warmup_steps = {tr.lr_warmup_steps} (got {decay} optimizer steps)")
+    check_signals(cfg.checkpoint.signals)
+    check_template(cfg.data.prompt_template, cfg.data.kind)
