@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from .memory import (  # noqa: F401  (the API of `areal_hpc.plan` before the package split)
     Arch, Plan, RankEstimate, Term, check_fits, estimate, generator_estimate,
-    kv_bytes_per_token, layer_activation_bytes, mask_score_bytes, model_config_path, parse_mem,
-    read_arch, render, trainer_estimates, varlen_kernel)
+    kv_bytes_per_token, layer_activation_bytes, mask_score_bytes, model_config_path,
+    read_arch, trainer_estimates, varlen_kernel)
+from .memory_cli import parse_mem, render  # noqa: F401
 
 
 def __getattr__(name: str):

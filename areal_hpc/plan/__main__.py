@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import budget, memory, throughput_cli
+from . import budget, memory_cli, throughput_cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m areal_hpc.plan",
                                  description="memory and throughput models of a run")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    memory.add_memory_parser(sub)
+    memory_cli.add_memory_parser(sub)
     throughput_cli.add_parser(sub)
     budget.add_time_parser(sub)
     from ..launch import placement
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console(width=max(Console().width, 120))
     if args.cmd == "memory":
-        return memory.memory_command(args, console)
+        return memory_cli.memory_command(args, console)
     if args.cmd == "time":
         return budget.time_command(args, console)
     if args.cmd == "placement":
