@@ -97,7 +97,8 @@ def seeds_cost(args) -> None:
     from transformers import AutoTokenizer
 
     from areal_hpc.data.jsonl import load_jsonl
-    from areal_hpc.rollout.vllm_engine import VLLMEngine, group_seed
+    from areal_hpc.rollout.seeds import group_seed
+    from areal_hpc.rollout.vllm_engine import VLLMEngine
 
     tok = AutoTokenizer.from_pretrained(args.model)
     rows = load_jsonl(f"{args.model}/train.jsonl")[: args.prompts]
@@ -177,7 +178,8 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     from areal_hpc.data.jsonl import load_jsonl
-    from areal_hpc.rollout.vllm_engine import VLLMEngine, group_seed
+    from areal_hpc.rollout.seeds import group_seed
+    from areal_hpc.rollout.vllm_engine import VLLMEngine
 
     tok = AutoTokenizer.from_pretrained(args.model)
     rows = load_jsonl(f"{args.model}/train.jsonl")[: args.prompts]

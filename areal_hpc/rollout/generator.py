@@ -20,7 +20,7 @@
         engine, so scoring overlaps generation); send each group once all its samples are scored
 
 Sampling seeds (rollout.per_request_seeds): every sample is generated under its own seed
-(`vllm_engine.sample_seed`: from train.seed, the prompt's id and the sample's index; held-out
+(`seeds.sample_seed`: from train.seed, the prompt's id and the sample's index; held-out
 prompts apart), recorded with it in the rollout log, so which tokens it draws does not depend
 on the batch around it. In rollout.mode sync the scored groups also go to the controller in
 the order their prompts came (a group waits for the ones before it; the trainer waits for the
@@ -46,7 +46,8 @@ from ..transport import messages as msgs
 from ..transport.mpi import Channel
 from .gen_clock import GenClock
 from .liveness import ControllerWatch, Pacer
-from .vllm_engine import FinishedSample, VLLMEngine, engine_options, group_seed
+from .seeds import group_seed
+from .vllm_engine import FinishedSample, VLLMEngine, engine_options
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ Layout (flat token arrays + end offsets; vlen data is not SWMR-safe):
                            a reward, UTF-8, cut to REWARD_ERROR_BYTES; empty = no error;
                            schema 2 on, absent in schema-1 files, where it reads as empty),
                            seed i8 (the sample's per-request sampling seed,
-                           rollout/vllm_engine.py: sample_seed; a continued sample's
+                           rollout/seeds.py: sample_seed; a continued sample's
                            continuations draw from continuation_seed(seed, tokens so far);
                            NO_SEED = the engine's shared stream; absent in files written
                            before it, where it reads as NO_SEED)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from areal_hpc.config import RunConfig
+from areal_hpc.rollout import seeds
 from areal_hpc.rollout import vllm_engine as ve
 
 from .test_vllm_engine import DTYPE, LONG_PROMPT, make_tiny_model, run_to_completion
@@ -14,19 +15,19 @@ from .test_vllm_engine import DTYPE, LONG_PROMPT, make_tiny_model, run_to_comple
 # ------------------------------------------------------------ no engine needed
 
 def test_seeds_are_stable_distinct_and_in_range():
-    s = [ve.sample_seed(1, "train", 7, i) for i in range(8)]
-    assert s == [ve.group_seed(1, "train", 7) + i for i in range(8)]
-    assert len(set(s)) == 8 and all(0 <= x < 2**ve.SEED_BITS for x in s)
+    s = [seeds.sample_seed(1, "train", 7, i) for i in range(8)]
+    assert s == [seeds.group_seed(1, "train", 7) + i for i in range(8)]
+    assert len(set(s)) == 8 and all(0 <= x < 2**seeds.SEED_BITS for x in s)
     # the same on every machine and in every run (BLAKE2b of the integers, no Python hash())
-    assert ve.group_seed(1, "train", 7) == 39402515065201290
-    assert ve.group_seed(1, "train", 7) != ve.group_seed(2, "train", 7)      # run seed
-    assert ve.group_seed(1, "train", 7) != ve.group_seed(1, "train", 8)      # prompt
-    assert ve.group_seed(1, "train", 7) != ve.group_seed(1, "eval", 7)       # held-out apart
-    groups = {ve.group_seed(1, "train", p) for p in range(10_000)}
+    assert seeds.group_seed(1, "train", 7) == 39402515065201290
+    assert seeds.group_seed(1, "train", 7) != seeds.group_seed(2, "train", 7)      # run seed
+    assert seeds.group_seed(1, "train", 7) != seeds.group_seed(1, "train", 8)      # prompt
+    assert seeds.group_seed(1, "train", 7) != seeds.group_seed(1, "eval", 7)       # held-out apart
+    groups = {seeds.group_seed(1, "train", p) for p in range(10_000)}
     assert len(groups) == 10_000 and max(groups) < 2**61
-    assert ve.continuation_seed(s[0], 0) == s[0]
-    cont = {ve.continuation_seed(s[0], k) for k in range(1, 50)}
-    assert len(cont) == 49 and s[0] not in cont and max(cont) < 2**ve.SEED_BITS
+    assert seeds.continuation_seed(s[0], 0) == s[0]
+    cont = {seeds.continuation_seed(s[0], k) for k in range(1, 50)}
+    assert len(cont) == 49 and s[0] not in cont and max(cont) < 2**seeds.SEED_BITS
 
 
 def test_sync_mode_sends_groups_in_prompt_order():
@@ -94,7 +95,7 @@ def test_a_preempted_sample_from_the_current_weights_is_generated_again():
 
     prompt = msgs.Prompt(7, [1, 2], 5, "math", "1", continued=(
         cont(0, [3, 3, 3]), cont(1, [2, 3]), cont(2, [3, 3], "stop"), cont(3, [])))
-    s0 = ve.group_seed(RunConfig().train.seed, "train", 7)
+    s0 = seeds.group_seed(RunConfig().train.seed, "train", 7)
     for seeded in (True, False):
         cfg = RunConfig()
         cfg.rollout.per_request_seeds = seeded
@@ -138,7 +139,7 @@ def test_a_seeded_sample_does_not_depend_on_its_batch(engine):
     """One group alone, then the same seeds with other requests decoding around them, split
     into one-sample requests submitted in another order: the same tokens and log-probabilities,
     bit for bit (vLLM's CPU kernels measured batch-invariant on this model)."""
-    prompt, max_new, s0 = list(range(60, 72)), 24, ve.group_seed(1, "train", 3)
+    prompt, max_new, s0 = list(range(60, 72)), 24, seeds.group_seed(1, "train", 3)
     engine.submit_group([f"a:{i}" for i in range(4)], prompt, max_new, 1.0, ignore_eos=True,
                         seeds=[s0 + i for i in range(4)])
     alone = run_to_completion(engine)
@@ -179,7 +180,7 @@ def test_a_continuation_repeats_given_where_it_was_cut(engine):
     """A sample cut after k tokens (a weight update, a preemption) goes on from
     continuation_seed(seed, k): continued twice from the same prefix, the same tokens; its seed
     stays the sample's own."""
-    prompt, max_new, seed = list(range(40, 50)), 30, ve.sample_seed(1, "train", 11, 1)
+    prompt, max_new, seed = list(range(40, 50)), 30, seeds.sample_seed(1, "train", 11, 1)
     engine.submit_group(["p:1"], prompt, max_new, 1.0, ignore_eos=True, seeds=[seed])
     while len(engine._requests["p:1"].tokens) < 4:
         assert not engine.step()
