@@ -26,6 +26,14 @@ import threading
 _watcher: subprocess.Popen | None = None
 
 
+# Environment a process launched by an MPI process manager (MPICH hydra, Intel MPI, Open MPI,
+# Slurm's PMI-2/PMIx plugins) uses to join the MPI job. Children that must not join it (the
+# rank's watcher, vLLM's engine processes) are started without it: an `import mpi4py.MPI` in a
+# child (e.g. via the re-imported `__main__` under spawn) would try to join the job as a
+# duplicate of the parent's rank.
+MPI_ENV_PREFIXES = ("PMI_", "PMIX_", "MPI", "HYDRA", "HYDI_", "OMPI_", "I_MPI_")
+
+
 def start(label: str = "", interval: float = 1.0) -> subprocess.Popen:
     """Watch this process's descendants from a separate process; idempotent. The watcher ends
     (killing what is left) when this process exits; nothing needs to be called at exit.
@@ -34,7 +42,6 @@ def start(label: str = "", interval: float = 1.0) -> subprocess.Popen:
     global _watcher
     if _watcher is None:
         import atexit
-        from .rollout.vllm_engine import MPI_ENV_PREFIXES   # the watcher must not join MPI
         env = {k: v for k, v in os.environ.items() if not k.startswith(MPI_ENV_PREFIXES)}
         _watcher = subprocess.Popen(
             [sys.executable, "-m", "areal_hpc.reaper", str(os.getpid()), str(interval),

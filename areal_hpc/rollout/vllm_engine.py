@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from areal_hpc.cpus import split_cpus
+from areal_hpc.reaper import MPI_ENV_PREFIXES   # vLLM's children drop them
 from areal_hpc.rollout.seeds import SEED_BITS, continuation_seed
 from areal_hpc.transport.weights import Bucket, WeightGroupAddress
 
@@ -64,11 +65,6 @@ logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION_CLS = "areal_hpc.rollout.vllm_ext.WeightSyncExtension"
 
-# Environment a process launched by an MPI process manager (MPICH hydra, Intel MPI, Open MPI,
-# Slurm's PMI-2/PMIx plugins) uses to join the MPI job. vLLM's children must not see it: an
-# `import mpi4py.MPI` in a child (e.g. via the re-imported `__main__` under spawn) would try to
-# join the job as a duplicate of the parent's rank.
-MPI_ENV_PREFIXES = ("PMI_", "PMIX_", "MPI", "HYDRA", "HYDI_", "OMPI_", "I_MPI_")
 
 @dataclass(slots=True)
 class FinishedSample:
