@@ -315,7 +315,8 @@ def ablation_table(records: list[dict]) -> str:
             ("ESS, last 10", lambda r: r.get("ess_last10", np.nan), "{:.3f}"),
             ("KL(π_behav‖π_θ) k3, last 10", lambda r: r.get("kl_behav_last10", np.nan), "{:.4f}"),
             ("cut at max_new_tokens, last 10", lambda r: r.get("truncated_frac_last10", np.nan), "{:.3f}"),
-            ("collapsed", lambda r: float(r.get("collapsed", False)), "{:.0f}"),
+            ("collapsed", lambda r: float(r.get("collapsed", False)),
+             lambda v: f"{sum(map(bool, v))} of {len(v)}"),
             ("wall s", lambda r: r["wall_s"], "{:.1f}")]
     lines = ["| η | π_prox / train.off_policy | seeds | " + " | ".join(c[0] for c in cols) + " |",
              "|---" * (len(cols) + 3) + "|"]
@@ -323,7 +324,8 @@ def ablation_table(records: list[dict]) -> str:
         rs = [r for r in records if r["setting"] == key and r.get("ok")]
         eta, prox = key[3:].split("-", 1)
         lines.append(f"| {eta} | {prox} | {len(rs)} | "
-                     + " | ".join(_ms([c[1](r) for r in rs], c[2]) for c in cols) + " |")
+                     + " | ".join(_ms(v, fmt) if isinstance(fmt, str) else fmt(v)
+                                  for _, get, fmt in cols for v in [[get(r) for r in rs]]) + " |")
     return "\n".join(lines)
 
 
