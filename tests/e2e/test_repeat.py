@@ -15,6 +15,7 @@ import json
 import signal
 
 import numpy as np
+import psutil
 from safetensors.numpy import load_file
 
 from areal_hpc.storage import checkpoint as ck
@@ -112,7 +113,14 @@ def _signal_mid_generation(jobs, run, proc, step: int) -> None:
     after the metrics line missed on a busy box: a step's generation takes about 0.6 s here,
     and the weight update before it varies by as much.)"""
     def engine_cores() -> list:
-        return [p for p in jobs.processes() if p.name().startswith("VLLM::EngineCore")]
+        found = []
+        for p in jobs.processes():
+            try:
+                if p.name().startswith("VLLM::EngineCore"):
+                    found.append(p)
+            except psutil.Error:        # a short-lived child ended between the scan and here
+                pass
+        return found
 
     assert step >= 1
     _wait_for(engine_cores, proc, poll=0.5)     # the engine and ranks are found before the clock

@@ -40,11 +40,12 @@ def netns_cluster():
         up = _sh(TOOL, "up", str(NODES), env=tool_env, timeout=900, check=False)
         assert up.returncode == 0, (up.stdout, up.stderr[-4000:])
         status = _sh(TOOL, "status", env=tool_env)
-    conf = re.search(r"export SLURM_CONF=(\S+)", status.stdout).group(1)
+    exports = dict(re.findall(r"^export (\w+)=(\S+)$", status.stdout, re.M))
+    assert "SLURM_CONF" in exports, status.stdout
     nodes = {m[0]: (int(m[1]), m[2]) for m in
              re.findall(r"^(node\d+): namespaces of pid (\d+), node\d+ ([\d.]+)/\d+$", status.stdout, re.M)}
     assert len(nodes) >= NODES, status.stdout
-    yield {"env": {**os.environ, "SLURM_CONF": conf}, "nodes": nodes}
+    yield {"env": {**os.environ, **exports}, "nodes": nodes}
     if started:
         _sh(TOOL, "down", env=tool_env, timeout=120, check=False)
 
