@@ -28,6 +28,13 @@ def _sh(*cmd, env=None, timeout=60, check=True) -> subprocess.CompletedProcess:
     return r
 
 
+def _client_env(status: str) -> dict:
+    """os.environ plus what tools/local_slurm.sh's `up` or `status` says a client exports."""
+    exports = dict(re.findall(r"^export (\w+)=(\S+)$", status, re.M))
+    assert "SLURM_CONF" in exports, status
+    return {**os.environ, **exports}
+
+
 @pytest.fixture(scope="session")
 def slurm_env():
     """The environment of a Slurm client (SLURM_CONF) for the project's local cluster, brought up
@@ -42,9 +49,7 @@ def slurm_env():
         up = _sh(tool, "up", timeout=900, check=False)
         assert up.returncode == 0, (up.stdout, up.stderr[-4000:])
         status = up
-    exports = dict(re.findall(r"^export (\w+)=(\S+)$", status.stdout, re.M))
-    assert "SLURM_CONF" in exports, status.stdout
-    yield {**os.environ, **exports}
+    yield _client_env(status.stdout)
     if started:
         _sh(tool, "down", timeout=120, check=False)
 

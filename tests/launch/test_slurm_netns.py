@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.test_slurm import SMALL, _model_args, _ranks_log_tail, _sh, _steps
+from tests.launch.test_slurm import SMALL, _client_env, _model_args, _ranks_log_tail, _sh, _steps
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = str(ROOT / "tools/local_slurm.sh")
@@ -40,12 +40,10 @@ def netns_cluster():
         up = _sh(TOOL, "up", str(NODES), env=tool_env, timeout=900, check=False)
         assert up.returncode == 0, (up.stdout, up.stderr[-4000:])
         status = _sh(TOOL, "status", env=tool_env)
-    exports = dict(re.findall(r"^export (\w+)=(\S+)$", status.stdout, re.M))
-    assert "SLURM_CONF" in exports, status.stdout
     nodes = {m[0]: (int(m[1]), m[2]) for m in
              re.findall(r"^(node\d+): namespaces of pid (\d+), node\d+ ([\d.]+)/\d+$", status.stdout, re.M)}
     assert len(nodes) >= NODES, status.stdout
-    yield {"env": {**os.environ, **exports}, "nodes": nodes}
+    yield {"env": _client_env(status.stdout), "nodes": nodes}
     if started:
         _sh(TOOL, "down", env=tool_env, timeout=120, check=False)
 
