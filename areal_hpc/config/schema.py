@@ -241,6 +241,14 @@ class TrainConfig:
     distributed_optimizer: bool = False
     seed: int = 1
 
+    @property
+    def prox_pass(self) -> bool:
+        """Whether a step runs a forward pass for π_prox (the actor, the step-time and memory
+        planners ask here). Not for prox loglinear or behaviour, not for naive PPO, and not with
+        one minibatch: there π_prox is the step's initial policy, whose log-probs the training
+        forward computes anyway (taken detached, they are the same numbers)."""
+        return self.prox == "recompute" and self.off_policy != "naive" and self.ppo_minibatches > 1
+
 
 @dataclass
 class WeightSyncConfig:

@@ -7,7 +7,8 @@ One `train_step` is one decoupled-PPO step on a batch (AReaL's `ppo_update`):
         (`shares.split_batch`; these two lines run once, on trainer rank 0, in the trainer)
     this rank's share of each minibatch into packed micro-batches (equal counts on every
         data-parallel rank)  (`train_share`, on every rank)
-    π_prox: one forward pass over all of them with the step's initial weights (recompute), or
+    π_prox: one forward pass over all of them with the step's initial weights (recompute; with
+        one minibatch no pass: the training forward's log-probs, detached, are those), or
         π_behav (behaviour), or AReaL's loglinear approximation inside the loss (loglinear)
     per minibatch: forward/backward over its micro-batches, one optimizer step, lr schedule step
 
@@ -318,6 +319,8 @@ class Actor:
         logprobs = self._token_logprobs(hidden, mb)
         if self.prox == "loglinear":
             prox = loglinear_prox_logprobs(mb.behav_logprobs, logprobs, mb.versions, version)
+        elif mb.prox_logprobs is None:     # recompute with one minibatch: the weights are π_prox's
+            prox = logprobs.detach()
         else:
             prox = mb.prox_logprobs
         loss, stats = decoupled_ppo_loss(
@@ -435,7 +438,9 @@ class Actor:
         # π_prox once, with the weights at the start of the step, before the first minibatch.
         t1 = time.perf_counter()
         all_mbs = [mb for minibatch in plan for mb in minibatch]
-        if self.prox == "recompute":
+        # One minibatch: π_prox is the initial policy the training forward computes; _ppo_loss
+        # takes its log-probs detached (prox_logprobs stays None).
+        if self.cfg.prox_pass:
             for mb, lp in zip(all_mbs, self._forward_logprobs(all_mbs, to_all_stages=False)):
                 mb.prox_logprobs = lp
         elif self.prox == "behaviour":

@@ -17,7 +17,11 @@ R32 = ROOT / "configs/qwen2_5_32b_math.yaml"
 
 # The small Qwen2 of test_plan.py (h 64, ffn 128, 2 layers, 4 heads of 16, 2 kv heads, vocab 128):
 # B 8 x n 4 = 32 sequences; prompt 256 - 128 = 128 tokens, output 128 / 2 = 64: s = 192.
-_small = small_config
+
+
+def _small(tmp_path, *extra):
+    """small_config with 4 minibatches: a step makes its π_prox pass (prox recompute)."""
+    return small_config(tmp_path, "train.ppo_minibatches=4", *extra)
 
 
 # By hand. Layer matmuls: qkv (4 + 2 * 2) * 16 = 128 outputs of 64 inputs + its bias, the output
@@ -39,6 +43,12 @@ def test_flops_by_hand(tmp_path):
     assert fl.prox == LAYERS_FWD + HEAD_FWD == 1_244_659_712
     assert fl.total == 5_012_193_280
     assert fl.attention == 4 * ATTN                       # 3 (train) + 1 (π_prox)
+    # no π_prox pass with one minibatch (the training forward's log-probs are π_prox's) nor for
+    # naive PPO (π_prox = π_behav)
+    for extra in (("train.ppo_minibatches=1",), ("train.off_policy=naive",)):
+        one = _small(tmp_path, *extra)
+        fl1 = budget.step_flops(one, plan.read_arch(one))
+        assert (fl1.prox, fl1.total, fl1.attention) == (0, 3 * LAYERS_FWD + 4 * HEAD_FWD, 3 * ATTN), extra
     # full recompute: one more forward of every layer; selective: of core attention only
     full = _small(tmp_path, "train.recompute_granularity=full", "train.recompute_method=uniform",
                   "train.recompute_num_layers=1")

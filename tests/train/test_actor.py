@@ -128,7 +128,8 @@ def test_prox_modes_agree_while_behaviour_is_current(megatron_ws1, model_dir):
     actors = {p: make_actor(model_dir, prox=p) for p in ("recompute", "loglinear", "behaviour")}
     seqs = batch(actors["recompute"], 7, [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0])
     first = {p: a.train_step(seqs, version=0) for p, a in actors.items()}
-    assert first["recompute"]["prox_seconds"] > 0 and first["loglinear"]["prox_seconds"] < 1e-3
+    # one minibatch: recompute needs no pass of its own (test_one_minibatch_needs_no_prox_pass)
+    assert first["recompute"]["prox_seconds"] < 1e-3 and first["loglinear"]["prox_seconds"] < 1e-3
     for p in ("loglinear", "behaviour"):
         assert first[p]["loss"] == first["recompute"]["loss"]
         assert first[p]["grad_norm"] == first["recompute"]["grad_norm"]
@@ -136,6 +137,27 @@ def test_prox_modes_agree_while_behaviour_is_current(megatron_ws1, model_dir):
     assert second["loglinear"]["loss"] == second["behaviour"]["loss"]
     assert second["recompute"]["ratio_mean"] == 1.0 and second["behaviour"]["ratio_mean"] != 1.0
     assert second["recompute"]["imp_weight_mean"] != 1.0 and second["behaviour"]["imp_weight_mean"] == 1.0
+
+
+def test_one_minibatch_needs_no_prox_pass(megatron_ws1, model_dir, monkeypatch):
+    """With one minibatch π_prox is the step's initial policy: the training forward's log-probs,
+    detached, are the π_prox pass's, bit for bit. Two steps (the second on data one version old,
+    π_behav shifted) equal a run that makes the pass, and skip its forward."""
+    rng = np.random.default_rng(4)
+    skip, ref = make_actor(model_dir, off_policy="trust_region"), make_actor(model_dir, off_policy="trust_region")
+    seqs = batch(skip, 5, [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0],
+                 [rng.normal(0, 0.5, 14).astype(np.float32)[:n] for n in
+                  (len(s["output_tokens"]) for s in make_seqs(seed=5))])
+    assert not skip.cfg.prox_pass and TrainConfig(ppo_minibatches=2).prox_pass
+    assert not TrainConfig(ppo_minibatches=2, off_policy="naive").prox_pass
+    got = [skip.train_step(seqs, version=v) for v in (0, 1)]
+    monkeypatch.setattr(TrainConfig, "prox_pass", property(lambda self: self.prox == "recompute"))
+    want = [ref.train_step(seqs, version=v) for v in (0, 1)]
+    for g, w in zip(got, want):
+        assert g["prox_seconds"] < 1e-3 < w["prox_seconds"]
+        for key in ("loss", "grad_norm", "ratio_mean", "imp_weight_mean", "tr_masked_frac", "kl_behav"):
+            assert g[key] == w[key], key
+    assert max_weight_diff(skip, ref) == 0.0
 
 
 def test_minibatches_share_one_prox_and_step_each(megatron_ws1, model_dir):
@@ -172,7 +194,7 @@ def test_off_policy_objectives_train_and_report_their_diagnostics(megatron_ws1, 
         stats[op] = make_actor(model_dir, off_policy=op, behav_kl_coef=0.01).train_step(seqs)
     ref = make_actor(model_dir, prox="behaviour", behav_kl_coef=0.01).train_step(seqs)
     assert stats["naive"]["loss"] == ref["loss"] and stats["naive"]["grad_norm"] == ref["grad_norm"]
-    assert stats["naive"]["prox_seconds"] < stats["decoupled"]["prox_seconds"]
+    assert stats["naive"]["prox_seconds"] < 1e-3    # no π_prox pass (nor, at 1 minibatch, any)
     assert stats["token_mask"]["dropped_frac"] > stats["decoupled"]["dropped_frac"]
     assert stats["seq_mask"]["seq_masked_frac"] > 0 and stats["decoupled"]["seq_masked_frac"] == 0
     assert stats["trust_region"]["tr_masked_frac"] > 0
