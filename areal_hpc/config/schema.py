@@ -242,12 +242,15 @@ class TrainConfig:
     seed: int = 1
 
     @property
-    def prox_pass(self) -> bool:
-        """Whether a step runs a forward pass for π_prox (the actor, the step-time and memory
-        planners ask here). Not for prox loglinear or behaviour, not for naive PPO, and not with
-        one minibatch: there π_prox is the step's initial policy, whose log-probs the training
-        forward computes anyway (taken detached, they are the same numbers)."""
-        return self.prox == "recompute" and self.off_policy != "naive" and self.ppo_minibatches > 1
+    def prox_pass_share(self) -> float:
+        """The share of a step's sequences that a forward pass for π_prox covers (the step-time
+        and memory planners ask here; `Actor.train_share` makes the pass): (k - 1) / k for
+        prox recompute with k minibatches. The first minibatch's training forward runs with
+        π_prox's weights (the step's initial ones), so its log-probs, detached, are π_prox's and
+        need no pass; with one minibatch there is none. 0 for loglinear, behaviour and naive PPO."""
+        if self.prox != "recompute" or self.off_policy == "naive":
+            return 0.0
+        return (self.ppo_minibatches - 1) / self.ppo_minibatches
 
 
 @dataclass

@@ -24,8 +24,8 @@ s = prompt + output tokens, T = n s tokens, N = n x output tokens:
   (its chunk is recomputed in backward);
 - activation recompute: full = one more forward of the recomputed layers (uniform: all; block:
   recompute_num_layers of each stage's layers), selective = one more forward of core attention;
-- π_prox (`TrainConfig.prox_pass`: recompute, more than one minibatch, not naive PPO): one more
-  forward of the layers and the output layer.
+- π_prox (prox recompute, k minibatches, not naive PPO): one more forward of the layers and the
+  output layer over all minibatches but the first (`TrainConfig.prox_pass_share`, (k - 1) / k).
 Seconds = FLOPs / (n_trainers x the GPU's dense bf16 peak x MFU). Every sequence has the same
 length (mean output `--out-len`, default max_new_tokens / 2, after a prompt of max_model_len -
 max_new_tokens tokens, the room the config leaves for it): with long-tailed lengths the attention
@@ -126,8 +126,8 @@ def step_flops(cfg: RunConfig, arch: Arch, out_len: float | None = None) -> Step
         recompute = recompute_attn = attn_fwd
     else:
         recompute = recompute_attn = 0.0
-    prox = layers_fwd + head_fwd if tr.prox_pass else 0.0
-    attention = 3 * attn_fwd + recompute_attn + (attn_fwd if prox else 0.0)
+    prox = (layers_fwd + head_fwd) * tr.prox_pass_share
+    attention = 3 * attn_fwd + recompute_attn + attn_fwd * tr.prox_pass_share
     return StepFlops(train=3 * layers_fwd + 4 * head_fwd, recompute=recompute, prox=prox,
                      attention=attention, tokens=tokens, out_tokens=out_tokens)
 

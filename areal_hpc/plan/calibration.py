@@ -104,7 +104,7 @@ def assumed_rates(cfg: RunConfig, lengths: "Lengths | None" = None) -> tuple[flo
     H100-class GPUs (the constants above); ConfigError when the model's config.json is unknown.
 
     train: FLOPs per trained token = 6 P (forward + backward) + 2 P with full recompute + 2 P
-    for the π_prox forward (`TrainConfig.prox_pass`), at TRAIN_MFU of every trainer GPU's peak.
+    for the π_prox forward over (k-1)/k of the tokens (`TrainConfig.prox_pass_share`), at TRAIN_MFU of every trainer GPU's peak.
     decode: one step of C sequences reads the bf16 weights once (2 P bytes) and every sequence's
     KV cache (2 layers kv_heads head_dim 2 bytes per token, at the mean context prompt + L/2),
     at DECODE_BW_EFFICIENCY of the engine's GPUs' bandwidth; C as the simulation's seq_limit.
@@ -120,7 +120,7 @@ def assumed_rates(cfg: RunConfig, lengths: "Lengths | None" = None) -> tuple[flo
                           "defaults)") from None
     p = float(arch.total_params)
     tr = cfg.train
-    flops = (6 + 2 * (tr.recompute_granularity == "full") + 2 * tr.prox_pass) * p
+    flops = (6 + 2 * (tr.recompute_granularity == "full") + 2 * tr.prox_pass_share) * p
     train_tok_s = cfg.topology.n_trainers * GPU_BF16_FLOPS * TRAIN_MFU / flops
     r = cfg.rollout
     c = max(1, min(math.ceil(r.max_concurrent_prompts * r.group_size / cfg.topology.n_generators),

@@ -50,7 +50,7 @@ The step's packed batch: every trainer rank packs its data-parallel share of the
 (all minibatches) onto the device before the first forward (`Actor._plan_step`): per token the
 ids and positions (int64, 16 B), per output token the output positions and targets (int64) and
 the behaviour log-probs and advantages (fp32): 24 B, + 8 B of versions (prox loglinear), + 4 B
-of π_prox log-probs on the last stage (`TrainConfig.prox_pass`); at full length (B x group_size
+of π_prox log-probs on the last stage for (k-1)/k of them (`TrainConfig.prox_pass_share`); at full length (B x group_size
 sequences of rollout.max_model_len tokens, max_new_tokens of them output, over dp): term
 "step batch (packed)".
 Working set on top of that (the largest of, at different times): the backward of one layer
@@ -364,7 +364,7 @@ def batch_bytes(cfg: RunConfig, last_stage: bool) -> float:
     t, r, tr = cfg.topology, cfg.rollout, cfg.train
     dp = t.n_trainers // (t.tp * t.pp)
     seqs = tr.batch_prompts * r.group_size / dp
-    per_out = 24 + (8 if tr.prox == "loglinear" else 0) + (4 if tr.prox_pass and last_stage else 0)
+    per_out = 24 + (8 if tr.prox == "loglinear" else 0) + (4 * tr.prox_pass_share if last_stage else 0)
     return seqs * (16 * r.max_model_len + per_out * min(r.max_new_tokens, r.max_model_len))
 
 

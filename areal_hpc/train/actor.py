@@ -7,8 +7,8 @@ One `train_step` is one decoupled-PPO step on a batch (AReaL's `ppo_update`):
         (`shares.split_batch`; these two lines run once, on trainer rank 0, in the trainer)
     this rank's share of each minibatch into packed micro-batches (equal counts on every
         data-parallel rank)  (`train_share`, on every rank)
-    π_prox: one forward pass over all of them with the step's initial weights (recompute; with
-        one minibatch no pass: the training forward's log-probs, detached, are those), or
+    π_prox: one forward pass with the step's initial weights over all minibatches but the first,
+        whose training forward runs with those weights (recompute: its log-probs, detached), or
         π_behav (behaviour), or AReaL's loglinear approximation inside the loss (loglinear)
     per minibatch: forward/backward over its micro-batches, one optimizer step, lr schedule step
 
@@ -137,6 +137,9 @@ class Actor:
             raise ValueError(f"prox must be recompute, loglinear or behaviour, got {cfg.prox!r}")
         self.cfg = cfg
         self.off_policy = off_policy_of(cfg)
+        # The first minibatch's π_prox from its training forward (True) or from the pass, as the
+        # others' (False: the tests' reference).
+        self.prox_from_training_forward = True
         # Where π_prox comes from: naive PPO clips against π_behav itself.
         self.prox = "behaviour" if cfg.off_policy == "naive" else cfg.prox
         self.model_dir = model_dir
@@ -435,14 +438,18 @@ class Actor:
                 snapshot.restore(self)
                 raise StepAbandoned(0, len(plan))
 
-        # π_prox once, with the weights at the start of the step, before the first minibatch.
+        # π_prox: the weights at the start of the step. The first minibatch's training forward
+        # runs with them, so _ppo_loss takes its log-probs detached (prox_logprobs stays None);
+        # the later minibatches' come from one forward pass before the first optimizer step
+        # (TrainConfig.prox_pass_share is this rule for the planners).
         t1 = time.perf_counter()
         all_mbs = [mb for minibatch in plan for mb in minibatch]
-        # One minibatch: π_prox is the initial policy the training forward computes; _ppo_loss
-        # takes its log-probs detached (prox_logprobs stays None).
-        if self.cfg.prox_pass:
-            for mb, lp in zip(all_mbs, self._forward_logprobs(all_mbs, to_all_stages=False)):
-                mb.prox_logprobs = lp
+        if self.prox == "recompute":
+            later = all_mbs if not self.prox_from_training_forward else \
+                [mb for minibatch in plan[1:] for mb in minibatch]
+            if later:
+                for mb, lp in zip(later, self._forward_logprobs(later, to_all_stages=False)):
+                    mb.prox_logprobs = lp
         elif self.prox == "behaviour":
             for mb in all_mbs:
                 mb.prox_logprobs = mb.behav_logprobs

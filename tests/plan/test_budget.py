@@ -40,9 +40,10 @@ def test_flops_by_hand(tmp_path):
     assert (fl.tokens, fl.out_tokens) == (T, N)
     assert fl.train == 3 * LAYERS_FWD + 4 * HEAD_FWD == 3_767_533_568
     assert fl.recompute == 0
-    assert fl.prox == LAYERS_FWD + HEAD_FWD == 1_244_659_712
-    assert fl.total == 5_012_193_280
-    assert fl.attention == 4 * ATTN                       # 3 (train) + 1 (π_prox)
+    # π_prox: a forward over 3 of the 4 minibatches (the first one's is its training forward)
+    assert fl.prox == 0.75 * (LAYERS_FWD + HEAD_FWD) == 933_494_784
+    assert fl.total == 4_701_028_352
+    assert fl.attention == 3.75 * ATTN                    # 3 (train) + 3/4 (π_prox)
     # no π_prox pass with one minibatch (the training forward's log-probs are π_prox's) nor for
     # naive PPO (π_prox = π_behav)
     for extra in (("train.ppo_minibatches=1",), ("train.off_policy=naive",)):
@@ -52,7 +53,7 @@ def test_flops_by_hand(tmp_path):
     # full recompute: one more forward of every layer; selective: of core attention only
     full = _small(tmp_path, "train.recompute_granularity=full", "train.recompute_method=uniform",
                   "train.recompute_num_layers=1")
-    assert budget.step_flops(full, plan.read_arch(full)).total == 5_012_193_280 + LAYERS_FWD == 6_223_298_560
+    assert budget.step_flops(full, plan.read_arch(full)).total == 4_701_028_352 + LAYERS_FWD == 5_912_133_632
     sel = _small(tmp_path, "train.recompute_granularity=selective", "train.prox=loglinear")
     fl = budget.step_flops(sel, plan.read_arch(sel))
     assert (fl.prox, fl.recompute, fl.total) == (0, ATTN, 3 * LAYERS_FWD + 4 * HEAD_FWD + ATTN)
@@ -70,14 +71,14 @@ def test_seconds_at_the_stated_mfu(tmp_path):
                  "topology.gpu=a100", "model.dtype=bfloat16")
     est = budget.estimate_time(cfg, gen_tok_s=1000.0)
     assert est.gpu.bf16_flops == 312e12
-    assert est.train_s == pytest.approx(5_012_193_280 / (2 * 312e12 * 0.5), rel=1e-12)
+    assert est.train_s == pytest.approx(4_701_028_352 / (2 * 312e12 * 0.5), rel=1e-12)
     p = 2 * 128 * 64 + 2 * LAYER + 2 * 2 * 64 + 64           # embedding, output layer, layers + norms, final norm
     assert est.update_s == pytest.approx(2 * p / 20e9 + 2.0)  # throughput.py's broadcast constants
     assert est.ckpt_bytes == 14 * p and est.ckpt_s == pytest.approx(2 * 14 * p / 5e9)
     assert est.gen_s == pytest.approx(N / (1 * 1000.0))
     # the CLI flags win over the config's keys
     h = budget.estimate_time(cfg, gpu="H100", mfu=0.25, gen_tok_s=1000.0)
-    assert h.train_s == pytest.approx(5_012_193_280 / (2 * 989e12 * 0.25), rel=1e-12)
+    assert h.train_s == pytest.approx(4_701_028_352 / (2 * 989e12 * 0.25), rel=1e-12)
     with pytest.raises(ConfigError, match="'topology.gpu': unknown GPU 'v100'"):
         budget.estimate_time(_small(tmp_path, "topology.gpu=v100"))
 
@@ -115,14 +116,14 @@ def test_32b_step_cannot_fit_the_scripts_lead_and_is_refused_naming_the_keys():
                     "checkpoint.every_steps=2"])
     got, warn = _lines()
     assert budget.check_time(ok, env={}, warn=warn) is not None and got == []
-    # ten 2.2-hour steps between checkpoints in a 20-hour attempt: no timed checkpoint ever, refused
+    # ten 2.1-hour steps between checkpoints in a 20-hour attempt: no timed checkpoint ever, refused
     slow = load(R32, ["topology.gpu=h100", "checkpoint.signal_lead_s=9000", "checkpoint.time_limit_s=72000",
                       "checkpoint.every_steps=10"])
     with pytest.raises(ConfigError) as err:
         budget.check_time(slow, env={}, warn=warn)
     line = str(err.value)
     assert "\n" not in line and line.startswith("checkpoint.every_steps=10: 10 steps take ")
-    assert "more than the time limit" in line and "lower checkpoint.every_steps to <= 8" in line
+    assert "more than the time limit" in line and "lower checkpoint.every_steps to <= 9" in line
     # five of them: over half the attempt, a warning
     half = load(R32, ["topology.gpu=h100", "checkpoint.signal_lead_s=9000", "checkpoint.time_limit_s=72000",
                       "checkpoint.every_steps=5"])

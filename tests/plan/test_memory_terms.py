@@ -29,15 +29,16 @@ def small_config(tmp_path, *extra):
 def test_step_batch_is_the_ranks_share_of_the_packed_step(tmp_path):
     # 32 sequences of 256 tokens (128 output): ids + positions 16 B a token; out positions,
     # targets, behaviour log-probs, advantages 24 B an output token, + π_prox 4 B on the last stage
-    # (with more than one minibatch: one alone needs no π_prox pass, TrainConfig.prox_pass)
+    # for 3 of 4 minibatches (the first one's come from its training forward,
+    # TrainConfig.prox_pass_share); with one minibatch, none
     mb4 = "train.ppo_minibatches=4"
     st = plan.estimate(small_config(tmp_path, mb4)).trainer[0]
-    assert st.term("step batch (packed)").bytes == 32 * (16 * 256 + 28 * 128) == 245_760
+    assert st.term("step batch (packed)").bytes == 32 * (16 * 256 + 27 * 128) == 241_664
     one = plan.estimate(small_config(tmp_path)).trainer[0]
     assert one.term("step batch (packed)").bytes == 32 * (16 * 256 + 24 * 128)
     two = plan.estimate(small_config(tmp_path, mb4, "topology.pp=2", "topology.n_trainers=4")).trainer  # dp 2
     assert [s.term("step batch (packed)").bytes for s in two] == [16 * (16 * 256 + 24 * 128),
-                                                                  16 * (16 * 256 + 28 * 128)]
+                                                                  16 * (16 * 256 + 27 * 128)]
     ll = plan.estimate(small_config(tmp_path, "train.prox=loglinear")).trainer[0]           # + versions
     assert ll.term("step batch (packed)").bytes == 32 * (16 * 256 + 32 * 128)
 

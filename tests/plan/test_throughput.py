@@ -180,7 +180,8 @@ def test_assumed_rates_follow_the_stated_roofline():
     gen, train, update, c_half = assumed_rates(cfg, lengths)
     arch = read_arch(cfg)
     p = arch.total_params
-    per_token = (6 + 2 * (cfg.train.recompute_granularity == "full") + 2 * (cfg.train.prox == "recompute")) * p
+    per_token = (6 + 2 * (cfg.train.recompute_granularity == "full") + 2 * 3 / 4) * p
+    assert cfg.train.prox == "recompute" and cfg.train.ppo_minibatches == 4    # π_prox over 3 of 4
     assert train == pytest.approx(cfg.topology.n_trainers * T.GPU_BF16_FLOPS * T.TRAIN_MFU / per_token)
     assert update == pytest.approx(2 * p / T.WEIGHT_BCAST_BYTES_S + T.UPDATE_FIXED_S)
     kv = 2 * arch.layers * arch.kv_heads * arch.head_dim * 2

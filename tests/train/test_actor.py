@@ -128,7 +128,7 @@ def test_prox_modes_agree_while_behaviour_is_current(megatron_ws1, model_dir):
     actors = {p: make_actor(model_dir, prox=p) for p in ("recompute", "loglinear", "behaviour")}
     seqs = batch(actors["recompute"], 7, [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0])
     first = {p: a.train_step(seqs, version=0) for p, a in actors.items()}
-    # one minibatch: recompute needs no pass of its own (test_one_minibatch_needs_no_prox_pass)
+    # one minibatch: recompute needs no pass of its own (test_first_minibatch_needs_no_prox_pass)
     assert first["recompute"]["prox_seconds"] < 1e-3 and first["loglinear"]["prox_seconds"] < 1e-3
     for p in ("loglinear", "behaviour"):
         assert first[p]["loss"] == first["recompute"]["loss"]
@@ -139,25 +139,39 @@ def test_prox_modes_agree_while_behaviour_is_current(megatron_ws1, model_dir):
     assert second["recompute"]["imp_weight_mean"] != 1.0 and second["behaviour"]["imp_weight_mean"] == 1.0
 
 
-def test_one_minibatch_needs_no_prox_pass(megatron_ws1, model_dir, monkeypatch):
-    """With one minibatch π_prox is the step's initial policy: the training forward's log-probs,
-    detached, are the π_prox pass's, bit for bit. Two steps (the second on data one version old,
-    π_behav shifted) equal a run that makes the pass, and skip its forward."""
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_first_minibatch_needs_no_prox_pass(megatron_ws1, model_dir, minibatches):
+    """The first minibatch's training forward runs with π_prox's weights (the step's initial
+    ones): its log-probs, detached, are the π_prox pass's, bit for bit. Two steps (the second on
+    data one version old, π_behav shifted) equal an actor that passes over every minibatch,
+    while the pass covers only the later minibatches (none with one)."""
     rng = np.random.default_rng(4)
-    skip, ref = make_actor(model_dir, off_policy="trust_region"), make_actor(model_dir, off_policy="trust_region")
+    kw = dict(off_policy="trust_region", ppo_minibatches=minibatches)
+    skip, ref = make_actor(model_dir, **kw), make_actor(model_dir, **kw)
+    ref.prox_from_training_forward = False
+    passed = {}
+    for name, actor in (("skip", skip), ("ref", ref)):
+        def counted(mbs, to_all_stages, _name=name, _fwd=actor._forward_logprobs):
+            passed[_name] = passed.get(_name, 0) + len(mbs)
+            return _fwd(mbs, to_all_stages=to_all_stages)
+        actor._forward_logprobs = counted
+    lens = [len(s["output_tokens"]) for s in make_seqs(seed=5)]
     seqs = batch(skip, 5, [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0],
-                 [rng.normal(0, 0.5, 14).astype(np.float32)[:n] for n in
-                  (len(s["output_tokens"]) for s in make_seqs(seed=5))])
-    assert not skip.cfg.prox_pass and TrainConfig(ppo_minibatches=2).prox_pass
-    assert not TrainConfig(ppo_minibatches=2, off_policy="naive").prox_pass
+                 [rng.normal(0, 0.5, n).astype(np.float32) for n in lens])
+    passed.clear()
     got = [skip.train_step(seqs, version=v) for v in (0, 1)]
-    monkeypatch.setattr(TrainConfig, "prox_pass", property(lambda self: self.prox == "recompute"))
     want = [ref.train_step(seqs, version=v) for v in (0, 1)]
     for g, w in zip(got, want):
-        assert g["prox_seconds"] < 1e-3 < w["prox_seconds"]
         for key in ("loss", "grad_norm", "ratio_mean", "imp_weight_mean", "tr_masked_frac", "kl_behav"):
             assert g[key] == w[key], key
     assert max_weight_diff(skip, ref) == 0.0
+    n_mbs = 2 * want[0]["n_micro_batches"]
+    assert passed["ref"] == n_mbs and passed.get("skip", 0) < n_mbs
+    if minibatches == 1:
+        assert "skip" not in passed and got[0]["prox_seconds"] < 1e-3
+    assert TrainConfig(ppo_minibatches=minibatches).prox_pass_share == (minibatches - 1) / minibatches
+    assert TrainConfig(ppo_minibatches=4, off_policy="naive").prox_pass_share == 0
+    assert TrainConfig(ppo_minibatches=4, prox="loglinear").prox_pass_share == 0
 
 
 def test_minibatches_share_one_prox_and_step_each(megatron_ws1, model_dir):
