@@ -104,7 +104,8 @@ def assumed_rates(cfg: RunConfig, lengths: "Lengths | None" = None) -> tuple[flo
     H100-class GPUs (the constants above); ConfigError when the model's config.json is unknown.
 
     train: FLOPs per trained token = 6 P (forward + backward) + 2 P with full recompute + 2 P
-    for the π_prox forward over (k-1)/k of the tokens (`TrainConfig.prox_pass_share`), at TRAIN_MFU of every trainer GPU's peak.
+    times the share of the tokens the π_prox forward covers (`TrainConfig.prox_pass_share`),
+    at TRAIN_MFU of every trainer GPU's peak.
     decode: one step of C sequences reads the bf16 weights once (2 P bytes) and every sequence's
     KV cache (2 layers kv_heads head_dim 2 bytes per token, at the mean context prompt + L/2),
     at DECODE_BW_EFFICIENCY of the engine's GPUs' bandwidth; C as the simulation's seq_limit.

@@ -192,6 +192,22 @@ def test_minibatches_share_one_prox_and_step_each(megatron_ws1, model_dir):
     assert max_weight_diff(two, ref) < WEIGHT_ATOL
 
 
+def test_objectives_coincide_on_policy(megatron_ws1, model_dir):
+    """η = 0 (π_behav is the step's initial policy): naive PPO, decoupled and trust_region make
+    the same update, bit for bit, with 4 minibatches (the later ones' ratios have moved, so the
+    clips fire); trust_region's band gives no weight exactly to the tokens the clip stops. Their
+    reported losses differ (a stopped token keeps its constant clipped term in PPO's loss)."""
+    actors = {op: make_actor(model_dir, off_policy=op, ppo_minibatches=4)
+              for op in ("naive", "decoupled", "trust_region")}
+    seqs = batch(actors["naive"], 11, [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0])
+    stats = {op: a.train_step(seqs) for op, a in actors.items()}
+    assert stats["naive"]["clip_frac"] > 0
+    assert stats["trust_region"]["tr_masked_frac"] == stats["trust_region"]["clip_frac"]
+    for op in ("decoupled", "trust_region"):
+        assert stats[op]["grad_norm"] == stats["naive"]["grad_norm"], op
+        assert max_weight_diff(actors[op], actors["naive"]) == 0.0, op
+
+
 def test_off_policy_objectives_train_and_report_their_diagnostics(megatron_ws1, model_dir):
     """Every `train.off_policy` through the actor on stale data (π_behav shifted from the
     policy): naive equals prox=behaviour exactly and skips the π_prox pass; the masks report
