@@ -322,7 +322,7 @@ class Actor:
         logprobs = self._token_logprobs(hidden, mb)
         if self.prox == "loglinear":
             prox = loglinear_prox_logprobs(mb.behav_logprobs, logprobs, mb.versions, version)
-        elif mb.prox_logprobs is None:     # recompute with one minibatch: the weights are π_prox's
+        elif mb.prox_logprobs is None:     # recompute, first minibatch: the weights are π_prox's
             prox = logprobs.detach()
         else:
             prox = mb.prox_logprobs

@@ -40,7 +40,7 @@ class MicroBatch:
     behav_logprobs: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     versions: torch.Tensor | None = None  # int64, loglinear π_prox only
-    prox_logprobs: torch.Tensor | None = None  # set on the last stage before the first minibatch
+    prox_logprobs: torch.Tensor | None = None  # last stage, minibatches 2..k (recompute) or π_behav
 
     @property
     def n_tokens(self) -> int:
