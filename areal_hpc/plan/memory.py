@@ -50,9 +50,9 @@ The step's packed batch: every trainer rank packs its data-parallel share of the
 (all minibatches) onto the device before the first forward (`Actor._plan_step`): per token the
 ids and positions (int64, 16 B), per output token the output positions and targets (int64) and
 the behaviour log-probs and advantages (fp32): 24 B, + 8 B of versions (prox loglinear), + 4 B
-of π_prox log-probs on the last stage for (k-1)/k of them (`TrainConfig.prox_pass_share`); at full length (B x group_size
-sequences of rollout.max_model_len tokens, max_new_tokens of them output, over dp): term
-"step batch (packed)".
+of π_prox log-probs on the last stage for (k-1)/k of them (`TrainConfig.prox_pass_share`); at
+full length (B x group_size sequences of rollout.max_model_len tokens, max_new_tokens of them
+output, over dp): term "step batch (packed)".
 Working set on top of that (the largest of, at different times): the backward of one layer
 (`BWD_FFN * ffn / T + BWD_H * h / P` values of b bytes per token, the largest weight gradient,
 the chunk recomputed under full recompute); the chunked log-probs (last stage,

@@ -137,9 +137,6 @@ class Actor:
             raise ValueError(f"prox must be recompute, loglinear or behaviour, got {cfg.prox!r}")
         self.cfg = cfg
         self.off_policy = off_policy_of(cfg)
-        # The first minibatch's π_prox from its training forward (True) or from the pass, as the
-        # others' (False: the tests' reference).
-        self.prox_from_training_forward = True
         # Where π_prox comes from: naive PPO clips against π_behav itself.
         self.prox = "behaviour" if cfg.off_policy == "naive" else cfg.prox
         self.model_dir = model_dir
@@ -318,6 +315,15 @@ class Actor:
 
     # ---------------------------------------------------------------- train
 
+    @staticmethod
+    def _prox_pass(plan: list[list[MicroBatch]]) -> list[MicroBatch]:
+        """The micro-batches whose π_prox (recompute) needs a forward pass before the first
+        optimizer step: every minibatch's but the first's. The first minibatch's training forward
+        runs with the step's initial weights, so `_ppo_loss` takes its log-probs, detached
+        (its prox_logprobs stay None). `TrainConfig.prox_pass_share` is this rule for the
+        planners."""
+        return [mb for minibatch in plan[1:] for mb in minibatch]
+
     def _ppo_loss(self, version: int, mb: MicroBatch, hidden: torch.Tensor):
         logprobs = self._token_logprobs(hidden, mb)
         if self.prox == "loglinear":
@@ -438,18 +444,12 @@ class Actor:
                 snapshot.restore(self)
                 raise StepAbandoned(0, len(plan))
 
-        # π_prox: the weights at the start of the step. The first minibatch's training forward
-        # runs with them, so _ppo_loss takes its log-probs detached (prox_logprobs stays None);
-        # the later minibatches' come from one forward pass before the first optimizer step
-        # (TrainConfig.prox_pass_share is this rule for the planners).
+        # π_prox once, with the weights at the start of the step, before the first minibatch.
         t1 = time.perf_counter()
         all_mbs = [mb for minibatch in plan for mb in minibatch]
-        if self.prox == "recompute":
-            later = all_mbs if not self.prox_from_training_forward else \
-                [mb for minibatch in plan[1:] for mb in minibatch]
-            if later:
-                for mb, lp in zip(later, self._forward_logprobs(later, to_all_stages=False)):
-                    mb.prox_logprobs = lp
+        if self.prox == "recompute" and (passed := self._prox_pass(plan)):
+            for mb, lp in zip(passed, self._forward_logprobs(passed, to_all_stages=False)):
+                mb.prox_logprobs = lp
         elif self.prox == "behaviour":
             for mb in all_mbs:
                 mb.prox_logprobs = mb.behav_logprobs

@@ -15,12 +15,12 @@ from tests.plan.test_memory_terms import small_config
 ROOT = Path(__file__).resolve().parents[2]
 R32 = ROOT / "configs/qwen2_5_32b_math.yaml"
 
-# The small Qwen2 of test_plan.py (h 64, ffn 128, 2 layers, 4 heads of 16, 2 kv heads, vocab 128):
-# B 8 x n 4 = 32 sequences; prompt 256 - 128 = 128 tokens, output 128 / 2 = 64: s = 192.
 
 
 def _small(tmp_path, *extra):
-    """small_config with 4 minibatches: a step makes its π_prox pass (prox recompute)."""
+    """The small Qwen2 of test_plan.py (h 64, ffn 128, 2 layers, 4 heads of 16, 2 kv heads,
+    vocab 128): B 8 x n 4 = 32 sequences; prompt 256 - 128 = 128 tokens, output 128 / 2 = 64:
+    s = 192; 4 minibatches, so a step makes its π_prox pass (prox recompute)."""
     return small_config(tmp_path, "train.ppo_minibatches=4", *extra)
 
 
