@@ -16,7 +16,6 @@ ROOT = Path(__file__).resolve().parents[2]
 R32 = ROOT / "configs/qwen2_5_32b_math.yaml"
 
 
-
 def _small(tmp_path, *extra):
     """The small Qwen2 of test_plan.py (h 64, ffn 128, 2 layers, 4 heads of 16, 2 kv heads,
     vocab 128): B 8 x n 4 = 32 sequences; prompt 256 - 128 = 128 tokens, output 128 / 2 = 64:
