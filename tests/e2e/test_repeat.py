@@ -194,7 +194,9 @@ def test_sync_run_repeats_and_a_preempted_one_equals_it(jobs, tiny_model, tmp_pa
         cut = [i for i, p in partial.items() if p[5] == "abort" and 0 < len(p[2]) < LONG_TOKENS]
         if cut:
             break
-        assert not partial and "preempted with 0 group(s) in flight" in out, (partial, out[-4000:])
+        # a miss cut nothing: no group in flight, or only samples without a token yet
+        assert all(len(p[2]) == 0 for p in partial.values()), (partial, out[-4000:])
+        assert partial or "preempted with 0 group(s) in flight" in out, out[-4000:]
     assert cut, f"no sample was mid-generation at the preemption in {attempt + 1} tries"
     ctrl = ck.read_state(ck.find_latest(run)[0] / ck.STATE)["controller"]
     referenced = {r for first, n in zip(ctrl.partial_first_row, ctrl.partial_rows)
