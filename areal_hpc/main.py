@@ -25,7 +25,7 @@ def _parse(argv):
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    from .config import ConfigError, to_yaml
+    from .config import ConfigError
     from .preflight import rank as preflight
     rank_env = (os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK")
                 or os.environ.get("SLURM_PROCID") or "0")
@@ -58,8 +58,7 @@ def main(argv=None) -> int:
 
     from mpi4py import MPI
 
-    from . import preemption, reaper
-    from .topology import TRAINER, Topology
+    from .topology import CONTROLLER_RANK, Topology
     from .transport import mpi as coll
     coll.set_default_timeout(cfg.rollout.collective_timeout_s)     # bounds every MPI collective
     world = MPI.COMM_WORLD
@@ -72,6 +71,30 @@ def main(argv=None) -> int:
         if world.Get_rank() == 0:
             print(f"error: {exc}", file=sys.stderr)
         return 2
+    # Trainer rank 0's sign of life: the waits for its work (the first batch after the initial
+    # evaluation, the final checkpoint) are bounded by it, not by a number of seconds.
+    from .transport.beacon import Beacon
+    beacon = Beacon(world, CONTROLLER_RANK, topo.hosts, cfg.rollout.heartbeat_s,
+                    cfg.rollout.generator_timeout_s)
+    topo.controller_alive = beacon.watch
+    try:
+        code, agreed = _run(cfg, topo, world, export_only)
+    finally:
+        beacon.stop()       # its thread makes MPI calls: stopped before MPI is finalized
+    if code and agreed:
+        # Every rank agreed on this code: finalize, or `python -m mpi4py` turns the non-zero
+        # exit into MPI_Abort and srun reports the step as killed (137) instead of 3.
+        MPI.Finalize()
+    return code
+
+
+def _run(cfg, topo, world, export_only: bool) -> tuple[int, bool]:
+    """This rank's part, once the world and the beacon are up: (exit code, whether every rank
+    reached the end with it; else a non-zero code aborts the job)."""
+    from . import preemption, reaper
+    from .config import to_yaml
+    from .topology import TRAINER
+    from .transport import mpi as coll
     # Every rank's GPUs (CUDA_VISIBLE_DEVICES narrowed to its own), cores and interface, checked
     # together on rank 0 before torch or vLLM touch a device: a wrong layout stops here.
     from .launch.placement import gather_and_check
@@ -82,14 +105,14 @@ def main(argv=None) -> int:
             print(f"error: placement: {problems[0]}" + (f" (and {len(problems) - 1} more; "
                   f"slurm/job.sh --dry-run prints the table)" if len(problems) > 1 else ""),
                   file=sys.stderr, flush=True)
-        return 2
+        return 2, False
     from .cpus import bind_rank, check_cpus, format_cpus
     try:
         check_cpus(cfg.topology)
         cpus = bind_rank(cfg.topology, topo.role, topo.local_rank, topo.local_size)
     except ValueError as exc:
         print(f"error: rank {world.Get_rank()} on {topo.hosts[world.Get_rank()]}: {exc}", file=sys.stderr)
-        return 2
+        return 2, False
     if cpus is not None:
         print(f"rank {world.Get_rank()} ({topo.role}): CPUs {format_cpus(cpus)}, {len(cpus)} "
               f"compute thread(s)", flush=True)
@@ -111,17 +134,15 @@ def main(argv=None) -> int:
     else:
         from .rollout.generator import run_generator
         code = run_generator(cfg, topo)
-    # Generators wait here for the trainer's final checkpoint: rollout.collective_timeout_s.
-    coll.barrier(world, what=f"end of job ({topo.role} rank {topo.role_rank} finished, code {code})")
+    # Every rank but trainer rank 0 waits here for its final evaluation, checkpoint and export:
+    # as long as rank 0 is alive (the beacon); rank 0 waits for the others within the bound.
+    coll.barrier(world, what=f"end of job ({topo.role} rank {topo.role_rank} finished, code {code})",
+                 alive=topo.controller_alive)
     if code == EXIT_PREEMPTED and world.Get_rank() == 0:
         print(f"run {cfg.name}: preempted; rerun the same command (or let Slurm requeue) to "
               f"resume from the newest checkpoint (or from the start if none was written)",
               flush=True)
-    if code:
-        # Every rank agreed on this code: finalize, or `python -m mpi4py` turns the non-zero
-        # exit into MPI_Abort and srun reports the step as killed (137) instead of 3.
-        MPI.Finalize()
-    return code
+    return code, True
 
 
 if __name__ == "__main__":

@@ -86,6 +86,9 @@ class Topology:
     engine_tp: int = 1          # vLLM workers per generator engine (rollout.engine_tp); each
                                 # joins the weight group
     local_size: int = 1         # ranks of this role on this node
+    # trainer rank 0's liveness on the other ranks (a transport.beacon.RankWatch; None on rank 0
+    # and without a beacon): bounds their waits for its work (areal_hpc.main starts the beacon)
+    controller_alive: Any = None
 
     @classmethod
     def build(cls, cfg: TopologyConfig, world, engine_tp: int = 1,

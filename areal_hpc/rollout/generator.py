@@ -130,7 +130,7 @@ class Generator:
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
         self.watch = ControllerWatch(self.cfg.rollout, self.cfg.weights, self.topo.rank,
-                                     self.topo.hosts)
+                                     self.topo.hosts, beacon=self.topo.controller_alive)
         running = True
         while running:
             self._tick()

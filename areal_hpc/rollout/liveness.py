@@ -116,10 +116,11 @@ class ControllerWatch:
     """
 
     def __init__(self, rollout, weights, rank: int, hosts: list[str],
-                 t_start: float | None = None):
+                 t_start: float | None = None, beacon=None):
         self.rollout, self.weights, self.rank, self.hosts = rollout, weights, rank, hosts
         self.t_start = time.monotonic() if t_start is None else t_start
         self.last_heard: float | None = None
+        self.beacon = beacon        # trainer rank 0's beacon (transport.beacon.RankWatch) or None
 
     @property
     def me(self) -> str:
@@ -130,10 +131,15 @@ class ControllerWatch:
 
     def check(self, now: float | None = None) -> None:
         """Raise `ControllerLostError` when the controller has sent nothing for
-        rollout.generator_timeout_s; before its first message the allowance is
-        weights.join_timeout_s (the trainer builds its model and may load a checkpoint first)."""
+        rollout.generator_timeout_s; before its first message, when its beacon has fallen
+        silent that long, or (no beat yet) after weights.join_timeout_s."""
         now = time.monotonic() if now is None else now
-        if self.last_heard is None:
+        beat = self.beacon.poll(now) if self.beacon is not None and self.last_heard is None else None
+        if self.last_heard is None and beat is not None:
+            # before its first message, trainer rank 0's beacon says it is alive (building the
+            # model, loading a checkpoint, the initial evaluation's set-up): silence counts from it
+            silent, bound, key = now - beat, self.rollout.generator_timeout_s, "rollout.generator_timeout_s"
+        elif self.last_heard is None:
             silent, bound, key = now - self.t_start, self.weights.join_timeout_s, "weights.join_timeout_s"
         else:
             silent, bound, key = (now - self.last_heard, self.rollout.generator_timeout_s,

@@ -94,6 +94,10 @@ class Trainer:
         """Checkpoint after `self.version` steps (collective over the trainer ranks)."""
         from ..config import to_yaml
         a = self.actor
+        # Rank 0 may come from hours of controller work (the final evaluation, the generators'
+        # last rows): the others wait for it as long as it is alive, then save together.
+        coll.barrier(self.topo.role_comm, what=f"the checkpoint of step {self.version} (trainer "
+                     f"rank 0 finishing its controller work)", alive=self.topo.controller_alive)
         t0 = time.monotonic()
         checkpoint.save(self.cfg.run_dir, self.version, model=a.model, optimizer=a.optimizer,
                         scheduler=a.lr_scheduler, controller_state=self.lead.state(),
@@ -118,9 +122,12 @@ class Trainer:
                                      self.cfg.rollout.max_new_tokens))
             except ValueError as exc:       # every rank raises it, none waits for a share
                 parts = [exc] * layout.dp
+        # The other ranks wait while rank 0 evaluates and the generators make the batch: as
+        # long as rank 0 is alive (the beacon), not a number of seconds.
         share = self.shares.scatter(
             parts, timeout_s=self.cfg.rollout.collective_timeout_s,
-            what=f"the batch of step {self.version} (trainer rank 0 waits for it)")
+            what=f"the batch of step {self.version} (trainer rank 0 waits for it)",
+            alive=self.topo.controller_alive)
         if isinstance(share, Exception):
             raise share
         return share, batch

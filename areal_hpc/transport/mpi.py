@@ -162,9 +162,11 @@ def _describe(comm) -> str:
     return f"{name} of {comm.Get_size()} rank(s) (this is its rank {comm.Get_rank()})"
 
 
-def _complete(req, comm, op: str, what: str, timeout_s: float | None, t0: float | None = None) -> None:
+def _complete(req, comm, op: str, what: str, timeout_s: float | None, t0: float | None = None,
+              alive=None) -> None:
     """Poll `req` (one request or a list) until it completes; `CollectiveTimeout` once
-    `timeout_s` has passed since t0."""
+    `timeout_s` has passed since t0 or, with `alive` (a `beacon.RankWatch`: a wait for the work
+    of the rank it watches), once that rank has fallen silent instead."""
     timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     t0 = time.monotonic() if t0 is None else t0
     deadline = t0 + timeout_s
@@ -175,7 +177,9 @@ def _complete(req, comm, op: str, what: str, timeout_s: float | None, t0: float 
     else:
         done = req.Test
     while not done():
-        if time.monotonic() > deadline:
+        if alive is not None:
+            alive.check(f"{what} (MPI {op} on the {_describe(comm)})", since=t0)
+        elif time.monotonic() > deadline:
             raise CollectiveTimeout(
                 f"{what}: MPI {op} on the {_describe(comm)} not complete after "
                 f"{time.monotonic() - t0:.0f} s (bound {timeout_s:g} s): a rank of it is hung or "
@@ -258,11 +262,15 @@ def _isend_bytes(comm, data, dest: int, tag: int) -> list:
     return reqs
 
 
-def _recv_bytes(comm, source: int, tag: int, what: str, timeout_s: float | None, t0: float):
-    """What `_isend_bytes` sent from `source` (uint8), bounded by `timeout_s` since t0."""
+def _recv_bytes(comm, source: int, tag: int, what: str, timeout_s: float | None, t0: float,
+                alive=None):
+    """What `_isend_bytes` sent from `source` (uint8), bounded by `timeout_s` since t0; with
+    `alive`, the wait for its start by the sender's liveness instead (`_complete`)."""
     import numpy as np
     header = np.zeros(2, dtype=np.int64)
-    _complete(comm.Irecv(header, source=source, tag=tag), comm, "recv (size)", what, timeout_s, t0)
+    _complete(comm.Irecv(header, source=source, tag=tag), comm, "recv (size)", what, timeout_s, t0,
+              alive=alive)
+    t0 = time.monotonic() if alive is not None else t0     # the bytes follow the header at once
     buf = np.empty(int(header[0]), dtype=np.uint8)
     parts = _pieces(buf, header)
     _complete([comm.Irecv(p, source=source, tag=tag) for p in parts], comm, "recv", what,
@@ -272,13 +280,14 @@ def _recv_bytes(comm, source: int, tag: int, what: str, timeout_s: float | None,
     return buf
 
 
-def barrier(comm, timeout_s: float | None = None, what: str = "barrier") -> None:
-    """`comm.Barrier()` bounded by `timeout_s` (default DEFAULT_TIMEOUT_S)."""
+def barrier(comm, timeout_s: float | None = None, what: str = "barrier", alive=None) -> None:
+    """`comm.Barrier()` bounded by `timeout_s` (default DEFAULT_TIMEOUT_S), or by the liveness
+    of the rank `alive` watches (a wait for that rank's work: `_complete`)."""
     if comm.Get_size() == 1:
         return
     if not hasattr(comm, "Ibarrier"):
         return comm.Barrier()
-    _complete(comm.Ibarrier(), comm, "barrier", what, timeout_s)
+    _complete(comm.Ibarrier(), comm, "barrier", what, timeout_s, alive=alive)
 
 
 def bcast(comm, obj: Any, root: int = 0, timeout_s: float | None = None, what: str = "bcast") -> Any:
@@ -294,13 +303,16 @@ def bcast(comm, obj: Any, root: int = 0, timeout_s: float | None = None, what: s
 
 
 def _bcast_bytes(comm, data, root: int, timeout_s: float | None, what: str,
-                 t0: float | None = None):
-    """`data` (uint8, on root) on every rank of `comm`: the header, then the pieces."""
+                 t0: float | None = None, alive=None):
+    """`data` (uint8, on root) on every rank of `comm`: the header, then the pieces. With
+    `alive`, the wait for the header is bounded by that rank's liveness (`_complete`)."""
     import numpy as np
     t0 = time.monotonic() if t0 is None else t0
     me = comm.Get_rank()
     header = _header(data.size) if me == root else np.zeros(2, dtype=np.int64)
-    _complete(comm.Ibcast(header, root=root), comm, "bcast (size)", what, timeout_s, t0)
+    _complete(comm.Ibcast(header, root=root), comm, "bcast (size)", what, timeout_s, t0,
+              alive=alive)
+    t0 = time.monotonic() if alive is not None else t0     # the bytes follow the header at once
     buf = data if me == root else np.empty(int(header[0]), dtype=np.uint8)
     parts = _pieces(buf, header)
     _complete([comm.Ibcast(p, root=root) for p in parts], comm, "bcast", what, timeout_s, t0)
@@ -389,9 +401,13 @@ class GroupScatter:
         """On root: every group, in ascending order."""
         return sorted(self.leader_of)
 
-    def scatter(self, parts, timeout_s: float | None = None, what: str = "group scatter") -> Any:
+    def scatter(self, parts, timeout_s: float | None = None, what: str = "group scatter",
+                alive=None) -> Any:
         """On root, `parts[g]` for every group g (a list or a dict); elsewhere ignored. Returns
-        this rank's group's part (root's own part is not copied)."""
+        this rank's group's part (root's own part is not copied). `alive` (a `beacon.RankWatch`
+        of root, on the other ranks): their wait for root to start sending is bounded by root's
+        liveness instead of `timeout_s` (root may first work for hours: the trainer's first
+        batch comes after the initial evaluation); the bytes then follow within `timeout_s`."""
         if self.single:
             return parts[self.group]
         t0 = time.monotonic()
@@ -407,9 +423,10 @@ class GroupScatter:
             return mine
         data = None     # a leader forwards the bytes it received, unpickled once, at the end
         if self.leaders is not None:
-            data = _recv_bytes(self.leaders, 0, 0, what, timeout_s, t0)
-        if self.peers.Get_size() > 1:
-            data = _bcast_bytes(self.peers, data, 0, timeout_s, what, t0)
+            data = _recv_bytes(self.leaders, 0, 0, what, timeout_s, t0, alive=alive)
+            t0 = time.monotonic()
+        if self.peers.Get_size() > 1:   # a leader that is not root: as long as root, then bounded
+            data = _bcast_bytes(self.peers, data, 0, timeout_s, what, t0, alive=alive)
         return _loads(data)
 
     def free(self) -> None:

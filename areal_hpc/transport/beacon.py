@@ -1,0 +1,122 @@
+"""Trainer rank 0's sign of life, for the waits that are for its work rather than for a peer.
+
+Some ranks wait on work that trainer rank 0 does alone and whose length no fixed bound can know:
+the other trainer ranks wait for the first batch while rank 0 runs the initial evaluation and
+the generators produce the batch (hours at 32B on a slow start), for the next batch during a
+periodic evaluation, and before the final checkpoint during the final one; the generators wait
+at the end of the job for the final checkpoint and the export. A wait like that is bounded by
+rank 0's liveness, not by a number of seconds: rank 0 keeps every wait of its own bounded (its
+generators' liveness, weights.timeout_s, its collectives), so while it is alive it is making
+progress or will fail within those bounds, and a rank 0 that is gone (killed, stopped, its node
+lost) falls silent.
+
+    rank 0: Beacon thread ── a 1-byte message every rollout.heartbeat_s ──▶ every other rank
+    others: RankWatch.check() (polled by the bounded wait) ── silent > rollout.generator_timeout_s
+                                                              → CollectiveTimeout naming rank 0
+
+The beats travel on a communicator of their own (a `Dup` of the world), so they never match
+another message. The watch drains what has arrived each time it is checked; between waits the
+beats queue at the receiver (a few bytes each: a 24 h job at one every 5 s is 17,280 of them per
+rank, and every wait drains them). The thread makes MPI calls beside the main thread's, which
+mpi4py's default thread level (MPI_THREAD_MULTIPLE) allows.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+BEAT_TAG = 1
+
+
+class RankWatch:
+    """A rank's view of the beacon's source: `check` raises once it has been silent too long.
+
+    Args:
+        comm: the beacon's communicator; source: the beacon's rank in it; host: its host name.
+        silent_s: the longest silence of a live source (rollout.generator_timeout_s).
+        key: the config key of `silent_s`, named in the error.
+    """
+
+    def __init__(self, comm, source: int, host: str, silent_s: float,
+                 key: str = "rollout.generator_timeout_s"):
+        import numpy as np
+        self.comm, self.source, self.host, self.silent_s, self.key = comm, source, host, silent_s, key
+        self.last_heard: float | None = None
+        self.beats = 0
+        self._buf = np.zeros(1, dtype=np.uint8)
+
+    def poll(self, now: float | None = None) -> float | None:
+        """Receive the beats that have arrived; the time of the newest (monotonic), or None."""
+        from mpi4py import MPI
+        got = False
+        while self.comm.Iprobe(source=self.source, tag=BEAT_TAG):
+            self.comm.Recv([self._buf, MPI.BYTE], source=self.source, tag=BEAT_TAG)
+            self.beats += 1
+            got = True
+        if got:
+            self.last_heard = time.monotonic() if now is None else now
+        return self.last_heard
+
+    def check(self, what: str, since: float, now: float | None = None) -> None:
+        """Raise `CollectiveTimeout` when the source has sent no beat for `silent_s`, counted
+        from the newest beat or from `since` (the wait's start), whichever is later."""
+        from .mpi import CollectiveTimeout
+        now = time.monotonic() if now is None else now
+        heard = self.poll(now)
+        silent = now - max(since, heard if heard is not None else since)
+        if silent > self.silent_s:
+            raise CollectiveTimeout(
+                f"{what}: rank {self.source} (host {self.host}), whose work this rank waits for, "
+                f"sent no sign of life for {silent:.0f} s ({self.key} = {self.silent_s:g}; "
+                f"{now - since:.0f} s waited): it is gone (killed, stopped, its node lost)")
+
+
+class Beacon:
+    """Collective over `world`: the source rank beats, every other rank holds a `RankWatch`
+    (`watch`; None on the source). `stop()` on every rank before MPI is finalized."""
+
+    def __init__(self, world, source: int, hosts: list[str], interval_s: float, silent_s: float):
+        self.comm = world.Dup()
+        self.comm.Set_name("beacon communicator")
+        self.source, self.interval_s = source, interval_s
+        self.is_source = self.comm.Get_rank() == source
+        self.watch = None if self.is_source else RankWatch(self.comm, source, hosts[source], silent_s)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pending: list = []
+        if self.is_source and self.comm.Get_size() > 1:
+            self._thread = threading.Thread(target=self._beat, name="beacon", daemon=True)
+            self._thread.start()
+
+    def _beat(self) -> None:
+        import numpy as np
+        from mpi4py import MPI
+        one = np.ones(1, dtype=np.uint8)        # never written after this: shared by every send
+        others = [r for r in range(self.comm.Get_size()) if r != self.source]
+        try:
+            while not self._stop.is_set():
+                self._pending = [r for r in self._pending if not r.Test()]
+                for r in others:
+                    self._pending.append(self.comm.Isend([one, MPI.BYTE], dest=r, tag=BEAT_TAG))
+                self._stop.wait(self.interval_s)
+        except Exception:       # noqa: BLE001 - the waiters then see silence and name this rank
+            log.exception("the beacon thread failed: the other ranks will report this rank silent")
+
+    def stop(self, join_s: float = 5.0) -> None:
+        """End the beats (the source's thread joined, its sends completed or cancelled) and
+        drain what arrived (elsewhere); not collective."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(join_s)
+            deadline = time.monotonic() + join_s
+            while self._pending and time.monotonic() < deadline:
+                self._pending = [r for r in self._pending if not r.Test()]
+                time.sleep(0.01)
+            for r in self._pending:     # a receiver that is gone: nothing will take it
+                r.Free()
+            self._pending = []
+        if self.watch is not None:
+            self.watch.poll()

@@ -1,0 +1,65 @@
+"""Run under `mpiexec -n 3 python -m mpi4py tests/transport/beacon_worker.py SCENARIO`.
+
+Rank 0 does long work (longer than the collectives' bound) before it hands out a batch with
+`GroupScatter` (rank 1 its group's leader, rank 2 that leader's peer) and before a barrier;
+the others wait for it bounded by its beacon. Scenarios: `work` (rank 0 alive: every wait
+completes), `gone` (rank 0's beacon stops, as when it is killed or stopped: the waits fail
+naming it). Prints `rank R OK`, or `rank R TIMEOUT <seconds> <message>`."""
+import os
+import sys
+import time
+
+from mpi4py import MPI
+
+from areal_hpc.transport import mpi as coll
+from areal_hpc.transport.beacon import Beacon
+
+BOUND = 1.5         # the collectives' fixed bound (rollout.collective_timeout_s)
+SILENT = 2.0        # rank 0's silence that counts as gone (rollout.generator_timeout_s)
+WORK = 3 * BOUND    # rank 0's work before it sends
+
+
+def main(scenario: str) -> None:
+    world = MPI.COMM_WORLD
+    me = world.Get_rank()
+    coll.set_default_timeout(BOUND)
+    beacon = Beacon(world, 0, ["host-a", "host-b", "host-c"], interval_s=0.2, silent_s=SILENT)
+    comm = world.Dup()
+    comm.Set_name("trainer communicator")
+    shares = coll.GroupScatter(comm, group=0 if me == 0 else 1, timeout_s=BOUND)
+    if scenario == "work":
+        if me == 0:
+            time.sleep(WORK)
+        got = shares.scatter(["for group 0", "for group 1"] if me == 0 else None, timeout_s=BOUND,
+                             what="the batch", alive=beacon.watch)
+        assert got == ("for group 0" if me == 0 else "for group 1"), got
+        if me == 0:
+            time.sleep(WORK)
+        coll.barrier(comm, BOUND, what="the end", alive=beacon.watch)
+        beacon.stop()
+        if me > 0:
+            assert beacon.watch.beats >= WORK / 0.2 / 2, beacon.watch.beats
+        print(f"rank {me} OK waited for {2 * WORK:.1f} s of work with a bound of {BOUND:g} s",
+              flush=True)
+        shares.free()
+        comm.Free()
+        return
+    assert scenario == "gone"
+    t0 = time.monotonic()
+    if me == 0:
+        beacon.stop()           # silent from here on, as a stopped or killed rank is
+        time.sleep(SILENT + 6)
+        os._exit(0)
+    try:
+        shares.scatter(None, timeout_s=BOUND, what="the batch", alive=beacon.watch)
+    except coll.CollectiveTimeout as exc:
+        print(f"rank {me} TIMEOUT {time.monotonic() - t0:.2f} {exc}", flush=True)
+    else:
+        print(f"rank {me} COMPLETED", flush=True)
+    # mpiexec ends the job once one rank exits without MPI_Finalize: stay until all reported
+    time.sleep(max(0.0, t0 + SILENT + 5 - time.monotonic()))
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
