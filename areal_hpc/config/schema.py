@@ -118,15 +118,19 @@ class RolloutConfig:
     generator_timeout_s: float = 600.0
     # The other way round: the controller sends each generator a heartbeat at least every
     # heartbeat_s; a generator that hears nothing from it for generator_timeout_s (before the
-    # first message: weights.join_timeout_s, the trainer's start-up and checkpoint load) ends
-    # itself, naming the controller, and its reaper kills its vLLM engine and reward workers.
+    # first message: from trainer rank 0's beacon, or weights.join_timeout_s without a beat)
+    # ends itself, naming the controller, and its reaper kills its vLLM engine and reward
+    # workers. The same silence bounds every rank's wait for trainer rank 0's work.
     # Bounds every MPI collective (bcast, gather, barrier) among the trainer ranks and over the
-    # whole job (start-up, the end-of-job barrier); past it the rank fails naming the operation
-    # and communicator instead of hanging on a rank that is gone. A collective waits for its
-    # slowest rank, so this must exceed the longest legitimate skew between ranks: a batch wait
-    # (sync mode: a whole batch generated), a training step, a weight update with its
-    # acknowledgements (up to weights.timeout_s), a checkpoint save or load and its CRC pass
-    # (the end-of-job barrier waits for the final checkpoint; minutes for a 32B model).
+    # whole job (start-up); past it the rank fails naming the operation and communicator instead
+    # of hanging on a rank that is gone. It must exceed the longest skew between live peers: a
+    # checkpoint save or load with its CRC pass, a weight update with its acknowledgements (up
+    # to weights.timeout_s). Waits for trainer rank 0's own work (the first batch after the
+    # initial evaluation, a batch's generation, the final evaluation before the last
+    # checkpoint, the end-of-job barrier) are not bounded by it but by rank 0's liveness: its
+    # beacon, silent for generator_timeout_s = gone (transport/beacon.py). `python -m
+    # areal_hpc.plan time CONFIG` lists every wait beside its estimated work; the launchers'
+    # preflight refuses a fixed bound shorter than its estimate.
     collective_timeout_s: float = 1800.0
     # vLLM tensor parallelism inside one generator rank: workers per engine (GPUs on a GPU node;
     # on CPU, this rank's allowed CPUs split among them). Each worker joins the weight group, so

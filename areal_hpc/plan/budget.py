@@ -44,6 +44,8 @@ import sys
 from dataclasses import dataclass
 
 from ..config import ConfigError, RunConfig, load
+from .bounds import bound_problems, render_waits, waits
+from .bounds import fmt_s as _fmt_s
 from .memory import Arch, read_arch
 
 
@@ -265,12 +267,6 @@ def job_clock(cfg: RunConfig, env=None) -> tuple[float | None, str, float | None
     return limit, limit_src, lead, lead_src
 
 
-def _fmt_s(s: float) -> str:
-    if s >= 3600:
-        return f"{s / 3600:.2f} h"
-    return f"{s / 60:.1f} min" if s >= 120 else f"{s:.0f} s"
-
-
 def budget_problems(est: StepTime, limit: float | None, lead: float | None,
                     limit_src: str = "", lead_src: str = "") -> tuple[str | None, str | None]:
     """(refusal, warning): one line each, or None."""
@@ -304,14 +300,16 @@ def budget_problems(est: StepTime, limit: float | None, lead: float | None,
 
 def check_time(cfg: RunConfig, env=None, warn=None) -> StepTime | None:
     """The launchers' step-time preflight: ConfigError (one line) when a step and its checkpoint
-    cannot finish within the preemption signal's lead, or when checkpoint.every_steps steps
-    outlast the time limit (no timed checkpoint in any attempt); a warning line (to `warn`,
+    cannot finish within the preemption signal's lead, when checkpoint.every_steps steps
+    outlast the time limit (no timed checkpoint in any attempt), or when a fixed wait is
+    shorter than the work it bounds (`bounds.bound_problems`); a warning line (to `warn`,
     default stderr) when they outlast half of it. Skipped on CPU and for topology.gpu=""."""
     if cfg.topology.device == "cpu" or not cfg.topology.gpu.strip():
         return None
     est = estimate_time(cfg)
     limit, limit_src, lead, lead_src = job_clock(cfg, env)
     refuse, warning = budget_problems(est, limit, lead, limit_src, lead_src)
+    refuse = refuse or bound_problems(waits(est))      # every fixed wait covers its work
     if refuse:
         raise ConfigError(refuse)
     if warning:
@@ -360,7 +358,10 @@ def time_command(args, console) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     render_time(est, console)
+    rows = waits(est)
+    render_waits(rows, console)
     refuse, warning = budget_problems(est, limit, lead, "--time-limit", "--signal-lead")
+    refuse = refuse or bound_problems(rows)
     if warning:
         console.print(f"[yellow]warning[/]: {warning}")
     if refuse:
