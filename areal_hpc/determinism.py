@@ -9,12 +9,15 @@ and `tests/test_determinism.py` checks that each is still there):
   reductions whose order follows the batch size): vLLM 0.32's batch-invariant mode,
   `VLLM_BATCH_INVARIANT=1` (vllm/envs.py; the GPU worker calls `init_batch_invariance` in
   vllm/model_executor/determinism/batch_invariant.py, which installs batch-invariant
-  matmul/softmax/mean kernels, fixes the attention split and pins NCCL in the engine's own
-  processes);
+  matmul/softmax/mean kernels, fixes the attention split and pins NCCL settings for the
+  engine's own communicators: `pin_nccl_env` in vllm/utils/nccl.py. The weight group, shared
+  with the trainer, is made without them, under vLLM's `unpinned_nccl_env`, else the update
+  may hang: transport/weights/broadcast.py);
 - Megatron's kernels with non-deterministic backward passes: megatron-core 0.16.1's
   `deterministic_mode` (ModelParallelConfig; the embedding's backward without atomics in
-  tensor_parallel/layers.py), which refuses TransformerEngine's attention unless
-  `NVTE_ALLOW_NONDETERMINISTIC_ALGO=0` (extensions/transformer_engine.py);
+  tensor_parallel/layers.py). The trainer builds Megatron's local layer spec, not
+  TransformerEngine's (train/attention.py), so TransformerEngine's switch
+  (`NVTE_ALLOW_NONDETERMINISTIC_ALGO`) has nothing to act on and is not set;
 - cuBLAS's split-K workspaces: `CUBLAS_WORKSPACE_CONFIG=:4096:8` (what torch's
   `use_deterministic_algorithms` asks for on CUDA), and torch's deterministic algorithms;
 - NCCL's algorithm and protocol choice, which changes the reduction order of the trainer's
@@ -22,6 +25,9 @@ and `tests/test_determinism.py` checks that each is still there):
 
 and the sampling itself: the key turns `rollout.per_request_seeds` on (a sample's random numbers
 from its own seed, not from the engine's shared stream).
+
+The mode's variables win over the environment the ranks inherit, each override said on stderr
+(launch/env.py): a site's `NCCL_PROTO` would otherwise undo the mode without a word.
 
 What it costs: per-request seeds about 10% of the tiny model's generation throughput on CPU
 (BENCHMARKS.md); the GPU settings' cost is measured by `tools/gpu_check.py` (check 5, the
@@ -44,8 +50,6 @@ SETTINGS = (
             "vllm 0.32 vllm/envs.py, vllm/model_executor/determinism/batch_invariant.py"),
     Setting("Megatron deterministic mode", {},
             "megatron-core 0.16.1 ModelParallelConfig.deterministic_mode (train/megatron_model.py)"),
-    Setting("TransformerEngine deterministic attention", {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"},
-            "megatron-core 0.16.1 megatron/core/extensions/transformer_engine.py"),
     Setting("cuBLAS deterministic workspace", {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
             "torch.use_deterministic_algorithms' requirement on CUDA"),
     Setting("torch deterministic algorithms", {},

@@ -3,9 +3,10 @@
 The weight path reaches into vLLM internals (`worker_extension_cls` mixed into the Worker,
 `Worker.reload_weights(weights_iterator=...)`, `LLMEngine.collective_rpc`/`reset_prefix_cache`,
 `vllm.inputs.engine.tokens_input`, `platform.stateless_init_device_torch_dist_pg`,
-`vllm.distributed.utils.init_gloo_process_group`) and the trainer into Megatron-core's (the local
-layer spec, DDP, optimizer, schedules), which change between releases. `check_versions(device)`
-runs at start-up and stops with one line naming what differs, before any rank spends node time.
+`vllm.distributed.utils.init_gloo_process_group`, `vllm.utils.nccl.unpinned_nccl_env`) and the
+trainer into Megatron-core's (the local layer spec, DDP, optimizer, schedules), which change
+between releases. `check_versions(device)` runs at start-up and stops with one line naming what
+differs, before any rank spends node time.
 
 `PINS` is the one place the pins live; setup.cfg's `cpu` and `gpu` extras mirror it
 (tests/test_versions.py checks that they agree). Set AREAL_SKIP_VERSION_CHECK=1 to run anyway.

@@ -30,7 +30,8 @@ Checks, each timed and guarded (a failure is printed and the next check runs):
    fragmentation and weight-sync terms are left out of the comparison, and shown).
 5. What `deterministic: true` costs the trainer (areal_hpc/determinism.py): check 3's first pack
    again, recompute off, in a child process that has the mode's environment from its start
-   (cuBLAS workspace, NCCL algorithm, TransformerEngine) and builds its Actor in Megatron's
+   (cuBLAS workspace, NCCL algorithm and protocol; they win over the inherited environment, as
+   in the launchers) and builds its Actor in Megatron's
    deterministic_mode with torch's deterministic algorithms; its step time side by side with
    check 3's of this run, and whether its two timed steps' losses repeat in a second child.
 """
@@ -543,8 +544,7 @@ def main(argv=None) -> int:
     report = Report(out)
     t_start = time.perf_counter()
     if args.deterministic:      # before torch starts: cuBLAS and NCCL read these once
-        for k, v in DETERMINISTIC_ENV.items():
-            os.environ.setdefault(k, v)
+        os.environ.update(DETERMINISTIC_ENV)    # over a site's own, as areal_hpc.launch.env does
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

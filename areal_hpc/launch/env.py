@@ -6,7 +6,8 @@ place, so the three launchers cannot drift apart.
     eval "$(python -m areal_hpc.launch.env CONFIG.yaml [key=value ...])"
 
 prints `export` lines: the rank environment (only variables not already set, so a user's or a
-site's choice wins) and, for batch scripts, AREAL_RUN_DIR / AREAL_N_TRAINERS / AREAL_N_GENERATORS
+site's choice wins, except the `deterministic` key's settings, which win over it with one warning
+line each on stderr) and, for batch scripts, AREAL_RUN_DIR / AREAL_N_TRAINERS / AREAL_N_GENERATORS
 and the GPUs per task of each role (AREAL_GPUS_PER_TRAINER / AREAL_GPUS_PER_GENERATOR).
 A bad config prints the error on stderr and exits 2, before any node time is spent on ranks.
 """
@@ -24,8 +25,9 @@ from .placement import GENERATOR, TRAINER, gpus_needed
 
 def rank_env(cfg: RunConfig) -> dict[str, str]:
     """Defaults for every rank's environment: one compute thread each on a small CPU box, vLLM's
-    caches inside the project, the KV-cache size from the config, quiet logs. The caller's own
-    environment takes precedence over these (see `merged_env`)."""
+    caches inside the project, the KV-cache size from the config, quiet logs, and the
+    `deterministic` key's settings. The caller's own environment takes precedence over these,
+    except over the key's settings (`forced_env`; see `merged_env`)."""
     env = {
         "OMP_NUM_THREADS": "1",
         "VLLM_CACHE_ROOT": str(Path(".cache/vllm").resolve()),
@@ -40,19 +42,40 @@ def rank_env(cfg: RunConfig) -> dict[str, str]:
     }
     if cfg.rollout.kv_cache_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gib)
-    if cfg.deterministic:
-        env.update(determinism.rank_env(cfg.topology.device))
+    env.update(forced_env(cfg))
     return env
 
 
+def forced_env(cfg: RunConfig) -> dict[str, str]:
+    """The part of `rank_env` that wins over the caller's environment: the `deterministic` key's
+    settings. A site's `NCCL_PROTO` or `CUBLAS_WORKSPACE_CONFIG` would otherwise undo the mode
+    without a word."""
+    return determinism.rank_env(cfg.topology.device) if cfg.deterministic else {}
+
+
+def _warn_overrides(forced: dict[str, str]) -> None:
+    """One line on stderr for each variable of this environment that `forced` changes."""
+    for k, v in forced.items():
+        if k in os.environ and os.environ[k] != v:
+            print(f"[launch] warning: deterministic: true overrides {k} from the environment: "
+                  f"{os.environ[k]} -> {v}", file=sys.stderr, flush=True)
+
+
 def merged_env(cfg: RunConfig) -> dict[str, str]:
-    """The full environment for the ranks: `rank_env` under the current one."""
-    return {**rank_env(cfg), **os.environ}
+    """The full environment for the ranks: `rank_env` under the current one, `forced_env` over
+    it (each variable it changes said on stderr)."""
+    forced = forced_env(cfg)
+    _warn_overrides(forced)
+    return {**rank_env(cfg), **os.environ, **forced}
 
 
 def export_lines(cfg: RunConfig) -> list[str]:
-    """`export K=V` shell lines for the rank-environment defaults not set in this environment."""
-    return [f"export {k}={shlex.quote(v)}" for k, v in rank_env(cfg).items() if k not in os.environ]
+    """`export K=V` shell lines for the rank-environment defaults not set in this environment,
+    and for every variable of `forced_env` (each one it changes said on stderr)."""
+    forced = forced_env(cfg)
+    _warn_overrides(forced)
+    return [f"export {k}={shlex.quote(v)}" for k, v in rank_env(cfg).items()
+            if k in forced or k not in os.environ]
 
 
 def main(argv: list[str] | None = None) -> int:

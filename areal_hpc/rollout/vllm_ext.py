@@ -124,6 +124,9 @@ class WeightSyncExtension:
         `rank` is the weight-group rank of this engine's first worker; with vLLM TP/PP > 1 the
         engine's worker i joins as `rank + i`, so an engine spans ranks [rank, rank + tp*pp).
         The address's `join_timeout_s` bounds the join, its `timeout_s` every later receive.
+        With batch invariance on (`deterministic: true` on CUDA) this worker has pinned NCCL
+        settings for its own communicators; the weight group, shared with the trainer, is made
+        without them (`areal_hpc.transport.weights.broadcast.unpinned_nccl_env`).
         Returns the rank this worker joined as.
         """
         from areal_hpc.transport.weights import init_weight_group

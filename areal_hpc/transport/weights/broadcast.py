@@ -6,6 +6,8 @@ The receiver half lives inside vLLM's worker (`areal_hpc.rollout.vllm_ext`).
 from __future__ import annotations
 
 import collections
+import contextlib
+import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from .plan import Bucket, Plan, bucket_dtype, bucket_numel, dtype_from_str, spec_numel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +40,9 @@ def init_weight_group(address: WeightGroupAddress, rank: int) -> torch.distribut
 
     A stateless group (no torch.distributed global state), so it lives beside Megatron's and
     vLLM's groups. Trainer stage senders join here; vLLM workers through
-    `WeightSyncExtension.init_weight_group`. For NCCL, set this process's CUDA device first.
+    `WeightSyncExtension.init_weight_group`. For NCCL, set this process's CUDA device first;
+    every member then makes the group's communicator here, with one broadcast of one element,
+    under `unpinned_nccl_env` (batch invariance's NCCL pins left out, see there).
     """
     from datetime import timedelta
 
@@ -53,11 +59,49 @@ def init_weight_group(address: WeightGroupAddress, rank: int) -> torch.distribut
     prefix = PrefixStore("areal_weights", store)
     if backend == "gloo":
         return init_gloo_process_group(prefix, rank, world_size, timeout)
+    with unpinned_nccl_env():
+        return _join_nccl(prefix, rank, world_size, timeout)
+
+
+def _join_nccl(prefix, rank: int, world_size: int, timeout) -> torch.distributed.ProcessGroup:
+    """The NCCL weight group, its communicator made now: torch makes a group's communicator at
+    its first collective, and NCCL reads its environment then, so the first update would
+    otherwise make it outside `unpinned_nccl_env`. One element broadcast from rank 0 does it."""
     from vllm.platforms import current_platform
 
-    return current_platform.stateless_init_device_torch_dist_pg(
-        backend=backend, prefix_store=prefix, group_rank=rank, group_size=world_size, timeout=timeout
+    group = current_platform.stateless_init_device_torch_dist_pg(
+        backend="nccl", prefix_store=prefix, group_rank=rank, group_size=world_size, timeout=timeout
     )
+    group.broadcast(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())),
+                    root=0).wait()
+    return group
+
+
+def unpinned_nccl_env() -> contextlib.AbstractContextManager:
+    """Where the NCCL weight group is made: vLLM's `vllm.utils.nccl.unpinned_nccl_env()` when
+    batch invariance is on (`VLLM_BATCH_INVARIANT=1`, set by `deterministic: true` on CUDA),
+    else nothing.
+
+    With it on, vLLM's GPU worker pins NCCL settings for its own communicators (one channel,
+    its own algorithm and protocol: `pin_nccl_env` in `init_batch_invariance`). NCCL does not
+    reconcile them across ranks, so a communicator shared with the trainer's senders, which do
+    not pin them, must be made without them, or the weight broadcast may hang. Outside a worker
+    that pinned them (the trainer's senders) vLLM's context changes nothing. vLLM can unpin
+    only with NCCL >= 2.29.7 (NCCL_NO_CACHE); with an older NCCL it says so once, and the pins
+    then apply to this group too. A vLLM without the context gets a warning: the group is then
+    made with the pins (tests/test_determinism.py checks the installed vLLM has it)."""
+    import vllm.envs
+
+    if not vllm.envs.VLLM_BATCH_INVARIANT:
+        return contextlib.nullcontext()
+    try:
+        from vllm.utils.nccl import unpinned_nccl_env as vllm_unpinned
+    except ImportError:
+        log.warning("this vLLM has no vllm.utils.nccl.unpinned_nccl_env: the weight group is made "
+                    "with the NCCL settings that batch invariance pins in its worker, which the "
+                    "trainer's senders do not set; the weight update may hang")
+        return contextlib.nullcontext()
+    return vllm_unpinned()
 
 
 def init_sender_group(address: WeightGroupAddress) -> torch.distributed.ProcessGroup:
