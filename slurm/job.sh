@@ -23,6 +23,12 @@
 #    checkpoint and exit with EXIT_PREEMPTED (= 3, areal_hpc/preemption.py). Then this script requeues
 #    the job (`scontrol requeue`) and exits 0; the next attempt runs the same command in the same
 #    run dir and resumes from the checkpoint. Other exit codes end the job with that code.
+#    Not in a loop: an attempt that ends without a newer checkpoint than it started from (a signal
+#    during start-up, a failure before the first checkpoint) counts in a row, and after
+#    AREAL_MAX_ATTEMPTS_WITHOUT_CHECKPOINT (3) such attempts the job ends (exit 1) with one line
+#    saying so instead of being requeued again; an attempt that wrote one resets the count.
+# AREAL_TRAINER_ENV (slurm/site_gpu.sh): K=V words set on het component 0's command alone, the
+# trainer ranks' (Megatron's CUDA_DEVICE_MAX_CONNECTIONS=1), not on the vLLM engines.
 set -uo pipefail
 EXIT_PREEMPTED=3   # areal_hpc/preemption.py EXIT_PREEMPTED: the ranks checkpointed after a signal
 
@@ -54,8 +60,27 @@ forward() {
 trap 'forward USR1' USR1
 trap 'forward TERM' TERM
 
+# The run's newest checkpoint: its newest step_<8 digits> folder with a manifest (areal_hpc/
+# storage/checkpoint.py writes the manifest last), "" when there is none.
+newest_checkpoint() {
+  local d newest=
+  for d in "$AREAL_RUN_DIR"/checkpoints/step_*; do
+    [[ ${d##*/} =~ ^step_[0-9]+$ ]] && [ -f "$d/manifest.json" ] && newest=${d##*/}
+  done
+  echo "$newest"
+}
+max_stalled=${AREAL_MAX_ATTEMPTS_WITHOUT_CHECKPOINT:-3}
 requeue() {
-  say "$1: requeueing job $SLURM_JOB_ID; the next attempt resumes from the checkpoint"
+  local now count=0 file=$AREAL_RUN_DIR/logs/job-$SLURM_JOB_ID/attempts-without-checkpoint
+  now=$(newest_checkpoint)
+  if [ "$now" = "$started_from" ]; then count=$(($(cat "$file" 2>/dev/null || echo 0) + 1)); fi
+  mkdir -p "${file%/*}" && echo "$count" >"$file"
+  if [ "$count" -ge "$max_stalled" ]; then
+    say "error: $1, but $count attempt(s) in a row ended without a new checkpoint (newest:" \
+        "${now:-none}): not requeueing job $SLURM_JOB_ID again (AREAL_MAX_ATTEMPTS_WITHOUT_CHECKPOINT=$max_stalled)"
+    exit 1
+  fi
+  say "$1: requeueing job $SLURM_JOB_ID; the next attempt resumes from ${now:-the start (no checkpoint yet)}"
   scontrol requeue "$SLURM_JOB_ID" || say "scontrol requeue failed (a cancelled job is not requeued)"
   exit 0
 }
@@ -69,6 +94,7 @@ if [ "${SLURM_HET_SIZE:-1}" != 2 ] || [ "${SLURM_NTASKS_HET_GROUP_0:-}" != "$ARE
       "${SLURM_NTASKS_HET_GROUP_0:-?} + ${SLURM_NTASKS_HET_GROUP_1:-?} tasks: fix the #SBATCH lines"
   exit 2
 fi
+started_from=$(newest_checkpoint)
 [ -z "$signal" ] || requeue "SIG$signal before the ranks started"
 
 mpi=${AREAL_SRUN_MPI:-pmi2}
@@ -77,6 +103,14 @@ if ! srun --mpi=list 2>&1 | grep -qx "[[:space:]]*$mpi"; then
       "$(srun --mpi=list 2>&1 | tail -n +2 | tr -s '\n\t ' ' '))"
   exit 2
 fi
+mpi_vars=$(env | grep -E '^(MPIR_CVAR|FI|UCX|I_MPI|OMPI_MCA|PMIX_MCA)_' | sort | paste -sd ' ')
+say "MPI: srun --mpi=$mpi; ${mpi_vars:-no MPIR_CVAR_/FI_/UCX_/I_MPI_/OMPI_MCA_ variables set}"
+read -ra trainer_env <<<"${AREAL_TRAINER_ENV:-}"
+for kv in "${trainer_env[@]}"; do
+  [[ $kv =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || { say "error: AREAL_TRAINER_ENV holds '$kv', not K=V"; exit 2; }
+done
+run0=("$py")   # het component 0's program: the trainer ranks' variables go on its command line
+[ ${#trainer_env[@]} = 0 ] || run0=(env "${trainer_env[@]}" "$py")
 # Each component's GPUs: tasks per node x GPUs per task must fit the GPUs per node it was given
 # (--gpus-per-node), or ranks would share a GPU (or srun would refuse the step mid-way).
 role=(trainer generator)
@@ -104,14 +138,14 @@ read -ra opts1 <<<"$(component 1 "$AREAL_GPUS_PER_GENERATOR" | tr '\n' ' ')"
 if [ -n "$dry_run" ]; then
   say "dry run: the placement of every rank (srun ${opts0[*]} : ${opts1[*]})"
   rank=(-m mpi4py -m areal_hpc.launch.placement "$config" "$@")
-  srun "${opts0[@]}" "$py" "${rank[@]}" : "${opts1[@]}" "$py" "${rank[@]}"
+  srun "${opts0[@]}" "${run0[@]}" "${rank[@]}" : "${opts1[@]}" "$py" "${rank[@]}"
   exit $?
 fi
 logs=$AREAL_RUN_DIR/logs/job-$SLURM_JOB_ID/attempt-$attempt
 mkdir -p "$logs"
 say "ranks' output: $logs/ranks.log (srun ${opts0[*]} : ${opts1[*]})"
 rank=(-m mpi4py -m areal_hpc.main "$config" "$@")
-srun "${opts0[@]}" "$py" "${rank[@]}" : "${opts1[@]}" "$py" "${rank[@]}" >"$logs/ranks.log" 2>&1 &
+srun "${opts0[@]}" "${run0[@]}" "${rank[@]}" : "${opts1[@]}" "$py" "${rank[@]}" >"$logs/ranks.log" 2>&1 &
 srun_pid=$!
 # `wait` returns early (> 128) when a trapped signal arrives; wait again until srun has ended.
 while :; do

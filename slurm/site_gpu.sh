@@ -4,33 +4,46 @@
 # Edit once per cluster; a value the user already exported wins over each default here.
 #
 # Software: activate the GPU environment (environment.yml) here or before sbatch, e.g.
-#   module load cuda/12.4
+#   module load cuda/13.0     # if the site wants one: the wheels are CUDA 13.0 (torch 2.13.0,
+#                             # vLLM 0.32.0) and bring its runtime; TransformerEngine's build
+#                             # (setup.cfg's `te` extra) needs a CUDA 13 nvcc
 #   source "$HOME/miniforge3/bin/activate" areal_hpc
 export AREAL_PYTHON=${AREAL_PYTHON:-$(command -v python3)}
 # srun's MPI plugin for the site MPI that mpi4py was built against: pmi2 (MPICH, Cray MPICH,
 # Intel MPI) or pmix (Open MPI). slurm/job.sh refuses a plugin this srun does not have
 # (srun --mpi=list) before any rank starts.
 export AREAL_SRUN_MPI=${AREAL_SRUN_MPI:-pmi2}
-# MPICH under pmi2 speaks PMI-1 by default, which Slurm's pmi2 plugin reads in one read() of at
-# most 1 KiB per request; with UCX and many ranks per node MPICH sends its business cards as
-# many ~1 KiB lines back to back, and a cut one fails the start-up ("mpi/pmi2: value not properly
-# terminated"; slurm/job.sh names it). If your MPICH's PMI-2 client starts under this srun, use
-# it; else OFI's short addresses make one small put (what the local test cluster does):
+# MPICH under pmi2 speaks PMI-1, which Slurm's pmi2 plugin reads in one read() of at most 1 KiB
+# per request; over UCX (the pip wheel's default netmod) MPICH sends a node's business cards as
+# ~1 KiB lines back to back, and at 8 ranks per node a cut one fails the start-up ("mpi/pmi2:
+# value not properly terminated"; slurm/job.sh names it). So for an MPICH that also has OFI (the
+# wheel) the default is MPIR_CVAR_CH4_NETMOD=ofi: short addresses, one small put, and what the
+# tests start at 8 ranks per node (areal_hpc/launch/mpi_env.py; Cray MPICH, Intel MPI, Open MPI
+# get nothing). Set your own to replace it: a PMI-2 client that starts under this srun, or UCX
+# under pmix; FI_PROVIDER pins OFI's provider (libfabric picks one otherwise):
 # export MPIR_CVAR_PMI_VERSION=2
-# export MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=verbs   # or tcp
+# export FI_PROVIDER=verbs   # or tcp
+eval "$("$AREAL_PYTHON" -m areal_hpc.launch.mpi_env)"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-# Megatron orders TP/SP communication behind compute kernels with a single CUDA work queue.
-export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+# Variables for the trainer ranks alone (slurm/job.sh sets them on het component 0's command, not
+# on the vLLM engines): Megatron orders TP/SP communication behind compute kernels with a single
+# CUDA work queue. A space-separated list of K=V.
+export AREAL_TRAINER_ENV=${AREAL_TRAINER_ENV-CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}}
 # A rank whose NCCL peer died raises instead of hanging in a collective; srun's
 # --kill-on-bad-exit then ends the step, and the job can be resubmitted from its checkpoint.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-# The fabric: set for the site (InfiniBand HCAs, the interface NCCL bootstraps on). Each rank
-# checks at start that NCCL_SOCKET_IFNAME matches an interface of its node (NCCL's syntax:
-# prefixes, '=' exact, '^' exclude) and `sbatch slurm/areal_7b.sh --dry-run` prints, per rank,
-# the interfaces it matched; unset, NCCL picks one itself ("auto" in that table).
+# The fabric: set for the site (InfiniBand HCAs, the interface NCCL bootstraps on, the one gloo
+# binds). Each rank checks at start that NCCL_SOCKET_IFNAME matches an interface of its node
+# (NCCL's syntax: prefixes, '=' exact, '^' exclude) and that every name in GLOO_SOCKET_IFNAME
+# (gloo's: exact names, comma-separated) is an interface with an address there; `sbatch
+# slurm/areal_7b.sh --dry-run` prints, per rank, what each matched. Unset, NCCL picks an interface
+# itself ("auto" in that table), and gloo (Megatron's data-parallel groups on the trainer ranks)
+# binds the address the host name resolves to: a job whose trainers span hosts whose names
+# resolve to loopback (Debian's 127.0.1.1) is refused at start; then set it.
 # export NCCL_IB_HCA=mlx5
 # export NCCL_SOCKET_IFNAME=ib0
+# export GLOO_SOCKET_IFNAME=ib0
 # torch.distributed rendezvous address of trainer rank 0 (default: its host name's address). A
 # job on several hosts whose rank 0 resolves to a loopback address (Debian's 127.0.1.1 entry in
 # /etc/hosts) is refused at start; then set it, e.g.

@@ -428,7 +428,7 @@ up() {
 # parsing a line cut at the read's end as a request of its own ("mpi/pmi2: value not properly
 # terminated"): the step hangs or aborts, more often the busier the box (traced with 8 ranks per
 # node; the tiny job's 1 per node failed the same way). OFI's tcp address is 16 bytes: one short
-# put for the whole step (slurm/site_gpu.sh names the remedies for a site MPICH). The namespaced
+# put for the whole step (slurm/site_gpu.sh makes OFI the GPU recipes' default). The namespaced
 # cluster too: its tiny job failed so over UCX in CI, and PMI-2 (MPIR_CVAR_PMI_VERSION=2) does
 # not start with this wheel under Slurm 22.05's plugin (MPIR_pmi_init: internal error). Its
 # cross-host traffic (MPI, the rendezvous, the weight broadcast) still crosses the nodes' eth0.

@@ -18,11 +18,20 @@ component asked (SLURM_CPUS_PER_TASK_HET_GROUP_k, in the batch environment srun 
 the step allocated on its node (SLURM_CPUS_ON_NODE over the ranks there) and, where a task plugin
 binds, its affinity; fewer than asked is refused.
 
+Network: NCCL_SOCKET_IFNAME (GPU jobs) must match an interface of the node, in NCCL's syntax.
+gloo, which the trainer ranks use on GPUs too (megatron-core 0.16 creates its data-parallel gloo
+groups eagerly, `initialize_model_parallel(create_gloo_process_groups=True)`), and every rank of a
+gloo weight group on CPU, binds as torch's ProcessGroupGloo does: GLOO_SOCKET_IFNAME, a comma list
+of exact interface names that must each have an address (no prefixes); unset, the first address
+the host name resolves to that it can bind, else loopback. A host name that resolves to 127.0.1.1
+(Debian's /etc/hosts) binds loopback: peers on other hosts cannot connect.
+
 `gather_and_check` collects every rank's `RankPlacement` on world rank 0, which refuses a GPU
 held by two ranks of one node, a core given to two bound ranks, too few cores, an interface that
-does not exist, or a loopback rendezvous address with ranks on several hosts — in one line, before
-the trainer or the engines start. `python -m areal_hpc.launch.placement CONFIG` (what
-`slurm/job.sh --dry-run` runs on every rank instead of the job) prints the table per node.
+does not exist, a loopback rendezvous address with ranks on several hosts, or gloo bound to
+loopback on ranks of several hosts — in one line, before the trainer or the engines start.
+`python -m areal_hpc.launch.placement CONFIG` (what `slurm/job.sh --dry-run` runs on every rank
+instead of the job) prints the table per node.
 Torch-free: it runs before torch or vLLM look at a GPU.
 """
 from __future__ import annotations
@@ -93,6 +102,42 @@ def interface_matches(spec: str, names: list[str]) -> list[str]:
     return [n for n in names if hit(n) != exclude]
 
 
+def gloo_interfaces(spec: str) -> list[str]:
+    """The interfaces torch's gloo binds for GLOO_SOCKET_IFNAME=`spec`: its comma list of exact
+    names, one device each ([]: unset, or a single character, which torch ignores)."""
+    return [n for n in spec.split(",") if n] if len(spec) > 1 else []
+
+
+def interface_addresses() -> dict[str, list[str]]:
+    """This host's interfaces and their IPv4/IPv6 addresses (gloo needs one on its interface)."""
+    import psutil
+    return {name: [a.address for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)]
+            for name, addrs in psutil.net_if_addrs().items()}
+
+
+def _can_bind(family: int, sockaddr) -> bool:
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind(sockaddr)
+        return True
+    except OSError:
+        return False
+
+
+def gloo_default_address(host: str, resolve=None, can_bind=_can_bind) -> str:
+    """The address torch's gloo binds without GLOO_SOCKET_IFNAME: the first address `host`
+    resolves to (`resolve`: socket.getaddrinfo) that this host can bind, else the loopback
+    address it falls back to."""
+    try:
+        infos = (resolve or socket.getaddrinfo)(host, None, socket.AF_UNSPEC, socket.SOCK_STREAM)
+    except OSError:
+        infos = []
+    for family, _, _, _, sockaddr in infos:
+        if can_bind(family, sockaddr):
+            return sockaddr[0]
+    return "127.0.0.1"
+
+
 def is_loopback(address: str) -> bool:
     try:
         return ipaddress.ip_address(address).is_loopback
@@ -116,6 +161,7 @@ class RankPlacement:
     cpus_allocated: int | None = None   # the step's CPUs on this node over its ranks there
     ifname: str = "auto"        # NCCL_SOCKET_IFNAME (GPU) or GLOO_SOCKET_IFNAME (CPU) spec
     interfaces: list[str] = field(default_factory=list)   # what that spec matches here
+    gloo: str = ""              # where its gloo groups bind: interfaces or address ("": no gloo)
     address: str = ""           # the rendezvous address (trainer rank 0's)
     problems: list[str] = field(default_factory=list)     # found by this rank itself
 
@@ -153,12 +199,25 @@ def place_rank(topology, engine_tp: int, rank: int, role: str, nodes: list[str],
         elif p.cpus_allocated is not None and p.cpus_allocated < p.cpus_asked:
             p.problems.append(f"the step gave it {p.cpus_allocated} CPU(s) but its het component "
                               f"asked --cpus-per-task={p.cpus_asked}: start the step with srun -c")
-    key = "NCCL_SOCKET_IFNAME" if topology.device == "cuda" else "GLOO_SOCKET_IFNAME"
-    p.ifname = env.get(key, "auto")
-    names = [n for _, n in socket.if_nameindex()]
-    p.interfaces = interface_matches(p.ifname, names) if p.ifname != "auto" else []
-    if p.ifname != "auto" and not p.interfaces:
-        p.problems.append(f"{key}={p.ifname} matches no interface here (have {','.join(names)})")
+    have = interface_addresses()
+    names = list(have)
+    gloo_spec = env.get("GLOO_SOCKET_IFNAME", "")
+    if topology.device == "cuda":
+        p.ifname = env.get("NCCL_SOCKET_IFNAME", "auto")
+        p.interfaces = interface_matches(p.ifname, names) if p.ifname != "auto" else []
+        if p.ifname != "auto" and not p.interfaces:
+            p.problems.append(f"NCCL_SOCKET_IFNAME={p.ifname} matches no interface here (have {','.join(names)})")
+    else:
+        p.ifname = gloo_spec or "auto"
+        p.interfaces = gloo_interfaces(gloo_spec)
+    # gloo: Megatron's data-parallel groups on every trainer rank; the weight group on CPU.
+    if role == TRAINER or topology.weight_backend == "gloo":
+        bound = gloo_interfaces(gloo_spec)
+        missing = [n for n in bound if not have.get(n)]
+        if missing:
+            p.problems.append(f"GLOO_SOCKET_IFNAME={gloo_spec}: {','.join(missing)} is not an interface with an "
+                              f"address here (gloo takes exact names, comma-separated; have {','.join(names)})")
+        p.gloo = ",".join(bound) if bound else gloo_default_address(p.host)
     return p
 
 
@@ -192,6 +251,16 @@ def check(placements: list[RankPlacement]) -> list[str]:
         out.append(f"rank 0's rendezvous address {placements[0].address} is a loopback address "
                    f"but the ranks run on {len(hosts)} hosts: set AREAL_HOST_ADDR (or fix the "
                    f"host name's entry in /etc/hosts)")
+    gloo = [p for p in placements if p.gloo]
+    looped = [p for p in gloo if is_loopback(p.gloo)]
+    gloo_hosts = {p.host for p in gloo}
+    if looped and len(gloo_hosts) > 1:
+        p = looped[0]
+        out.append(f"rank {p.rank} ({p.role}) on {p.node}: gloo would bind loopback {p.gloo} (the address "
+                   f"host name {p.host} resolves to) but the ranks' gloo groups span {len(gloo_hosts)} hosts"
+                   + (f" ({len(looped) - 1} more rank(s) alike)" if len(looped) > 1 else "")
+                   + ": set GLOO_SOCKET_IFNAME to the interface the nodes reach each other on "
+                     "(slurm/site_gpu.sh), or fix the host name's entry in /etc/hosts")
     return out
 
 
@@ -208,7 +277,7 @@ def table(placements: list[RankPlacement]) -> str:
             gpus = f"GPU {','.join(p.gpus)}" if p.gpus else "no GPU"
             net = p.ifname if p.ifname == "auto" else f"{p.ifname} -> {','.join(p.interfaces) or 'none'}"
             lines.append(f"  rank {p.rank:>4} {p.role:<9} local {p.local_rank}/{p.local_size}  {gpus:<18} "
-                         f"{cpus}  iface {net}")
+                         f"{cpus}  iface {net}" + (f"  gloo {p.gloo}" if p.gloo else ""))
     if placements:
         lines.append(f"rendezvous: {placements[0].address} (trainer rank 0 on {placements[0].node})")
     return "\n".join(lines)
@@ -260,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
         if not problems:
             print(f"placement: {len(placements)} rank(s) on {len({p.node for p in placements})} "
                   f"node(s), GPUs disjoint on every node", flush=True)
+    # `python -m mpi4py` aborts the world when a rank exits non-zero: not before rank 0 has said why.
+    from ..transport.mpi import barrier
+    barrier(world, what="placement: rank 0's report")
     return 2 if problems else 0
 
 
@@ -287,10 +359,52 @@ def sbatch_components(script_text: str) -> list[dict[str, str]]:
     return comps
 
 
-def plan_layout(cfg, comps: list[dict[str, str]], cores_per_node: int = 0) -> tuple[list[RankPlacement], list[str]]:
+def sinfo_cores(partition: str | None = None) -> dict[str, int] | None:
+    """Each node's CPU count as Slurm lists it (`sinfo -h -N -o "%N %c"`, in `partition` if one is
+    named), or None where that cannot be asked (no sinfo here, no cluster it reaches)."""
+    import subprocess
+    cmd = ["sinfo", "-h", "-N", "-o", "%N %c", *(["-p", partition] if partition else [])]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    cores = {}
+    for line in r.stdout.splitlines() if r.returncode == 0 else []:
+        words = line.split()
+        if len(words) == 2 and words[1].isdigit():
+            cores[words[0]] = int(words[1])     # a node in two partitions is listed twice
+    return cores or None
+
+
+def core_counts(cores: dict[str, int]) -> str:
+    """How many nodes have how many CPUs: "20 x 64, 2 x 128"."""
+    sizes = sorted(set(cores.values()))
+    return ", ".join(f"{sum(c == n for c in cores.values())} x {n}" for n in sizes)
+
+
+def cores_problem(k: int, nodes: int, per_node: int, cpt: int, cores: int | dict[str, int] | None) -> str | None:
+    """One line when het component `k` (`nodes` x `per_node` tasks x `cpt` CPUs) asks more CPUs
+    per node than its nodes have: `cores` is every node's count (an int), or each node's count as
+    sinfo lists them (then: fewer than `nodes` of them have enough); None or 0: nothing checked."""
+    need = per_node * cpt
+    if not cores:
+        return None
+    if isinstance(cores, int):
+        return None if need <= cores else (f"het component {k}: {per_node} task(s) x {cpt} CPU(s) "
+                                           f"oversubscribe a {cores}-core node")
+    fit = sum(c >= need for c in cores.values())
+    if fit >= nodes or fit == len(cores):     # enough, or too few nodes at all: not a matter of cores
+        return None
+    return (f"het component {k}: {nodes} node(s) of {per_node} task(s) x {cpt} CPU(s) = {need} CPU(s) "
+            f"each, but sinfo lists {fit} node(s) with that many (nodes x CPUs: {core_counts(cores)})")
+
+
+def plan_layout(cfg, comps: list[dict[str, str]], cores_per_node: int = 0,
+                node_cores: list[dict[str, int] | None] | None = None) -> tuple[list[RankPlacement], list[str]]:
     """Every rank's placement as slurm/job.sh's step would make it from these components
     (component 0 = trainers, 1 = generators): GPUs bound per task in node order, the cores its
-    component asks for. With `cores_per_node`, more cores asked than a node has is refused."""
+    component asks for. More cores asked per node than the nodes have is refused: every node has
+    `cores_per_node`, or (when 0) component k's nodes have `node_cores[k]` (`sinfo_cores`)."""
     t = cfg.topology
     if len(comps) != 2:
         return [], [f"the script has {len(comps)} het component(s); the job needs 2 (trainers, generators)"]
@@ -304,9 +418,9 @@ def plan_layout(cfg, comps: list[dict[str, str]], cores_per_node: int = 0) -> tu
         if nodes * per_node != want:
             problems.append(f"het component {k} has {nodes} x {per_node} task(s) but the config has "
                             f"{want} {role} rank(s)")
-        if cores_per_node and per_node * cpt > cores_per_node:
-            problems.append(f"het component {k}: {per_node} task(s) x {cpt} CPU(s) oversubscribe a "
-                            f"{cores_per_node}-core node")
+        short = cores_problem(k, nodes, per_node, cpt, cores_per_node or (node_cores[k] if node_cores else None))
+        if short:
+            problems.append(short)
         for n in range(nodes):
             for lr in range(per_node):
                 p = RankPlacement(rank=rank, role=role, node=f"{role}-node{n}", host=f"{role}-node{n}",
@@ -342,7 +456,9 @@ def add_parser(sub) -> None:
     p.add_argument("overrides", nargs="*")
     p.add_argument("--script", required=True, help="the batch script whose #SBATCH lines to lay out "
                                                    "(e.g. slurm/areal_7b.sh)")
-    p.add_argument("--cores-per-node", type=int, default=0, help="refuse more CPUs asked than this")
+    p.add_argument("--cores-per-node", type=int, default=None,
+                   help="every node's CPU count, to refuse more asked per node (default: each node's from "
+                        "sinfo, in the script's --partition; 0: no check)")
 
 
 def plan_command(args, console=None) -> int:
@@ -356,8 +472,17 @@ def plan_command(args, console=None) -> int:
     except (ConfigError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    placements, problems = plan_layout(cfg, sbatch_components(text), args.cores_per_node)
+    comps = sbatch_components(text)
+    node_cores = None
+    if args.cores_per_node is None:
+        node_cores = [sinfo_cores(opts.get("partition")) for opts in comps]
+    placements, problems = plan_layout(cfg, comps, args.cores_per_node or 0, node_cores)
     print(summary(placements))
+    if node_cores and any(node_cores):
+        print("nodes x CPUs (sinfo): " + "; ".join(f"component {k}: {core_counts(c) if c else 'unknown'}"
+                                                   for k, c in enumerate(node_cores)))
+    elif node_cores:
+        print("CPUs per node: not checked (no sinfo here; --cores-per-node N names the count)")
     for line in problems:
         print(f"error: placement: {line}", file=sys.stderr)
     if not problems:

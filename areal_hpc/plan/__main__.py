@@ -9,8 +9,9 @@
 `throughput`: simulated steps/hour, async vs the sync baseline (`throughput.py`).
 `time`: estimated seconds per training step on a named GPU, and whether the checkpoint cadence
 and the preemption signal's lead fit the job's time limit (`budget.py`).
-`placement`: which rank holds which GPUs and cores under a batch script's #SBATCH layout, and
-whether they overlap (`areal_hpc.launch.placement`; on the cluster itself: `sbatch S --dry-run`).
+`placement`: which rank holds which GPUs and cores under a batch script's #SBATCH layout, whether
+they overlap, and whether the nodes have the CPUs asked (each node's count from `sinfo`, or
+`--cores-per-node N`; `areal_hpc.launch.placement`; on the cluster itself: `sbatch S --dry-run`).
 Bad input: one line `error: ...` on stderr, exit 2.
 """
 from __future__ import annotations

@@ -157,3 +157,123 @@ def test_plan_placement_refuses_overlap_oversubscription_and_a_wrong_count(capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: placement: het component 0: 8 task(s) x 12 CPU(s) oversubscribe a 64-core node",
                    "error: placement: het component 1: 1 task(s) x 96 CPU(s) oversubscribe a 64-core node"]
+
+
+# --- gloo: where torch's ProcessGroupGloo binds (the trainers' Megatron groups, on GPUs too) ----
+
+def test_gloo_socket_ifname_is_exact_names_with_an_address():
+    """gloo takes GLOO_SOCKET_IFNAME as exact names (no NCCL prefixes or '^'), each an interface
+    with an address; a GPU trainer rank is checked beside NCCL_SOCKET_IFNAME, a GPU generator
+    (NCCL weight group) joins no gloo group."""
+    topo = _cuda_topology()
+    env = {"CUDA_VISIBLE_DEVICES": "0", "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
+    p = place_rank(topo, 1, 0, TRAINER, ["n"], "10.0.0.1", env=env)
+    assert (p.interfaces, p.gloo, p.problems) == (["lo"], "lo", [])
+    for bad in ("^lo", "lo,nosuchif9"):
+        p = place_rank(topo, 1, 0, TRAINER, ["n"], "10.0.0.1", env={**env, "GLOO_SOCKET_IFNAME": bad})
+        assert len(p.problems) == 1 and p.problems[0].startswith(f"GLOO_SOCKET_IFNAME={bad}: ") \
+            and "is not an interface with an address here (gloo takes exact names" in p.problems[0], p.problems
+    p = place_rank(topo, 1, 1, GENERATOR, ["n", "n"], "10.0.0.1", env={"CUDA_VISIBLE_DEVICES": "1"})
+    assert p.gloo == "" and not p.problems
+
+
+def _resolver(*addresses):
+    import socket
+
+    def resolve(host, port, family, kind):
+        if not addresses:
+            raise socket.gaierror("no such host")
+        return [(socket.AF_INET6 if ":" in a else socket.AF_INET, kind, 6, "", (a, 0)) for a in addresses]
+    return resolve
+
+
+def test_gloo_binds_the_first_bindable_address_of_the_host_name():
+    from areal_hpc.launch.placement import gloo_default_address
+    here = lambda family, sockaddr: sockaddr[0] != "10.9.9.9"      # noqa: E731 - a host without 10.9.9.9
+    assert gloo_default_address("n1", _resolver("127.0.1.1", "10.0.0.5"), here) == "127.0.1.1"   # Debian
+    assert gloo_default_address("n1", _resolver("10.9.9.9", "10.0.0.5"), here) == "10.0.0.5"
+    assert gloo_default_address("n1", _resolver("10.9.9.9"), here) == "127.0.0.1"   # torch's fallback
+    assert gloo_default_address("n1", _resolver(), here) == "127.0.0.1"            # unresolvable
+
+
+def test_trainers_on_several_hosts_with_gloo_on_loopback_are_refused(monkeypatch):
+    """Host names that resolve to 127.0.1.1 and GLOO_SOCKET_IFNAME unset: each trainer's gloo
+    binds loopback. On one host that works (every fake node of the local cluster); across hosts
+    the job is refused in one line that names the fix; with GLOO_SOCKET_IFNAME set it passes."""
+    import socket
+    monkeypatch.setattr(socket, "getaddrinfo", _resolver("127.0.1.1"))
+    topo = _cuda_topology()
+    env = {"CUDA_VISIBLE_DEVICES": "0"}
+    ps = [place_rank(topo, 1, r, TRAINER, ["n1", "n2", "n3"], "10.0.0.1", env=dict(env)) for r in (0, 1)]
+    assert [p.gloo for p in ps] == ["127.0.1.1", "127.0.1.1"]
+    assert check(ps) == []                          # one host
+    ps[1].host = "other-host"
+    problems = check(ps)
+    assert len(problems) == 1 and problems[0].startswith(
+        "rank 0 (trainer) on n1: gloo would bind loopback 127.0.1.1") and "span 2 hosts" in problems[0] \
+        and "(1 more rank(s) alike): set GLOO_SOCKET_IFNAME" in problems[0], problems
+    ps = [place_rank(topo, 1, r, TRAINER, ["n1", "n2", "n3"], "10.0.0.1", env={**env, "GLOO_SOCKET_IFNAME": "lo"})
+          for r in (0, 1)]
+    ps[1].host = "other-host"
+    assert [p.gloo for p in ps] == ["lo", "lo"] and check(ps) == []
+
+
+# --- plan placement: the nodes' cores from sinfo ------------------------------------------------
+
+FAKE_SINFO = """#!/usr/bin/env bash
+echo "$*" >>{log}
+printf '%s\\n' {lines}
+"""
+
+
+def _fake_sinfo(tmp_path, monkeypatch, nodes: dict[str, int]):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "sinfo").write_text(FAKE_SINFO.format(log=tmp_path / "sinfo.args", lines=" ".join(
+        f"'{n} {c}'" for n, c in nodes.items())))
+    (bin_dir / "sinfo").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+def _plan(*args):
+    from areal_hpc.plan.__main__ import main
+    return main(["placement", "configs/qwen2_5_7b_math.yaml", "model.path=x", "data.train_path=x",
+                 "--script", "slurm/areal_7b.sh", *args])
+
+
+def test_plan_placement_takes_the_nodes_cores_from_sinfo(tmp_path, monkeypatch, capsys):
+    """The 7B recipe asks 8 tasks x 12 CPUs = 96 per node on 4 + 12 nodes: refused on 64-CPU
+    nodes with one line per component naming those numbers, on a partition with too few 96-CPU
+    nodes, passed on 128-CPU ones; --cores-per-node names the count instead of sinfo."""
+    _fake_sinfo(tmp_path, monkeypatch, {f"gpu{i:02d}": 64 for i in range(16)})
+    assert _plan() == 2
+    out = capsys.readouterr()
+    assert out.err.strip().splitlines() == [
+        "error: placement: het component 0: 4 node(s) of 8 task(s) x 12 CPU(s) = 96 CPU(s) each, but sinfo "
+        "lists 0 node(s) with that many (nodes x CPUs: 16 x 64)",
+        "error: placement: het component 1: 12 node(s) of 8 task(s) x 12 CPU(s) = 96 CPU(s) each, but sinfo "
+        "lists 0 node(s) with that many (nodes x CPUs: 16 x 64)"]
+    assert (tmp_path / "sinfo.args").read_text().splitlines() == ["-h -N -o %N %c"] * 2
+    _fake_sinfo(tmp_path, monkeypatch, {**{f"gpu{i:02d}": 64 for i in range(10)},
+                                        **{f"big{i:02d}": 128 for i in range(6)}})
+    assert _plan() == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: placement: het component 1: 12 node(s) of 8 task(s) x 12 CPU(s) = 96 CPU(s) each, but sinfo "
+        "lists 6 node(s) with that many (nodes x CPUs: 10 x 64, 6 x 128)"]
+    _fake_sinfo(tmp_path, monkeypatch, {f"gpu{i:02d}": 128 for i in range(16)})
+    assert _plan() == 0
+    assert "nodes x CPUs (sinfo): component 0: 16 x 128; component 1: 16 x 128" in capsys.readouterr().out
+    assert _plan("--cores-per-node", "64") == 2         # named: sinfo is not asked
+    assert capsys.readouterr().err.strip().splitlines()[0] == \
+        "error: placement: het component 0: 8 task(s) x 12 CPU(s) oversubscribe a 64-core node"
+
+
+def test_plan_placement_asks_sinfo_for_the_scripts_partition(tmp_path, monkeypatch, capsys):
+    from areal_hpc.launch.placement import sinfo_cores
+    _fake_sinfo(tmp_path, monkeypatch, {"gpu01": 96, "gpu02": 96})
+    assert sinfo_cores("h100") == {"gpu01": 96, "gpu02": 96}
+    assert (tmp_path / "sinfo.args").read_text() == "-h -N -o %N %c -p h100\n"
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))         # no sinfo here
+    assert sinfo_cores() is None
+    assert _plan() == 0
+    assert "CPUs per node: not checked (no sinfo here" in capsys.readouterr().out

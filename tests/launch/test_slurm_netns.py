@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,48 @@ def test_netns_sbatch_tiny_hetjob(netns_cluster, jobs, tiny_model, tmp_path):
     received = _eth0_bytes(nodes[m[2]][0]) - before[m[2]]
     assert received >= 2 * weights, (received, weights)
     assert not jobs.leftovers(), "processes of the job are still running"
+
+
+# Runs "$@" as a host whose /etc/hosts names it 127.0.1.1 (Debian's entry), in a mount namespace of
+# its own, with the rendezvous address set (AREAL_HOST_ADDR): what is left is gloo's binding.
+DEBIAN_HOSTS = """#!/usr/bin/env bash
+f=$(mktemp)
+printf '127.0.0.1 localhost\\n127.0.1.1 %s\\n' "$(hostname)" >"$f"
+export AREAL_HOST_ADDR=$(hostname -I | cut -d' ' -f1)
+exec unshare --mount sh -c 'mount --bind "$0" /etc/hosts && exec "$@"' "$f" "$@"
+"""
+GLOO_PLACEMENT = """#!/usr/bin/env bash
+#SBATCH --nodes=1 --ntasks=1
+#SBATCH hetjob
+#SBATCH --nodes=1 --ntasks=1
+source slurm/site_gpu.sh || exit 2
+srun --het-group=0,1 --mpi="$AREAL_SRUN_MPI" --kill-on-bad-exit=1 {hosts} "$AREAL_PYTHON" -m mpi4py \\
+  -m areal_hpc.launch.placement configs/tiny_cpu.yaml model.path=x data.train_path=x
+"""
+
+
+def test_netns_gloo_on_loopback_across_hosts_is_refused(netns_cluster, tmp_path):
+    """The tiny job's placement check on two hosts whose names resolve to 127.0.1.1: gloo (both
+    ranks' groups on CPU) would bind loopback, and rank 0 refuses the job in one line; with
+    GLOO_SOCKET_IFNAME=eth0 it passes. The MPI world is slurm/site_gpu.sh's as shipped (MPICH
+    over OFI, the provider libfabric picks), across the two hosts."""
+    hosts, script = tmp_path / "debian_hosts.sh", tmp_path / "gloo.sh"
+    hosts.write_text(DEBIAN_HOSTS)
+    hosts.chmod(0o755)
+    script.write_text(GLOO_PLACEMENT.format(hosts=hosts))
+    env = {k: v for k, v in netns_cluster["env"].items() if not re.match(r"(MPIR_CVAR|FI|UCX)_", k)}
+    env["AREAL_PYTHON"] = sys.executable
+    for gloo, rc in (("", 2), ("eth0", 0)):
+        out = tmp_path / f"gloo{gloo}.out"
+        r = _sh("sbatch", "--wait", f"--output={out}", str(script), env={**env, "GLOO_SOCKET_IFNAME": gloo},
+                timeout=300, check=False)
+        log = out.read_text(errors="replace")
+        assert (r.returncode != 0) == bool(rc), log[-3000:]
+        errors = [line for line in log.splitlines() if line.startswith("error:")]
+        if rc:
+            assert len(errors) == 1 and re.match(
+                r"error: placement: rank 0 \(trainer\) on node\d: gloo would bind loopback 127\.0\.1\.1 \(the "
+                r"address host name node\d resolves to\) but the ranks' gloo groups span 2 hosts \(1 more rank", errors[0]), log
+        else:
+            assert not errors and "placement: 2 rank(s) on 2 node(s)" in log, log
+            assert re.search(r"rank +0 trainer .* iface eth0 -> eth0  gloo eth0", log), log

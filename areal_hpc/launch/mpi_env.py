@@ -1,0 +1,69 @@
+"""MPICH's netmod under srun's pmi2 plugin: the default slurm/site_gpu.sh applies, and why.
+
+MPICH (pip's `mpich` wheel, or a site build) started by `srun --mpi=pmi2` speaks PMI-1, which
+Slurm's pmi2 plugin reads in one read() of at most 1 KiB per request. Over UCX, the default
+netmod of an MPICH built with UCX and OFI (the wheel: "MPICH Device: ch4:ucx ofi"), a rank's
+business card is ~900 bytes and MPICH puts a node's cards as lines sent back to back: at 8 ranks
+per node (the 1.5B and 7B recipes) a line cut at a read's end fails the start-up ("mpi/pmi2: value
+not properly terminated"; tools/local_slurm.sh traced it). Over OFI an address is tens of bytes:
+one short put. So where the MPI is MPICH with an OFI netmod that is not its default, the plugin is
+pmi2 and neither a netmod nor PMI-2 was chosen, the default is MPIR_CVAR_CH4_NETMOD=ofi, and
+libfabric picks its provider (FI_PROVIDER pins one; not set here, since NCCL's OFI plugin reads it
+too). Cray MPICH, Intel MPI, MVAPICH and Open MPI name themselves otherwise and get nothing: they
+choose their own fabric.
+
+    eval "$(python -m areal_hpc.launch.mpi_env)"     # export lines; none where nothing applies
+
+What tests/launch/test_slurm.py starts at 8 ranks per node on the local cluster is this default,
+through slurm/site_gpu.sh as shipped.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+
+
+def mpich_netmods(library_version: str) -> list[str] | None:
+    """The ch4 netmods of an MPICH library, default first, from its MPI_Get_library_version text
+    ("MPICH Device:      ch4:ucx ofi" -> ["ucx", "ofi"]; ch3 -> []); None for another MPI."""
+    if not library_version.startswith("MPICH Version:"):
+        return None
+    for line in library_version.splitlines():
+        if line.startswith("MPICH Device:"):
+            device = line.split(":", 1)[1].strip()
+            return device[len("ch4:"):].split() if device.startswith("ch4:") else []
+    return []
+
+
+def defaults(library_version: str, env=None) -> dict[str, str]:
+    """The MPI variables to export for this library and environment (see the module docstring)."""
+    env = os.environ if env is None else env
+    netmods = mpich_netmods(library_version)
+    if (not netmods or netmods[0] == "ofi" or "ofi" not in netmods
+            or env.get("AREAL_SRUN_MPI", "pmi2") != "pmi2"
+            or env.get("MPIR_CVAR_CH4_NETMOD") or env.get("MPIR_CVAR_PMI_VERSION") == "2"):
+        return {}
+    return {"MPIR_CVAR_CH4_NETMOD": "ofi"}
+
+
+def library_version() -> str:
+    """MPI_Get_library_version of the MPI mpi4py loads, without initialising MPI ("" when it
+    cannot be loaded: the job's ranks will say why)."""
+    try:
+        import mpi4py
+        mpi4py.rc.initialize = False
+        from mpi4py import MPI
+        return MPI.Get_library_version()
+    except Exception:       # no MPI library here: the ranks' error to report, not this one's
+        return ""
+
+
+def main() -> int:
+    for k, v in defaults(library_version()).items():
+        print(f"export {k}={shlex.quote(v)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
