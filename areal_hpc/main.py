@@ -105,7 +105,10 @@ def _run(cfg, topo, world, export_only: bool) -> tuple[int, bool]:
             print(f"error: placement: {problems[0]}" + (f" (and {len(problems) - 1} more; "
                   f"slurm/job.sh --dry-run prints the table)" if len(problems) > 1 else ""),
                   file=sys.stderr, flush=True)
-        return 2, False
+        # every rank has the verdict: none leaves before rank 0 has said why (an early exit
+        # would abort the world first), and all exit 2 together
+        coll.barrier(world, what="start-up: the placement refused")
+        return 2, True
     from .cpus import bind_rank, check_cpus, format_cpus
     try:
         check_cpus(cfg.topology)

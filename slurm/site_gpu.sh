@@ -19,10 +19,12 @@ export AREAL_SRUN_MPI=${AREAL_SRUN_MPI:-pmi2}
 # value not properly terminated"; slurm/job.sh names it). So for an MPICH that also has OFI (the
 # wheel) the default is MPIR_CVAR_CH4_NETMOD=ofi: short addresses, one small put, and what the
 # tests start at 8 ranks per node (areal_hpc/launch/mpi_env.py; Cray MPICH, Intel MPI, Open MPI
-# get nothing). Set your own to replace it: a PMI-2 client that starts under this srun, or UCX
-# under pmix; FI_PROVIDER pins OFI's provider (libfabric picks one otherwise):
+# get nothing), with OFI's provider FI_PROVIDER=tcp (libfabric's own pick, `sockets`, hung MPI's
+# start-up in the 32B rehearsal). Set your own to replace them: a PMI-2 client that starts under
+# this srun, or UCX under pmix; on EFA or Slingshot, where NCCL's OFI plugin reads FI_PROVIDER too,
+# name that fabric's provider:
 # export MPIR_CVAR_PMI_VERSION=2
-# export FI_PROVIDER=verbs   # or tcp
+# export FI_PROVIDER=efa     # or cxi, verbs
 eval "$("$AREAL_PYTHON" -m areal_hpc.launch.mpi_env)"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 # Variables for the trainer ranks alone (slurm/job.sh sets them on het component 0's command, not

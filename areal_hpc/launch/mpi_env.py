@@ -7,9 +7,13 @@ business card is ~900 bytes and MPICH puts a node's cards as lines sent back to 
 per node (the 1.5B and 7B recipes) a line cut at a read's end fails the start-up ("mpi/pmi2: value
 not properly terminated"; tools/local_slurm.sh traced it). Over OFI an address is tens of bytes:
 one short put. So where the MPI is MPICH with an OFI netmod that is not its default, the plugin is
-pmi2 and neither a netmod nor PMI-2 was chosen, the default is MPIR_CVAR_CH4_NETMOD=ofi, and
-libfabric picks its provider (FI_PROVIDER pins one; not set here, since NCCL's OFI plugin reads it
-too). Cray MPICH, Intel MPI, MVAPICH and Open MPI name themselves otherwise and get nothing: they
+pmi2 and neither a netmod nor PMI-2 was chosen, the default is MPIR_CVAR_CH4_NETMOD=ofi with
+FI_PROVIDER=tcp unless one is set: left to itself the wheel's libfabric picks its legacy `sockets`
+provider, under which the 32B rehearsal's 10 ranks on 4 hosts hung in MPI_Init (15 min; with tcp
+they start in seconds: areal_hpc/launch/rehearse.py). MPI carries control messages and
+trajectories here, not weights, so tcp costs nothing that matters. On clusters whose NCCL uses
+libfabric too (EFA: FI_PROVIDER=efa; Slingshot: cxi), which reads the same variable, set
+FI_PROVIDER in the site file. Cray MPICH, Intel MPI, MVAPICH and Open MPI name themselves otherwise and get nothing: they
 choose their own fabric.
 
     eval "$(python -m areal_hpc.launch.mpi_env)"     # export lines; none where nothing applies
@@ -44,7 +48,7 @@ def defaults(library_version: str, env=None) -> dict[str, str]:
             or env.get("AREAL_SRUN_MPI", "pmi2") != "pmi2"
             or env.get("MPIR_CVAR_CH4_NETMOD") or env.get("MPIR_CVAR_PMI_VERSION") == "2"):
         return {}
-    return {"MPIR_CVAR_CH4_NETMOD": "ofi"}
+    return {"MPIR_CVAR_CH4_NETMOD": "ofi", **({} if env.get("FI_PROVIDER") else {"FI_PROVIDER": "tcp"})}
 
 
 def library_version() -> str:

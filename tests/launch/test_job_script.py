@@ -76,7 +76,7 @@ def test_site_file_gives_megatron_variables_to_the_trainers_alone(tmp_path):
     env = _fakes(tmp_path)
     r = _job(env, site=True)
     assert r.returncode == 0, (r.stdout, r.stderr)
-    assert "MPI: srun --mpi=pmi2; MPIR_CVAR_CH4_NETMOD=ofi" in r.stdout, r.stdout
+    assert "MPI: srun --mpi=pmi2; FI_PROVIDER=tcp MPIR_CVAR_CH4_NETMOD=ofi" in r.stdout, r.stdout
     assert _ranks(env) == ["rank 0 CUDA_DEVICE_MAX_CONNECTIONS=1 MPIR_CVAR_CH4_NETMOD=ofi",
                            "rank 1 CUDA_DEVICE_MAX_CONNECTIONS=unset MPIR_CVAR_CH4_NETMOD=ofi"]
     r = _job(env, site=True, SLURM_RESTART_COUNT="1", MPIR_CVAR_CH4_NETMOD="ucx", CUDA_DEVICE_MAX_CONNECTIONS="2")
@@ -129,8 +129,9 @@ def test_mpich_netmod_default_only_where_it_helps():
     under pmi2, when nothing was chosen; never for another MPI or an MPICH without OFI."""
     from areal_hpc.launch.mpi_env import defaults, mpich_netmods
     assert mpich_netmods(WHEEL) == ["ucx", "ofi"]
-    assert defaults(WHEEL, {}) == {"MPIR_CVAR_CH4_NETMOD": "ofi"}
-    assert defaults(WHEEL, {"AREAL_SRUN_MPI": "pmi2"}) == {"MPIR_CVAR_CH4_NETMOD": "ofi"}
+    assert defaults(WHEEL, {}) == {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
+    assert defaults(WHEEL, {"AREAL_SRUN_MPI": "pmi2"}) == {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
+    assert defaults(WHEEL, {"FI_PROVIDER": "efa"}) == {"MPIR_CVAR_CH4_NETMOD": "ofi"}   # the site's
     for env in ({"MPIR_CVAR_CH4_NETMOD": "ucx"}, {"MPIR_CVAR_PMI_VERSION": "2"}, {"AREAL_SRUN_MPI": "pmix"}):
         assert defaults(WHEEL, env) == {}, env
     for other in (WHEEL.replace("ch4:ucx ofi", "ch4:ucx"), WHEEL.replace("ch4:ucx ofi", "ch4:ofi"),

@@ -383,7 +383,7 @@ def test_gpu_recipe_places_every_rank_on_its_own_gpus_and_cores(slurm_env, jobs,
     assert r.returncode == 0, (r.stderr[-2000:], log[-4000:])
     runs = log.split("dry run: the placement")
     assert len(runs) == 2, log[-3000:]
-    assert "MPI: srun --mpi=pmi2; MPIR_CVAR_CH4_NETMOD=ofi\n" in log, log[-3000:]   # the site file's alone
+    assert "MPI: srun --mpi=pmi2; FI_PROVIDER=tcp MPIR_CVAR_CH4_NETMOD=ofi\n" in log, log[-3000:]   # the site file's alone
     srun_line = runs[1].splitlines()[0]
     assert f"--cpus-per-task={cpt[0]} " in srun_line.split(" : ")[0], srun_line
     assert f"--cpus-per-task={cpt[1]} " in srun_line.split(" : ")[1], srun_line
