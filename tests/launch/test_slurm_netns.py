@@ -18,7 +18,7 @@ from tests.launch.test_slurm import SMALL, _client_env, _model_args, _ranks_log_
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = str(ROOT / "tools/local_slurm.sh")
-NODES = 2
+NODES = 4           # the 32B rehearsal (test_rehearse.py): 2 hosts a component
 
 
 @pytest.fixture(scope="session")
