@@ -50,6 +50,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from areal_hpc.launch.rehearse import until  # noqa: E402  (one bounded wait for Slurm states)
 from areal_hpc.audit import audit  # noqa: E402
 from areal_hpc.storage.run_dir import RunDir  # noqa: E402
 from areal_hpc.storage.rollout_log import PARTIAL, RolloutReader  # noqa: E402
@@ -77,14 +78,6 @@ def sh(*cmd: str, check: bool = True, timeout: float = 60) -> subprocess.Complet
 def job_info(job: str) -> dict[str, str]:
     out = sh("scontrol", "-o", "show", "job", job).stdout.splitlines()[0]
     return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
-
-
-def until(cond, timeout: float, what: str, poll: float = 0.5) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(poll)
 
 
 def job_processes(job: str) -> list[psutil.Process]:
