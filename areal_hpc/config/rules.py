@@ -126,6 +126,7 @@ RANGES: dict[str, Range] = {
     "checkpoint.every_steps": Range(0, INT_MAX, why=" (0 = none on a timer)"),
     "checkpoint.keep": _COUNT,
     "checkpoint.export_chunk_mb": Range(1, 65536),
+    "checkpoint.async_max_host_gb": Range(0, 1 << 20, why=" (GiB; 0 = no bound)"),
     "checkpoint.signal_lead_s": Range(0, MAX_TIMEOUT_S, why=" (seconds; 0 = from the batch script)"),
     "checkpoint.time_limit_s": Range(0, MAX_TIMEOUT_S, why=" (seconds; 0 = from Slurm)"),
 }

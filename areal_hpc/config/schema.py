@@ -291,6 +291,17 @@ class CheckpointConfig:
     # stops it between minibatches: the step's start state, kept in host memory (model and
     # optimizer shard per rank), is restored and its batch kept for the rerun. False: finish it.
     mid_step_stop: bool = True
+    # The periodic checkpoints' shards written by a writer process (Megatron's asynchronous
+    # dist-checkpoint save) while the next steps train: the step stalls only to stage them; the
+    # checkpoint is complete (manifest written) at the first step boundary or mid-step decision
+    # point after the write ended on every rank. The final and preemption checkpoints are
+    # complete before the job goes on.
+    async_save: bool = False
+    # The most host memory (GiB) a trainer rank may hold for an asynchronous save: what it writes
+    # (its model shard on data-parallel rank 0, its optimizer shard; 14 B per parameter with
+    # bf16 and Adam) is staged there until written, beside the next step; a save above it is
+    # synchronous. 0 = no bound.
+    async_max_host_gb: float = 32.0
     export_chunk_mb: int = 2048         # policy/: shard size, the most a rank holds of the export
 
 

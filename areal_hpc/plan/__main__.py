@@ -7,8 +7,9 @@
 
 `memory`: per-GPU memory estimate (exit 2 when a rank does not fit; `memory.py`).
 `throughput`: simulated steps/hour, async vs the sync baseline (`throughput.py`).
-`time`: estimated seconds per training step on a named GPU, and whether the checkpoint cadence
-and the preemption signal's lead fit the job's time limit (`budget.py`).
+`time`: estimated seconds per training step on a named GPU, whether the checkpoint cadence
+and the preemption signal's lead fit the job's time limit, and what a hard preemption loses
+with each way to checkpoint (`budget.py`).
 `placement`: which rank holds which GPUs and cores under a batch script's #SBATCH layout, whether
 they overlap, and whether the nodes have the CPUs asked (each node's count from `sinfo`, or
 `--cores-per-node N`; `areal_hpc.launch.placement`; on the cluster itself: `sbatch S --dry-run`).

@@ -1,5 +1,6 @@
 """Time economics of a run: a training step's seconds on a named GPU, and the preflight that
-checks them against the job's time limit and its preemption signal's lead.
+checks them against the job's time limit and its preemption signal's lead, and what a hard
+preemption loses with each way to checkpoint (`hard_preemption`).
 
     python -m areal_hpc.plan time CONFIG.yaml [key=value ...] --gpu h100 [--mfu 0.35]
         [--gen-tok-s X] [--out-len N] [--ckpt-gb-s X] [--time-limit 24h] [--signal-lead 1200]
@@ -13,6 +14,16 @@ single step plus its checkpoint cannot finish between the preemption signal and 
 progress and the checkpoint must fit in the lead), and warns when `checkpoint.every_steps` steps
 take longer than the time limit (no timed checkpoint within an attempt: a kill loses it all).
 Skipped on CPU and when `topology.gpu` is "".
+
+A hard preemption (SIGTERM, then SIGKILL after the partition's GraceTime) lands at a random time
+and loses the work since the last complete checkpoint's step: on average half a checkpoint
+period plus the time from a period's start until its checkpoint is complete (a kill before that
+goes back one period more), and the restart. `hard_preemption` states it for the config's
+cadence, for a synchronous checkpoint after every step, and for an asynchronous one
+(checkpoint.async_save: the step stalls only to stage the shards, the write and the CRC read
+overlap the next step, and the checkpoint is complete at the first step boundary or mid-step
+decision point after them), with the GraceTime that lets a SIGTERM between steps lose nothing
+but the restart.
 
 FLOPs of one training step (the whole trainer), n = B x group_size sequences of s tokens each,
 s = prompt + output tokens, T = n s tokens, N = n x output tokens:
@@ -358,6 +369,7 @@ def time_command(args, console) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     render_time(est, console)
+    render_preemption(hard_preemption(est), console)
     rows = waits(est)
     render_waits(rows, console)
     refuse, warning = budget_problems(est, limit, lead, "--time-limit", "--signal-lead")
@@ -368,6 +380,146 @@ def time_command(args, console) -> int:
         print(f"error: {refuse}", file=sys.stderr)
         return 2
     return 0
+
+
+# ------------------------------------------------------------------------------ hard preemption
+
+# ASSUMPTIONS: an asynchronous save stages each rank's shards in host memory at this rate (a
+# device-to-host copy into pageable memory); a requeued job spends this long before its first
+# step besides reading the checkpoint and generating the first batch (ranks, Megatron, vLLM
+# engines; the wait in the queue is the site's and not counted).
+HOST_COPY_BYTES_S = 10e9
+RESTART_FIXED_S = 300.0
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """A way to checkpoint, and what it costs: the trainer's stall per checkpoint, the time from
+    a checkpoint's start until it is complete, the checkpoint period (`every` steps and the
+    stall), and the mean work a kill at a random time loses (the restart aside)."""
+    every: int
+    asynchronous: bool
+    stall_s: float
+    complete_s: float
+    period_s: float
+
+    @property
+    def loss_s(self) -> float:
+        # a kill at u in [0, period): lost u once the checkpoint is complete, else u + period
+        return self.period_s / 2 + self.complete_s
+
+    @property
+    def name(self) -> str:
+        return (f"{'async' if self.asynchronous else 'sync'}, every "
+                + ("step" if self.every == 1 else f"{self.every} steps"))
+
+
+@dataclass(frozen=True)
+class HardPreemption:
+    """What a hard preemption costs a config: by cadence, the restart, the GraceTime."""
+    cadences: list[Cadence]         # the config's first
+    staged_bytes: float             # per rank, the largest, for an asynchronous save
+    restart_parts: dict[str, float]
+    ckpt_s: float                   # a checkpoint's write and CRC read
+
+    @property
+    def restart_s(self) -> float:
+        return sum(self.restart_parts.values())
+
+    @property
+    def grace_s(self) -> float:
+        """The GraceTime that lets a SIGTERM between steps lose only the restart: the
+        preemption's checkpoint (or the completion of the asynchronous one in flight, whose
+        shards it then links), plus the stop's margin (generators, rollout log, exit)."""
+        from ..preemption import MID_STEP_MARGIN_S
+        return self.ckpt_s + MID_STEP_MARGIN_S
+
+
+def staged_bytes_per_rank(cfg: RunConfig, params: float) -> float:
+    """What the largest trainer rank writes, which an asynchronous save stages in host memory
+    (train/checkpoint.staged_bytes): its model shard (data-parallel rank 0 writes the
+    replicated weights) and its optimizer shard (fp32 main weights and Adam moments, divided
+    over dp by the distributed optimizer, else written by data-parallel rank 0), the layers
+    taken as even over the pipeline stages."""
+    t = cfg.topology
+    shard = params / (t.tp * t.pp)
+    half = cfg.model.dtype != "float32"
+    dp = max(1, t.n_trainers // (t.tp * t.pp))
+    opt = (12 if half else 8) * shard / (dp if cfg.train.distributed_optimizer else 1)
+    return (2 if half else 4) * shard + opt
+
+
+def _seal_points(est: StepTime, every: int) -> list[float]:
+    """Seconds after a checkpoint began (at a step's end) at which the trainer ranks can seal
+    it: each step boundary of the period and, with checkpoint.mid_step_stop, each mid-step
+    decision point (before π_prox, after each minibatch but the last), a step taken as the wait
+    for its batch, then π_prox, then the minibatches."""
+    cfg, fl = est.cfg, est.flops
+    m = cfg.train.ppo_minibatches
+    prox = est.train_s * fl.prox / fl.total if fl.total else 0.0
+    wait = est.interval_s - est.step_s
+    points = []
+    for k in range(every):
+        start = k * est.interval_s + wait
+        if cfg.checkpoint.mid_step_stop:
+            points.append(start)
+            points += [start + prox + j * (est.train_s - prox) / m for j in range(1, m)]
+        points.append((k + 1) * est.interval_s)
+    return points
+
+
+def cadence(est: StepTime, every: int, asynchronous: bool, stage_s: float = 0.0) -> Cadence:
+    """`every` steps per checkpoint, written synchronously (the trainer stalls for the write
+    and the CRC read: `est.ckpt_s`) or asynchronously (it stalls `stage_s`; the checkpoint is
+    complete at the first seal point after the write and read, or when the next save waits for
+    them)."""
+    if not asynchronous:
+        return Cadence(every, False, est.ckpt_s, est.ckpt_s, every * est.interval_s + est.ckpt_s)
+    late = [t for t in _seal_points(est, every) if t >= est.ckpt_s]
+    complete = stage_s + (late[0] if late else est.ckpt_s)
+    return Cadence(every, True, stage_s, complete,
+                   stage_s + max(every * est.interval_s, est.ckpt_s))
+
+
+def hard_preemption(est: StepTime) -> HardPreemption:
+    """What a hard preemption costs `est.cfg` (see the module docstring): its own cadence,
+    synchronous and asynchronous checkpoints after every step, the restart, the GraceTime."""
+    cfg = est.cfg
+    params = est.ckpt_bytes / (14 if cfg.model.dtype != "float32" else 12)
+    staged = staged_bytes_per_rank(cfg, params)
+    stage_s = staged / HOST_COPY_BYTES_S
+    ck = cfg.checkpoint
+    own = cadence(est, ck.every_steps or cfg.train.total_steps, ck.async_save, stage_s)
+    rows = [own] + [c for c in (cadence(est, 1, False), cadence(est, 1, True, stage_s))
+                    if (c.every, c.asynchronous) != (own.every, own.asynchronous)]
+    parts = {"start": RESTART_FIXED_S,
+             "checkpoint read (CRC check, load)": 2 * est.ckpt_bytes / est.ckpt_bytes_s,
+             "the first batch generated": est.gen_s}
+    return HardPreemption(rows, staged, parts, est.ckpt_s)
+
+
+def render_preemption(hp: HardPreemption, console) -> None:
+    from rich.table import Table
+
+    tab = Table(title="a hard preemption (SIGTERM, SIGKILL after GraceTime) at a random time")
+    for col in ("checkpoint", "stall per step", "complete after", "lost on average",
+                "with the restart"):
+        tab.add_column(col, justify="left" if col == "checkpoint" else "right")
+    for i, c in enumerate(hp.cadences):
+        per_step = c.stall_s / c.every
+        tab.add_row(c.name + (" (this config)" if i == 0 else ""),
+                    f"{per_step:,.0f} s ({per_step / (c.period_s / c.every):.1%})",
+                    _fmt_s(c.complete_s), _fmt_s(c.loss_s), _fmt_s(c.loss_s + hp.restart_s))
+    console.print(tab)
+    console.print("  restart " + _fmt_s(hp.restart_s) + ": " + ", ".join(
+        f"{k} {_fmt_s(v)}" for k, v in hp.restart_parts.items()) +
+        f" (ASSUMED start {RESTART_FIXED_S:.0f} s; the queue wait not counted)")
+    console.print(f"  an asynchronous save stages {hp.staged_bytes / 2**30:,.1f} GiB of host "
+                  f"memory on the largest trainer rank (checkpoint.async_max_host_gb), copied at "
+                  f"an ASSUMED {HOST_COPY_BYTES_S / 1e9:g} GB/s")
+    console.print(f"  GraceTime >= {math.ceil(hp.grace_s)} s (a checkpoint, {hp.ckpt_s:,.0f} s, "
+                  f"and the stop's margin) lets a SIGTERM between steps lose only the restart; "
+                  f"one mid-step loses the table's work")
 
 
 def render_time(est: StepTime, console) -> None:

@@ -17,10 +17,14 @@ The rollout log is flushed before the checkpoint is written (`RolloutWriter` flu
 so every row the state refers to is on disk. Only the newest `keep` checkpoints are kept.
 
 A save is `begin_save` (the empty folder), the shards, then `finish_save` (state.h5, manifest,
-pruning), both collective over the trainer ranks (the MPI trainer communicator); a load reads
-`read_state` and restores each rank's RNG states with `restore_rng`. `find_latest` runs on one
-process, or collectively over the trainer ranks, which then split the CRC-32 checks of each
-candidate's files by bytes (`split_files`). Nothing here knows a model or an optimizer.
+pruning), both collective over the trainer ranks (the MPI trainer communicator); an asynchronous
+one writes state.h5 when it begins (`write_run_state`: the step's RNG states and controller
+state, not the later ones) and `seal`s the folder once the shards are written on every rank. A
+save of a step whose complete checkpoint exists is written beside it (`step_N.next`, which no
+reader lists) and replaces it only when sealed: a kill meanwhile leaves the complete one. A
+load reads `read_state` and restores each rank's RNG states with `restore_rng`. `find_latest`
+runs on one process, or collectively over the trainer ranks, which then split the CRC-32 checks
+of each candidate's files by bytes (`split_files`). Nothing here knows a model or an optimizer.
 """
 from __future__ import annotations
 
@@ -47,6 +51,13 @@ MANIFEST = "manifest.json"
 STATE = "state.h5"
 SHARDS = "megatron"
 _PREFIX = "step_"
+# A save of a step that already has a complete checkpoint is written into `step_N.next` and
+# swapped in when sealed (the old one renamed `step_N.old`, then deleted); neither name is listed.
+STAGED, REPLACED = ".next", ".old"
+# The CRC-32s of the shard files a rank's writer wrote, read back by the writer itself (an
+# asynchronous save's writer process), for the manifest: `<folder>/.sums.<rank>.tmp` (a .tmp file
+# is never part of a checkpoint), taken at the seal.
+_SUMS = ".sums.{rank}.tmp"
 
 
 def step_dir(run_dir: str | os.PathLike, step: int) -> Path:
@@ -73,6 +84,33 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
 
 def crc32_file(path: Path, chunk: int = 1 << 24) -> int:
     return _crc32_counted(path, chunk)[0]
+
+
+def write_sums(folder: Path, rank: int, files: list[Path], seconds: float) -> None:
+    """Record the size and CRC-32 of `files` (written by this rank, inside `folder`) and the
+    seconds the write took, for `take_sums`. A file that cannot be read is left out: the seal
+    reads it (and a failed write fails the save before that)."""
+    sums = {}
+    for path in files:
+        try:
+            crc, n = _crc32_counted(Path(path))
+        except OSError:
+            continue
+        sums[str(Path(path).relative_to(folder))] = {"size": n, "crc32": crc}
+    (folder / _SUMS.format(rank=rank)).write_text(json.dumps({"files": sums,
+                                                               "seconds": seconds}))
+
+
+def take_sums(folder: Path, rank: int) -> tuple[dict, float | None]:
+    """({relative path: {size, crc32}}, the write's seconds) that `write_sums` recorded for
+    `rank`, the record deleted; ({}, None) when there is none (nothing written by this rank)."""
+    path = folder / _SUMS.format(rank=rank)
+    try:
+        record = json.loads(path.read_text())
+        path.unlink()
+    except (OSError, ValueError):
+        return {}, None
+    return record["files"], record["seconds"]
 
 
 def _crc32_counted(path: Path, chunk: int = 1 << 24) -> tuple[int, int]:
@@ -409,7 +447,12 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the renames in `folder` durable."""
+    fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -423,68 +466,159 @@ def _rank(comm) -> int:
 
 
 def begin_save(run_dir: str | os.PathLike, step: int, comm=None) -> Path:
-    """The folder of the checkpoint of `step`, empty but for its `megatron/` folder (where the
-    shards go). A folder of the same step that a save did not finish is removed first.
-    Collective over the trainer ranks: rank 0 makes it, every rank returns once it is there."""
-    ckpt = step_dir(run_dir, step)
+    """The folder to write the checkpoint of `step` into, empty but for its `megatron/` folder
+    (where the shards go): `step_dir`, or `step_N.next` beside a complete checkpoint of the same
+    step (which stays until `seal` replaces it). A folder of the step that a save did not finish
+    is removed first. Collective over the trainer ranks: rank 0 makes it, every rank returns it
+    once it is there."""
+    final = step_dir(run_dir, step)
+    folder = None
     if _rank(comm) == 0:
-        if ckpt.exists():           # a save of the same step that did not finish
-            shutil.rmtree(ckpt)
-        (ckpt / SHARDS).mkdir(parents=True)
-    _barrier(comm)
-    return ckpt
+        folder = final
+        for leftover in (_sibling(final, STAGED), _sibling(final, REPLACED)):
+            shutil.rmtree(leftover, ignore_errors=True)
+        if final.exists():
+            try:
+                _validate_listing(final)
+                folder = _sibling(final, STAGED)    # complete: keep it until the new one is
+            except CheckpointError:
+                shutil.rmtree(final)                # a save of the same step that did not finish
+        (folder / SHARDS).mkdir(parents=True)
+    if comm is not None:
+        folder = Path(coll.bcast(comm, str(folder) if folder else None, root=0,
+                                 what=f"checkpoint step {step}: its folder"))
+    return folder
+
+
+def link_shards(run_dir: str | os.PathLike, step: int, comm=None) -> tuple[Path, dict] | None:
+    """A new checkpoint of `step` begun beside its complete one (`begin_save`), with the old one's
+    `megatron/` files as hard links (no byte copied: for a save of the same weights and optimizer
+    with a new run state); returns (the folder, the manifest entries of the linked files, on rank
+    0; {} elsewhere), or None where there is no complete checkpoint of `step` or the filesystem
+    refuses hard links. Collective over the trainer ranks."""
+    folder = begin_save(run_dir, step, comm)
+    final = step_dir(run_dir, step)
+    linked: dict | None = None
+    if _rank(comm) == 0 and folder != final:
+        try:
+            files = _validate_listing(final)["files"]
+            linked = {rel: meta for rel, meta in files.items() if rel.startswith(SHARDS + "/")}
+            for rel in linked:
+                (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+                os.link(final / rel, folder / rel)
+        except (OSError, CheckpointError) as exc:
+            log.info("checkpoint step %d: the shards of %s not linked (%s); writing them", step,
+                     final, exc)
+            linked = None
+    ok = linked is not None
+    if comm is not None:
+        ok = coll.bcast(comm, ok, root=0, what=f"checkpoint step {step}: shards linked")
+    return (folder, linked or {}) if ok else None     # else: begin_save again, writing them
+
+
+def _sibling(ckpt: Path, suffix: str) -> Path:
+    return ckpt.with_name(ckpt.name + suffix)
 
 
 def finish_save(run_dir: str | os.PathLike, step: int, *, scheduler: dict | None,
                 controller_state: dict | None, config_yaml: str, optimizer_format: str,
-                optimizer_state: bool, keep: int, started: float, comm=None) -> Path:
+                optimizer_state: bool, keep: int, started: float, comm=None,
+                folder: Path | None = None) -> Path:
     """Complete the checkpoint of `step` once its shards are written (collective over the
-    trainer ranks); returns its folder. Writes state.h5 (`write_state`, on rank 0, with every
-    trainer rank's `rng_state()`), then the manifest (`write_manifest`), then keeps the newest
-    `keep` checkpoints.
+    trainer ranks); returns its folder: `write_run_state`, then `seal`.
 
     Args:
         scheduler: the LR scheduler's state dict (or None); controller_state: the controller's
         state (trainer rank 0 only; see Controller.state); optimizer_format, optimizer_state:
         see `write_state`. started: `time.monotonic()` when the save began (for the log line).
         comm: the MPI communicator of the trainer ranks (None: a single trainer rank).
+        folder: what `begin_save` returned (default `step_dir`).
     """
-    rank = _rank(comm)
-    ckpt = step_dir(run_dir, step)
+    folder = step_dir(run_dir, step) if folder is None else folder
+    write_run_state(folder, step, scheduler=scheduler, controller_state=controller_state,
+                    config_yaml=config_yaml, optimizer_format=optimizer_format,
+                    optimizer_state=optimizer_state, comm=comm)
+    return seal(run_dir, step, folder, keep=keep, started=started, comm=comm)
+
+
+def write_run_state(folder: Path, step: int, *, scheduler: dict | None,
+                    controller_state: dict | None, config_yaml: str, optimizer_format: str,
+                    optimizer_state: bool, comm=None) -> None:
+    """state.h5 of `step` in `folder` (`write_state`, on rank 0, with every trainer rank's
+    `rng_state()` as it is now); collective over the trainer ranks. Arguments: `finish_save`'s."""
     rngs = (coll.gather(comm, rng_state(), root=0, what=f"checkpoint step {step}: RNG states")
             if comm is not None else [rng_state()])
-    if rank == 0:
-        write_state(ckpt / STATE, step=step, config_yaml=config_yaml, scheduler=scheduler,
+    if _rank(comm) == 0:
+        write_state(folder / STATE, step=step, config_yaml=config_yaml, scheduler=scheduler,
                     rng=rngs, controller=controller_state,
                     optimizer_format=optimizer_format, optimizer_state=optimizer_state)
     _barrier(comm)
-    manifest = write_manifest(ckpt, step, comm)
+
+
+def seal(run_dir: str | os.PathLike, step: int, folder: Path, *, keep: int, started: float,
+         comm=None, known: dict | None = None) -> Path:
+    """Make `folder` (from `begin_save`, its shards and state.h5 written on every rank) the
+    complete checkpoint of `step`: the manifest (`write_manifest`, `known`: see there), then,
+    for a `step_N.next` folder, the swap with the complete checkpoint it replaces, then the
+    newest `keep` checkpoints kept (`_prune`). Collective over the trainer ranks; returns the
+    checkpoint's folder."""
+    rank = _rank(comm)
+    manifest = write_manifest(folder, step, comm, known)
+    ckpt = step_dir(run_dir, step)
     if rank == 0:
-        _prune(run_dir, keep)
+        if folder != ckpt:
+            _swap(ckpt, folder)
+        _prune(run_dir, keep, newest=step)
         log.info("checkpoint step %d written in %.1fs (%.1f MB): %s", step,
                  time.monotonic() - started, manifest["bytes"] / 1e6, ckpt)
     _barrier(comm)
     return ckpt
 
 
-def write_manifest(ckpt: Path, step: int, comm=None) -> dict | None:
+def _swap(ckpt: Path, staged: Path) -> None:
+    """`staged` (complete) in place of the complete checkpoint `ckpt`: two renames, then the old
+    one deleted. A kill between the renames (microseconds) leaves neither listed: resume then
+    takes the previous checkpoint."""
+    old = _sibling(ckpt, REPLACED)
+    shutil.rmtree(old, ignore_errors=True)
+    if ckpt.exists():
+        os.rename(ckpt, old)
+    os.rename(staged, ckpt)
+    _fsync_dir(ckpt.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def write_manifest(ckpt: Path, step: int, comm=None, known: dict | None = None) -> dict | None:
     """manifest.json of every file in `ckpt` (written last, atomically: the checkpoint is
     complete from then on); returns it on rank 0, None on the others. Collective: the CRC-32s
-    are split over the trainer ranks (a 32B checkpoint is hundreds of GB)."""
+    are split over the trainer ranks (a 32B checkpoint is hundreds of GB). `known`: {relative
+    path: {size, crc32}} this rank already has (its writer read back the files it wrote:
+    `write_sums`; or the entries of linked files), each used while the file has that size;
+    every other file is read here."""
     rank = _rank(comm)
-    files = _files(ckpt) if rank == 0 else None
+    parts = (coll.gather(comm, known or {}, root=0, what=f"checkpoint step {step}: the known "
+                         f"CRC-32s") if comm is not None else [known or {}])
+    have, todo = {}, None
+    if rank == 0:
+        files = _files(ckpt)
+        for part in parts:
+            have.update({rel: m for rel, m in part.items() if rel in files})
+        have = {rel: m for rel, m in have.items() if (ckpt / rel).stat().st_size == m["size"]}
+        todo = [rel for rel in files if rel not in have]
     if comm is not None:
-        files = coll.bcast(comm, files, root=0, what=f"checkpoint step {step}: the file list")
+        todo = coll.bcast(comm, todo, root=0, what=f"checkpoint step {step}: the files to read")
         size = comm.Get_size()
     else:
         size = 1
     mine = {rel: {"size": (ckpt / rel).stat().st_size, "crc32": crc32_file(ckpt / rel)}
-            for rel in files[rank::size]}
+            for rel in todo[rank::size]}
     parts = (coll.gather(comm, mine, root=0, what=f"checkpoint step {step}: CRC-32 of the files")
              if comm is not None else [mine])
     if rank != 0:
         return None
-    entries = {k: v for part in parts for k, v in sorted(part.items())}
+    entries = dict(have)
+    for part in parts:
+        entries.update(part)
     manifest = {"format": FORMAT, "step": step, "created": time.time(),
                 "files": dict(sorted(entries.items())),
                 "bytes": sum(v["size"] for v in entries.values())}
@@ -492,10 +626,15 @@ def write_manifest(ckpt: Path, step: int, comm=None) -> dict | None:
     return manifest
 
 
-def _prune(run_dir, keep: int) -> None:
-    """Keep the newest `keep` valid checkpoints (sizes checked); delete every other folder."""
+def _prune(run_dir, keep: int, newest: int | None = None) -> None:
+    """Keep the newest `keep` valid checkpoints (sizes checked) up to step `newest` (default:
+    all); delete every other folder up to it, and the `step_N.next` / `step_N.old` leftovers of a
+    save killed before its seal. A folder of a later step is left alone: a save in flight, whose
+    checkpoint is not complete yet, neither counts among the `keep` nor is deleted."""
     valid = 0
     for ckpt in list_checkpoints(run_dir):
+        if newest is not None and step_of(ckpt) > newest:
+            continue
         if valid < keep:
             try:
                 validate(ckpt, check_crc=False)
@@ -504,6 +643,12 @@ def _prune(run_dir, keep: int) -> None:
             except CheckpointError:
                 pass
         shutil.rmtree(ckpt, ignore_errors=True)
+    root = Path(run_dir) / CHECKPOINTS
+    for suffix in (STAGED, REPLACED):
+        for leftover in root.glob(f"{_PREFIX}*{suffix}"):
+            step = step_of(leftover.with_name(leftover.name[:-len(suffix)]))
+            if step is not None and (newest is None or step <= newest):
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 def restore_rng(ckpt: Path, state: dict[str, Any], comm=None) -> None:

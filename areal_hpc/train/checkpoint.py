@@ -9,12 +9,23 @@ the manifest and its checksums, validation, pruning) is areal_hpc/storage/checkp
 shards, the MPI trainer communicator for small objects); `load_model` runs on one process.
 `find_resume` (collective) finds the checkpoint to resume from, every trainer rank checking the
 CRC-32s of the shard files it wrote itself.
+
+`Checkpointer` writes a run's checkpoints, synchronously or with Megatron's asynchronous save
+(`dist_checkpointing.save(..., async_sharded_save=True)`, scheduled on its `AsyncCallsQueue`):
+the step stalls while the shards are planned and staged (copied to host memory on GPUs; on
+CPU the writer is a fork of the rank, its pages a snapshot), a writer process writes them and
+reads them back for their CRC-32s, and the checkpoint is sealed (Megatron's finalization, then
+the manifest) at the first `poll` after the write ended on every rank. Until then the folder
+has no manifest: resume never picks it, and a kill falls back to the previous checkpoint.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +34,8 @@ from ..storage import checkpoint as store
 from ..storage.checkpoint import DISTRIBUTED, PLAIN, SHARDS, STATE, CheckpointError
 from ..transport import mpi as coll
 
+
+log = logging.getLogger(__name__)
 
 # torch dist-checkpointing names the shard files `[prefix]__<rank>_<n>.distcp`, by the writer's
 # torch.distributed rank: the trainer rank (the default group is over the trainer ranks).
@@ -115,7 +128,8 @@ def _sharded_state(model, optimizer, is_loading: bool = False, with_optimizer: b
 def save(run_dir: str | os.PathLike, step: int, *, model, optimizer, scheduler=None,
          controller_state: dict | None = None, config_yaml: str = "", keep: int = 2,
          comm=None) -> Path:
-    """Write the checkpoint of `step` (collective over the trainer ranks); returns its folder.
+    """Write the checkpoint of `step` (collective over the trainer ranks); returns its folder
+    (complete on return: a synchronous `Checkpointer.save`).
 
     Args:
         model: the Megatron DDP-wrapped model of this rank; optimizer: Megatron's optimizer;
@@ -124,25 +138,215 @@ def save(run_dir: str | os.PathLike, step: int, *, model, optimizer, scheduler=N
         keep: how many checkpoints to keep (older ones are deleted after this one is valid).
         comm: the MPI communicator of the trainer ranks (None: a single trainer rank).
     """
-    from megatron.core import dist_checkpointing
+    return Checkpointer(run_dir, keep=keep, comm=comm).save(
+        step, model=model, optimizer=optimizer, scheduler=scheduler,
+        controller_state=controller_state, config_yaml=config_yaml)
 
-    from .cpu_compat import CudaToCpuMode
+
+@dataclass
+class _Pending:
+    """An asynchronous save in flight."""
+    step: int
+    folder: Path
+    started: float              # time.monotonic() when the save began
+    stall_s: float              # what it cost the trainer: planning, staging, state.h5
+
+
+class Checkpointer:
+    """The checkpoints of one run, written synchronously or asynchronously (the module
+    docstring). Every method but `abandon` is collective over the trainer ranks: every rank calls
+    it at the same point of the loop.
+
+    At most one save is in flight: a save first completes the one before it (`wait`). A save of
+    the step this Checkpointer completed last (a preemption's, right after a periodic one) must
+    hold the same model and optimizer: it links that checkpoint's shards (no byte written) and
+    writes only the new run state (`storage.checkpoint.link_shards`); the complete one is
+    replaced only once the new one is sealed.
+
+    Args:
+        run_dir: the run's directory; keep: the checkpoints kept (older ones are deleted once
+            a newer one is complete); comm: the MPI communicator of the trainer ranks (None: a
+            single trainer rank).
+        async_save: `save(wait=False)` writes asynchronously (checkpoint.async_save).
+        max_host_bytes: the most bytes any rank may stage for an asynchronous save; a save
+            above it on any rank is synchronous (0: no bound).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, *, keep: int = 2, comm=None,
+                 async_save: bool = False, max_host_bytes: int = 0):
+        self.run_dir, self.keep, self.comm = Path(run_dir), keep, comm
+        self.async_save, self.max_host_bytes = async_save, max_host_bytes
+        self.rank = comm.Get_rank() if comm is not None else 0
+        self.seconds = 0.0      # the last complete save's time, as a synchronous one takes it
+        self.staged_bytes = 0   # what this rank's last save staged (host memory when async)
+        self._queue = None      # Megatron's AsyncCallsQueue, at the first asynchronous save
+        self._pending: _Pending | None = None
+        self._sealed: tuple[int, Path] | None = None     # (step, folder) completed last
+        self._warned = False
+
+    @property
+    def pending(self) -> int | None:
+        """The step of the save in flight, or None."""
+        return self._pending.step if self._pending else None
+
+    def save(self, step: int, *, model, optimizer, scheduler=None,
+             controller_state: dict | None = None, config_yaml: str = "",
+             wait: bool = True) -> Path | None:
+        """Checkpoint `step`: its folder once complete (`wait`, or a synchronous save), None
+        while an asynchronous one is in flight. The run state (state.h5: RNG states, scheduler,
+        controller state) is of this moment either way. Arguments: see `save` (the function)."""
+        from megatron.core import dist_checkpointing
+
+        from .cpu_compat import CudaToCpuMode
+        self.wait()
+        t0 = time.monotonic()
+        comm = self.comm
+        # Before the optimizer's first step it has no state: only the model is written (Megatron
+        # would write a plain optimizer's param groups without any moments, which then fail every
+        # load with KeyError '...exp_avg...', and the distributed optimizer's state_dict() asserts).
+        with_opt = _has_state(optimizer, comm)
+        run_state = partial(store.write_run_state, step=step,
+                            scheduler=scheduler.state_dict() if scheduler is not None else None,
+                            controller_state=controller_state, config_yaml=config_yaml,
+                            optimizer_format=_optimizer_format(optimizer),
+                            optimizer_state=with_opt, comm=comm)
+        linked = (store.link_shards(self.run_dir, step, comm)
+                  if self._sealed is not None and self._sealed[0] == step else None)
+        if linked is not None:
+            folder, known = linked
+            run_state(folder)
+            return self._seal(step, folder, t0, known)
+        folder = store.begin_save(self.run_dir, step, comm)
+        # Megatron's writer processes (and the results Manager process it starts at the first
+        # save and keeps) must outlive USR1 and TERM: they write the checkpoint a preemption
+        # asks for, or finish an asynchronous one within a hard preemption's grace time.
+        with CudaToCpuMode(), preemption.shield_children(term=True):
+            request = dist_checkpointing.save(
+                _sharded_state(model, optimizer, with_optimizer=with_opt), str(folder / SHARDS),
+                async_sharded_save=True)
+        run_state(folder)
+        if request.async_fn is not None:
+            request = request._replace(async_fn=partial(_write_then_sum, request.async_fn,
+                                                        folder, self.rank))
+        self.staged_bytes = staged_bytes(request)
+        if not (self.async_save and not wait and self._may_stage(step)):
+            with CudaToCpuMode(), preemption.shield_children(term=True):
+                request.execute_sync()
+            return self._seal(step, folder, t0)
+        if self._queue is None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+            self._queue = AsyncCallsQueue()
+        with CudaToCpuMode(), preemption.shield_children(term=True):
+            self._queue.schedule_async_request(request)
+        self._pending = _Pending(step, folder, t0, time.monotonic() - t0)
+        return None
+
+    def poll(self) -> Path | None:
+        """Seal the save in flight if its write has ended on every rank (never waits for it);
+        returns its folder then, else None."""
+        return self._finalize(blocking=False)
+
+    def wait(self) -> Path | None:
+        """Wait for the save in flight to be written and seal it; its folder, or None if none
+        was in flight."""
+        return self._finalize(blocking=True)
+
+    def abandon(self) -> None:
+        """Drop the save in flight without sealing it (this rank alone: an error path, or a
+        test of a kill): its writer process is killed, its folder stays without a manifest (never
+        a checkpoint) until a later save of that step or pruning removes it."""
+        if self._pending is None:
+            return
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+        while self._queue.async_calls:
+            call = self._queue.async_calls.popleft()
+            process = getattr(call.async_caller, "process", None)
+            call.async_caller.close(abort=True)
+            if process is not None:
+                process.join()
+        results = filesystem_async._results_queue      # the write's results, if it got that far
+        while results is not None and not results.empty():
+            results.get_nowait()
+        self._pending = None
+
+    def _may_stage(self, step: int) -> bool:
+        """Whether every rank's staged bytes are within `max_host_bytes` (collective); rank 0
+        warns once when they are not."""
+        sizes = (coll.gather(self.comm, self.staged_bytes, root=0,
+                             what=f"checkpoint step {step}: staged bytes")
+                 if self.comm is not None else [self.staged_bytes])
+        ok = None
+        if self.rank == 0:
+            ok = not self.max_host_bytes or max(sizes) <= self.max_host_bytes
+            if not ok and not self._warned:
+                self._warned = True
+                log.warning("checkpoint step %d: an asynchronous save would hold %.1f GiB of "
+                            "host memory on a trainer rank, over checkpoint.async_max_host_gb="
+                            "%.1f: saving synchronously", step, max(sizes) / 2**30,
+                            self.max_host_bytes / 2**30)
+        if self.comm is not None:
+            ok = coll.bcast(self.comm, ok, root=0, what=f"checkpoint step {step}: async or not")
+        return ok
+
+    def _finalize(self, blocking: bool) -> Path | None:
+        from .cpu_compat import CudaToCpuMode
+        pending = self._pending
+        if pending is None:
+            return None
+        try:
+            with CudaToCpuMode():
+                done = self._queue.maybe_finalize_async_calls(blocking=blocking)
+        except BaseException:
+            self._pending = None        # Megatron's finalization failed on every rank
+            raise
+        if not done:
+            return None
+        self._pending = None
+        return self._seal(pending.step, pending.folder, pending.started, stall_s=pending.stall_s)
+
+    def _seal(self, step: int, folder: Path, t0: float, known: dict | None = None,
+              stall_s: float | None = None) -> Path:
+        """The manifest (with the CRC-32s this rank's writer read back), the swap with a
+        complete checkpoint of the same step, pruning (`storage.checkpoint.seal`)."""
+        sums, write_s = store.take_sums(folder, self.rank)
+        t_seal = time.monotonic()
+        ckpt = store.seal(self.run_dir, step, folder, keep=self.keep, started=t0,
+                          comm=self.comm, known={**sums, **(known or {})})
+        now = time.monotonic()
+        # a synchronous save's time: what the mid-step decision expects a preemption's to take
+        self.seconds = (now - t0 if stall_s is None
+                        else stall_s + (write_s or 0.0) + now - t_seal)
+        self._sealed = (step, ckpt)
+        return ckpt
+
+
+def _write_then_sum(write, folder: Path, rank: int, *args, **kwargs) -> None:
+    """Megatron's write of this rank's shards (`write(*args)`: FileSystemWriterAsync's, args =
+    [rank, write buckets, results queue]), then their CRC-32s read back for the manifest
+    (`storage.checkpoint.write_sums`): in the writer process of an asynchronous save, beside
+    the training, not at the seal."""
     t0 = time.monotonic()
-    ckpt = store.begin_save(run_dir, step, comm)
-    # Before the optimizer's first step it has no state: only the model is written (Megatron
-    # would write a plain optimizer's param groups without any moments, which then fail every
-    # load with KeyError '...exp_avg...', and the distributed optimizer's state_dict() asserts).
-    with_opt = _has_state(optimizer, comm)
-    # Its writer processes (and the results Manager process Megatron starts at the first save
-    # and keeps) must outlive USR1 and TERM: they write the checkpoint a preemption asks for.
-    with CudaToCpuMode(), preemption.shield_children(term=True):
-        dist_checkpointing.save(_sharded_state(model, optimizer, with_optimizer=with_opt),
-                                str(ckpt / SHARDS))
-    return store.finish_save(
-        run_dir, step, scheduler=scheduler.state_dict() if scheduler is not None else None,
-        controller_state=controller_state, config_yaml=config_yaml,
-        optimizer_format=_optimizer_format(optimizer), optimizer_state=with_opt, keep=keep,
-        started=t0, comm=comm)
+    write(*args, **kwargs)
+    store.write_sums(folder, rank, [Path(bucket[0]) for bucket in args[1]],
+                     time.monotonic() - t0)
+
+
+def staged_bytes(request) -> int:
+    """The bytes this rank's save writes, which an asynchronous save holds in host memory until
+    written: the tensors and byte items of its write buckets (FileSystemWriterAsync:
+    `async_fn_args` = [rank, buckets, results queue], a bucket = (file, key, (byte items,
+    tensor items))). On GPUs they are copied to host memory when the save is scheduled; on CPU
+    the writer is a fork of the rank, whose pages the next step's updates copy (as many bytes
+    at most)."""
+    if request.async_fn is None:
+        return 0
+    total = 0
+    for _, _, (byte_items, tensor_items) in request.async_fn_args[1]:
+        for _, data in byte_items:
+            with data.getbuffer() as view:
+                total += view.nbytes
+        total += sum(t.numel() * t.element_size() for _, t in tensor_items)
+    return total
 
 
 def _checkpoint_has_optimizer_state(ckpt: Path, state: dict) -> bool:

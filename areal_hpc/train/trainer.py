@@ -90,20 +90,35 @@ class Trainer:
             self.run_dir.truncate_metrics(self.version)     # the later steps are trained again
         return state
 
-    def _checkpoint(self) -> None:
-        """Checkpoint after `self.version` steps (collective over the trainer ranks)."""
+    _saver: checkpoint.Checkpointer | None = None      # made at the first checkpoint
+
+    def _checkpoint(self, wait: bool = True) -> None:
+        """Checkpoint after `self.version` steps (collective over the trainer ranks). With
+        checkpoint.async_save and not `wait` (the periodic ones) the shards are written while
+        the next steps train, and the checkpoint is complete at the first `_poll_checkpoint`
+        after; the final and preemption checkpoints are complete on return (a save first
+        completes the one in flight)."""
         from ..config import to_yaml
-        a = self.actor
+        a, ck = self.actor, self.cfg.checkpoint
         # Rank 0 may come from hours of controller work (the final evaluation, the generators'
         # last rows): the others wait for it as long as it is alive, then save together.
         coll.barrier(self.topo.role_comm, what=f"the checkpoint of step {self.version} (trainer "
                      f"rank 0 finishing its controller work)", alive=self.topo.controller_alive)
-        t0 = time.monotonic()
-        checkpoint.save(self.cfg.run_dir, self.version, model=a.model, optimizer=a.optimizer,
-                        scheduler=a.lr_scheduler, controller_state=self.lead.state(),
-                        config_yaml=to_yaml(self.cfg), keep=self.cfg.checkpoint.keep,
-                        comm=self.topo.role_comm)
-        self._checkpoint_s = time.monotonic() - t0
+        if self._saver is None:
+            self._saver = checkpoint.Checkpointer(
+                self.cfg.run_dir, keep=ck.keep, comm=self.topo.role_comm, async_save=ck.async_save,
+                max_host_bytes=int(ck.async_max_host_gb * 2**30))
+        self._saver.save(self.version, model=a.model, optimizer=a.optimizer,
+                         scheduler=a.lr_scheduler, controller_state=self.lead.state(),
+                         config_yaml=to_yaml(self.cfg), wait=wait)
+        # the last complete one's time, as a synchronous save takes it (a preemption's may)
+        self._checkpoint_s = self._saver.seconds or self._checkpoint_s
+
+    def _poll_checkpoint(self) -> None:
+        """Complete the asynchronous checkpoint in flight if its write has ended on every rank
+        (collective, never waits: at step boundaries and the mid-step decision points)."""
+        if self._saver is not None and self._saver.poll() is not None:
+            self._checkpoint_s = self._saver.seconds
 
     def _batch(self) -> tuple[BatchShare | None, Batch | None]:
         """Rank 0 gathers the batch from the controller and splits it (advantages, batch
@@ -158,7 +173,9 @@ class Trainer:
             self._last_publish_s = weight_sync_s
             self.lead.trained(step, self.version, batch, train_stats, weight_sync_s)
             if ck.every_steps and self.version % ck.every_steps == 0 and self.version < total:
-                self._checkpoint()
+                self._checkpoint(wait=False)
+            else:
+                self._poll_checkpoint()
             every = cfg.data.eval_every_steps
             if every and self.version % every == 0 and self.version < total:
                 self.lead.evaluate(f"step {self.version}", self.version)
@@ -183,7 +200,9 @@ class Trainer:
         """`train_share`'s decision point, collective over the trainer ranks (every rank takes
         the same branch): a preemption signal pending on any rank (its time gathered on rank 0,
         which adopts it, so the step boundary sees it too), and rank 0 judges whether the rest
-        of the step can end before the job's end (`preemption.mid_step_verdict`)."""
+        of the step can end before the job's end (`preemption.mid_step_verdict`). First, an
+        asynchronous checkpoint whose write has ended is completed (`_poll_checkpoint`)."""
+        self._poll_checkpoint()
         comm, t = self.topo.role_comm, self.cfg.rollout.collective_timeout_s
         rank0 = comm.Get_rank() == 0
         if rank0 and self._hook == (self.version, done):    # test hook (preemption.TEST_HOOK_ENV)

@@ -20,6 +20,7 @@ import pickle
 import sys
 import traceback
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -72,22 +73,31 @@ def _train(actor, batches, start: int) -> list[dict]:
     return [actor.train_step(seqs, start + i) for i, seqs in enumerate(batches)]
 
 
-def main() -> None:
+def start_world() -> tuple[int, Path, dict, GlooComm, Callable]:
+    """This rank's gloo world from the command line (RANK WORLD_SIZE PORT WORKDIR), Megatron's
+    groups at tp = pp = 1 (every rank a DP rank): (rank, WORKDIR, WORKDIR/in.pkl's spec, the
+    communicator, a maker of fresh Actors of the spec)."""
     rank, world, port, work = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    from areal_hpc.storage import checkpoint as ck
-    from areal_hpc.train import checkpoint as train_ck
     from areal_hpc.train.actor import Actor
     from areal_hpc.train.megatron_model import init_megatron_parallel
 
     spec = pickle.loads((work / "in.pkl").read_bytes())
+    init_megatron_parallel(1, 1, seed=spec["cfg"].seed, backend="gloo")
+    return rank, work, spec, GlooComm(), lambda: Actor(spec["cfg"], spec["model_dir"],
+                                                       **spec["actor"])
+
+
+def main() -> None:
+    from areal_hpc.storage import checkpoint as ck
+    from areal_hpc.train import checkpoint as train_ck
+    from areal_hpc.train.actor import Actor
+
+    rank, work, spec, comm, make = start_world()
     cfg, batches, k = spec["cfg"], spec["batches"], spec["save_at"]
-    init_megatron_parallel(1, 1, seed=cfg.seed, backend="gloo")
-    comm = GlooComm()
     run_dir = work / "run"
-    make = lambda: Actor(cfg, spec["model_dir"], **spec["actor"])   # noqa: E731
     out = {}
 
     def finish(tag, actor, stats):
