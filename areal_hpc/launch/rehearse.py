@@ -30,7 +30,6 @@ the ranks, the real step time, memory at size) is listed in the README's "Dress 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
 import sys
@@ -195,10 +194,13 @@ def release(job: str, env=None, timeout: float = 180) -> None:
 
 
 def steps_done(run: Path) -> list[int]:
-    path = run / "metrics.jsonl"
-    if not path.exists():
+    """The steps metrics.jsonl holds so far ([] before the first, or while a line is being
+    written: the caller polls again)."""
+    from ..storage.run_dir import RunDir, RunFileError
+    try:
+        return [m["step"] for m in RunDir(run).read_metrics()]
+    except RunFileError:
         return []
-    return [json.loads(x)["step"] for x in path.read_text().splitlines() if x.strip()]
 
 
 def rehearse(script: Path, model: Path, out_dir: Path, steps: int = 4, env=None,

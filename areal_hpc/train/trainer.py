@@ -60,6 +60,11 @@ class Trainer:
             self._checkpoint_s = time.monotonic() - t0
         self.lead = lead_of(cfg, topo, self.resumed["controller"] if self.resumed else None)
         self.publisher = WeightPublisher.for_trainer(cfg, topo, self.actor, self.lead.weight_notifier)
+        # The stage senders have joined the weight group, which waits for the generators' vLLM
+        # engines to start (minutes): the others wait here, polling, as long as rank 0 is alive,
+        # not in the blocking (spinning, unbounded) communicator splits of the batch route.
+        coll.barrier(topo.role_comm, what="trainer start-up (the weight group waits for the "
+                     "generators' engines)", alive=topo.controller_alive)
         # each batch: rank 0 -> one rank per data-parallel rank -> its TP/PP peers
         self.shares = coll.GroupScatter(topo.role_comm, group=self.actor.layout.dp_rank,
                                         timeout_s=cfg.rollout.collective_timeout_s,

@@ -69,8 +69,8 @@ def test_32b_recipe_rehearsal_on_four_namespaced_nodes(netns_cluster, jobs, tiny
     assert "trainers on node[1-2] (8 tasks), generators on node[3-4] (2 tasks)" in log, log[-3000:]
     second = (run / f"logs/job-{res['job']}/attempt-1/ranks.log").read_text(errors="replace")
     assert re.search(r"resuming from \S+step_0+[1-3]: [1-3] of 4 steps done", second), second[-3000:]
-    import json
-    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    from areal_hpc.storage.run_dir import RunDir
+    metrics = RunDir(run).read_metrics()
     # every step trained (a gradient through TP, PP and DP, the distributed optimizer stepped)
     assert all(m["grad_norm"] > 0 and m["no_signal_steps"] == 0 for m in metrics), metrics
     assert (run / "policy/config.json").exists()
