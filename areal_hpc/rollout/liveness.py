@@ -134,7 +134,9 @@ class ControllerWatch:
         rollout.generator_timeout_s; before its first message, when its beacon has fallen
         silent that long, or (no beat yet) after weights.join_timeout_s."""
         now = time.monotonic() if now is None else now
-        beat = self.beacon.poll(now) if self.beacon is not None and self.last_heard is None else None
+        # polled on every check, so that its beats never pile up in MPI's unexpected-message
+        # queue, which every receive of this rank searches
+        beat = self.beacon.poll(now) if self.beacon is not None else None
         if self.last_heard is None and beat is not None:
             # before its first message, trainer rank 0's beacon says it is alive (building the
             # model, loading a checkpoint, the initial evaluation's set-up): silence counts from it
@@ -145,7 +147,8 @@ class ControllerWatch:
             silent, bound, key = (now - self.last_heard, self.rollout.generator_timeout_s,
                                   "rollout.generator_timeout_s")
         if silent > bound:
-            what = "since this generator started " if self.last_heard is None else ""
+            what = ("" if self.last_heard is not None else "since its beacon's last beat "
+                    if beat is not None else "since this generator started ")
             msg = (f"{self.me}: controller (rank {CONTROLLER_RANK}, host "
                    f"{self.hosts[CONTROLLER_RANK]}) silent for {silent:.0f} s {what}({key} = "
                    f"{bound:g}): the trainer is gone; exiting")

@@ -30,6 +30,38 @@ def test_generator_gives_the_trainer_its_start_up_allowance():
     assert "weights.join_timeout_s = 100" in msg and "the trainer is gone; exiting" in msg
 
 
+class _Beacon:
+    """A stand-in for transport.beacon.RankWatch: `poll` returns the newest beat's time."""
+
+    def __init__(self, beats):
+        self.beats, self.polls = beats, 0
+
+    def poll(self, now):
+        self.polls += 1
+        heard = [b for b in self.beats if b <= now]
+        return max(heard) if heard else None
+
+
+def test_before_the_first_message_rank_0s_beacon_keeps_a_long_start_up_alive():
+    """Trainer rank 0 building its model and loading a checkpoint for longer than
+    weights.join_timeout_s is waited for while its beacon beats; once it falls silent for
+    rollout.generator_timeout_s the generator ends, naming that key. The beacon is polled on
+    every check (its beats must not pile up in MPI's queue)."""
+    beacon = _Beacon([1000.0 + 5 * k for k in range(60)])      # beats until 1295
+    cfg = RunConfig()
+    cfg.rollout.generator_timeout_s, cfg.weights.join_timeout_s = 20.0, 100.0
+    watch = ControllerWatch(cfg.rollout, cfg.weights, rank=1, hosts=["trainer-node", "gen-node"],
+                            t_start=1000.0, beacon=beacon)
+    watch.check(now=1000.0 + 250)      # past join_timeout_s, but rank 0 beats
+    watch.check(now=1295.0 + 19)
+    with pytest.raises(ControllerLostError) as e:
+        watch.check(now=1295.0 + 21)
+    assert "silent for 21 s since its beacon's last beat (rollout.generator_timeout_s = 20)" in str(e.value)
+    watch.heard(now=1400.0)
+    watch.check(now=1410.0)
+    assert beacon.polls == 5
+
+
 def test_generator_ends_when_the_controller_falls_silent():
     watch = _generator_watch()
     watch.heard(now=2000.0)
