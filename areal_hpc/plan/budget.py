@@ -86,6 +86,9 @@ ALIASES = {"h100-sxm": "h100", "h100_sxm": "h100", "a100-80g": "a100", "a100-80g
 # parallel filesystem at this aggregate rate (one step's checkpoint = every parameter's bf16
 # weight, fp32 main weight and two Adam moments: 14 B per parameter in half precision).
 CKPT_BYTES_S = 5e9
+# The stop's margin beyond the checkpoint (generators, rollout log, exit): preemption.py's
+# MID_STEP_MARGIN_S, which imports this package (tests/plan/test_preemption_loss.py pins them equal).
+STOP_MARGIN_S = 60.0
 CKPT_PASSES = 2                 # written once, read once for the CRC-32 of the manifest
 
 
@@ -431,8 +434,7 @@ class HardPreemption:
         """The GraceTime that lets a SIGTERM between steps lose only the restart: the
         preemption's checkpoint (or the completion of the asynchronous one in flight, whose
         shards it then links), plus the stop's margin (generators, rollout log, exit)."""
-        from ..preemption import MID_STEP_MARGIN_S
-        return self.ckpt_s + MID_STEP_MARGIN_S
+        return self.ckpt_s + STOP_MARGIN_S
 
 
 def staged_bytes_per_rank(cfg: RunConfig, params: float) -> float:

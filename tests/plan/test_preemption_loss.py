@@ -73,3 +73,9 @@ def test_cli_prints_the_loss_and_the_grace_time():
     assert "a hard preemption (SIGTERM, SIGKILL after GraceTime)" in r.stdout
     assert "async, every step (this config)" in r.stdout and "sync, every step" in r.stdout
     assert "GraceTime >= 244 s" in r.stdout
+
+
+def test_the_stop_margin_is_the_mid_step_decisions():
+    from areal_hpc.plan.budget import STOP_MARGIN_S
+    from areal_hpc.preemption import MID_STEP_MARGIN_S
+    assert STOP_MARGIN_S == MID_STEP_MARGIN_S
