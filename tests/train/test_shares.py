@@ -122,7 +122,7 @@ def test_the_trainers_batch_is_a_share_none_at_a_preemption_and_a_bad_batch_rais
     t.cfg = SimpleNamespace(train=CFG, rollout=SimpleNamespace(group_size=GROUP_SIZE,
                                                                collective_timeout_s=10.0,
                                                                max_new_tokens=64))
-    t.topo = SimpleNamespace(is_controller=True)
+    t.topo = SimpleNamespace(is_controller=True, controller_alive=None)
     t.actor = SimpleNamespace(layout=ParallelLayout(1, 1, 1, 0, 0, 0))
     t.lead = SimpleNamespace(batch=lambda: next(batches))
     t.version = 0
