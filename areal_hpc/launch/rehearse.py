@@ -30,6 +30,7 @@ the ranks, the real step time, memory at size) is listed in the README's "Dress 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -208,7 +209,6 @@ def rehearse(script: Path, model: Path, out_dir: Path, steps: int = 4, env=None,
     """Submit the scaled recipe, USR1 it once a step is done, release its requeue, wait for the
     end, audit the run. Returns what happened (job id, steps at the stop, attempts, audit exit
     code, the log paths); raises on a failure with the log's end."""
-    import os
     # site_gpu.sh's default is the python3 on PATH; the ranks need this environment's
     env = {**(os.environ if env is None else env)}
     env.setdefault("AREAL_PYTHON", sys.executable)

@@ -56,8 +56,6 @@ def test_32b_recipe_rehearsal_on_four_namespaced_nodes(netns_cluster, jobs, tiny
     of 2 workers on 2 nodes, one MPI world from the shipped site file. USR1 after the first step
     → checkpoint, exit 3, requeue → the second attempt resumes and finishes every step, exports
     policy/, and the audit of the run's files passes."""
-    if len(netns_cluster["nodes"]) < 4:
-        pytest.skip("the namespaced cluster runs with fewer than 4 nodes")
     env = {k: v for k, v in netns_cluster["env"].items() if not re.match(r"(MPIR_CVAR|FI|UCX)_", k)}
     res = rehearse.rehearse(ROOT / "slurm/areal_32b.sh", Path(tiny_model), tmp_path, steps=4,
                             env=jobs.env(env), say=lambda line: None)

@@ -82,22 +82,9 @@ def _job(env, job) -> dict[str, str]:
 
 
 def _release(env, job):
-    """Start a requeued job now instead of after its ~120 s BeginTime hold, but only once the
-    previous attempt is gone: released while its step daemons still run (the job is PENDING at
-    once), the new attempt is killed ("Job credential revoked") and the job FAILS."""
-    import psutil
-    ids = {f"[{int(job) + c}." for c in (0, 1)}        # a hetjob's components: job, job + 1
-
-    def settled():
-        if _job(env, job)["JobState"] != "PENDING":
-            return False
-        for p in psutil.process_iter(["cmdline"]):
-            cmd = " ".join(p.info["cmdline"] or [])
-            if cmd.startswith("slurmstepd:") and any(i in cmd for i in ids):
-                return False
-        return True
-    _until(settled, 120, f"job {job} back in the queue")
-    _sh("scontrol", "update", f"jobid={job}", "starttime=now", env=env)
+    """Start a requeued job now, once its previous attempt is gone (the rehearsal's `release`)."""
+    from areal_hpc.launch.rehearse import release
+    release(str(job), env, timeout=120)
 
 
 def _until(cond, timeout, what):
