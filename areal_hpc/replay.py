@@ -259,6 +259,16 @@ def _num(x) -> float | None:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
+def _logged(logged: dict, key: str) -> float | None:
+    """A logged number; NaN for a null one (the trainer measured nothing: a step with no
+    forward pass), None when the line has no such field."""
+    return math.nan if key in logged and logged[key] is None else _num(logged.get(key))
+
+
+def _same(a: float, b: float | None) -> bool:
+    return b is not None and (a == b or (math.isnan(a) and math.isnan(b)))
+
+
 def relative_difference(replayed: float, logged: float | None, scale: float = 0.0) -> float | None:
     """|replayed - logged| / max(|logged|, scale); None without a logged value; 0 for two
     NaNs, inf for one."""
@@ -276,13 +286,13 @@ def compare(step: int, stats: dict, logged: dict | None) -> dict:
     logged = logged or {}
     scale = _num(logged.get("adv_abs_mean"))
     scale = stats["adv_abs_mean"] if scale is None else scale
-    loss, gn = _num(logged.get("loss")), _num(logged.get("grad_norm"))
+    loss, gn = _logged(logged, "loss"), _logged(logged, "grad_norm")
     same_batch = all(_num(logged.get(k)) in (None, stats[k]) for k in ("n_tokens", "n_seqs"))
     return {"step": step, "loss": stats["loss"], "logged_loss": loss,
             "loss_diff": relative_difference(stats["loss"], loss, scale),
             "grad_norm": stats["grad_norm"], "logged_grad_norm": gn,
             "grad_norm_diff": relative_difference(stats["grad_norm"], gn),
-            "exact": loss is not None and stats["loss"] == loss and stats["grad_norm"] == gn,
+            "exact": _same(stats["loss"], loss) and _same(stats["grad_norm"], gn),
             "same_batch": same_batch}
 
 

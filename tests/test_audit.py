@@ -466,21 +466,29 @@ def test_partial_rows_the_checkpoint_forgot(tmp_path):
 
 def test_groups_without_signal_are_counted_against_the_log(clean):
     """metrics.jsonl's zero_var_groups (groups of equal rewards, which the guards may leave out
-    of the loss) must be the log's count at every step: each such group is consumed by its step
-    like any other. Every reward of this run is 1.0: every trained group has no signal."""
+    of the loss) and filtered_seqs (left out) must be the log's at every step, decided by the
+    trainer's own function on the stored rewards: each such group is consumed by its step like
+    any other. Every reward of this run is 1.0: every trained group has no signal; the guards
+    are off (the defaults), so none is left out."""
     path = clean / "metrics.jsonl"
     recs = [json.loads(ln) for ln in path.read_text().splitlines()]
 
-    def write(counts):
-        path.write_text("".join(json.dumps({**r, "zero_var_groups": c, "filtered_seqs": 2 * c}) + "\n"
-                                for r, c in zip(recs, counts)))
+    def write(counts, filtered=None):
+        filtered = filtered or [0] * len(counts)
+        path.write_text("".join(json.dumps({**r, "zero_var_groups": c, "filtered_seqs": f}) + "\n"
+                                for r, c, f in zip(recs, counts, filtered)))
 
     write([B] * len(recs))
     report = au.audit(clean)
     assert report.ok, report.text()
     assert f"{B * len(recs)} group(s) without learning signal over {len(recs)} steps, each consumed " \
-           f"by its step; {2 * B * len(recs)} trajectories left out of the loss" in report.text()
+           f"by its step; 0 trajectories left out of the loss" in report.text()
     write([B] * 3 + [B - 1] + [B] * (len(recs) - 4))
     report = au.audit(clean)
     assert failing(report) == {2}, report.text()
     assert f"step 3: {B - 1} counted, {B} in the log" in report.text()
+    write([B] * len(recs), [0, 0, N] + [0] * (len(recs) - 3))
+    report = au.audit(clean)
+    assert failing(report) == {2}, report.text()
+    assert f"filtered_seqs disagrees with the guards on the log: step 2: {N} left out, 0 by the " \
+           "log" in report.text()

@@ -26,10 +26,30 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from areal_hpc.config import OFF_POLICY_OBJECTIVES
+
+
+# The dtype of a reward in the rollout log (rollouts.h5 `reward` f4). Zero variance is decided on
+# it, so that the trainer and every reader of the log (the audit) decide it alike.
+STORED_REWARD_DTYPE = np.float32
+
+
+def equal_reward_groups(rewards, group_size: int) -> np.ndarray:
+    """`[num_groups]` bool: the group's rewards are all equal once rounded to the log's dtype
+    (`STORED_REWARD_DTYPE`): such a group has no learning signal. `rewards` (tensor or array,
+    `[num_seqs]`, group-contiguous) are the ones advantages are computed from. The one decision
+    of zero variance: `grpo_advantages`, the trainer's guards and the audit all call it."""
+    if isinstance(rewards, Tensor):
+        rewards = rewards.detach().cpu().numpy()
+    r = np.asarray(rewards).astype(STORED_REWARD_DTYPE)
+    if r.ndim != 1 or r.size % group_size:
+        raise ValueError(f"{r.size} rewards do not split into groups of {group_size}")
+    r = r.reshape(-1, group_size)
+    return (r == r[:, :1]).all(axis=1)
 
 
 def grpo_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
@@ -49,7 +69,8 @@ def grpo_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tens
     centred = r - r.mean(dim=1, keepdim=True)
     adv = centred / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
     # Equal rewards: centred is 0 up to rounding; make it exact.
-    adv = torch.where(r.eq(r[:, :1]).all(dim=1, keepdim=True), torch.zeros_like(adv), adv)
+    equal = torch.from_numpy(equal_reward_groups(rewards, group_size)).to(adv.device)
+    adv = torch.where(equal.view(-1, 1), torch.zeros_like(adv), adv)
     return adv.view(-1)
 
 
@@ -133,6 +154,13 @@ def loglinear_prox_logprobs(
     return behav + alpha * (logprobs.detach() - behav)
 
 
+# log r = log π_θ - log π_behav above which r is not exponentiated (the KL penalty and the
+# diagnostics); the penalty goes on linearly from there.
+LOG_R_MAX = 20.0
+_SLOPE_AT_MAX = float(np.expm1(LOG_R_MAX))
+_K3_AT_MAX = _SLOPE_AT_MAX - LOG_R_MAX
+
+
 @dataclass(frozen=True)
 class OffPolicy:
     """How stale data is corrected (`train.off_policy` and its bands); see `decoupled_ppo_loss`.
@@ -209,9 +237,20 @@ def decoupled_ppo_loss(
             π_behav): mean w log w - w + 1), `r_mean`, `r_sq_mean` (of r: the token-level
             effective sample size is r_mean² / r_sq_mean); `imp_weight_mean` (w over kept
             tokens); per sequence: `n_seqs`, `seq_r_mean`, `seq_r_sq_mean` (of each sequence's
-            geometric-mean r).
+            geometric-mean r); `signal_tokens`, the count of tokens that give the loss a
+            gradient (kept, with a non-zero advantage; with `kl_coef`, every masked token).
+    Raises:
+        ValueError: an input that is not flat `[total_tokens]` (e.g. a padded `[B, T]` batch),
+            or of another length than `logprobs`.
     """
     op = off_policy or OffPolicy(w_high=behav_imp_weight_cap)
+    for name, x in (("logprobs", logprobs), ("prox_logprobs", prox_logprobs),
+                    ("behav_logprobs", behav_logprobs), ("advantages", advantages),
+                    ("loss_mask", loss_mask)):
+        if x.dim() != 1 or x.shape != logprobs.shape:
+            raise ValueError(f"decoupled_ppo_loss takes flat [total_tokens] tensors of one length "
+                             f"(a packed batch); {name} has shape {list(x.shape)}"
+                             + ("" if name == "logprobs" else f", logprobs {list(logprobs.shape)}"))
     mask = loss_mask.bool()
     n_tokens = mask.count_nonzero().clamp(min=1)
     prox = prox_logprobs.detach()
@@ -266,16 +305,26 @@ def decoupled_ppo_loss(
         keep = keep & ~tr_masked
     weight = torch.where(keep, imp_weight, 0.0)
     loss = (pg * weight).sum() / n_tokens
-    # exp() of a clamped log-ratio: a token the policy has moved far from stays finite.
-    r = torch.exp(log_r.clamp(max=20.0))
-    k3 = torch.where(mask, r - 1.0 - log_r, 0.0)
+    # exp() of a clamped log-ratio: a token the policy has moved far from stays finite. The k3
+    # term goes on linearly above the clamp with the slope it has there (e^20 - 1 > 0), so its
+    # gradient always pushes log π_θ back towards log π_behav.
+    far = log_r > LOG_R_MAX
+    r = torch.exp(log_r.clamp(max=LOG_R_MAX))
+    k3 = torch.where(far, _K3_AT_MAX + _SLOPE_AT_MAX * (log_r - LOG_R_MAX), r - 1.0 - log_r)
+    k3 = torch.where(mask, k3, 0.0)
     if op.kl_coef:
         loss = loss + op.kl_coef * k3.sum() / n_tokens
 
     with torch.no_grad():
         r, k3 = r.detach(), k3.detach()
         seq_r = seq_geo_mean(log_r)[has_tokens]
+        # tokens that give the loss a gradient: kept with a non-zero advantage (every token, too,
+        # with the KL penalty on); 0 in a whole minibatch: no optimizer step (`Actor`)
+        signal = keep & (adv != 0)
+        if op.kl_coef:
+            signal = signal | mask
         stats = {
+            "signal_tokens": signal.sum().double(),
             "clip_frac": ((pg_clipped > pg_unclipped) & mask).sum() / n_tokens,
             "ratio_mean": torch.where(mask, ratio, 0.0).sum() / n_tokens,
             "imp_weight_mean": weight.sum() / keep.count_nonzero().clamp(min=1),

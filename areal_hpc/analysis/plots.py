@@ -129,18 +129,21 @@ def plot_learning(runs: list[RunData], path: Path) -> Path:
         if not m:
             continue
         step = np.array([r["step"] + 1 for r in m])
-        reward = np.array([r.get("reward", np.nan) for r in m])
+        def series(key: str) -> np.ndarray:       # null (not measured) and absent: gaps
+            return np.array([np.nan if r.get(key) is None else r[key] for r in m], dtype=float)
+
+        reward = series("reward")
         line = axes[0, 1].plot(step, reward, alpha=0.3)[0]
         axes[0, 1].plot(step, smoothed(reward), color=line.get_color(), label=run.label)
         for key, style in (("ess", "-"), ("seq_ess", ":")):
             if key in m[0]:
-                axes[1, 0].plot(step, [r.get(key, np.nan) for r in m], style, color=line.get_color(),
+                axes[1, 0].plot(step, series(key), style, color=line.get_color(),
                                 label=f"{run.label} {key}")
         if "kl_behav" in m[0]:
-            axes[1, 1].plot(step, [r.get("kl_behav", np.nan) for r in m], color=line.get_color(),
+            axes[1, 1].plot(step, series("kl_behav"), color=line.get_color(),
                             label=f"{run.label} KL(π_behav‖π_θ)")
         if "truncated_frac" in m[0]:
-            axes[1, 1].plot(step, [r.get("truncated_frac", np.nan) for r in m], "--",
+            axes[1, 1].plot(step, series("truncated_frac"), "--",
                             color=line.get_color(), label=f"{run.label} cut at max_new_tokens")
     axes[0, 0].set_ylabel("held-out accuracy")
     axes[0, 1].set_ylabel(f"training reward (EMA over ~{SMOOTH_SPAN} steps)")

@@ -6,6 +6,7 @@ import collections
 import numpy as np
 
 from ..storage import run_dir as run_files
+from ..train.shares import guard_decisions
 from ..storage.rollout_log import (DROPPED_STALE, NO_SEED, NOT_CONSUMED, PARTIAL, ROLLED_BACK,
                                   RolloutReader)
 
@@ -98,28 +99,45 @@ def _check_steps(run: _Run, groups: _Groups) -> Check:
 
 
 def _guard_problems(run: _Run, groups: _Groups, S: int, lines: list[str]) -> list[str]:
-    """The groups without learning signal (equal rewards) that metrics.jsonl counts per step
-    (`zero_var_groups`; `train.filter_zero_variance` leaves them out of the loss) against the
-    log's rewards: each such group is consumed by its step like any other, so nothing is lost,
-    and the count must be the log's. Not with `train.overlong: shape` (the trainer counts on
-    shaped rewards, which the log does not hold)."""
-    if not run.metrics or not S or run.cfg.train.overlong == "shape":
+    """What the collapse guards decided at each step, as metrics.jsonl counts it, against the
+    log: `zero_var_groups` (groups without learning signal: equal rewards) and `filtered_seqs`
+    (trajectories `train.filter_zero_variance` and `train.overlong: filter` left out of the
+    loss), decided from the log's rewards, lengths and finish reasons by the trainer's own
+    function (`train.shares.guard_decisions`, on the stored float32 rewards; with
+    `overlong: shape` on the shaped ones). Each such group is consumed by its step like any
+    other, so nothing is lost, and the counts must be the log's."""
+    if not run.metrics or not S:
         return []
     counted = {rec["step"]: rec for _, rec in run.metrics if "zero_var_groups" in rec}
     if not counted or not len(groups.starts):
         return []
     status, uniform = groups.status(run.consumed)
-    equal = np.minimum.reduceat(run.reward, groups.starts) == np.maximum.reduceat(run.reward, groups.starts)
-    zero = groups.whole & uniform & (status >= 0) & equal
-    per_step = np.bincount(status[zero], minlength=S)
-    differ = [f"step {s}: {rec['zero_var_groups']} counted, {per_step[s]} in the log"
-              for s, rec in sorted(counted.items()) if s < S and rec["zero_var_groups"] != per_step[s]]
-    left_out = sum(int(rec.get("filtered_seqs", 0)) for rec in counted.values())
-    lines.append(f"{int(per_step.sum())} group(s) without learning signal over {S} steps, each "
-                 f"consumed by its step; {left_out} trajectories left out of the loss by the guards")
+    trained = np.flatnonzero(groups.whole & uniform & (status >= 0) & (status < S))
+    zero = np.zeros(S, np.int64)
+    left_out = np.zeros(S, np.int64)
+    if len(trained):
+        rows = (groups.starts[trained, None] + np.arange(run.n)).ravel()
+        keep, _, zero_var = guard_decisions(run.reward[rows], run.out_len[rows], run.cut[rows],
+                                            run.cfg.train, run.n, run.cfg.rollout.max_new_tokens)
+        steps = status[trained]
+        zero = np.bincount(steps[zero_var], minlength=S)
+        left_out = np.bincount(steps, weights=(~keep).reshape(-1, run.n).sum(axis=1),
+                               minlength=S).astype(np.int64)
+    differ = [f"step {s}: {rec['zero_var_groups']} counted, {zero[s]} in the log"
+              for s, rec in sorted(counted.items()) if s < S and rec["zero_var_groups"] != zero[s]]
+    filtered = [f"step {s}: {rec['filtered_seqs']} left out, {left_out[s]} by the log"
+                for s, rec in sorted(counted.items())
+                if s < S and "filtered_seqs" in rec and rec["filtered_seqs"] != left_out[s]]
+    lines.append(f"{int(zero.sum())} group(s) without learning signal over {S} steps, each "
+                 f"consumed by its step; {int(left_out.sum())} trajectories left out of the loss "
+                 "by the guards")
+    bad = []
     if differ:
-        return ["metrics.jsonl's zero_var_groups disagrees with the log's rewards: " + _some(differ)]
-    return []
+        bad.append("metrics.jsonl's zero_var_groups disagrees with the log's rewards: " + _some(differ))
+    if filtered:
+        bad.append("metrics.jsonl's filtered_seqs disagrees with the guards on the log: "
+                   + _some(filtered))
+    return bad
 
 
 def _metrics_problems(run: _Run, S: int, lines: list[str]) -> list[str]:

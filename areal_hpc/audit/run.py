@@ -17,7 +17,7 @@ from ..analysis.load import version_blocks
 from ..storage import checkpoint as ck
 from ..storage import run_dir as run_files
 from ..storage.run_state import ControllerState
-from ..storage.rollout_log import (DROPPED_STALE, NOT_CONSUMED, ROLLED_BACK,
+from ..storage.rollout_log import (DROPPED_STALE, FINISH_REASONS, NOT_CONSUMED, ROLLED_BACK,
                                   STATUS_NAMES, RolloutLogError, RolloutReader, group_starts)
 
 EXIT_OK, EXIT_VIOLATED, EXIT_UNREADABLE = 0, 1, 2
@@ -95,7 +95,8 @@ class _Run:
     sidx: np.ndarray
     consumed: np.ndarray
     out_len: np.ndarray
-    reward: np.ndarray
+    reward: np.ndarray          # float32, as stored
+    cut: np.ndarray             # finish_reason "length"
     vmin: np.ndarray            # oldest / newest token version of the row, -1 without tokens
     vmax: np.ndarray
     metrics: list[tuple[int, dict]] | None      # (line number, record); None: no file
@@ -217,7 +218,8 @@ def _read(run_dir: Path, check_crc: bool, notes: list[str], block_tokens: int) -
         with RolloutReader(log_path) as r:
             log_yaml = r.config_yaml
             cols = {name: r.column(name) for name in
-                    ("prompt_id", "sample_idx", "consumed_step", "output_end", "reward")}
+                    ("prompt_id", "sample_idx", "consumed_step", "output_end", "reward",
+                     "finish_reason")}
             ends = cols["output_end"]
             if len(ends) and (np.diff(ends) < 0).any():
                 raise RolloutLogError(f"{log_path}: damaged rollout log (offsets go backwards)")
@@ -236,7 +238,8 @@ def _read(run_dir: Path, check_crc: bool, notes: list[str], block_tokens: int) -
                pid=cols["prompt_id"].astype(np.int64), sidx=cols["sample_idx"].astype(np.int64),
                consumed=cols["consumed_step"].astype(np.int64),
                out_len=np.diff(ends.astype(np.int64), prepend=0),
-               reward=cols["reward"].astype(np.float64), vmin=vmin, vmax=vmax,
+               reward=np.asarray(cols["reward"], dtype=np.float32), cut=cols["finish_reason"] == FINISH_REASONS.index("length"),
+               vmin=vmin, vmax=vmax,
                metrics=_read_metrics(run_dir))
     hit = ck.find_latest(run_dir, check_crc=check_crc)
     if hit is None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,11 +94,13 @@ class RunDir:
         """Keep the metrics of steps < `steps` (a resume trains the later ones again)."""
         if self.metrics.exists():
             kept = [r for r in self.read_metrics() if r["step"] < steps]
-            self.metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            self.metrics.write_text("".join(_metrics_line(r) for r in kept))
 
     def append_metrics(self, record: dict) -> None:
+        """One step's line; a number that is not finite (a diagnostic with nothing to measure:
+        NaN) is written as null, so that the file is standard JSON."""
         with open(self.metrics, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(_metrics_line(record))
 
     def metrics_records(self) -> list[tuple[int, dict]]:
         """metrics.jsonl as (line number, record) pairs, in order ([] without the file; blank
@@ -162,3 +165,8 @@ class RunDir:
         (the final one belongs to the attempt that wrote it)."""
         return [e for e in self.read_all_evals()
                 if e.get("label") != "final" and e.get("step", 0) <= up_to_step]
+
+
+def _metrics_line(record: dict) -> str:
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                       for k, v in record.items()}, allow_nan=False) + "\n"

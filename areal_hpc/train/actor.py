@@ -75,7 +75,13 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _TOKEN_STATS = ("clip_frac", "ratio_mean", "dropped_frac", "seq_masked_frac", "tr_masked_frac",
                 "approx_kl", "kl_behav", "kl_prox_behav", "r_mean", "r_sq_mean")
 _SEQ_STATS = ("seq_r_mean", "seq_r_sq_mean")
-_SUM_KEYS = ("loss", *_TOKEN_STATS, "imp_weight_mean", "kept", "n_seqs", *_SEQ_STATS)
+_SUM_KEYS = ("loss", *_TOKEN_STATS, "imp_weight_mean", "kept", "n_seqs", *_SEQ_STATS,
+             "signal_tokens")
+# The diagnostics of a step: not measured (None in metrics.jsonl) when no forward pass ran.
+_DIAGNOSTICS = ("loss", "grad_norm", "clip_frac", "ratio_mean", "imp_weight_mean",
+                "dropped_frac", "approx_kl", "seq_masked_frac", "tr_masked_frac", "kl_behav",
+                "kl_prox_behav", "ess", "seq_ess")
+_NAN = float("nan")
 
 
 def off_policy_of(cfg: TrainConfig) -> OffPolicy:
@@ -87,8 +93,9 @@ def off_policy_of(cfg: TrainConfig) -> OffPolicy:
 
 
 def _ess(total: float, sq_total: float, n: float) -> float:
-    """(Σx)² / (n Σx²), the normalised effective sample size of weights x (1.0 when none)."""
-    return total * total / (n * sq_total) if n > 0 and sq_total > 0 else 1.0
+    """(Σx)² / (n Σx²), the normalised effective sample size of weights x (NaN when none: not
+    measured, which is not the same as on-policy)."""
+    return total * total / (n * sq_total) if n > 0 and sq_total > 0 else _NAN
 
 
 class StepAbandoned(Exception):
@@ -356,6 +363,7 @@ class Actor:
             "kept": kept,
             "n_seqs": stats["n_seqs"],
             **{key: stats[key] * stats["n_seqs"] for key in _SEQ_STATS},
+            "signal_tokens": stats["signal_tokens"],
         }
         return loss_sum, self._n_tokens(n), sums
 
@@ -456,7 +464,7 @@ class Actor:
         t_prox = time.perf_counter() - t1
 
         self.model.train()
-        outputs, grad_norms, skipped, t_fb, t_opt = [], [], 0, 0.0, 0.0
+        outputs, grad_norms, skipped, idle, t_fb, t_opt = [], [], 0, 0, 0.0, 0.0
         for k, micro_batches in enumerate(plan):
             if snapshot is not None and k and should_stop(k, len(plan), t_fb + t_opt):
                 snapshot.restore(self)
@@ -464,37 +472,46 @@ class Actor:
             t1 = time.perf_counter()
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            outputs += self._run(micro_batches, partial(self._ppo_loss, version), forward_only=False)
+            out = self._run(micro_batches, partial(self._ppo_loss, version), forward_only=False)
+            outputs += out
             t2 = time.perf_counter()
             self.lr_scheduler.step(1)
-            with CudaToCpuMode():
-                ok, grad_norm, _ = self.optimizer.step()
-            skipped += not ok
-            grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+            # No token of this minibatch gives a gradient, on any rank: no optimizer step
+            # (Adam's momentum and weight decay would move the weights at zero gradient).
+            if self._global_sum(sum(float(o["signal_tokens"]) for o in out)) == 0:
+                idle += 1
+            else:
+                with CudaToCpuMode():
+                    ok, grad_norm, _ = self.optimizer.step()
+                skipped += not ok
+                grad_norms.append(float(grad_norm) if grad_norm is not None else _NAN)
             t_fb, t_opt = t_fb + t2 - t1, t_opt + time.perf_counter() - t2
 
         sums = self._reduce_sums(outputs, n_tokens=sum(mb.n_tokens for mb in all_mbs))
         denom = max(sums["n_tokens"], 1.0)
         return {
             "loss": sums["loss"] / denom,
-            "grad_norm": float(np.mean(grad_norms)),
+            "grad_norm": float(np.mean(grad_norms)) if grad_norms else _NAN,
             "lr": self.optimizer.param_groups[0]["lr"],
             "reward_mean": share.reward_mean,
             "adv_abs_mean": share.adv_abs_mean,
             "clip_frac": sums["clip_frac"] / denom,
             "ratio_mean": sums["ratio_mean"] / denom,
-            "imp_weight_mean": sums["imp_weight_mean"] / max(sums["kept"], 1.0),
+            # w over the kept tokens: NaN when none was kept
+            "imp_weight_mean": sums["imp_weight_mean"] / sums["kept"] if sums["kept"] else _NAN,
             "dropped_frac": sums["dropped_frac"] / denom,
             "approx_kl": sums["approx_kl"] / denom,
             **{key: sums[key] / denom for key in ("seq_masked_frac", "tr_masked_frac", "kl_behav",
                                                   "kl_prox_behav")},
             # effective sample size of r = π_θ/π_behav over the step's forward passes, as a share
             # of the tokens (sequences: of each sequence's geometric-mean r); 1 = on-policy
-            "ess": _ess(sums["r_mean"], sums["r_sq_mean"], denom),
+            "ess": _ess(sums["r_mean"], sums["r_sq_mean"], sums["n_tokens"]),
             "seq_ess": _ess(sums["seq_r_mean"], sums["seq_r_sq_mean"], sums["n_seqs"]),
             "n_tokens": int(sums["n_tokens"]),
             "n_seqs": share.n_seqs,
             **share.stats,
+            "no_signal_minibatches": idle,
+            "no_signal_steps": int(idle == len(plan)),
             "n_micro_batches": len(all_mbs),
             "skipped_steps": skipped,
             "pack_seconds": t_pack,
@@ -507,17 +524,29 @@ class Actor:
     def _no_signal_step(self, share: BatchShare, t0: float) -> dict[str, float]:
         """A step whose batch has nothing to learn from (`BatchShare.no_signal`): no forward, no
         optimizer step (Adam's momentum would move the weights at zero gradient); the learning
-        rate schedule goes on as if its minibatches had run."""
+        rate schedule goes on as if its minibatches had run. Its diagnostics were not measured:
+        NaN (null in metrics.jsonl), not the values of a perfectly on-policy step."""
         for _ in range(self.cfg.ppo_minibatches):
             self.lr_scheduler.step(1)
-        zero = dict.fromkeys(("loss", "grad_norm", "clip_frac", "ratio_mean", "imp_weight_mean",
-                              "dropped_frac", "approx_kl", "seq_masked_frac", "tr_masked_frac",
-                              "kl_behav", "kl_prox_behav", "pack_seconds", "prox_seconds",
-                              "fwd_bwd_seconds", "optim_seconds"), 0.0)
-        return {**zero, "lr": self.optimizer.param_groups[0]["lr"], "reward_mean": share.reward_mean,
-                "adv_abs_mean": share.adv_abs_mean, "ess": 1.0, "seq_ess": 1.0, "n_tokens": 0,
-                "n_seqs": share.n_seqs, **share.stats, "n_micro_batches": 0,
-                "skipped_steps": self.cfg.ppo_minibatches, "seconds": time.perf_counter() - t0}
+        seconds = dict.fromkeys(("pack_seconds", "prox_seconds", "fwd_bwd_seconds",
+                                 "optim_seconds"), 0.0)
+        return {**dict.fromkeys(_DIAGNOSTICS, _NAN), **seconds,
+                "lr": self.optimizer.param_groups[0]["lr"], "reward_mean": share.reward_mean,
+                "adv_abs_mean": share.adv_abs_mean, "n_tokens": 0, "n_seqs": share.n_seqs,
+                **share.stats, "no_signal_minibatches": self.cfg.ppo_minibatches,
+                "no_signal_steps": 1, "n_micro_batches": 0, "skipped_steps": 0,
+                "seconds": time.perf_counter() - t0}
+
+    def _global_sum(self, value: float) -> float:
+        """`value` summed over the last pipeline stage's data-parallel ranks (the other stages
+        hold no loss outputs and add 0), the same on every trainer rank."""
+        vec = torch.tensor([value if self.layout.last_stage else 0.0], dtype=torch.float64,
+                           device=self.device)
+        if self.pp > 1:
+            dist.all_reduce(vec, group=self.layout.pp_group())
+        if self.layout.dp > 1:
+            dist.all_reduce(vec, group=self.layout.dp_group())
+        return float(vec[0])
 
     def _reduce_sums(self, outputs: list[dict], n_tokens: int) -> dict[str, float]:
         """Sums of `_SUM_KEYS` and `n_tokens` over the whole batch: from the last pipeline stage

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from areal_hpc.algo.packing import balanced_allocate
-from areal_hpc.algo.ppo import compute_advantages, token_normalised
+from areal_hpc.algo.ppo import (STORED_REWARD_DTYPE, compute_advantages, equal_reward_groups,
+                                shape_rewards, token_normalised)
 from areal_hpc.config import TrainConfig
 
 # The fields of a sequence that training reads (plus `versions` for prox: loglinear).
@@ -71,9 +72,44 @@ def overlong_penalty(lengths: np.ndarray, max_new_tokens: int, buffer: int) -> n
     return np.clip((max_new_tokens - buffer - lengths) / buffer, -1.0, 0.0)
 
 
+def guard_decisions(rewards: np.ndarray, n_out: np.ndarray, cut: np.ndarray, cfg: TrainConfig,
+                    group_size: int, max_new_tokens: int | None
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What the collapse guards decide about a batch, from its columns as the rollout log holds
+    them: the trainer (`guard`) and the audit both call this.
+
+    Args:
+        rewards: `[num_seqs]` raw rewards, group-contiguous; rounded here to the log's dtype
+            (`STORED_REWARD_DTYPE`), so that what the trainer decides the log can show.
+        n_out: output tokens per sequence; cut: finish_reason "length" per sequence.
+    Returns:
+        (keep: `[num_seqs]` bool, the sequences left in the loss; the rewards advantages are
+        computed from, float64, after `overlong: shape`; zero_var: `[num_groups]` bool, groups
+        whose rewards, as advantages see them, are all equal (`equal_reward_groups` on them
+        shaped, biased, scaled and clipped)).
+    """
+    shaped = np.asarray(rewards, dtype=STORED_REWARD_DTYPE).astype(np.float64)
+    if cfg.overlong == "shape":
+        if max_new_tokens is None:
+            raise ValueError("overlong: shape needs the rollout's max_new_tokens")
+        shaped = shaped + overlong_penalty(np.asarray(n_out), max_new_tokens, cfg.overlong_buffer)
+    if len(shaped) % group_size:
+        raise ValueError(f"{len(shaped)} sequences do not split into groups of {group_size}")
+    final = shape_rewards(torch.from_numpy(shaped), cfg.reward_bias, cfg.reward_scaling,
+                          cfg.reward_clip)
+    zero_var = equal_reward_groups(final, group_size)
+    keep = np.ones(len(shaped), dtype=bool)
+    if cfg.filter_zero_variance:
+        keep &= ~np.repeat(zero_var, group_size)
+    if cfg.overlong == "filter":
+        keep &= ~np.asarray(cut, dtype=bool)
+    return keep, shaped, zero_var
+
+
 def guard(seqs: list[dict], cfg: TrainConfig, group_size: int,
           max_new_tokens: int | None) -> tuple[list[int], np.ndarray, dict]:
-    """The collapse guards of `train` on a whole batch, before its advantages.
+    """The collapse guards of `train` on a whole batch, before its advantages
+    (`guard_decisions`).
 
     Returns (indices of the sequences left in the loss, group-contiguous; every sequence's
     reward after `overlong: shape`; the batch's statistics: `zero_var_groups` (groups whose
@@ -82,26 +118,14 @@ def guard(seqs: list[dict], cfg: TrainConfig, group_size: int,
     "length"), `entropy` (mean -log π_behav of the sampled tokens: an estimate of the sampling
     policy's per-token entropy)). A filtered group keeps its rows consumed: counted, not lost."""
     n_out = np.array([len(s["output_tokens"]) for s in seqs])
-    rewards = np.array([float(s["reward"]) for s in seqs], dtype=np.float64)
     cut = np.array([s.get("finish_reason") == "length" for s in seqs], dtype=bool)
-    if cfg.overlong == "shape":
-        if max_new_tokens is None:
-            raise ValueError("overlong: shape needs the rollout's max_new_tokens")
-        rewards = rewards + overlong_penalty(n_out, max_new_tokens, cfg.overlong_buffer)
-    if len(seqs) % group_size:
-        raise ValueError(f"{len(seqs)} sequences do not split into groups of {group_size}")
-    groups = rewards.reshape(-1, group_size)
-    zero_var = (groups == groups[:, :1]).all(axis=1)
-    keep = np.ones(len(seqs), dtype=bool)
-    if cfg.filter_zero_variance:
-        keep &= ~np.repeat(zero_var, group_size)
-    if cfg.overlong == "filter":
-        keep &= ~cut
+    keep, shaped, zero_var = guard_decisions(np.array([float(s["reward"]) for s in seqs]), n_out,
+                                             cut, cfg, group_size, max_new_tokens)
     n_tok = max(int(n_out.sum()), 1)
     entropy = -sum(float(np.sum(s["behav_logprobs"], dtype=np.float64)) for s in seqs) / n_tok
     stats = {"zero_var_groups": int(zero_var.sum()), "filtered_seqs": int((~keep).sum()),
              "truncated_frac": float(cut.mean()) if len(seqs) else 0.0, "entropy": entropy}
-    return [int(i) for i in np.flatnonzero(keep)], rewards, stats
+    return [int(i) for i in np.flatnonzero(keep)], shaped, stats
 
 
 def split_batch(seqs: list[dict], cfg: TrainConfig, group_size: int, dp: int,
@@ -127,8 +151,7 @@ def split_batch(seqs: list[dict], cfg: TrainConfig, group_size: int, dp: int,
             if len(s[key]) != len(s["output_tokens"]):
                 raise ValueError(f"sequence {i}: {key} and output_tokens differ in length")
     kept, shaped, stats = guard(seqs, cfg, group_size, max_new_tokens)
-    raw = torch.tensor([float(s["reward"]) for s in seqs], dtype=torch.float64)
-    reward_mean = float(raw.mean())
+    reward_mean = float(np.mean([float(s["reward"]) for s in seqs]))
     # Advantages of what is left: group statistics over whole groups (a sequence cut by
     # `overlong: filter` counted in its group's), `adv_norm: batch` over the kept tokens only.
     n_out = torch.tensor([len(s["output_tokens"]) for s in seqs])

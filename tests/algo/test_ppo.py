@@ -9,6 +9,7 @@ from areal_hpc.algo.ppo import (
     compute_advantages,
     OffPolicy,
     decoupled_ppo_loss,
+    equal_reward_groups,
     grpo_advantages,
     loglinear_prox_logprobs,
     shape_rewards,
@@ -267,6 +268,69 @@ def test_trust_region_stops_tokens_the_advantage_pushes_out_of_the_behaviour_ban
     loss.backward()
     assert logp.grad[0].item() == 0.0 and logp.grad[3].item() == 0.0
     assert logp.grad[1].item() != 0.0 and logp.grad[2].item() != 0.0
+
+
+def test_trust_region_masks_on_r_not_on_w():
+    """π_θ ≠ π_prox ≠ π_behav, so r = π_θ/π_behav and w = π_prox/π_behav differ, and the band
+    [0.8, 1.2] puts them on opposite sides: token 0 has r = 1.1 (inside) but w = 1.5 (outside),
+    token 1 has r = 1.3 (outside) but w = 1.0 (inside); both advantages positive. The trust
+    region stops token 1 (r), not token 0 (w)."""
+    behav = t(-1.0, -1.0)
+    prox = behav + torch.log(t(1.5, 1.0))
+    logp = (behav + torch.log(t(1.1, 1.3))).requires_grad_(True)
+    adv = t(1.0, 1.0)
+    mask = torch.ones(2, dtype=torch.bool)
+    op = OffPolicy("trust_region", w_high=None, behav_clip=0.2)
+    loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, off_policy=op)
+    torch.testing.assert_close(stats["tr_masked_frac"], torch.tensor(0.5))
+    loss.backward()
+    # token 0: u = 1.1/1.5 < 1 - ε, A > 0: the unclipped branch, gradient -A·u·w / 2
+    torch.testing.assert_close(logp.grad[0], torch.tensor(-1.1 / 1.5 * 1.5 / 2))
+    assert logp.grad[1].item() == 0.0
+    assert stats["signal_tokens"].item() == 1
+
+
+def test_kl_penalty_gradient_keeps_its_sign_above_the_clamp():
+    """β·KL(π_behav‖π_θ): for log r = log π_θ - log π_behav > 0 the gradient pushes log π_θ
+    down (a positive gradient of the loss), at every log r, also past the clamp of r at
+    log r = 20, and stays finite; the penalty is continuous there."""
+    log_r = t(1.0, 19.0, 19.999, 20.001, 21.0, 25.0, 60.0)
+    behav = torch.zeros_like(log_r)
+    logp = log_r.clone().requires_grad_(True)
+    op = OffPolicy("decoupled", w_high=None, kl_coef=0.1)
+    mask = torch.ones_like(log_r, dtype=torch.bool)
+    loss, stats = decoupled_ppo_loss(logp, logp.detach(), behav, torch.zeros_like(log_r), mask,
+                                     off_policy=op)
+    loss.backward()
+    assert torch.isfinite(logp.grad).all() and (logp.grad > 0).all(), logp.grad
+    assert (logp.grad[1:] >= logp.grad[:-1] * (1 - 1e-6)).all()      # never smaller further out
+    per_token = []
+    for x in (20.0 - 1e-5, 20.0 + 1e-5):
+        one = t(x).requires_grad_(True)
+        val, _ = decoupled_ppo_loss(one, one.detach(), t(0.0), t(0.0), torch.ones(1, dtype=torch.bool),
+                                    off_policy=op)
+        per_token.append(val.item())
+    assert per_token[1] == pytest.approx(per_token[0], rel=1e-3)
+
+
+def test_the_loss_refuses_a_padded_batch_in_one_line():
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match=r"flat \[total_tokens\].*logprobs has shape \[2, 3\]"):
+        decoupled_ppo_loss(x, x, x, x, torch.ones(2, 3, dtype=torch.bool))
+    flat = torch.zeros(6)
+    with pytest.raises(ValueError, match=r"advantages has shape \[2, 3\], logprobs \[6\]"):
+        decoupled_ppo_loss(flat, flat, flat, x, torch.ones(6, dtype=torch.bool))
+
+
+def test_zero_variance_is_decided_on_the_stored_float32():
+    """0.1 + 0.2 and 0.3 differ in float64 but are the same float32, the dtype the rollout log
+    stores: one decision for the trainer and the audit, and the advantages agree with it."""
+    rewards = torch.tensor([0.1 + 0.2, 0.3, 1.0, 0.0], dtype=torch.float64)
+    assert equal_reward_groups(rewards, 2).tolist() == [True, False]
+    assert equal_reward_groups(rewards.numpy().astype("float32"), 2).tolist() == [True, False]
+    assert grpo_advantages(rewards, 2)[:2].tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="groups of 3"):
+        equal_reward_groups(rewards, 3)
 
 
 def test_kl_penalty_to_the_behaviour_policy_k3():

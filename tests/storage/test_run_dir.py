@@ -52,6 +52,18 @@ def test_a_resume_keeps_the_metrics_and_evals_of_steps_it_does_not_train_again(t
     assert run.read_evals(up_to_step=3) == evals[:2]
 
 
+def test_a_diagnostic_with_nothing_to_measure_is_written_as_null(tmp_path):
+    """NaN (a step with no forward pass) and inf go to metrics.jsonl as null: standard JSON
+    that every reader takes, never a NaN token; a resume's rewrite keeps them null."""
+    run = RunDir(tmp_path)
+    run.append_metrics({"step": 0, "ess": float("nan"), "loss": float("inf"), "reward": 0.5})
+    run.append_metrics({"step": 1, "ess": 0.9})
+    assert "NaN" not in run.metrics.read_text() and "Infinity" not in run.metrics.read_text()
+    assert run.read_metrics()[0] == {"step": 0, "ess": None, "loss": None, "reward": 0.5}
+    run.truncate_metrics(1)
+    assert json.loads(run.metrics.read_text()) == {"step": 0, "ess": None, "loss": None, "reward": 0.5}
+
+
 def test_metrics_are_read_here_with_the_bad_line_named(tmp_path):
     run = RunDir(tmp_path)
     assert run.metrics_records() == [] and run.metrics_by_step() == {}

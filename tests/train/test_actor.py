@@ -236,15 +236,63 @@ def test_off_policy_objectives_train_and_report_their_diagnostics(megatron_ws1, 
 
 def test_a_step_without_learning_signal_leaves_the_weights(megatron_ws1, model_dir):
     """Equal rewards in every group: no forward, no optimizer step (Adam's momentum from an
-    earlier step would still move the weights at zero gradient); the schedule goes on."""
+    earlier step would still move the weights at zero gradient); the schedule goes on; the
+    diagnostics it did not measure are NaN (null in metrics.jsonl), not an on-policy ESS of 1."""
     actor = make_actor(model_dir, lr_warmup_steps=4, total_steps=8)
     actor.train_step(batch(actor, 4, [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]))
     before = {k: v.clone() for k, v in actor.hf_state_dict().items()}
     st = actor.train_step(batch(actor, 5, [1.0] * 4 + [0.0] * 4))
-    assert st["no_signal_steps"] == 1 and st["skipped_steps"] == 1 and st["n_micro_batches"] == 0
+    assert st["no_signal_steps"] == 1 and st["no_signal_minibatches"] == 1
+    assert st["skipped_steps"] == 0 and st["n_micro_batches"] == 0
     assert st["zero_var_groups"] == 2 and st["lr"] == pytest.approx(5e-4)
+    for key in ("ess", "seq_ess", "kl_behav", "loss", "grad_norm", "clip_frac", "dropped_frac"):
+        assert np.isnan(st[key]), key
     after = actor.hf_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("objective,shift", [("decoupled", -3.0), ("seq_mask", -1.0)])
+def test_a_minibatch_with_every_token_dropped_leaves_the_weights(megatron_ws1, model_dir,
+                                                                   objective, shift):
+    """The review's counter-example: after one normal step (Adam has momentum, and weight decay
+    is on), a batch whose π_behav is below the policy on every token. decoupled, 3 nats: w = e³
+    is above the cap (5), every token is dropped; seq_mask, 1 nat: w = e is under the cap but
+    every sequence's geometric mean is outside [0.5, 2]. The rewards have signal, the loss has
+    no gradient: neither minibatch makes an optimizer step, the weights stay bit for bit."""
+    actor = make_actor(model_dir, off_policy=objective, ppo_minibatches=2, weight_decay=0.1)
+    rewards = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+    actor.train_step(batch(actor, 4, rewards))
+    before = {k: v.clone() for k, v in actor.hf_state_dict().items()}
+    seqs = batch(actor, 5, rewards)
+    for s in seqs:
+        s["behav_logprobs"] = s["behav_logprobs"] + np.float32(shift)
+    st = actor.train_step(seqs)
+    assert st["dropped_frac"] == 1.0 and st["adv_abs_mean"] > 0
+    assert st["no_signal_minibatches"] == 2 and st["no_signal_steps"] == 1
+    assert np.isnan(st["grad_norm"]) and np.isnan(st["imp_weight_mean"])   # nothing kept
+    assert st["ess"] == pytest.approx(1.0) and st["kl_behav"] > 0.5    # measured: far, uniformly
+    after = actor.hf_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_minibatch_of_zero_advantages_makes_no_optimizer_step(megatron_ws1, model_dir):
+    """Minibatches are split by length, not by group, so one can hold only sequences whose
+    advantage is 0 (the default `filter_zero_variance: false`). That minibatch makes no optimizer
+    step: the weights after the step are those of one step on the other minibatch alone."""
+    from areal_hpc.train.shares import dp_split, sequence_lengths
+    kw = dict(reward_norm="none", total_steps=2, weight_decay=0.1)
+    two = make_actor(model_dir, ppo_minibatches=2, **kw)
+    ref = make_actor(model_dir, **kw)
+    seqs = batch(two, 8, [0.0] * 8)
+    first, second = dp_split(sequence_lengths(seqs), 2, 1)[0]
+    for k, i in enumerate(first):
+        seqs[i]["reward"] = [1.0, -1.0, 0.5, -0.5, 1.0, -1.0, 0.5, -0.5][k]
+    st = two.train_step(seqs)
+    assert st["no_signal_minibatches"] == 1 and st["no_signal_steps"] == 0
+    ref_st = ref.train_step([seqs[i] for i in first])
+    assert st["grad_norm"] == ref_st["grad_norm"]
+    assert max_weight_diff(two, ref) == 0.0
+    assert second, "the other minibatch holds sequences (of reward 0)"
 
 
 def test_deterministic_mode_reaches_megatron_and_trains_alike(megatron_ws1, model_dir):

@@ -29,3 +29,26 @@ def test_lengths_running_away():
 def test_records_without_the_fields_are_quiet():
     w = CollapseWatch()
     assert w.check({"step": 0}) == [] and w.check({"step": 1, "loss": 0.1}) == []
+
+
+def test_a_step_without_a_measurement_neither_raises_nor_clears_the_ess_sign():
+    """A step with no forward pass writes ess NaN (null in metrics.jsonl): it must not read as
+    on-policy and clear a standing warning; the next warning says how many were skipped."""
+    w = CollapseWatch()
+    assert len(w.check(_rec(0, ess=0.3))) == 1
+    assert w.check(_rec(1, ess=float("nan"))) == []
+    assert w.check(_rec(2, ess=None)) == []
+    assert w.check(_rec(3, ess=0.2)) == []                # still the same warning: not said again
+    assert w.skipped == 2
+    assert w.check(_rec(4, ess=0.9)) == []
+    again = w.check(_rec(5, ess=0.1))
+    assert len(again) == 1 and "2 step(s) without a measurement skipped" in again[0]
+
+
+def test_a_step_with_no_learning_signal_is_said():
+    w = CollapseWatch()
+    rec = {**_rec(0, ess=float("nan")), "no_signal_steps": 1, "dropped_frac": float("nan"),
+           "adv_abs_mean": 0.0, "reward": 0.0}
+    said = w.check(rec)
+    assert len(said) == 1 and "no learning signal in the whole step" in said[0]
+    assert "dropped_frac not measured" in said[0] and "batch reward 0.000" in said[0]

@@ -165,6 +165,20 @@ def test_zero_variance_groups_are_left_out_and_counted():
     assert plain[0].stats["zero_var_groups"] == 2 and plain[0].stats["filtered_seqs"] == 0
 
 
+def test_zero_variance_is_decided_on_the_rewards_as_the_log_stores_them():
+    """0.1 + 0.2 and 0.3 are two float64 rewards but one float32 (the rollout log's dtype): the
+    group has no signal, as the audit reading the log decides (`guard_decisions`, shared)."""
+    from areal_hpc.train.shares import guard_decisions
+    seqs = _rewarded(make_batch(groups=2), [0.1 + 0.2, 0.3, 0.3, 0.3, 1, 0, 0, 1])
+    cfg = TrainConfig(ppo_minibatches=2, prox="loglinear", filter_zero_variance=True)
+    shares = split_batch(seqs, cfg, GROUP_SIZE, 1)
+    assert shares[0].stats["zero_var_groups"] == 1 and shares[0].stats["filtered_seqs"] == 4
+    stored = np.array([s["reward"] for s in seqs], dtype=np.float32)
+    n_out = np.array([len(s["output_tokens"]) for s in seqs])
+    keep, _, zero_var = guard_decisions(stored, n_out, np.zeros(8, bool), cfg, GROUP_SIZE, None)
+    assert zero_var.tolist() == [True, False] and keep.tolist() == [False] * 4 + [True] * 4
+
+
 def test_a_batch_without_signal_trains_nothing():
     seqs = _rewarded(make_batch(groups=2), [1, 1, 1, 1, 0, 0, 0, 0])
     for cfg in (TrainConfig(ppo_minibatches=2, prox="loglinear"),
