@@ -129,6 +129,35 @@ def test_two_processes_tp2_pp2_dp2(references, model_dir, tied_model_dir, tmp_pa
     assert [s["n_micro_batches"] % 2 for s in outs["pp2"][0]["stats"]] == [0, 0]  # a multiple of pp
 
 
+def test_dp2_steps_alike_when_one_rank_has_no_signal(references, model_dir, tmp_path,
+                                                     run_distributed):
+    """The no-signal rule is decided on the all-reduced count: in every minibatch the sequences
+    of data-parallel rank 1 have advantage 0 and rank 0's do not. Both ranks must make the
+    optimizer step (their all-reduced gradients are equal), ending with the single process's
+    weights; a rank deciding on its own share alone would skip it and drift apart."""
+    from areal_hpc.train.shares import dp_split, sequence_lengths
+    sys.path.insert(0, str(WORKER.parent))
+    from dist_worker import run_case
+
+    train = dict(reward_norm="none", adv_norm="none")
+    steps = [[dict(s) for s in seqs] for seqs in references[model_dir][0]]
+    for seqs in steps:
+        rank0, rank1 = dp_split(sequence_lengths(seqs), CFG.ppo_minibatches, 2)
+        for k, i in enumerate(i for mb in rank0 for i in mb):
+            seqs[i]["reward"] = (1.0, -1.0)[k % 2]
+        for i in (i for mb in rank1 for i in mb):
+            seqs[i]["reward"] = 0.0
+        assert all(rank0) and all(rank1)
+    ref = run_case(model_dir, 1, 1, replace(CFG, **train), ACTOR, steps)
+    assert all(st["no_signal_minibatches"] == 0 for st in ref["stats"])
+    c = dict(tag="dp2_half", tp=1, pp=1, model_dir=model_dir, batches=steps, train=train)
+    ranks = launch(run_distributed, 2, [c], tmp_path)["dp2_half"]
+    check_layout(ranks, ref, model_dir)
+    for name, tensor in ranks[1]["trained"].items():     # the other replica too
+        torch.testing.assert_close(tensor, ref["trained"][name], rtol=0, atol=WEIGHT_ATOL)
+    assert all(st["no_signal_minibatches"] == 0 for out in ranks for st in out["stats"])
+
+
 def test_four_processes_tp2xpp2_and_pp2xdp2(references, model_dir, tmp_path, run_distributed):
     cases = [case("tp2pp2", 2, 2, model_dir, references), case("pp2dp2", 1, 2, model_dir, references)]
     outs = launch(run_distributed, 4, cases, tmp_path)
