@@ -3,8 +3,11 @@
     python tools/bench_async_vs_sync.py --seeds 0,1,2 --steps 40                 # item 1, tiny task
     python tools/bench_async_vs_sync.py --task longtail --seeds 0,1,2            # long-tailed lengths
     python tools/bench_async_vs_sync.py --ablation --etas 0,1,2,4,8 --seeds 0,1  # η × π_prox
-    python tools/bench_async_vs_sync.py --ablation --etas 2,8 --objectives decoupled,naive,token_mask \
-        --seeds 0,1 train.ppo_minibatches=4                       # η × train.off_policy
+    python tools/bench_async_vs_sync.py --ablation --etas 2,8 --objectives decoupled,naive,trust_region \
+        --seeds 0,1,2 --out abl.json train.ppo_minibatches=4      # η × train.off_policy
+    python tools/bench_async_vs_sync.py --paired abl.json [more.json ...]   # paired differences
+    python tools/bench_async_vs_sync.py --paired abl.json --baseline naive  # (or all: every pair)
+    python tools/bench_async_vs_sync.py --table abl.json            # mean ± sd per cell
     python tools/bench_async_vs_sync.py --compare results.json      # the planner beside the runs
     python tools/bench_async_vs_sync.py --plot results.json docs/x.png
     python tools/bench_async_vs_sync.py --tail-eval results.json    # final policies on the tail
@@ -39,6 +42,17 @@ planner's bound (`pipelined_bound` in areal_hpc.plan.throughput); sync: steps ×
 step / rate + train + update). No schedule of the same work at the same rates does better.
 `of_ideal_no_load` is the earlier, stricter form, which treats loading weights as free for the
 generator. Results go to --out (JSON, one record per run) and a markdown table.
+
+The ablation (--ablation) runs every setting of a seed with the same seeds (train.seed,
+data.seed) and per-request sampling seeds (rollout.per_request_seeds=true unless an override
+sets it), so two objectives draw the same samples until their policies diverge (common random
+numbers). `--paired` (also printed at the end of an ablation) compares them seed by seed:
+per (regime, η) cell and pair of objectives, the per-seed differences' mean, sd, paired t
+interval, the pooled sd and the unpaired (Welch) interval over the same runs
+(areal_hpc/analysis/paired.py); failed runs are listed, not dropped. A run "collapsed"
+(`collapse_point` in areal_hpc/analysis/efficiency.py) where a held-out evaluation falls below
+half the initial one or the 5-step mean batch reward below 0.02; means over steps skip the
+steps whose diagnostic is null or NaN and the tables say how many.
 """
 from __future__ import annotations
 
@@ -59,7 +73,9 @@ sys.path.insert(0, str(ROOT))  # run from a checkout
 
 from areal_hpc.cpus import format_cpus  # noqa: E402
 
-from areal_hpc.analysis.efficiency import WINDOW, first_time_at, run_efficiency  # noqa: E402
+from areal_hpc.analysis.efficiency import (WINDOW, first_time_at, measured, moving_mean,  # noqa: E402
+                                           run_efficiency)
+from areal_hpc.analysis.paired import last2_heldout, paired_table, reward_last10  # noqa: E402
 
 
 def settings(cpus: list[int], splits: list[int]) -> dict[str, list[str]]:
@@ -207,7 +223,7 @@ def plot(path: Path, out: Path) -> None:
     for r in recs:
         label = r["setting"] if r["seed"] == min(x["seed"] for x in recs if x["setting"] == r["setting"]) else None
         if ablation:
-            y = np.convolve(r["reward_curve"], np.ones(WINDOW) / WINDOW, mode="valid")
+            y = moving_mean(r["reward_curve"], WINDOW)
             ax.plot(np.arange(len(y)) + WINDOW, y, color=colours[r["setting"]], label=label, lw=1)
         else:
             curve = [(0.0, r["initial_acc"]), *r["held_curve"]]
@@ -231,7 +247,7 @@ def _fmt(x, spec="{:.3g}") -> str:
 
 
 def _ms(values: list, spec="{:.3g}") -> str:
-    values = [v for v in values if v is not None]
+    values = [v for v in values if measured(v)]
     if not values:
         return "–"
     if len(values) == 1:
@@ -254,11 +270,29 @@ def table(records: list[dict], keys: list[str]) -> str:
              "|---" * (len(cols) + 2) + "|"]
     for key in keys:
         rs = [r for r in records if r["setting"] == key and r.get("ok")]
+        seeds = _seeds(records, key)
         if not rs:
-            lines.append(f"| {key} | 0 (failed) |" + " |" * len(cols))
+            lines.append(f"| {key} | {seeds} |" + " |" * len(cols))
             continue
-        lines.append(f"| {key} | {len(rs)} | " + " | ".join(_ms([r.get(c[1]) for r in rs], c[2]) for c in cols) + " |")
+        lines.append(f"| {key} | {seeds} | " + " | ".join(_ms([r.get(c[1]) for r in rs], c[2]) for c in cols) + " |")
     return "\n".join(lines)
+
+
+def _seeds(records: list[dict], key: str) -> str:
+    """A setting's finished runs, and its failed ones by seed."""
+    runs = [r for r in records if r["setting"] == key]
+    bad = [str(r["seed"]) for r in runs if not r.get("ok")]
+    return str(len(runs)) if not bad else f"{len(runs) - len(bad)} of {len(runs)} ({len(bad)} failed: seed {', '.join(bad)})"
+
+
+def _skipped(rs: list[dict], field: str, key: str) -> int:
+    """Steps skipped by a mean over steps (its field null or NaN), over the runs `rs`."""
+    return sum((r.get(field) or {}).get(key, 0) for r in rs)
+
+
+def _collapsed(rs: list[dict]) -> str:
+    at = [f"at {r.get('collapsed_at', '?')}" for r in rs if r.get("collapsed")]
+    return f"{len(at)} of {len(rs)}" + (f" ({', '.join(at)})" if at else "")
 
 
 def eta_plot(out: Path, paths: list[Path]) -> None:
@@ -276,7 +310,7 @@ def eta_plot(out: Path, paths: list[Path]) -> None:
                 cells.setdefault((prox, int(eta)), []).append(r)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     measures = (("final held-out accuracy", lambda r: r["final_acc"]),
-                ("batch reward, last 10 steps", lambda r: float(np.mean(r["reward_curve"][-10:]))))
+                ("batch reward, last 10 steps", reward_last10))
     all_etas = sorted({e for _, e in cells})
     for ax, (title, value) in zip(axes, measures):
         for i, prox in enumerate(dict.fromkeys(p for p, _ in sorted(cells))):
@@ -304,28 +338,34 @@ def ablation_table(records: list[dict]) -> str:
     """η × π_prox: accuracy, the last steps' batch reward, and the off-policy statistics."""
     cols = [("final held-out acc", lambda r: r["final_acc"], "{:.3f}"),
             # steps 30 and 40 at the default cadence: half the noise of one evaluation
-            ("held-out, last 2 evals", lambda r: float(np.mean([a for _, a in r["held_curve"][-2:]])),
-             "{:.3f}"),
-            ("batch reward, last 10 steps", lambda r: float(np.mean(r["reward_curve"][-10:])), "{:.3f}"),
-            ("clip frac", lambda r: r["clip_frac"], "{:.4f}"),
-            ("w = π_prox/π_behav, mean", lambda r: r["imp_weight_mean"], "{:.3f}"),
-            ("tokens given no weight", lambda r: r["behav_dropped_frac"], "{:.5f}"),
+            ("held-out, last 2 evals", last2_heldout, "{:.3f}"),
+            ("batch reward, last 10 steps", reward_last10, "{:.3f}", ("diag_skipped_last10", "reward")),
+            ("clip frac", lambda r: r["clip_frac"], "{:.4f}", ("diag_skipped", "clip_frac")),
+            ("w = π_prox/π_behav, mean", lambda r: r["imp_weight_mean"], "{:.3f}",
+             ("diag_skipped", "imp_weight_mean")),
+            ("tokens given no weight", lambda r: r["behav_dropped_frac"], "{:.5f}",
+             ("diag_skipped", "behav_dropped_frac")),
             ("stale mean", lambda r: r["stale_mean"], "{:.2f}"),
             ("dropped groups", lambda r: r["dropped_groups"], "{:.0f}"),
-            ("ESS, last 10", lambda r: r.get("ess_last10", np.nan), "{:.3f}"),
-            ("KL(π_behav‖π_θ) k3, last 10", lambda r: r.get("kl_behav_last10", np.nan), "{:.4f}"),
-            ("cut at max_new_tokens, last 10", lambda r: r.get("truncated_frac_last10", np.nan), "{:.3f}"),
-            ("collapsed", lambda r: float(r.get("collapsed", False)),
-             lambda v: f"{sum(map(bool, v))} of {len(v)}"),
+            ("ESS, last 10", lambda r: r.get("ess_last10", np.nan), "{:.3f}", ("diag_skipped_last10", "ess")),
+            ("KL(π_behav‖π_θ) k3, last 10", lambda r: r.get("kl_behav_last10", np.nan), "{:.4f}",
+             ("diag_skipped_last10", "kl_behav")),
+            ("cut at max_new_tokens, last 10", lambda r: r.get("truncated_frac_last10", np.nan), "{:.3f}",
+             ("diag_skipped_last10", "truncated_frac")),
+            ("collapsed", lambda r: r, _collapsed),
             ("wall s", lambda r: r["wall_s"], "{:.1f}")]
     lines = ["| η | π_prox / train.off_policy | seeds | " + " | ".join(c[0] for c in cols) + " |",
              "|---" * (len(cols) + 3) + "|"]
     for key in dict.fromkeys(r["setting"] for r in records):
         rs = [r for r in records if r["setting"] == key and r.get("ok")]
         eta, prox = key[3:].split("-", 1)
-        lines.append(f"| {eta} | {prox} | {len(rs)} | "
-                     + " | ".join(_ms(v, fmt) if isinstance(fmt, str) else fmt(v)
-                                  for _, get, fmt in cols for v in [[get(r) for r in rs]]) + " |")
+        cells = []
+        for _, get, fmt, *skip in cols:
+            v = [get(r) for r in rs]
+            cell = _ms(v, fmt) if isinstance(fmt, str) else fmt(v)
+            k = _skipped(rs, *skip[0]) if skip else 0
+            cells.append(cell + (f" ({k} steps skipped)" if k else ""))
+        lines.append(f"| {eta} | {prox} | {_seeds(records, key)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -359,6 +399,11 @@ def main() -> int:
     ap.add_argument("--eta-plot", type=Path, nargs="+", metavar=("PNG", "RESULTS"), default=None,
                     help="plot the ablation over η (held-out accuracy, batch reward) from these "
                          "ablation results files")
+    ap.add_argument("--paired", type=Path, nargs="+", default=None, metavar="RESULTS",
+                    help="paired differences between the objectives of ablation results files "
+                         "(merged), seed by seed, per (regime, η) cell")
+    ap.add_argument("--baseline", default="trust_region",
+                    help="--paired: compare every objective with this one (all: every pair)")
     ap.add_argument("--table", type=Path, default=None,
                     help="print the table of a results file (with this --target)")
     ap.add_argument("--tail-eval", type=Path, default=None,
@@ -377,6 +422,11 @@ def main() -> int:
         return 0
     if args.plot:
         plot(*args.plot)
+        return 0
+    if args.paired:
+        recs = [r for path in args.paired for r in json.loads(path.read_text())["records"]]
+        print(f"{', '.join(map(str, args.paired))}: {len(recs)} runs")
+        print(paired_table(recs, args.baseline))
         return 0
     if args.table:      # a results file again, with this --target
         data = json.loads(args.table.read_text())
@@ -399,7 +449,9 @@ def main() -> int:
         n_new = args.max_new_tokens
         base += [f"data.train_path={train}", f"data.eval_path={held}", f"rollout.max_new_tokens={n_new}",
                  f"rollout.max_model_len={n_new + 96}", "train.max_tokens_per_mb=2048"]
-    if args.ablation:
+    if args.ablation:     # common random numbers: the same sampling seeds for every setting
+        if not any(o.startswith("rollout.per_request_seeds=") for o in args.overrides):
+            base.append("rollout.per_request_seeds=true")
         split = settings(cpus, [1])["async-1/1"]
         if args.objectives:
             runs = {f"eta{e}-{o}": [*split, f"rollout.max_staleness={e}", f"train.off_policy={o}"]
@@ -442,6 +494,9 @@ def main() -> int:
     print(f"task {args.task}, {args.steps} steps, CPUs {format_cpus(cpus)}; "
           f"command: python tools/bench_async_vs_sync.py {' '.join(sys.argv[1:])}")
     print(ablation_table(records) if args.ablation else table(records, list(runs)))
+    if args.ablation:
+        print()
+        print(paired_table(records, args.baseline))
     if not args.ablation:
         by = {k: [r for r in records if r["setting"] == k and r.get("ok")] for k in runs}
         if by.get("sync"):

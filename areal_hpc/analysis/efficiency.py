@@ -1,7 +1,9 @@
 """How efficiently a finished run used its machines, from its run directory (metrics.jsonl,
-generators.json, eval.json, rollouts.h5): `run_efficiency`."""
+generators.json, eval.json, rollouts.h5): `run_efficiency`; and whether it collapsed:
+`collapse_point`."""
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 
@@ -12,6 +14,12 @@ from ..transport.messages import LOOP_WORK
 from .load import load_run
 
 WINDOW = 5      # training-accuracy moving mean, in steps
+COLLAPSE_REWARD = 0.02      # a 5-step mean batch reward below this is (nearly) zero
+COLLAPSE_HELD_FRAC = 0.5    # a held-out evaluation below this share of the initial one
+# per-step diagnostics that a step with nothing to measure writes as null (or NaN)
+LAST10 = ("ess", "seq_ess", "kl_behav", "truncated_frac", "response_len")
+WHOLE_RUN = {"clip_frac": ("clip_frac", 0.0), "imp_weight_mean": ("imp_weight_mean", 1.0),
+             "behav_dropped_frac": ("dropped_frac", 0.0)}     # record key: (metrics key, if absent)
 
 
 def first_time_at(points: list[tuple[float, float]], target: float) -> float | None:
@@ -19,13 +27,64 @@ def first_time_at(points: list[tuple[float, float]], target: float) -> float | N
     return next((t for t, v in points if v >= target), None)
 
 
+def measured(v) -> bool:
+    """A value that measured something: not None (JSON null), not NaN."""
+    return v is not None and not (isinstance(v, float) and math.isnan(v))
+
+
+def mean_skipping(values) -> tuple[float, int]:
+    """The mean of `values` with None and NaN skipped (NaN when nothing is left), and how many
+    were skipped."""
+    values = list(values)
+    kept = [float(v) for v in values if measured(v)]
+    return (float(np.mean(kept)) if kept else float("nan")), len(values) - len(kept)
+
+
+def step_mean(steps: list[dict], key: str, absent=None) -> tuple[float, int]:
+    """`mean_skipping` of one metrics.jsonl field over `steps`. A step without the field (a run
+    from before it was logged) counts as `absent`, or is left out uncounted when that is None;
+    a null or NaN field (nothing to measure at that step) is skipped and counted."""
+    return mean_skipping(s[key] if key in s else absent for s in steps if key in s or absent is not None)
+
+
+def moving_mean(values: list, window: int = WINDOW) -> list[float]:
+    """The `window`-value moving mean (one per complete window, the first ending at index
+    window - 1), None and NaN skipped within each window (NaN when a window has no value)."""
+    return [mean_skipping(values[i - window + 1:i + 1])[0] for i in range(window - 1, len(values))]
+
+
+def collapse_point(rewards: list, evals: list[dict], steps: list[int] | None = None,
+                   window: int = WINDOW) -> tuple[int | None, str | None]:
+    """Where a run collapsed: (the step, what showed it), or (None, None). A run collapsed at
+    the first point where a held-out evaluation after the first one (`evals`, eval.json's, in
+    order; `step` is the policy version) scores below COLLAPSE_HELD_FRAC of the first one
+    ("held-out"), or the batch reward's `window`-step moving mean (`rewards`, one per step,
+    None/NaN skipped) falls below COLLAPSE_REWARD, checked from the first complete window on
+    ("reward"). `steps`: each reward's step number, counted as the evaluations count versions
+    (default 1, 2, ...). A collapse that recovers later still counts; a run whose last 10
+    steps' mean reward is below COLLAPSE_REWARD (the old rule) has a 5-step window below it."""
+    steps = list(range(1, len(rewards) + 1)) if steps is None else steps
+    found = []
+    initial = evals[0].get("accuracy") if evals else None
+    if measured(initial) and initial > 0:
+        found += [(e["step"], "held-out") for e in evals[1:]
+                  if measured(e.get("accuracy")) and e["accuracy"] < COLLAPSE_HELD_FRAC * initial]
+    found += [(steps[i + window - 1], "reward") for i, m in enumerate(moving_mean(rewards, window))
+              if measured(m) and m < COLLAPSE_REWARD]
+    return min(found, key=lambda f: f[0]) if found else (None, None)
+
+
 def run_efficiency(run: Path, mode: str, target: float) -> dict:
     """A finished run's efficiency from its directory: wall time and steps/h, the generators'
     time split and busy shares, the trainer's idle share, the ideal bound (`pipelined_bound`
     for async, the phases' sum for sync), staleness and drops, lengths, the held-out and
     training-accuracy curves and the time each first reaches `target`, the off-policy
-    diagnostics of the last 10 steps, and whether the run collapsed (`mode`: "sync" or
-    "async"). What tools/bench_async_vs_sync.py records per run."""
+    diagnostics of the last 10 steps, and whether and where the run collapsed (`collapse_point`)
+    (`mode`: "sync" or "async"). What tools/bench_async_vs_sync.py records per run.
+
+    Every mean over steps skips the steps whose field is null or NaN (a diagnostic with nothing
+    to measure at that step); `diag_skipped` (whole-run means) and `diag_skipped_last10` (the
+    last 10 steps') count them per field."""
     from ..plan.calibration import read_metrics
     from ..plan.throughput import pipelined_bound
     rd = RunDir(run)
@@ -59,10 +118,14 @@ def run_efficiency(run: Path, mode: str, target: float) -> dict:
     st = trained["staleness"].to_numpy(dtype=float)
     elapsed = {s["version"]: s["elapsed_s"] for s in steps}
     held = [(elapsed[e["step"]], e["accuracy"]) for e in evals if e.get("step") in elapsed]
-    acc = np.array([s["accuracy"] for s in steps])
-    moving = np.convolve(acc, np.ones(WINDOW) / WINDOW, mode="valid") if n >= WINDOW else []
-    train_curve = [(steps[i + WINDOW - 1]["elapsed_s"], float(v)) for i, v in enumerate(moving)]
+    moving = moving_mean([s.get("accuracy") for s in steps])
+    train_curve = [(steps[i + WINDOW - 1]["elapsed_s"], v) for i, v in enumerate(moving) if measured(v)]
     final = next((e for e in evals if e.get("label") == "final"), {})
+    rewards = [s.get("reward") for s in steps]
+    collapsed_at, collapsed_by = collapse_point(rewards, evals, [s.get("version", s["step"] + 1) for s in steps])
+    whole = {rec: step_mean(steps, key, absent) for rec, (key, absent) in WHOLE_RUN.items()}
+    last10 = {k: step_mean(steps[-10:], k) for k in LAST10}
+    reward10 = mean_skipping(rewards[-10:])
     return {
         "steps": n, "wall_s": wall, "steps_per_h": 3600 * n / wall,
         "trained_tok_s": trained_tokens / wall,
@@ -87,15 +150,16 @@ def run_efficiency(run: Path, mode: str, target: float) -> dict:
         "held_curve": held, "train_curve": train_curve,
         "t_target_heldout": first_time_at(held, target),
         "t_target_train": first_time_at(train_curve, target),
-        "clip_frac": float(np.mean([s.get("clip_frac", 0.0) for s in steps])),
-        "imp_weight_mean": float(np.mean([s.get("imp_weight_mean", 1.0) for s in steps])),
-        "behav_dropped_frac": float(np.mean([s.get("dropped_frac", 0.0) for s in steps])),
-        "reward_curve": [s["reward"] for s in steps],
+        # whole-run means of the per-step diagnostics (absent in older runs: the ideal value)
+        **{k: v for k, (v, _) in whole.items()},
+        "reward_curve": rewards, "reward_last10": reward10[0],
         # the off-policy diagnostics, mean over the last 10 steps (absent in older runs: NaN)
-        **{f"{k}_last10": float(np.mean([s.get(k, np.nan) for s in steps[-10:]]))
-           for k in ("ess", "seq_ess", "kl_behav", "truncated_frac", "response_len")},
-        "zero_var_groups": int(sum(s.get("zero_var_groups", 0) for s in steps)),
-        "no_signal_steps": int(sum(s.get("no_signal_steps", 0) for s in steps)),
-        # a collapse: the last 10 steps' batch reward at (nearly) zero
-        "collapsed": bool(np.mean([s["reward"] for s in steps[-10:]]) < 0.02),
+        **{f"{k}_last10": v for k, (v, _) in last10.items()},
+        # steps skipped by those means: the field null or NaN
+        "diag_skipped": {k: c for k, (_, c) in whole.items()},
+        "diag_skipped_last10": {"reward": reward10[1], **{k: c for k, (_, c) in last10.items()}},
+        "zero_var_groups": int(sum(s.get("zero_var_groups") or 0 for s in steps)),
+        "no_signal_steps": int(sum(s.get("no_signal_steps") or 0 for s in steps)),
+        # a collapse (`collapse_point`): where, and whether the held-out or the reward showed it
+        "collapsed": collapsed_at is not None, "collapsed_at": collapsed_at, "collapsed_by": collapsed_by,
     }
