@@ -8,12 +8,14 @@ differences) is narrower than the unpaired (Welch) one over the same runs; the t
 both, with the pooled sd of the two cells, so the gain from pairing is visible.
 
 Pure: the records are tools/bench_async_vs_sync.py's (`run_efficiency` plus setting, seed, ok,
-overrides); the t quantiles are computed here (regularised incomplete beta), no scipy.
+overrides); the t quantiles are scipy's.
 """
 from __future__ import annotations
 
 import math
 import statistics
+
+from scipy import stats
 
 from .efficiency import COLLAPSE_REWARD, mean_skipping, measured
 
@@ -26,64 +28,12 @@ PER_RUN = ("train.seed", "data.seed", "rollout.max_staleness", "train.off_policy
 
 # --- Student t -------------------------------------------------------------------------------
 
-def _betacf(a: float, b: float, x: float) -> float:
-    """The continued fraction of the regularised incomplete beta (modified Lentz)."""
-    tiny = 1e-300
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 10_000):
-        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-            d = 1.0 + num * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + num / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < 1e-16:
-            break
-    return h
-
-
-def betainc(a: float, b: float, x: float) -> float:
-    """The regularised incomplete beta function I_x(a, b), 0 <= x <= 1."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
-                     + a * math.log(x) + b * math.log1p(-x))
-    if x < (a + 1.0) / (a + b + 2.0):
-        return front * _betacf(a, b, x) / a
-    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
-
-
-def t_cdf(t: float, df: float) -> float:
-    """P(T <= t) for Student's t with `df` > 0 degrees of freedom (any real df; inf: normal)."""
-    if math.isinf(df):
-        return statistics.NormalDist().cdf(t)
-    tail = 0.5 * betainc(df / 2.0, 0.5, df / (df + t * t))
-    return 1.0 - tail if t > 0 else tail
-
-
 def t_quantile(p: float, df: float) -> float:
-    """The t such that P(T <= t) = p (0 < p < 1), Student's t with `df` degrees of freedom, by
-    bisection on `t_cdf` to the float's resolution; inf: the normal quantile."""
+    """The t such that P(T <= t) = p, Student's t with `df` > 0 degrees of freedom (any real
+    df, as Welch's interval needs; inf: the normal quantile)."""
     if not 0.0 < p < 1.0:
         raise ValueError(f"p must be in (0, 1), got {p}")
-    if math.isinf(df):
-        return statistics.NormalDist().inv_cdf(p)
-    if p < 0.5:
-        return -t_quantile(1.0 - p, df)
-    lo, hi = 0.0, 1.0
-    while t_cdf(hi, df) < p:
-        lo, hi = hi, 2.0 * hi
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if mid in (lo, hi):
-            break
-        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
-    return 0.5 * (lo + hi)
+    return float(stats.norm.ppf(p) if math.isinf(df) else stats.t.ppf(p, df))
 
 
 # --- intervals ---------------------------------------------------------------------------------
