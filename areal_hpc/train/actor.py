@@ -478,7 +478,7 @@ class Actor:
             self.lr_scheduler.step(1)
             # No token of this minibatch gives a gradient, on any rank: no optimizer step
             # (Adam's momentum and weight decay would move the weights at zero gradient).
-            if self._global_sum(sum(float(o["signal_tokens"]) for o in out)) == 0:
+            if self._reduce_sums(out, keys=("signal_tokens",))["signal_tokens"] == 0:
                 idle += 1
             else:
                 with CudaToCpuMode():
@@ -528,8 +528,7 @@ class Actor:
         NaN (null in metrics.jsonl), not the values of a perfectly on-policy step."""
         for _ in range(self.cfg.ppo_minibatches):
             self.lr_scheduler.step(1)
-        seconds = dict.fromkeys(("pack_seconds", "prox_seconds", "fwd_bwd_seconds",
-                                 "optim_seconds"), 0.0)
+        seconds = dict.fromkeys(("pack_seconds", "prox_seconds", "fwd_bwd_seconds", "optim_seconds"), 0.0)
         return {**dict.fromkeys(_DIAGNOSTICS, _NAN), **seconds,
                 "lr": self.optimizer.param_groups[0]["lr"], "reward_mean": share.reward_mean,
                 "adv_abs_mean": share.adv_abs_mean, "n_tokens": 0, "n_seqs": share.n_seqs,
@@ -537,32 +536,21 @@ class Actor:
                 "no_signal_steps": 1, "n_micro_batches": 0, "skipped_steps": 0,
                 "seconds": time.perf_counter() - t0}
 
-    def _global_sum(self, value: float) -> float:
-        """`value` summed over the last pipeline stage's data-parallel ranks (the other stages
-        hold no loss outputs and add 0), the same on every trainer rank."""
-        vec = torch.tensor([value if self.layout.last_stage else 0.0], dtype=torch.float64,
-                           device=self.device)
-        if self.pp > 1:
-            dist.all_reduce(vec, group=self.layout.pp_group())
-        if self.layout.dp > 1:
-            dist.all_reduce(vec, group=self.layout.dp_group())
-        return float(vec[0])
-
-    def _reduce_sums(self, outputs: list[dict], n_tokens: int) -> dict[str, float]:
-        """Sums of `_SUM_KEYS` and `n_tokens` over the whole batch: from the last pipeline stage
-        (the only one with loss outputs) and over data-parallel ranks. One vector, two
-        all-reduces (the other stages add zeros)."""
-        last = self.layout.last_stage
-        vec = torch.zeros(len(_SUM_KEYS) + 1, dtype=torch.float64, device=self.device)
-        if last:
-            for j, key in enumerate(_SUM_KEYS):
+    def _reduce_sums(self, outputs: list[dict], n_tokens: int = 0,
+                     keys: tuple[str, ...] = _SUM_KEYS) -> dict[str, float]:
+        """Sums of `keys` over `outputs` and `n_tokens`, over the whole batch: from the last
+        pipeline stage (the only one with loss outputs; the other stages add zeros) and over
+        data-parallel ranks; the same on every trainer rank. One vector, two all-reduces."""
+        vec = torch.zeros(len(keys) + 1, dtype=torch.float64, device=self.device)
+        if self.layout.last_stage:
+            for j, key in enumerate(keys):
                 vec[j] = sum(float(o[key]) for o in outputs)
             vec[-1] = n_tokens
         if self.pp > 1:
             dist.all_reduce(vec, group=self.layout.pp_group())
         if self.layout.dp > 1:
             dist.all_reduce(vec, group=self.layout.dp_group())
-        return dict(zip((*_SUM_KEYS, "n_tokens"), vec.tolist()))
+        return dict(zip((*keys, "n_tokens"), vec.tolist()))
 
     # ---------------------------------------------------------------- weights
 
