@@ -86,7 +86,6 @@ the earlier steps are replayed with the later settings.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -411,8 +410,8 @@ def _train(args, cfg, batches: Batches, metrics: dict[int, dict], S: int) -> int
                       f"{_fmt(res['grad_norm_diff'], '>9.2e')}  {stats['n_tokens']:>6}{flag}",
                       flush=True)
                 if out is not None:
-                    out.write(json.dumps({**res, "rows": rows, "replayed": stats,
-                                          "logged": metrics.get(s)}) + "\n")
+                    out.write(run_files.json_line({**res, "rows": rows, "replayed": stats,
+                                                   "logged": metrics.get(s)}))
                     out.flush()
         finally:
             if out is not None:

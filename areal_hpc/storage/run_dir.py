@@ -94,13 +94,13 @@ class RunDir:
         """Keep the metrics of steps < `steps` (a resume trains the later ones again)."""
         if self.metrics.exists():
             kept = [r for r in self.read_metrics() if r["step"] < steps]
-            self.metrics.write_text("".join(_metrics_line(r) for r in kept))
+            self.metrics.write_text("".join(json_line(r) for r in kept))
 
     def append_metrics(self, record: dict) -> None:
         """One step's line; a number that is not finite (a diagnostic with nothing to measure:
         NaN) is written as null, so that the file is standard JSON."""
         with open(self.metrics, "a") as f:
-            f.write(_metrics_line(record))
+            f.write(json_line(record))
 
     def metrics_records(self) -> list[tuple[int, dict]]:
         """metrics.jsonl as (line number, record) pairs, in order ([] without the file; blank
@@ -167,6 +167,17 @@ class RunDir:
                 if e.get("label") != "final" and e.get("step", 0) <= up_to_step]
 
 
-def _metrics_line(record: dict) -> str:
-    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
-                       for k, v in record.items()}, allow_nan=False) + "\n"
+def _finite_or_null(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite_or_null(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite_or_null(v) for v in x]
+    return x
+
+
+def json_line(record: dict) -> str:
+    """One JSON line of a run file: a number that is not finite (a diagnostic with nothing to
+    measure) is written as null, at any depth, so that the line is standard JSON."""
+    return json.dumps(_finite_or_null(record), allow_nan=False) + "\n"

@@ -64,8 +64,8 @@ def _check_log(run_dir, steps=STEPS, rows_per_step=B * N):
     assert [x["step"] for x in lines] == list(range(steps))
     # the TensorBoard files, rebuilt at the resume, hold each step once too (at steps trained)
     tb = read_scalars(run_dir)
-    assert [p[0] for p in tb["train/loss"]] == list(range(1, steps + 1))
-    assert [p[2] for p in tb["train/loss"]] == [x["time"] for x in lines]
+    assert [p[0] for p in tb["train/lr"]] == list(range(1, steps + 1))      # lr: never null
+    assert [p[2] for p in tb["train/lr"]] == [x["time"] for x in lines]
     assert [p[0] for p in tb["eval/accuracy"]] == [0, steps]
     report = audit(run_dir)             # the independent audit agrees
     assert report.exit_code == 0, report.text()
