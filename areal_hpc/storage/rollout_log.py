@@ -96,9 +96,18 @@ def _error_bytes(error: str | None) -> bytes:
 
 
 def _append(ds: h5py.Dataset, values: np.ndarray) -> None:
-    n = ds.shape[0]
-    ds.resize((n + len(values),))
-    ds[n:] = values
+    """`values` (1-D) appended to `ds`, through h5py's low-level calls: the high-level resize and
+    slice assignment cost more than the write itself, 18 of them per appended group, on trainer
+    rank 0's receiving thread, beside the generators' cores (BENCHMARKS.md, bench_ab)."""
+    values = np.ascontiguousarray(values, dtype=ds.dtype)
+    if not len(values):
+        return
+    dsid = ds.id
+    n = dsid.shape[0]
+    dsid.set_extent((n + len(values),))
+    space = dsid.get_space()
+    space.select_hyperslab((n,), (len(values),))
+    dsid.write(h5py.h5s.create_simple((len(values),)), space, values)
 
 
 class RolloutWriter:
@@ -110,6 +119,7 @@ class RolloutWriter:
             raise FileExistsError(f"rollout log already exists: {path} (choose another run name)")
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self._ds = None
         self.f = h5py.File(path, "w", libver="latest")
         self.f.attrs["format"] = FORMAT
         self.f.attrs["schema_version"] = SCHEMA_VERSION
@@ -136,7 +146,7 @@ class RolloutWriter:
         rows after `keep_rows` stay in the file, marked ROLLED_BACK."""
         path = Path(path)
         self = cls.__new__(cls)
-        self.path = path
+        self.path, self._ds = path, None
         with damage_is_an_error(path):
             try:
                 self.f = h5py.File(path, "a", libver="latest")
@@ -188,7 +198,7 @@ class RolloutWriter:
         is optional) as pending rows, or PARTIAL ones; returns their row indices."""
         if not trajs:
             return []
-        t, tok = self.f["traj"], self.f["tokens"]
+        t, tok = self._datasets()
         plen = np.array([len(x["prompt_tokens"]) for x in trajs], dtype=np.int64)
         olen = np.array([len(x["output_tokens"]) for x in trajs], dtype=np.int64)
         for x, n in zip(trajs, olen):
@@ -223,6 +233,15 @@ class RolloutWriter:
         self.n_rows += len(trajs)
         self.f.flush()
         return list(range(first, self.n_rows))
+
+    def _datasets(self) -> tuple[dict[str, h5py.Dataset], dict[str, h5py.Dataset]]:
+        """The row datasets (the commit marker's too) and the token datasets by name, looked up
+        once: an h5py lookup by name costs about as much as the write that `append` makes."""
+        if self._ds is None:
+            t, tok = self.f["traj"], self.f["tokens"]
+            self._ds = ({n: t[n] for n in (*_ROW_FIELDS, _COMMIT)},
+                        {n: tok[n] for n in _TOKEN_FIELDS})
+        return self._ds
 
     def column(self, name: str) -> np.ndarray:
         """One per-row field over the rows written so far."""
