@@ -198,10 +198,9 @@ class TrainConfig:
     # it out) | token_mask (w also dropped below behav_imp_weight_floor) | seq_mask (a sequence
     # dropped when its geometric-mean w leaves [seq_imp_weight_low, seq_imp_weight_high]) |
     # naive (PPO-clip against π_behav; no π_prox pass). behav_kl_coef: β·KL(π_behav‖π_θ), k3.
-    # The default, trust_region: on the tiny task (BENCHMARKS.md "Off-policy corrections" and
-    # the sections after it) decoupled collapsed towards the initial accuracy at η = 8 while
-    # trust_region was the best cell there; it never collapsed and was within 0.74 pooled sd of
-    # naive PPO (1 or 4 minibatches, lr 3e-4 or 3e-5) wherever the two objectives differ.
+    # The default, trust_region (BENCHMARKS.md "Paired, on the current code"): on the tiny task
+    # at η = 2 and 8 decoupled is behind it with 95% intervals that exclude 0; naive PPO is not
+    # told apart from it (intervals contain 0, trust_region ahead on every point estimate).
     off_policy: str = "trust_region"
     behav_clip: float = 0.2
     behav_imp_weight_floor: float = 0.5
