@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 BOUND_S = 20
-ARGS = ["train.total_steps=40", "train.batch_prompts=3", "rollout.group_size=2",
+ARGS = ["train.total_steps=400", "train.batch_prompts=3", "rollout.group_size=2",
         "rollout.max_new_tokens=24", "data.eval_limit=4", "data.eval_samples=1",
         "checkpoint.every_steps=100", f"rollout.generator_timeout_s={BOUND_S}",
         "rollout.heartbeat_s=2", f"weights.timeout_s={BOUND_S}"]
@@ -95,7 +95,7 @@ def test_generator_failure_ends_the_job(jobs, tiny_model, tmp_path, how):
     print(f"\n{how}: job ended {ended_s:.1f} s after the {how} (exit {proc.returncode}, "
           f"{steps} steps done)")
     assert proc.returncode != 0, out[-4000:]
-    assert steps < 40
+    assert steps < 400
     if how == "stall":
         errors = re.findall(r"(GeneratorLostError|WeightSyncError): (.*)", out)
         assert errors, out[-4000:]
