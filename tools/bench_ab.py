@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
@@ -70,10 +68,7 @@ def worktree(rev: str, work: Path) -> tuple[Path, str]:
 
 def run_one(tree: Path, overrides: list[str], out: Path, name: str, timeout: float) -> dict:
     """One job from `tree` (its package first on the path); its measures, or {"ok": False}."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)}
-    with mock.patch.object(job, "ROOT", tree), mock.patch.dict(os.environ, env, clear=True):
-        rc, seconds, _, cpu = job.run_job(overrides, out, name, timeout)
+    rc, seconds, _, cpu = job.run_job(overrides, out, name, timeout, root=tree)
     if rc != 0:
         return {"ok": False, "rc": rc, "job_s": seconds, "cpu_s": cpu}
     mode = "sync" if "rollout.mode=sync" in overrides else "async"

@@ -148,16 +148,20 @@ def tail_eval(path: Path, per_k: int = 6, samples: int = 4) -> None:
         path.write_text(json.dumps(data, indent=1, default=str))
 
 
-def run_job(overrides: list[str], out_dir: Path, name: str, timeout: float) -> tuple[int, float, str, float]:
-    """Run one job; returns (exit code, seconds, the launcher's placement line, CPU seconds of
-    the whole job: every process of it, reaped through mpiexec)."""
+def run_job(overrides: list[str], out_dir: Path, name: str, timeout: float,
+            root: Path = ROOT) -> tuple[int, float, str, float]:
+    """Run one job from the checkout `root` (its package first on the path); returns (exit
+    code, seconds, the launcher's placement line, CPU seconds of the whole job: every process of
+    it, reaped through mpiexec)."""
     import resource
     cmd = [sys.executable, "-m", "areal_hpc.launch.local", "configs/tiny_cpu.yaml",
            f"name={name}", f"output_dir={out_dir}", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if root != ROOT:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     placement = next((ln for ln in r.stdout.splitlines() if "rank(s)" in ln and "[launch]" in ln), "")

@@ -3,13 +3,13 @@ generators.json, eval.json, rollouts.h5): `run_efficiency`; and whether it colla
 `collapse_point`."""
 from __future__ import annotations
 
-import math
 import statistics
 from pathlib import Path
 
 import numpy as np
 
 from ..storage.run_dir import RunDir
+from ..train.diagnostics import measured
 from ..transport.messages import LOOP_WORK
 from .load import load_run
 
@@ -25,11 +25,6 @@ WHOLE_RUN = {"clip_frac": ("clip_frac", 0.0), "imp_weight_mean": ("imp_weight_me
 def first_time_at(points: list[tuple[float, float]], target: float) -> float | None:
     """The first time (of (time, value) points in order) the value reaches `target`."""
     return next((t for t, v in points if v >= target), None)
-
-
-def measured(v) -> bool:
-    """A value that measured something: not None (JSON null), not NaN."""
-    return v is not None and not (isinstance(v, float) and math.isnan(v))
 
 
 def mean_skipping(values) -> tuple[float, int]:

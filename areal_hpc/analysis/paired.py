@@ -17,7 +17,8 @@ import statistics
 
 from scipy import stats
 
-from .efficiency import COLLAPSE_REWARD, mean_skipping, measured
+from ..train.diagnostics import measured
+from .efficiency import COLLAPSE_REWARD, mean_skipping
 
 LEVEL = 0.95
 # overrides that tell the runs of one cell apart, not the cell: the seeds, η, the objective
@@ -119,7 +120,7 @@ def _short_regimes(regimes: list[str]) -> dict[str, str]:
 
 
 def _fmt(x, spec: str = "{:.3f}") -> str:
-    return "–" if x is None or not measured(x) else spec.format(x)
+    return spec.format(x) if measured(x) else "–"
 
 
 def _interval(lo, hi) -> str:

@@ -6,9 +6,9 @@ import collections
 import numpy as np
 
 from ..storage import run_dir as run_files
-from ..train.shares import guard_decisions
 from ..storage.rollout_log import (DROPPED_STALE, NO_SEED, NOT_CONSUMED, PARTIAL, ROLLED_BACK,
                                   RolloutReader)
+from ..train.shares import guard_decisions
 
 from .run import (Check, EXAMPLES, _Groups, _Projection, _Run, _any_trained, _name, _some)
 

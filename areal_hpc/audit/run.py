@@ -238,8 +238,8 @@ def _read(run_dir: Path, check_crc: bool, notes: list[str], block_tokens: int) -
                pid=cols["prompt_id"].astype(np.int64), sidx=cols["sample_idx"].astype(np.int64),
                consumed=cols["consumed_step"].astype(np.int64),
                out_len=np.diff(ends.astype(np.int64), prepend=0),
-               reward=np.asarray(cols["reward"], dtype=np.float32), cut=cols["finish_reason"] == FINISH_REASONS.index("length"),
-               vmin=vmin, vmax=vmax,
+               reward=np.asarray(cols["reward"], dtype=np.float32),
+               cut=cols["finish_reason"] == FINISH_REASONS.index("length"), vmin=vmin, vmax=vmax,
                metrics=_read_metrics(run_dir))
     hit = ck.find_latest(run_dir, check_crc=check_crc)
     if hit is None:

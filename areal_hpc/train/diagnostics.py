@@ -33,16 +33,15 @@ class CollapseWatch:
         """The warnings that step record `r` starts (none while a sign persists)."""
         signs: dict[str, str] = {}
         ess = r.get("ess")
-        if ess is None or (isinstance(ess, float) and math.isnan(ess)):
+        if not measured(ess):
             self.skipped += 1
             if "ess" in self._active:       # not measured: the sign is neither raised nor cleared
                 signs["ess"] = ""
         elif ess < ESS_LOW:
-            kl = r.get("kl_behav")
             skipped = f"; {self.skipped} step(s) without a measurement skipped" if self.skipped else ""
             signs["ess"] = (f"effective sample size {ess:.2f} of the step's tokens (< {ESS_LOW}): "
                             f"the data is far from the policy (KL(π_behav‖π_θ) "
-                            f"{float('nan') if kl is None else kl:.3f}{skipped}); consider a lower "
+                            f"{_fmt(r.get('kl_behav'))}{skipped}); consider a lower "
                             "rollout.max_staleness or train.off_policy")
         if r.get("no_signal_steps"):
             signs["idle"] = ("no learning signal in the whole step (every token dropped, or every "
@@ -69,5 +68,10 @@ class CollapseWatch:
         return new
 
 
+def measured(v) -> bool:
+    """A value that measured something: not None (JSON null), not NaN."""
+    return v is not None and not (isinstance(v, float) and math.isnan(v))
+
+
 def _fmt(x) -> str:
-    return "not measured" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
+    return f"{x:.3f}" if measured(x) else "not measured"
