@@ -24,7 +24,9 @@ PLAIN_NUMBER = re.compile(r"[+-]?(\d{1,3}(,\d{3})+|\d+)(\.\d+)?|[+-]?\.\d+")
 
 def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` with balanced braces, or None if there is none; an
-    unclosed one (e.g. a truncated completion) is skipped for an earlier, complete one.
+    unclosed one (e.g. a truncated completion) is skipped for an earlier, complete one. Of
+    nested boxes the outer one counts (the last box to close): ``\\boxed{43 \\boxed{42}}``
+    answers ``43 \\boxed{42}``, not 42.
 
     One pass over the braces with a stack (a box closes where the brace depth counted from its
     own ``{`` returns to 0), so text full of unclosed boxes costs no more than its length."""
@@ -32,7 +34,7 @@ def last_boxed(text: str) -> str | None:
     best = None
     for m in _BRACES.finditer(text):
         if m.group() == "}":
-            if stack and (start := stack.pop()) >= 0 and (best is None or start > best[0]):
+            if stack and (start := stack.pop()) >= 0:
                 best = (start, m.start())
         else:
             stack.append(m.end() if m.group() == BOXED else -1)

@@ -40,6 +40,8 @@ def test_last_boxed():
     assert last_boxed("a \\boxed{\\frac{1}{2}} b") == "\\frac{1}{2}"
     assert last_boxed("\\boxed{1}\\boxed{{2}}") == "{2}"
     assert last_boxed("no box") is None
+    assert last_boxed("\\boxed{43 \\boxed{42}}") == "43 \\boxed{42}"     # the outer box
+    assert last_boxed("\\boxed{7} \\boxed{ \\boxed{8}") == "8"          # its outer one unclosed
 
 
 def test_works_off_the_main_thread():
@@ -76,18 +78,21 @@ def test_math_reward_with_another_extractor():
 
 
 def _last_boxed_by_rescanning(text):
-    """The specification: from the last \\boxed{ back, the first whose braces balance (each
-    start rescanned to the end: quadratic on text full of unclosed boxes)."""
-    start = text.rfind("\\boxed{")
+    """The specification: of the \\boxed{ whose braces balance (each start rescanned to the end:
+    quadratic on text full of unclosed boxes), the one that closes last (of nested boxes the
+    outer one)."""
+    found, start = None, text.find("\\boxed{")
     while start != -1:
         depth, i = 1, start + len("\\boxed{")
         while i < len(text):
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             if depth == 0:
-                return text[start + len("\\boxed{"):i]
+                if found is None or i > found[1]:
+                    found = (start + len("\\boxed{"), i)
+                break
             i += 1
-        start = text.rfind("\\boxed{", 0, start)
-    return None
+        start = text.find("\\boxed{", start + 1)
+    return None if found is None else text[found[0]:found[1]]
 
 
 @settings(max_examples=400, deadline=None)
@@ -112,6 +117,9 @@ ACCEPTED = [
     ("50\\%", "\\frac{1}{2}"),                              # a percentage is its fraction
     ("3,2", "2,3"), ("2,3", "\\{2,3\\}"),                   # a list of solutions is a set
     ("{2}", "2"), ("\\infty", "\\infty"),
+    ("0.1", "\\frac{1}{10}"), ("0.125", "\\frac{1}{8}"), ("2.50", "\\frac{5}{2}"),  # exact decimals
+    ("x = 40 + 2 = 42", "42"), ("42 = 42", "42"), ("x = 42", "x = 42"),  # every side the answer
+    ("\\boxed{42}", "42"), ("\\boxed{\\boxed{\\frac{1}{2}}}", "0.5"),     # a box around all of it
 ]
 REFUSED = [
     ("0.333", "\\frac{1}{3}"), ("3.14", "\\pi"), ("0.7071", "\\frac{\\sqrt{2}}{2}"),  # approximations
@@ -120,6 +128,12 @@ REFUSED = [
     ("2 or 3", "2"), ("2 \\text{ or } 3", "2"), ("2, 3", "2"),   # hedged: several answers
     ("(1,2)", "[1,2]"),                                      # open and closed intervals
     ("\\text{12 apples}", "12"), ("5 dollars", "5"),         # a number inside words
+    # the leaks math_verify left (issue: trust boundary, third round): it rounds decimals to 6
+    # places, takes the right side of any equation, and reads the inner of nested boxes
+    ("0.5000001", "\\frac{1}{2}"), ("0.5000001", "0.5"), ("0.4999999", "\\frac{1}{2}"),
+    ("3.141593", "\\pi"), ("1.4142136", "\\sqrt{2}"), ("0.3333333333333333333", "\\frac{1}{3}"),
+    ("43 = 42", "42"), ("2x = 84", "42"), ("42 = x", "42"), ("x = 43 = 42", "42"),
+    ("\\boxed{43 \\boxed{42}}", "42"), ("43 \\boxed{42}", "42"), ("\\boxed{42} \\boxed{42}", "42"),
 ]
 
 
@@ -131,3 +145,8 @@ def test_equivalences_the_policy_accepts(pred, ref):
 @pytest.mark.parametrize("pred, ref", REFUSED)
 def test_equivalences_the_policy_refuses(pred, ref):
     assert math_reward(f"\\boxed{{{pred}}}", ref) == 0.0
+
+
+def test_a_box_inside_another_extractors_answer_is_unwrapped_only_whole():
+    assert math_reward("Answer: \\boxed{42}", "42", "answer") == 1.0
+    assert math_reward("Answer: 43 \\boxed{42}", "42", "answer") == 0.0
