@@ -27,6 +27,12 @@ SEED_MAX = 2**31 - 1         # + rank offsets stays below numpy's 2**32
 MAX_TIMEOUT_S = 30 * 86400.0  # torch.distributed / threading timeouts must be finite
 MAX_REWARD_WORKERS = 512      # reward processes per generator: more is a typo, not a plan
 MAX_REWARD_TIMEOUT_S = 3600.0  # one sample's scoring; the pool restarts a worker past it
+# Every config number that becomes part of a reward or its shaping (reward.functions[].weight,
+# train.reward_bias / reward_scaling / reward_clip) is finite and at most this in magnitude. With
+# a function's value bounded the same (reward/custom.py MAX_ABS_VALUE) a weighted term is at
+# most 1e12 and (r + bias) * scaling at most ~1e18 per function: finite in float32 (3.4e38), in
+# which the rollout log and the trainer hold rewards. A larger number is a typo, not a weight.
+MAX_REWARD_MAGNITUDE = 1e6
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,8 @@ _COUNT = Range(1, INT_MAX)
 _NONNEG = Range(0, INT_MAX)
 _TIMEOUT = Range(0.001, MAX_TIMEOUT_S, why=" (seconds)")
 _RANKS = Range(1, MAX_RANKS)
+_REWARD_NUMBER = Range(-MAX_REWARD_MAGNITUDE, MAX_REWARD_MAGNITUDE,
+                       why=" (a reward term; a larger one overflows float32 in the log and the loss)")
 
 # Every int / float key of the schema (reward.* is checked in `validate` itself); optional keys
 # are checked when set. tests/config checks that no numeric key is missing here.
@@ -113,9 +121,9 @@ RANGES: dict[str, Range] = {
     "train.seq_imp_weight_high": Range(1),
     "train.behav_kl_coef": Range(0, 10),
     "train.overlong_buffer": _COUNT,
-    "train.reward_bias": Range(),
-    "train.reward_scaling": Range(0, lo_open=True),
-    "train.reward_clip": Range(0, lo_open=True),
+    "train.reward_bias": _REWARD_NUMBER,
+    "train.reward_scaling": Range(0, MAX_REWARD_MAGNITUDE, lo_open=True, why=_REWARD_NUMBER.why),
+    "train.reward_clip": Range(0, MAX_REWARD_MAGNITUDE, lo_open=True, why=_REWARD_NUMBER.why),
     "train.max_tokens_per_mb": _COUNT,
     "train.logprob_chunk_tokens": _COUNT,
     "train.recompute_num_layers": _COUNT,
@@ -257,6 +265,9 @@ def validate(cfg: RunConfig) -> None:
     from ..data.answers import EXTRACTORS
     _check(cfg.reward.extractor in EXTRACTORS, "reward.extractor",
            f"must be one of {', '.join(EXTRACTORS)}, got {cfg.reward.extractor!r}")
+    for i, f in enumerate(cfg.reward.functions):
+        problem = _REWARD_NUMBER.problem(f.weight)
+        _check(problem is None, f"reward.functions[{i}].weight", str(problem))
     from ..reward.custom import RewardFnError, specs_of
     try:
         specs_of(cfg)

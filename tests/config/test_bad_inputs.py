@@ -50,6 +50,24 @@ OVERRIDES = [
     (["reward.fn_timeout_s=inf"], r"'reward\.fn_timeout_s': must be in \(0, 3600\] seconds"),
     (["name=${oc.env:HOME}"], r"'name': an environment interpolation .* would be written, resolved"),
     (["data.system_prompt=${oc.env:HOME}"], r"'data\.system_prompt': an environment interpolation"),
+    # every config number that becomes part of a reward: finite and within ±1e6 (issue: trust
+    # boundary, third round, item 2): a typo of 1e300 is one line at load, not an inf in the log
+    (["reward.weight=1e300"], r"'reward\.weight'"),     # no such key: the weights are per function
+    (["reward.functions=[{fn: f.py:f, weight: 1e300}]"],
+     r"'reward\.functions\[0\]\.weight': must be <= 1000000, got 1e\+300 \(a reward term"),
+    (["reward.functions=[{fn: f.py:f}, {fn: g.py:g, weight: -1e7}]"],
+     r"'reward\.functions\[1\]\.weight': must be >= -1000000, got -10000000"),
+    (["reward.functions=[{fn: f.py:f, weight: .nan}]"],
+     r"'reward\.functions\[0\]\.weight': must be a finite number, got nan"),
+    (["reward.functions=[{fn: f.py:f, weight: .inf}]"],
+     r"'reward\.functions\[0\]\.weight': must be a finite number, got inf"),
+    (["reward.functions=[{fn: f.py:f, weight: -.inf}]"],
+     r"'reward\.functions\[0\]\.weight': must be a finite number, got -inf"),
+    (["train.reward_bias=1e300"], r"'train\.reward_bias': must be <= 1000000"),
+    (["train.reward_bias=inf"], r"'train\.reward_bias': must be a finite number"),
+    (["train.reward_scaling=1e300"], r"'train\.reward_scaling': must be <= 1000000"),
+    (["train.reward_scaling=nan"], r"'train\.reward_scaling': must be a finite number"),
+    (["train.reward_clip=1e39"], r"'train\.reward_clip': must be <= 1000000"),
     # others
     (["checkpoint.signals=[USR9]"], r"checkpoint\.signals.*unknown signal 'USR9'"),
     (["checkpoint.signals=[_IGN]"], r"checkpoint\.signals.*unknown signal"),
@@ -299,3 +317,13 @@ def test_an_answer_that_is_a_solution_is_refused(model_dir, tmp_path):
                  + json.dumps({"question": "1+2", "answer": "3 " * 600}) + "\n")
     _refused(r"'data\.train_path': row 1: its answer is 1200 characters \(at most 1000",
              check_inputs, _paths_cfg(model_dir, p))
+
+
+def test_reward_numbers_at_the_bound_load(tmp_path):
+    cfg = load(None, BASE + ["reward.functions=[{fn: f.py:f, weight: 1e6}, {fn: g.py:g, weight: -1e6}]",
+                             "train.reward_bias=-1e6", "train.reward_scaling=1e6", "train.reward_clip=1e6"])
+    assert [f.weight for f in cfg.reward.functions] == [1e6, -1e6]
+    p = tmp_path / "c.yaml"         # the same typo in a YAML file
+    p.write_text("model: {path: m}\ndata: {train_path: t}\n"
+                 "reward: {functions: [{fn: f.py:f, weight: 1.0e+300}]}\n")
+    _refused(r"'reward\.functions\[0\]\.weight': must be <= 1000000", load, p)
