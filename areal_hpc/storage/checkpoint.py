@@ -43,7 +43,7 @@ from ..transport import mpi as coll
 from .run_dir import CHECKPOINTS
 from .run_state import (DISTRIBUTED, FORMAT, PLAIN, CheckpointError, ControllerState,  # noqa: F401
                         _is_int, _no_constant, read_state, rng_state, set_rng_state, write_state)
-from .safe_pickle import UnsafeCheckpoint, check_dcp
+from .safe_pickle import UnsafeCheckpoint, check_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -315,10 +315,10 @@ def _skip(ckpt: Path, exc: Exception, rejected: list[str]) -> None:
 
 
 def check_plain_data(ckpt: Path) -> None:
-    """CheckpointError unless the shards' pickles hold plain data only (safe_pickle.py): called
-    before anything of `ckpt` is unpickled, by every loader."""
+    """CheckpointError unless every pickle of `ckpt` holds plain data only and the files every
+    load reads are there (safe_pickle.py): before anything of it is unpickled, by every loader."""
     try:
-        check_dcp(ckpt / SHARDS)
+        check_checkpoint(ckpt, SHARDS)
     except UnsafeCheckpoint as exc:
         raise CheckpointError(str(exc)) from None
 

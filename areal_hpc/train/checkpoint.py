@@ -32,6 +32,7 @@ from typing import Any
 from .. import preemption
 from ..storage import checkpoint as store
 from ..storage.checkpoint import DISTRIBUTED, PLAIN, SHARDS, STATE, CheckpointError
+from ..storage.safe_pickle import weights_only_loads
 from ..transport import mpi as coll
 
 
@@ -381,7 +382,7 @@ def load(ckpt: Path, *, model, optimizer, scheduler=None, comm=None) -> dict[str
             f"{ckpt}: its optimizer state was written by the {saved_fmt} optimizer, this run "
             f"uses the {run_fmt} one (train.distributed_optimizer); resume with the setting it "
             f"was written with (or use tools/export_hf.py for the weights only)")
-    with CudaToCpuMode():
+    with CudaToCpuMode(), weights_only_loads():    # whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says
         loaded = dist_checkpointing.load(
             _sharded_state(model, optimizer, is_loading=True, with_optimizer=with_opt),
             str(ckpt / SHARDS))
@@ -452,7 +453,7 @@ def load_model(ckpt: Path, model) -> None:
 
     from .cpu_compat import CudaToCpuMode
     store.check_plain_data(ckpt)    # before Megatron unpickles anything of it
-    with CudaToCpuMode():
+    with CudaToCpuMode(), weights_only_loads():
         loaded = dist_checkpointing.load({"model": _module(model).sharded_state_dict()},
                                          str(ckpt / SHARDS))
         _module(model).load_state_dict(loaded["model"])

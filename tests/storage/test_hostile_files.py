@@ -15,11 +15,13 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+import torch
 
 from areal_hpc.storage import checkpoint as ck
 from areal_hpc.storage.rollout_log import RolloutLogError, RolloutReader, RolloutWriter
 from areal_hpc.storage import run_state
 from areal_hpc.storage.run_state import ControllerState
+from tests.storage.test_safe_pickle import stand_in_shards
 
 ROOT = Path(__file__).resolve().parents[2]
 HANG = 60           # a subprocess still running after this long is a hang (the box is shared)
@@ -277,9 +279,9 @@ def _write_manifest(ckpt: Path, manifest) -> None:
 
 def _fake_checkpoint(run_dir: Path, step: int, controller=CONTROLLER) -> Path:
     """A checkpoint folder as `save` lays it out (the shards are a stand-in: nothing here
-    loads them), with a valid manifest."""
+    loads them, but the pickle check passes them), with a valid manifest."""
     ckpt = ck.step_dir(run_dir, step)
-    (ckpt / ck.SHARDS).mkdir(parents=True)
+    stand_in_shards(ckpt / ck.SHARDS)
     (ckpt / ck.SHARDS / "__0_0.distcp").write_bytes(os.urandom(256))
     ck.write_state(ckpt / ck.STATE, step=step, config_yaml="name: t\n", scheduler={"num_steps": 3},
                    rng=[ck.rng_state()], controller=controller)
@@ -352,6 +354,13 @@ def _state_edit(change):
     return apply
 
 
+def _resealed(change):
+    def apply(ckpt):
+        change(ckpt / ck.SHARDS)
+        _write_manifest(ckpt, _manifest(ckpt, ck.step_of(ckpt)))
+    return apply
+
+
 def _traversal(rel):
     def change(m):
         m["files"][rel] = {"size": 5, "crc32": 0}
@@ -397,6 +406,13 @@ BAD = {
         "optimizer_format", "mystery")), "unknown optimizer_format"),
     "scheduler not JSON": (_state_edit(lambda f: f.attrs.__setitem__("scheduler_json", "{")),
                            "scheduler_json is not JSON"),
+    # resealed: only the pickle check (safe_pickle.py) sees them; real Megatron files:
+    # test_checkpoint_pickles.py
+    "common.pt that runs code": (_resealed(lambda s: torch.save(_Payload(s / "ran"),
+                                                                s / "common.pt")),
+                                 "megatron/common.pt: its pickle names builtins.getattr, pathlib.Path"),
+    ".metadata deleted": (_resealed(lambda s: (s / ".metadata").unlink()),
+                          "megatron/.metadata: missing"),
 }
 
 
@@ -411,6 +427,7 @@ def test_malformed_newest_checkpoint_falls_back_with_reason(tmp_path, caplog, ki
     assert found is not None and found[0] == ck.step_dir(tmp_path, 2), kind
     assert "step_00000004" in caplog.text and reason in caplog.text, caplog.text
     assert ck.find_latest(tmp_path, check_crc=False)[0] == ck.step_dir(tmp_path, 2)
+    assert not (newest / ck.SHARDS / "ran").exists()
 
 
 def test_find_latest_never_raises(tmp_path):

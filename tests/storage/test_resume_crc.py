@@ -5,7 +5,6 @@ single-process path, and a real 4-rank mpiexec world where a file checked by a n
 corrupted: every rank passes the checkpoint over with the message naming the file and takes the
 older one, each rank having read about a quarter of the bytes."""
 import json
-import pickle
 import random
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 
 from areal_hpc.storage import checkpoint as ck
 from areal_hpc.train.checkpoint import shard_owner
+from tests.storage.test_safe_pickle import stand_in_shards
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("resume_crc_worker.py")
@@ -70,7 +70,6 @@ def test_split_gives_each_rank_its_own_shard_files_while_balanced():
 def _checkpoint(run_dir: Path, step: int, rng_state: dict) -> Path:
     """A checkpoint folder laid out as `save` writes it for 4 trainer ranks (the shards are
     random bytes of uneven sizes: nothing here loads them), with its manifest."""
-    from torch.distributed.checkpoint.metadata import Metadata
     ckpt = ck.step_dir(run_dir, step)
     shards = ckpt / ck.SHARDS
     shards.mkdir(parents=True)
@@ -79,10 +78,8 @@ def _checkpoint(run_dir: Path, step: int, rng_state: dict) -> Path:
         for k in range(2):
             (shards / f"__{r}_{k}.distcp").write_bytes(rng.randbytes(
                 (1 << 20) * (1 + k) + 4096 * r))
-    # DCP's metadata, as a pickle of its own class (checked before any load: safe_pickle.py)
-    (shards / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={},
-                                                             storage_data={})))
-    (shards / "common.pt").write_bytes(rng.randbytes(3_000))
+    # DCP's metadata, common.pt and metadata.json, which the pickle check passes (safe_pickle.py)
+    stand_in_shards(shards)
     ck.write_state(ckpt / ck.STATE, step=step, config_yaml="name: t\n", scheduler=None,
                    rng=[rng_state] * RANKS, controller=None)
     ck.write_manifest(ckpt, step)
@@ -119,7 +116,7 @@ def test_single_process_path_reads_everything_and_names_the_file(runs, caplog):
     stats: dict = {}
     assert ck.find_latest(root / "clean", stats=stats)[1]["step"] == 4
     total = ck.validate(ck.step_dir(root / "clean", 4))["bytes"]
-    assert stats == {"bytes": total, "files": 11, "rejected": []}
+    assert stats == {"bytes": total, "files": 12, "rejected": []}
     with caplog.at_level("WARNING", logger="areal_hpc.storage.checkpoint"):
         hit = ck.find_latest(root / "corrupt", stats=stats)
     assert hit[0] == ck.step_dir(root / "corrupt", 2)

@@ -19,6 +19,7 @@ import torch
 
 from areal_hpc.storage import checkpoint as ck
 from areal_hpc.train import checkpoint as train_ck
+from tests.storage.test_safe_pickle import stand_in_shards
 from tests.train.test_checkpoint import CONTROLLER, _batch, _weights, actor_factory  # noqa: F401
 
 pytestmark = pytest.mark.slow     # starts MPI / torch.distributed worlds or processes (tests/conftest.py)
@@ -163,6 +164,7 @@ def test_a_trainer_killed_during_an_async_write_resumes_from_the_previous(actor_
 def test_prune_keeps_the_complete_checkpoint_while_a_newer_one_is_in_flight(tmp_path):
     def complete(step):
         d = ck.begin_save(tmp_path, step)
+        stand_in_shards(d / ck.SHARDS)      # what the pickle check requires (safe_pickle.py)
         (d / ck.SHARDS / "x.distcp").write_bytes(bytes([step]) * 100)
         ck.finish_save(tmp_path, step, scheduler=None, controller_state=None, config_yaml="",
                        optimizer_format=ck.PLAIN, optimizer_state=False, keep=5, started=0.0)
