@@ -9,78 +9,80 @@ work overlaps generation::
         for key, reward, error, extras in pool.done():   # never blocks
             ...
 
-Shape. One supervisor thread owns a ``ProcessPoolExecutor`` (spawn context) and is the only
-thread that touches it; ``submit`` and the futures' done-callbacks only put items on its inbox
-(``queue.SimpleQueue.put`` never blocks, so a callback fired by the executor's own thread, under
-its locks, cannot deadlock against us). Finished results go to a list behind a lock, which
-``done`` empties.
+Shape. One supervisor thread owns the workers (``python -m areal_hpc.reward.worker``, one call
+at a time each) and is the only thread that starts, feeds or kills them; ``submit`` and the
+threads reading the workers' pipes only put items on its inbox (``queue.SimpleQueue.put`` never
+blocks). Finished results go to a list behind a lock, which ``done`` empties.
 
-Timeouts. A Python thread cannot be stopped from outside, and a signal reaches Python code only
-between bytecodes, so a call stuck inside one long C call (a huge integer power in sympy) can only
-be stopped by killing its process; ``ProcessPoolExecutor`` can't stop one task. So:
+Trust. A worker runs user reward functions, so nothing it sends is trusted: its results come
+back as one line of JSON each on a pipe of their own (never a pickle: the parent unpickles
+nothing a worker wrote) and are checked again here as exact plain types (``_plain_result``:
+a ``dict`` of ``float``/``str``, finite and bounded values, at most so many logged fields, names
+of bounded length); a line that fails is refused, its call yields 0.0 with the reason and the
+worker is replaced. The worker's stdout and stderr are a pipe read here: at most
+``WORKER_OUTPUT_BYTES`` of it reach the job's stderr, then one line says the rest was dropped;
+the worker holds no descriptor of the job's own output.
 
-- at most ``max_workers`` calls are handed to the executor at a time (the rest wait in our own
-  queue): every handed-over call has a worker to itself, and its deadline, counted from the
-  hand-over, measures its own run, not time spent queueing behind others;
-- when a call passes its deadline it yields reward 0.0 (counted in ``errors`` and ``timeouts``);
-  the supervisor kills every worker of the executor and their children (psutil), drops the
-  executor, and hands the other running calls, innocent, to a fresh executor from the start (the
-  reward functions are pure, so running one twice is harmless);
-- a worker that dies by itself (OOM killer, segfault, a kill from outside) breaks the executor:
-  the calls running then yield 0.0 with an error (the culprit is unknown, so none is retried),
-  and the next call gets a fresh executor.
+Containment (reward/contain.py; one log line at start says which holds). Each worker is pid 1 of
+a PID namespace of its own: whatever it starts (a double-forked daemon, a CLONE_PARENT child, a
+chain that re-spawns itself) lives in that namespace, and killing the worker through its pidfd
+makes the kernel kill the whole namespace, with no list to outrun; the namespace also dies with
+the thread that started it (``--pdeathsig``). Where no namespace can be made the fallback (a
+subreaper, kill by list) is said in that line.
 
-A fresh executor starts its workers (spawn + imports, ~1 s) before any call is handed over, so
-start-up time never counts against a deadline. Math calls run on the worker's main thread, so
-math_verify's own SIGALRM bound (reward/math.py, 3 s) works too and normally answers first;
-``math_timeout_s`` is the backstop. A code call's deadline is per test: ``len(tests) *
-(code_test_timeout_s + CODE_TEST_OVERHEAD_S) + CODE_CALL_SLACK_S``; run_tests enforces the
-per-test limit itself and stops at the first failing test.
+Timeouts. A Python thread cannot be stopped from outside, and a call stuck inside one long C call
+(a huge integer power in sympy) can only be stopped by killing its process. So a call is handed
+to an idle, ready worker only (the rest wait in our own queue), and its deadline, counted from
+the hand-over, measures its own run. A call past its deadline yields reward 0.0 (counted in
+``errors`` and ``timeouts``), its worker is killed and replaced; the other workers' calls go on.
+A worker that dies by itself (OOM killer, segfault, a kill from outside) costs its call (0.0 with
+an error) and is replaced; each replacement is counted in ``restarts``. A worker's start-up
+(imports, ~1 s) never counts against a deadline: calls go only to workers that said they are
+ready. Math calls run on the worker's main thread, so math_verify's own SIGALRM bound
+(reward/math.py, 3 s) works too and normally answers first; ``math_timeout_s`` is the backstop.
+A code call's deadline is per test: ``len(tests) * (code_test_timeout_s + CODE_TEST_OVERHEAD_S) +
+CODE_CALL_SLACK_S``; run_tests enforces the per-test limit itself and stops at the first failing
+test.
 
 Code tests run in bubblewrap sandboxes (reward/code.py, reward/sandbox.py); the parent-side files
-of a test (source, stdin, stdout, stderr) are unlinked files in a directory of the pool's own,
-emptied whenever workers are killed and removed by ``close``. A code call whose tests could not
-be judged (the sandbox failed, a test timed out) yields 0.0 *with* run_tests' error, like a call
-past its deadline; a wrong answer is 0.0 with no error. ``unsafe_no_sandbox=True`` runs code
-unisolated (and warns).
+of a test are unlinked files in a directory of the worker's own under the pool's, removed with
+the worker and by ``close``. A code call whose tests could not be judged (the sandbox failed, a
+test timed out) yields 0.0 *with* run_tests' error, like a call past its deadline; a wrong answer
+is 0.0 with no error. ``unsafe_no_sandbox=True`` runs code unisolated (and warns).
 
 Custom reward functions (``kind="custom"``, reward/custom.py) are imported by every worker
-before it takes a call, and run like math calls: on the worker's main thread, bounded by
-``fn_timeout_s``; one that raises or returns no number yields 0.0 with the reason.
+before it says it is ready, and run like math calls, bounded by ``fn_timeout_s``; one that
+raises or returns no number yields 0.0 with the reason.
 
 Each worker's address space is limited to ``worker_memory_mb`` (a sympy blow-up gets a
 MemoryError instead of waking the node's OOM killer next to vLLM).
 
-Call ``close()`` (or use ``with``): ``concurrent.futures`` joins its executors at interpreter exit
-and would wait for a stuck worker. ``close`` kills the workers; unfinished calls yield 0.0 with
-the error ``"reward pool closed"``; use ``drain()`` first to let them finish.
+Call ``close()`` (or use ``with``): it kills the workers and all they started; unfinished calls
+yield 0.0 with the error ``"reward pool closed"``; use ``drain()`` first to let them finish.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+import json
 import logging
-import multiprocessing
+import math
 import os
+import pickle
 import queue
-import resource
 import shutil
+import struct
+import subprocess
+import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Hashable, NamedTuple
 
-import psutil
-
-from areal_hpc.reaper import become_subreaper, kill_descendants
-from areal_hpc.reward import custom
-from areal_hpc.reward.code import run_tests
-from areal_hpc.reward.math import math_reward
-from areal_hpc.reward.sandbox import warn_unsafe
+from areal_hpc.reward import contain, custom
+from areal_hpc.reward.sandbox import UID_OFFSET_ENV, warn_unsafe
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +90,9 @@ KINDS = ("math", "code", "custom")
 CODE_TEST_OVERHEAD_S = 1.0  # interpreter start, scratch directory, on a loaded node
 CODE_CALL_SLACK_S = 5.0
 WORKER_START_TIMEOUT_S = 120.0
-WORKER_OUTPUT_BYTES = 1 << 20     # what a worker running user functions may print, in all
+WORKER_OUTPUT_BYTES = 1 << 20     # what a worker may print, in all
 MAX_ERROR_CHARS = 200
+MAX_RESULT_BYTES = 64 << 10       # one result line from a worker
 
 
 class RewardResult(NamedTuple):
@@ -107,85 +110,151 @@ class _Call:
     reference: object
     timeout_s: float
     row: dict | None = None  # the dataset row, for custom functions
-    deadline: float = 0.0  # time.monotonic() seconds; set when handed to the executor
+    deadline: float = 0.0  # time.monotonic() seconds; set when handed to a worker
 
 
 _CLOSE = object()
-_WAKE = object()
+_seq = itertools.count()
 
 
-# ---- worker side (module-level functions: spawn pickles them by name) ----
+# ---- what a worker sends, checked as plain data ----
 
-def _init_worker(memory_mb: int, all_ready, functions=()) -> None:
-    if functions:
-        # Whatever a reward function starts stays this worker's descendant, even a daemon that
-        # forks twice (re-parented here, not to init): killed and reaped after its call
-        # (_score), killed with the worker. (Math and code calls leave nothing: code runs in a
-        # PID namespace that dies with its test.)
-        become_subreaper()
-        _cap_output(WORKER_OUTPUT_BYTES)
-    if memory_mb > 0:
-        _, hard = resource.getrlimit(resource.RLIMIT_AS)
-        limit = memory_mb << 20
-        if hard != resource.RLIM_INFINITY:
-            limit = min(limit, hard)
-        # Soft limit only: run_tests' children set their own (lower or higher) limit.
-        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-    math_reward("\\boxed{\\frac{1}{2}}", "0.5")  # math_verify builds its parsers on first use
-    for spec in functions:  # imported before any deadline runs (checked at start-up already)
-        custom.load(spec.spec)
-    # No worker takes a task before all are ready (see RewardPool._start_executor).
-    all_ready.wait(WORKER_START_TIMEOUT_S)
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a finite number")
 
 
-def _cap_output(limit: int) -> None:
-    """This worker's stdout and stderr (a user function's prints, its children's) through a pipe
-    that a thread forwards to the job's stderr, `limit` bytes in all, then one line saying the
-    rest is dropped: a function that prints without end does not flood the job's output."""
-    r, w = os.pipe()
-    out = os.dup(2)
-    os.dup2(w, 1)
-    os.dup2(w, 2)
-    os.close(w)
-
-    def forward() -> None:
-        left = limit
-        while chunk := os.read(r, 1 << 16):
-            if left > 0:
-                os.write(out, chunk[:left])
-                left -= len(chunk)
-                if left <= 0:
-                    os.write(out, f"\n[reward worker {os.getpid()}: output past {limit} bytes "
-                                  "dropped]\n".encode())
-
-    threading.Thread(target=forward, name="output-cap", daemon=True).start()
+def _finite(value, what: str, bound: float) -> float:
+    if type(value) not in (float, int):     # exact types: bool and subclasses refused
+        raise ValueError(f"{what} is a {type(value).__name__}, not a number")
+    v = float(value)
+    if not (math.isfinite(v) and abs(v) <= bound):
+        raise ValueError(f"{what} is {v:g}, beyond ±{bound:g}")
+    return v
 
 
-def _worker_pid() -> int:
-    return os.getpid()
+def _plain_result(line: bytes, functions) -> tuple[int, float, str | None, dict | None]:
+    """(call id, reward, error, extras) of one result line, checked as exact plain types and
+    bounded values (ValueError says why not). Nothing in it is trusted: the worker ran user
+    code, which can write anything on the result pipe."""
+    msg = json.loads(line, parse_constant=_reject_constant)
+    if type(msg) is not dict or set(msg) != {"id", "reward", "error", "extras"}:
+        raise ValueError("not a result object")
+    if type(msg["id"]) is not int:
+        raise ValueError("no call id")
+    weights = sum(abs(s.weight) for s in functions) or 1.0
+    reward = _finite(msg["reward"], "reward", custom.MAX_ABS_VALUE * max(1.0, weights))
+    error = msg["error"]
+    if error is not None and type(error) is not str:
+        raise ValueError(f"error is a {type(error).__name__}")
+    extras = msg["extras"]
+    if extras is not None:
+        most = custom.MAX_EXTRAS * max(1, len(functions)) + len(functions)
+        if type(extras) is not dict or len(extras) > most:
+            raise ValueError(f"logged fields: not a dict of at most {most}")
+        for k, v in extras.items():
+            if type(k) is not str or not 0 < len(k) <= 2 * custom.MAX_EXTRA_NAME + 1:
+                raise ValueError(f"a logged field's name is not a string of 1-"
+                                 f"{2 * custom.MAX_EXTRA_NAME + 1} characters")
+            _finite(v, f"logged field {k!r}", custom.MAX_ABS_VALUE)
+        extras = {k: float(v) for k, v in extras.items()} or None
+    return msg["id"], reward, None if error is None else error[:MAX_ERROR_CHARS], extras
 
 
-def _score(kind: str, completion: str, reference, code_test_timeout_s: float,
-           code_memory_mb: int, scratch_root: str, unsafe_no_sandbox: bool = False,
-           extractor: str = "boxed", functions=(), row: dict | None = None
-           ) -> tuple[float, str | None, dict | None]:
-    """(reward, error, extras): error is None when the reward was computed (a wrong answer
-    included), else why it could not be (a code test's sandbox failure or timeout, a custom
-    function that raised or returned no number; reward 0.0)."""
-    if kind == "math":
-        return math_reward(completion, reference, extractor), None, None
-    if kind == "custom":
+# ---- one worker process, seen from the parent ----
+
+class _Worker:
+    """A worker process, its pipes, and the two threads that read them (results onto the pool's
+    inbox, output capped onto the job's stderr)."""
+
+    def __init__(self, pool: RewardPool):
+        self.scratch = tempfile.mkdtemp(dir=pool._scratch_root)
+        cfg = {"memory_mb": pool.worker_memory_mb, "extractor": pool.extractor,
+               "code_test_timeout_s": pool.code_test_timeout_s,
+               "code_memory_mb": pool.code_memory_mb, "scratch": self.scratch,
+               "unsafe_no_sandbox": pool.unsafe_no_sandbox,
+               "functions": [list(s) for s in pool.functions]}
+        call_r, call_w = os.pipe()
+        res_r, res_w = os.pipe()
+        out_r, out_w = os.pipe()
+        # the caller's import path, as multiprocessing's spawn handed it to workers; a sandbox
+        # uid of the worker's own (inside its namespace its pid is 1)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+               UID_OFFSET_ENV: str((1 << 27) + (((os.getpid() & 0x3FFFFF) << 6)
+                                                | (next(_seq) & 63)))}
         try:
-            reward, extras = custom.score(functions, completion, reference, row)
-        except Exception as e:  # the user's function: a counted error, never a dead worker
-            return 0.0, f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS], None
+            self.proc = subprocess.Popen(
+                contain.wrap([sys.executable, "-m", "areal_hpc.reward.worker", str(call_r),
+                              str(res_w), json.dumps(cfg)]),
+                stdin=subprocess.DEVNULL, stdout=out_w, stderr=out_w, pass_fds=(call_r, res_w),
+                env=env, start_new_session=True)
         finally:
-            kill_descendants()  # a process the call left behind does not outlive it
-        return reward, None, extras or None
-    res = run_tests(completion, reference, timeout_s=code_test_timeout_s,
-                    memory_mb=code_memory_mb, stop_on_first_failure=True,
-                    scratch_root=scratch_root, unsafe_no_sandbox=unsafe_no_sandbox)
-    return res["reward"], res["error"], None
+            for fd in (call_r, res_w, out_w):
+                os.close(fd)
+        self.calls = os.fdopen(call_w, "wb")
+        self.pid = contain.init_pid(self.proc)
+        self.pidfd = contain.pidfd(self.pid)
+        self.call: _Call | None = None
+        self.call_id = -1
+        self.ready = False
+        self.start_deadline = time.monotonic() + WORKER_START_TIMEOUT_S
+        threading.Thread(target=self._read_results, args=(res_r, pool._inbox), daemon=True,
+                         name="reward-results").start()
+        threading.Thread(target=_forward_output, args=(out_r, self.pid), daemon=True,
+                         name="reward-output").start()
+
+    def _read_results(self, fd: int, inbox: queue.SimpleQueue) -> None:
+        with os.fdopen(fd, "rb") as f:
+            while True:
+                try:
+                    line = f.readline(MAX_RESULT_BYTES + 1)
+                except (OSError, ValueError):
+                    line = b""
+                if not line:
+                    inbox.put(("dead", self, None))
+                    return
+                if len(line) > MAX_RESULT_BYTES or not line.endswith(b"\n"):
+                    inbox.put(("bad", self, f"a result line over {MAX_RESULT_BYTES} bytes"))
+                    return
+                inbox.put(("line", self, line))
+
+    def send(self, call_id: int, call: _Call) -> None:
+        """Hand a call over (pickle: the parent -> worker direction only). Raises what
+        pickling raises, or OSError if the worker is gone."""
+        frame = pickle.dumps((call_id, call.kind, call.completion, call.reference, call.row))
+        self.calls.write(struct.pack(">Q", len(frame)) + frame)
+        self.calls.flush()
+        self.call, self.call_id = call, call_id
+        call.deadline = time.monotonic() + call.timeout_s
+
+    def end(self) -> None:
+        """Kill the worker and everything it started (reward/contain.py), remove its files."""
+        try:
+            self.calls.close()
+        except OSError:
+            pass
+        contain.end(self.proc, self.pidfd)
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _forward_output(fd: int, pid: int) -> None:
+    """The worker's stdout and stderr (a user function's prints, its children's) onto the job's
+    stderr, WORKER_OUTPUT_BYTES in all, then one line saying the rest is dropped; read to the end
+    so that a writer never blocks on a full pipe."""
+    left = WORKER_OUTPUT_BYTES
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        while chunk := f.read(1 << 16):
+            if left > 0:
+                try:
+                    os.write(2, chunk[:left])
+                    if left <= len(chunk):
+                        os.write(2, f"\n[reward worker {pid}: output past {WORKER_OUTPUT_BYTES} "
+                                    "bytes dropped]\n".encode())
+                except OSError:
+                    pass
+                left -= len(chunk)
 
 
 # ---- parent side ----
@@ -227,10 +296,11 @@ class RewardPool:
         # Supervisor thread only.
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: collections.deque[_Call] = collections.deque()
-        self._running: dict = {}  # Future -> _Call
-        self._executor: ProcessPoolExecutor | None = None
-        # Code tests' scratch directories: a killed worker leaves its own behind.
+        self._workers: list[_Worker] = []
+        self._start_failed: str | None = None   # set until the next submit
+        # Code tests' scratch directories, one per worker, removed with it.
         self._scratch_root = tempfile.mkdtemp(prefix="areal_reward_")
+        log.info("reward pool: %s", contain.bound())
 
         self._supervisor = threading.Thread(target=self._supervise, name="reward-pool",
                                             daemon=True)
@@ -335,7 +405,9 @@ class RewardPool:
                     break
                 if isinstance(item, _Call):
                     self._pending.append(item)
-                self._collect_finished()
+                    self._start_failed = None
+                elif item is not None:
+                    self._on_worker(*item)
                 self._expire_overdue()
                 self._dispatch()
         except BaseException:
@@ -343,7 +415,12 @@ class RewardPool:
             with self._lock:
                 self._closed = True
         finally:
-            self._stop_executor()
+            running = [w.call for w in self._workers if w.call is not None]
+            for w in self._workers:
+                w.end()
+            self._workers.clear()
+            with self._lock:
+                self._pids = []
             while True:  # calls not picked up yet (only after a failure: close's _CLOSE is last)
                 try:
                     item = self._inbox.get_nowait()
@@ -351,16 +428,17 @@ class RewardPool:
                     break
                 if isinstance(item, _Call):
                     self._pending.append(item)
-            for call in itertools.chain(self._running.values(), self._pending):
+            for call in itertools.chain(running, self._pending):
                 self._finish(call, 0.0, "reward pool closed")
-            self._running.clear()
             self._pending.clear()
             shutil.rmtree(self._scratch_root, ignore_errors=True)
 
     def _seconds_to_next_deadline(self) -> float | None:
-        if not self._running:
+        times = [w.call.deadline if w.call is not None else w.start_deadline
+                 for w in self._workers if w.call is not None or not w.ready]
+        if not times:
             return None
-        return max(0.0, min(c.deadline for c in self._running.values()) - time.monotonic())
+        return max(0.0, min(times) - time.monotonic())
 
     def _finish(self, call: _Call, reward: float, error: str | None, timeout: bool = False,
                 extras: dict | None = None):
@@ -371,142 +449,94 @@ class RewardPool:
             self._stats["timeouts"] += timeout
             self._lock.notify_all()
 
-    def _collect_finished(self) -> None:
-        finished = [f for f in self._running if f.done()]
-        if any(isinstance(f.exception(), BrokenProcessPool) for f in finished):
-            # The executor is unusable; what was still running in it died with it.
-            log.warning("a reward worker died; starting fresh workers")
-            finished = list(self._running)
-            self._restart()
-        for fut in finished:
-            call = self._running.pop(fut)
-            if fut.cancelled() or not fut.done():
-                error = "reward worker process died"
-            elif isinstance(fut.exception(), BrokenProcessPool):
-                error = "reward worker process died"
-            elif fut.exception() is not None:  # e.g. a reference that does not pickle
-                error = f"{type(fut.exception()).__name__}: {fut.exception()}"[:MAX_ERROR_CHARS]
+    def _on_worker(self, what: str, worker: _Worker, data) -> None:
+        """A line, a refusal or an end-of-file from a worker's result pipe."""
+        if worker not in self._workers:
+            return                      # from a worker already ended
+        if what == "line" and not worker.ready:
+            try:
+                ok = json.loads(data) == {"ready": True}
+            except ValueError:
+                ok = False
+            if ok:
+                worker.ready = True
+                return
+            what, data = "bad", "no ready line first"
+        if what == "line":
+            try:
+                call_id, reward, error, extras = _plain_result(data, self.functions)
+                if worker.call is None or call_id != worker.call_id:
+                    raise ValueError("a result for no call of this worker")
+            except (ValueError, RecursionError) as e:
+                what, data = "bad", str(e)[:120]
             else:
-                reward, error, extras = fut.result()
-                self._finish(call, float(reward), error, extras=extras)
-                continue
-            self._finish(call, 0.0, error)
+                call, worker.call = worker.call, None
+                self._finish(call, reward, error, extras=extras)
+                return
+        # "bad" (the worker broke the protocol: user code wrote on its pipe) or "dead"
+        if what == "bad":
+            log.warning("reward worker %d: result refused (%s); replacing it", worker.pid, data)
+            why = f"reward worker result refused: {data}"
+        elif worker.ready:
+            log.warning("a reward worker died; starting a fresh one")
+            why = "reward worker process died"
+        else:
+            code = worker.proc.poll()
+            why = f"reward workers failed to start: exit code {code}"
+            log.error(why)
+            self._start_failed = why
+        self._replace(worker, why)
+
+    def _replace(self, worker: _Worker, why: str, timeout: bool = False) -> None:
+        """End `worker`, fail its call with `why`; a fresh worker comes at the next dispatch."""
+        self._workers.remove(worker)
+        call = worker.call
+        worker.end()
+        with self._lock:
+            self._pids = [w.pid for w in self._workers]
+            self._stats["restarts"] += worker.ready
+        if call is not None:
+            self._finish(call, 0.0, why, timeout=timeout)
+        if self._start_failed:
+            while self._pending:
+                self._finish(self._pending.popleft(), 0.0, self._start_failed[:MAX_ERROR_CHARS])
 
     def _expire_overdue(self) -> None:
         now = time.monotonic()
-        overdue = [f for f, call in self._running.items()
-                   if call.deadline <= now and not f.done()]
-        if not overdue:
-            return
-        expired = [self._running.pop(f) for f in overdue]
-        for call in expired:
-            log.warning("reward call %r (%s) passed its %g s deadline; killing the workers",
-                        call.key, call.kind, call.timeout_s)
-        # Killing the stuck worker breaks the executor, so the calls still running there are
-        # lost through no fault of their own: they run again, first, on fresh workers.
-        self._pending.extendleft(reversed(list(self._running.values())))
-        self._running.clear()
-        self._restart()
-        for call in expired:
-            self._finish(call, 0.0, f"timeout after {call.timeout_s:g} s", timeout=True)
+        for w in list(self._workers):
+            if w.call is not None and w.call.deadline <= now:
+                log.warning("reward call %r (%s) passed its %g s deadline; killing its worker",
+                            w.call.key, w.call.kind, w.call.timeout_s)
+                self._replace(w, f"timeout after {w.call.timeout_s:g} s", timeout=True)
+            elif not w.ready and w.start_deadline <= now:
+                self._start_failed = (f"reward workers failed to start: not started within "
+                                      f"{WORKER_START_TIMEOUT_S:g} s")
+                log.error(self._start_failed)
+                self._replace(w, self._start_failed)
 
     def _dispatch(self) -> None:
-        while self._pending and len(self._running) < self.max_workers:
-            if self._executor is None and not self._start_executor():
+        if not self._pending or self._start_failed:
+            return
+        while len(self._workers) < self.max_workers:
+            try:
+                self._workers.append(_Worker(self))
+            except Exception as e:   # no fork, no fds: every waiting call gets the reason
+                self._start_failed = (f"reward workers failed to start: "
+                                      f"{type(e).__name__}: {e}")[:MAX_ERROR_CHARS]
+                log.error(self._start_failed)
+                while self._pending:
+                    self._finish(self._pending.popleft(), 0.0, self._start_failed)
                 return
-            call = self._pending.popleft()
-            try:
-                fut = self._executor.submit(_score, call.kind, call.completion, call.reference,
-                                            self.code_test_timeout_s, self.code_memory_mb,
-                                            self._scratch_root, self.unsafe_no_sandbox,
-                                            self.extractor, self.functions, call.row)
-            except BrokenProcessPool:  # a worker died while idle
-                self._pending.appendleft(call)
-                self._restart()
-                continue
-            call.deadline = time.monotonic() + call.timeout_s
-            self._running[fut] = call
-            fut.add_done_callback(self._wake)
-
-    def _wake(self, _future) -> None:
-        self._inbox.put(_WAKE)
-
-    def _start_executor(self) -> bool:
-        """Start workers and wait until each has imported the reward code. On failure every
-        waiting call yields 0.0 with the reason (the next submit tries again)."""
-        ctx = multiprocessing.get_context("spawn")
-        executor = ProcessPoolExecutor(
-            self.max_workers, mp_context=ctx, initializer=_init_worker,
-            initargs=(self.worker_memory_mb, ctx.Barrier(self.max_workers), self.functions))
-        error = None
-        try:
-            # 3.11 spawns one worker per submit while none is idle: this starts all of them.
-            # Their initializers meet at the barrier, so once any probe has run, every worker
-            # is ready; without it one fast worker could run all probes while another is still
-            # importing, and the first calls' deadlines would include that import.
-            probes = [executor.submit(_worker_pid) for _ in range(self.max_workers)]
-            finished, _ = wait(probes, timeout=WORKER_START_TIMEOUT_S)
-            failed = [p.exception() for p in finished if p.exception() is not None]
-            if failed:
-                error = f"{type(failed[0]).__name__}: {failed[0]}"
-            elif len(finished) < len(probes):
-                error = f"not started within {WORKER_START_TIMEOUT_S:g} s"
-        except Exception as e:  # e.g. spawn refusing to start from an unguarded __main__
-            error = f"{type(e).__name__}: {e}"
-        if error is not None:
-            error = f"reward workers failed to start: {error}"[:MAX_ERROR_CHARS]
-            log.error(error)
-            self._kill(executor)
-            while self._pending:
-                self._finish(self._pending.popleft(), 0.0, error)
-            return False
-        self._executor = executor
-        with self._lock:
-            self._pids = sorted(_processes(executor))
-        return True
-
-    def _restart(self) -> None:
-        self._stop_executor()
-        with self._lock:
-            self._stats["restarts"] += 1
-
-    def _stop_executor(self) -> None:
-        if self._executor is not None:
-            self._kill(self._executor)
-            self._executor = None
-            # No worker is left to use the scratch directories: start the root afresh.
-            shutil.rmtree(self._scratch_root, ignore_errors=True)
-            try:
-                os.mkdir(self._scratch_root, 0o700)
-            except OSError as e:  # code calls will then fail with "sandbox error"
-                log.error("cannot recreate %s: %s", self._scratch_root, e)
-        with self._lock:
-            self._pids = []
-
-    @staticmethod
-    def _kill(executor: ProcessPoolExecutor) -> None:
-        """SIGKILL the executor's workers and everything they started, then reap the workers.
-
-        The children (code tests, in sessions of their own) are found before the workers die:
-        afterwards they belong to init. Killing first, then ``shutdown(wait=True)``, never waits
-        on a stuck task: the executor sees dead workers, fails their futures and joins them.
-        """
-        victims = []
-        for pid in _processes(executor):
-            try:
-                worker = psutil.Process(pid)
-                victims += [worker, *worker.children(recursive=True)]
-            except psutil.Error:
-                pass
-        for proc in victims:
-            try:
-                proc.kill()  # psutil checks the pid still names the same process
-            except psutil.Error:
-                pass
-        executor.shutdown(wait=True, cancel_futures=True)
-
-
-def _processes(executor: ProcessPoolExecutor) -> list[int]:
-    # ProcessPoolExecutor has no public way to reach its workers before Python 3.14
-    # (terminate_workers/kill_workers); _processes is {pid: Process}, None after shutdown.
-    return list(getattr(executor, "_processes", None) or {})
+            with self._lock:
+                self._pids = [w.pid for w in self._workers]
+        for w in self._workers:
+            if not self._pending:
+                return
+            if w.ready and w.call is None:
+                call = self._pending.popleft()
+                try:
+                    w.send(next(_seq), call)
+                except OSError:       # the worker died while idle: its end-of-file follows
+                    self._pending.appendleft(call)
+                except Exception as e:  # e.g. a reference that does not pickle
+                    self._finish(call, 0.0, f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS])

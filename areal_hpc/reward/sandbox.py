@@ -66,15 +66,18 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from . import seccomp
+from . import contain, seccomp
 
 MAX_OUTPUT_BYTES = 32 << 20        # stdout (and any file) the program may write
 MAX_ERROR_CHARS = 200
 CPU_LIMIT_SLACK_S = 1              # RLIMIT_CPU = ceil(timeout_s) + this; the wall clock fires first
 DEFAULT_MAX_PROCESSES = 32         # RLIMIT_NPROC inside: the program and its children
+MAX_OPEN_FILES = 64                # RLIMIT_NOFILE inside, soft and hard: pipes and sockets
+                                   # hold kernel memory no process maps
 SCRATCH_BYTES = 64 << 20           # the tmpfs working directory
 SANDBOX_UID_BASE = 0x70000000      # as root: the program runs as this + caller pid (one test at
                                    # a time per process: a pool worker each)
+UID_OFFSET_ENV = "AREAL_SANDBOX_UID_OFFSET"
 USERNS_UID = 65534                 # as another user: uid/gid inside the user namespace
 KILL_GRACE_S = 5.0                 # after a kill, how long bwrap gets to go
 MEMORY_POLL_S = 0.25               # how often the memory of a test's processes is summed
@@ -87,7 +90,7 @@ SOURCE = "/sandbox/solution.py"
 # (privileged mode), sets the limits, says "ok" on the status fd, closes every other fd, execs.
 _BOOTSTRAP = r"""
 import os, resource, sys
-uid, nproc, mem, cpu, fsize, status = map(int, sys.argv[1:7])
+uid, nproc, mem, cpu, fsize, status, nofile = map(int, sys.argv[1:8])
 if os.getuid() == 0:
     os.setgroups([])
     os.setresgid(uid, uid, uid)
@@ -96,12 +99,12 @@ if os.getuid() == 0:
         raise SystemExit("still root")
 for lim, val in ((resource.RLIMIT_NPROC, nproc), (resource.RLIMIT_AS, mem),
                  (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_FSIZE, fsize),
-                 (resource.RLIMIT_CORE, 0)):
+                 (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NOFILE, nofile)):
     resource.setrlimit(lim, (val, val))
 env = {k: os.environ[k] for k in ("PATH", "LANG") if k in os.environ}
 os.write(status, b"ok")
 os.closerange(3, 65536)
-os.execve(sys.executable, [sys.executable, "-I", sys.argv[7]], env)
+os.execve(sys.executable, [sys.executable, "-I", sys.argv[8]], env)
 """
 
 
@@ -119,6 +122,13 @@ class SandboxResult:
     def ok(self) -> bool:
         return (self.sandbox_error is None and not self.timed_out and not self.over_memory
                 and self.returncode == 0)
+
+
+def _uid_offset() -> int:
+    """This process's pid, or the offset a reward worker was given (reward/pool.py: a worker is
+    pid 1 of its own PID namespace, so its pid names nothing)."""
+    value = os.environ.get(UID_OFFSET_ENV, "")
+    return int(value) if value.isdigit() and int(value) < (1 << 30) else os.getpid()
 
 
 def _interpreter() -> tuple[str, str]:
@@ -229,7 +239,7 @@ class Sandbox:
             # Privileged bwrap: no user namespace (whose uid would map to host root, which
             # RLIMIT_NPROC does not bind); the bootstrap drops to a uid of its own at once.
             who = ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-            uid = SANDBOX_UID_BASE + os.getpid()
+            uid = SANDBOX_UID_BASE + _uid_offset()
         else:
             who = ["--unshare-user", "--uid", str(USERNS_UID), "--gid", str(USERNS_UID),
                    "--disable-userns"]
@@ -253,7 +263,7 @@ class Sandbox:
             "--clearenv", "--setenv", "PATH", CHILD_PATH, "--setenv", "LANG", "C.UTF-8",
             exe, "-I", "-S", "-c", _BOOTSTRAP,
             str(uid), str(self.max_processes), str(memory_mb << 20), str(cpu_s),
-            str(MAX_OUTPUT_BYTES), "STATUS_FD", SOURCE,
+            str(MAX_OUTPUT_BYTES), "STATUS_FD", str(MAX_OPEN_FILES), SOURCE,
         ]
 
     def run(self, program: str | bytes, stdin: str | bytes = b"", timeout_s: float = 5.0,
@@ -268,8 +278,9 @@ class Sandbox:
         reason = _unavailable_reason()
         if reason is not None:
             return SandboxResult(sandbox_error=f"sandbox unavailable: {reason}")
-        status_r = status_w = None
+        status_r = status_w = ns_fd = None
         files = []
+        group = contain.MemoryGroup(memory_mb << 20)   # the test's whole memory, where we can
         try:
             src, fin, fout, ferr, filt = files = [tempfile.TemporaryFile(dir=self.tmp_dir)
                                                   for _ in range(5)]
@@ -286,9 +297,10 @@ class Sandbox:
             cmd[cmd.index("STATUS_FD")] = str(status_w)
             if "SECCOMP_FD" in cmd:
                 cmd[cmd.index("SECCOMP_FD")] = str(filt.fileno())
-            # No preexec_fn: safe from threaded callers. The limits are set inside.
+            # No preexec_fn: safe from threaded callers. The limits are set inside; the
+            # cgroup is joined by a shell that then becomes bwrap (group.prefix).
             proc = subprocess.Popen(
-                cmd, stdin=fin, stdout=fout, stderr=ferr, close_fds=True,
+                group.prefix + cmd, stdin=fin, stdout=fout, stderr=ferr, close_fds=True,
                 pass_fds=(src.fileno(), status_w, filt.fileno()), start_new_session=True,
                 env={"PATH": CHILD_PATH, "LANG": "C.UTF-8"})
             os.close(status_w)
@@ -297,6 +309,8 @@ class Sandbox:
             # the sandbox on a loaded node does not count against the test.
             state = _wait_started(proc, status_r, START_TIMEOUT_S)
             started = state == "ok"
+            if started:   # bwrap's only child, the sandbox's pid 1, as a pidfd (see _end)
+                ns_fd = next(map(contain.pidfd, _children(proc.pid)), None)
             timed_out = slow_setup = over_memory = False
             if started:     # the wall clock, and the memory of all its processes together
                 ended = _wait_bounded(proc, timeout_s, memory_mb << 20)
@@ -310,6 +324,8 @@ class Sandbox:
                     slow_setup = True
                     _kill_sandbox(proc)
             code = proc.wait()
+            _end(ns_fd)
+            over_memory = over_memory or group.oom_killed()
             stderr = _read_back(ferr, 1 << 20)
             if not started:
                 tail = _tail(stderr)
@@ -320,7 +336,7 @@ class Sandbox:
                 return SandboxResult(sandbox_error=f"sandbox failed: {why}"[:MAX_ERROR_CHARS],
                                      seconds=time.monotonic() - start)
             if code < 0:  # bwrap itself killed (not by us): the program's fate is unknown
-                if not timed_out:
+                if not timed_out and not over_memory:
                     return SandboxResult(
                         sandbox_error=f"sandbox killed by signal {-code}",
                         seconds=time.monotonic() - start)
@@ -337,9 +353,30 @@ class Sandbox:
         finally:
             for f in files:
                 f.close()
-            for fd in (status_r, status_w):
+            _end(ns_fd)
+            for fd in (status_r, status_w, ns_fd):
                 if fd is not None:
                     os.close(fd)
+            group.remove()
+
+
+def _end(ns_fd: int | None) -> None:
+    """Make sure the sandbox's PID namespace is empty. bwrap exits as soon as the program does,
+    while its pid 1 still waits for what the program left (a setsid daemon, a fork flood) and
+    dies only by --die-with-parent, a moment later: that moment is a race on a loaded node.
+    SIGKILL to pid 1 through its pidfd (always the same process) makes the kernel kill the whole
+    namespace, and the pidfd reads as exited only once the namespace is empty (bounded)."""
+    if ns_fd is None:
+        return
+    try:
+        signal.pidfd_send_signal(ns_fd, signal.SIGKILL)
+    except (ProcessLookupError, OSError):
+        pass
+    select.select([ns_fd], [], [], KILL_GRACE_S)
+    try:    # ours to reap where this process is a subreaper (a reward worker) and bwrap is gone
+        os.waitid(os.P_PIDFD, ns_fd, os.WEXITED | os.WNOHANG)
+    except (ChildProcessError, OSError):
+        pass
 
 
 def _wait_bounded(proc: subprocess.Popen, timeout_s: float, limit_bytes: int) -> str:

@@ -86,8 +86,8 @@ def test_a_stuck_math_call_times_out_and_the_pool_keeps_serving():
         pool.submit("warm", "math", "\\boxed{1}", "1")
         assert pool.drain(timeout=60) == [RewardResult("warm", 1.0, None)]
         workers = [psutil.Process(pid) for pid in pool.worker_pids()]
-        # A slow, innocent code call runs beside the stuck one when the workers are killed:
-        # it runs again on fresh workers and still gets its reward.
+        # A slow, innocent code call runs beside the stuck one: only the stuck call's worker is
+        # killed, the innocent call finishes where it runs.
         start = time.monotonic()
         pool.submit("innocent", "code", "import time\ntime.sleep(1.5)\nprint(3)",
                     [{"input": "", "output": "3"}])
@@ -95,13 +95,12 @@ def test_a_stuck_math_call_times_out_and_the_pool_keeps_serving():
         # math_verify's own alarm (3 s) would answer 0.0 without an error; the pool's 1 s first.
         assert pool.done(timeout=30) == [RewardResult("stuck", 0.0, "timeout after 1 s")]
         assert time.monotonic() - start < 2.5
-        assert all(gone(w) for w in workers)
         assert pool.drain(timeout=60) == [RewardResult("innocent", 1.0, None)]
-        assert time.monotonic() - start > 2.5  # started over after the kill at 1 s
+        assert sorted(gone(w) for w in workers) == [False, True]
         pool.submit("next", "math", "\\boxed{3}", "3")
         assert pool.drain(timeout=60) == [RewardResult("next", 1.0, None)]
         assert pool.stats() == {"calls": 4, "errors": 1, "timeouts": 1, "restarts": 1}
-        assert not set(pool.worker_pids()) & {w.pid for w in workers}
+        assert len(set(pool.worker_pids()) - {w.pid for w in workers}) == 1
 
 
 def test_a_dead_worker_costs_its_call_and_the_pool_keeps_serving(tmp_path, monkeypatch):
@@ -112,15 +111,15 @@ def test_a_dead_worker_costs_its_call_and_the_pool_keeps_serving(tmp_path, monke
         worker = psutil.Process(pool.worker_pids()[0])
         wait_until(lambda: worker.children())  # the test program is running
         program = worker.children()[0]
+        [dead_scratch] = next(tmp_path.iterdir()).iterdir()
         os.kill(worker.pid, signal.SIGKILL)  # as the OOM killer would
         assert pool.drain(timeout=30) == [
             RewardResult("sleeper", 0.0, "reward worker process died")]
-        wait_until(lambda: gone(program), 5.0)  # PR_SET_PDEATHSIG
+        wait_until(lambda: gone(program), 5.0)  # its PID namespace died with it
         pool.submit("next", "math", "\\boxed{\\frac{1}{2}}", "0.5")
         assert pool.drain(timeout=60) == [RewardResult("next", 1.0, None)]
         assert pool.stats() == {"calls": 2, "errors": 1, "timeouts": 0, "restarts": 1}
-        [scratch_root] = tmp_path.iterdir()
-        assert list(scratch_root.iterdir()) == []  # the dead worker's test directory is gone
+        assert not dead_scratch.exists()  # the dead worker's test directory is gone
     assert list(tmp_path.iterdir()) == []
 
 
@@ -128,8 +127,14 @@ def test_close_leaves_no_processes_and_fails_unfinished_calls(tmp_path, monkeypa
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     def descendants():
         # multiprocessing's resource tracker lives as long as this process, by design.
-        return {p for p in psutil.Process().children(recursive=True)
-                if "resource_tracker" not in " ".join(p.cmdline())}
+        found = set()
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if "resource_tracker" not in " ".join(p.cmdline()):
+                    found.add(p)
+            except psutil.Error:   # gone, or a zombie: nothing left running
+                pass
+        return found
 
     before = descendants()
     pool = RewardPool(max_workers=2, code_test_timeout_s=30.0)
@@ -137,8 +142,9 @@ def test_close_leaves_no_processes_and_fails_unfinished_calls(tmp_path, monkeypa
     assert pool.drain(timeout=60) == [RewardResult("quick", 1.0, None)]
     for key in ("sleeper 1", "sleeper 2"):
         pool.submit(key, "code", "import time\ntime.sleep(60)", [{"input": "", "output": ""}])
-    # Two workers and, per sleeping test: bwrap, bwrap's pid 1 in the sandbox, the program.
-    wait_until(lambda: len(descendants() - before) == 8)
+    # Per worker: unshare, the worker (pid 1 of its namespace), and for its sleeping test:
+    # bwrap, bwrap's pid 1 in the sandbox, the program.
+    wait_until(lambda: len(descendants() - before) == 10)
     ours = descendants() - before
     start = time.monotonic()
     pool.close()
