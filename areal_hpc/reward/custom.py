@@ -166,28 +166,34 @@ def _check_in_child(specs: list[Spec]) -> None:
     """`python -m areal_hpc.reward.custom SPEC...` imports and checks each function, then kills
     whatever the modules started (it is their subreaper) and prints its verdict last. Bounded
     by IMPORT_TIMEOUT_S; its output goes to an unlinked file of which only the tail is read, so
-    a module that prints without end or leaves a daemon holding the output stalls nothing."""
+    a module that prints without end or leaves a daemon holding the output stalls nothing. It
+    runs as pid 1 of a PID namespace of its own where one can be made (reward/contain.py): when
+    it ends, is killed at the bound, or this process dies (a SIGKILL included), everything the
+    modules started dies with it, whatever they did."""
     import json
     import subprocess
     import tempfile
 
-    from ..reaper import kill_descendants
+    from . import contain
 
     with tempfile.TemporaryFile() as out:
         # the caller's import path, as multiprocessing's spawn hands it to the pool's workers
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        proc = subprocess.Popen([sys.executable, "-m", "areal_hpc.reward.custom",
-                                 *(s.spec for s in specs)], stdin=subprocess.DEVNULL, env=env,
+        proc = subprocess.Popen(contain.wrap([sys.executable, "-m", "areal_hpc.reward.custom",
+                                              *(s.spec for s in specs)]),
+                                stdin=subprocess.DEVNULL, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        fd = contain.pidfd(contain.init_pid(proc))
         try:
             proc.wait(timeout=IMPORT_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            kill_descendants(proc.pid)
-            proc.kill()
-            proc.wait()
             raise RewardFnError(f"config key '{specs[0].key}': importing the reward function(s) "
                                 f"took over {IMPORT_TIMEOUT_S:g} s (a module that blocks while it "
                                 "is imported?)") from None
+        finally:
+            contain.end(proc, fd)   # whatever is left, the namespace whole (a no-op when done)
+            if fd is not None:
+                os.close(fd)
         size = out.seek(0, os.SEEK_END)
         out.seek(max(0, size - OUTPUT_TAIL_BYTES))
         tail = out.read().decode("utf-8", "replace").splitlines()

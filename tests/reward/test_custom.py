@@ -171,13 +171,15 @@ def test_the_answer_n_example_loads_and_scores(monkeypatch):
 
 
 DAEMON = '''
-import os, sys, time
+import fcntl, os, sys, time
 def _daemon(pidfile):
     if os.fork():
         return
     os.setsid()
     if os.fork():
         os._exit(0)
+    lock = open(pidfile + ".lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)        # held while it lives: pids differ across namespaces
     open(pidfile, "w").write(str(os.getpid()))
     while True:
         print("still here", flush=True)
@@ -186,19 +188,24 @@ def _daemon(pidfile):
 
 
 def _gone(pidfile: Path, timeout: float = 10.0) -> bool:
+    """Whether the daemon that wrote `pidfile` is dead (its lock is free) within `timeout`.
+    Told by its lock, not its pid: a pid read inside a PID namespace names another process
+    here."""
+    import fcntl
     import time
-
-    import psutil
     deadline = time.monotonic() + timeout
     while not pidfile.exists():
         assert time.monotonic() < deadline, "the daemon never started"
         time.sleep(0.05)
-    pid = int(pidfile.read_text())
-    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+    with open(f"{pidfile}.lock") as lock:
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.05)
 
 
 def test_the_import_check_runs_in_a_child_that_takes_what_it_started_with_it(tmp_path):
