@@ -14,19 +14,35 @@ file or row, before any rank spends node time:
 
 `check_inputs` reads the model directory cheaply (config.json, weight index, tokenizer: no
 weights), imports the user's reward functions and parses every dataset row.
+
+Inputs are untrusted and read within bounds, so that a bad one is one line, never a hang or a
+silent kill: every file it opens (dataset, model config, tokenizer files, chat template) must be
+a regular file (a FIFO, a device or a directory in its place is refused unopened or opened without
+blocking); each is capped before parsing (config.json MAX_CONFIG_BYTES, the weight index and the
+tokenizer's files MAX_MODEL_FILE_BYTES, a chat template file MAX_TEMPLATE_BYTES, a dataset row
+MAX_ROW_BYTES: data/files.py); a question over MAX_CHARS_PER_TOKEN characters per token of
+rollout.max_model_len is refused before it is rendered or tokenized; every prompt's rendering
+(the chat template's loops) is bounded by TEMPLATE_TIMEOUT_S of wall time; the run directory is
+output_dir/name itself, not a symlink to elsewhere (storage/run_dir.py `place`).
 """
 from __future__ import annotations
 
 import json
 import math
+import signal
 import subprocess
 import sys
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from . import determinism
-from .config import ConfigError, RunConfig, _read_utf8, load
+from .config import MAX_CONFIG_BYTES, ConfigError, RunConfig, _read_utf8, load
 from .config.rules import _check
+from .data.files import irregular
+from .data.prompts import RenderTimeout, prompt_ids, read_chat_template, too_long, too_many_chars
 
 TINY_MODEL = Path("models/tiny")
 # The models the project builds itself when a config names them and they are not there yet:
@@ -85,11 +101,15 @@ def generator_node(cfg: RunConfig) -> None:
 def check_inputs(cfg: RunConfig) -> None:
     """Inputs that must exist before any rank starts work (clear message, not a deep traceback):
     the model directory, the run's name, the user's reward functions, every dataset row."""
+    from .storage.run_dir import RunDir, place
+    try:
+        place(cfg.output_dir, cfg.name)
+    except ValueError as exc:
+        raise ConfigError(f"config key 'name': {_one_line(exc)}") from None
     model = Path(cfg.model.path)
-    if not (model / "config.json").is_file():
+    if not (model / "config.json").exists():
         hint = " (build the tiny one with: python tools/make_tiny_model.py --out models/tiny)"
         raise ConfigError(f"config key 'model.path': no HF model at {model} (config.json missing){hint}")
-    from .storage.run_dir import RunDir
     log = RunDir(cfg.run_dir).rollouts
     if log.exists() and cfg.checkpoint.resume == "never":
         raise ConfigError(f"config key 'name': run {cfg.name!r} already has {log}; choose another "
@@ -110,8 +130,14 @@ def check_inputs(cfg: RunConfig) -> None:
             rows = load_prompts_of(cfg, value)
         except (ValueError, OSError) as exc:
             raise ConfigError(f"config key '{key}': {_one_line(exc)}") from None
+        except MemoryError:
+            raise ConfigError(f"config key '{key}': out of memory reading {value}") from None
         if not rows:
             raise ConfigError(f"config key '{key}': {value} holds no rows")
+        problem = too_many_chars(rows, cfg.rollout.max_model_len)   # before any row is tokenized
+        if problem:
+            raise ConfigError(f"config key '{key}': {problem} (drop such rows or raise "
+                              "rollout.max_model_len)")
         from .reward.math import MAX_ANSWER_CHARS
         long_ref = next((i for i, r in enumerate(rows) if r["reward_kind"] == "math"
                          and isinstance(r["reference"], str)
@@ -136,9 +162,10 @@ SUPPORTED_MODEL_TYPES = ("qwen2",)
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
 
 
-def read_json(path: Path) -> Any:
-    """A JSON file; unreadable, non-UTF-8 or bad JSON is one ConfigError line naming file and line."""
-    text = _read_utf8(path, "it")
+def read_json(path: Path, max_bytes: int = MAX_CONFIG_BYTES) -> Any:
+    """A JSON file (a regular file of at most `max_bytes`); anything else, unreadable, non-UTF-8
+    or bad JSON is one ConfigError line naming file and line."""
+    text = _read_utf8(path, "it", max_bytes)
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
@@ -207,20 +234,72 @@ def check_model_config(cfg: RunConfig, hf: Any, source: str) -> None:
 
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
+# The model directory's files that are parsed at start-up (config, index, the tokenizer's files,
+# templates), by suffix: capped before parsing. Weights are only listed, never read here.
+PARSED_SUFFIXES = (".json", ".txt", ".jinja", ".model", ".tiktoken")
+MAX_MODEL_FILE_BYTES = 256 << 20    # the largest shipped tokenizer.json is tens of MiB
+MAX_INDEX_BYTES = 64 << 20          # model.safetensors.index.json (a 32B model's: under 100 KiB)
+TEMPLATE_TIMEOUT_S = 5.0            # one prompt's rendering (microseconds for a sane template)
+
+
+def check_model_files(model: Path) -> None:
+    """Every file of the model directory (and of its additional_chat_templates/, which the
+    tokenizer reads too) is a regular file, and each that is parsed is at most
+    MAX_MODEL_FILE_BYTES: a FIFO there would hang the tokenizer's load, a huge one exhaust memory."""
+    for folder in (model, model / "additional_chat_templates"):
+        bad = irregular(folder) if folder.is_dir() else None
+        if bad:
+            raise ConfigError(f"config key 'model.path': {bad}")
+        for f in sorted(folder.iterdir()) if folder.is_dir() else ():
+            if f.suffix in PARSED_SUFFIXES and f.is_file() and f.stat().st_size > MAX_MODEL_FILE_BYTES:
+                raise ConfigError(f"config key 'model.path': {f}: {f.stat().st_size} bytes, over the "
+                                  f"{MAX_MODEL_FILE_BYTES} a model's config or tokenizer file may hold")
+
+
+@contextmanager
+def bounded_rendering(seconds: float = TEMPLATE_TIMEOUT_S):
+    """Yields `prompt_ids` with every call bounded to `seconds` of wall time (a chat template
+    whose loops run for minutes): SIGALRM raises RenderTimeout in the rendering; the caller's
+    handler and timer are put back after. Outside the main thread (no signals) unbounded."""
+    if threading.current_thread() is not threading.main_thread():
+        yield prompt_ids
+        return
+
+    def on_alarm(signum, frame):
+        raise RenderTimeout(f"rendering its prompt took over {seconds:g} s")
+
+    def ids(tokenizer, d, question):
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            return prompt_ids(tokenizer, d, question)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    handler = signal.signal(signal.SIGALRM, on_alarm)
+    timer, start = signal.setitimer(signal.ITIMER_REAL, 0), time.monotonic()
+    try:
+        yield ids
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL if handler is None else handler)
+        if timer[0] > 0:
+            signal.setitimer(signal.ITIMER_REAL, max(timer[0] - (time.monotonic() - start), 1e-3), timer[1])
 
 
 def check_model_dir(cfg: RunConfig, sample: dict | None = None,
                     datasets: dict[str, list[dict]] | None = None) -> None:
-    """The model directory, cheaply (no weights read): config.json, weight files, tokenizer (which
-    must turn `sample`, a dataset row in `data.prompt_template`, into at least one token, and
-    every row of `datasets`, {config key: rows}, into a prompt that fits rollout.max_model_len)."""
+    """The model directory, cheaply (no weights read): its files' types and sizes, config.json,
+    weight files, tokenizer (which must turn `sample`, a dataset row in `data.prompt_template`,
+    into at least one token, and every row of `datasets`, {config key: rows}, into a prompt that
+    fits rollout.max_model_len, each rendered within TEMPLATE_TIMEOUT_S)."""
     model = Path(cfg.model.path)
+    check_model_files(model)
     path = model / "config.json"
     hf = read_json(path)
     check_model_config(cfg, hf, str(path))
     index = model / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = read_json(index)
+        weight_map = read_json(index, MAX_INDEX_BYTES)
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         if not isinstance(weight_map, dict):
             raise ConfigError(f"{index}: no 'weight_map' object")
@@ -233,6 +312,11 @@ def check_model_dir(cfg: RunConfig, sample: dict | None = None,
         # (transformers 5 would build an empty Qwen2 tokenizer without complaint)
         raise ConfigError(f"config key 'model.path': no tokenizer in {model} (none of "
                           f"{', '.join(TOKENIZER_FILES)})")
+    if cfg.data.chat and cfg.data.chat_template:
+        try:
+            read_chat_template(cfg.data.chat_template)
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"config key 'data.chat_template': {_one_line(exc)}") from None
     try:
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
@@ -245,24 +329,38 @@ def check_model_dir(cfg: RunConfig, sample: dict | None = None,
     if cfg.data.chat and not (cfg.data.chat_template or getattr(tokenizer, "chat_template", None)):
         raise ConfigError(f"config key 'data.chat': the tokenizer in {model} has no chat template; "
                           f"give one in data.chat_template (a Jinja template or its file)")
+    template_key = "data.chat_template" if cfg.data.chat and cfg.data.chat_template else "model.path"
+    with bounded_rendering() as ids:
+        try:
+            _check_prompts(cfg, tokenizer, ids, sample, datasets or {})
+        except RenderTimeout as exc:
+            raise ConfigError(f"config key '{template_key}': {exc} (the chat template's loops must "
+                              f"end within {TEMPLATE_TIMEOUT_S:g} s a prompt)") from None
+
+
+def _check_prompts(cfg: RunConfig, tokenizer, ids, sample: dict | None, datasets: dict[str, list[dict]]):
+    model = cfg.model.path
     if sample is not None:
-        from .data.prompts import prompt_ids
         text = cfg.data.prompt_template.format(question=sample["question"])
         try:
-            ids = prompt_ids(tokenizer, cfg.data, sample["question"])
+            first = ids(tokenizer, cfg.data, sample["question"])
+        except RenderTimeout as exc:
+            raise RenderTimeout(f"the first prompt: {exc}") from None
         except Exception as exc:    # noqa: BLE001
             key = "data.chat_template" if cfg.data.chat else "model.path"
             raise ConfigError(f"config key '{key}': the tokenizer in {model} fails on the first "
                               f"prompt: {type(exc).__name__}: {_one_line(exc)}") from None
-        if not ids:
+        if not first:
             raise ConfigError(f"config key 'model.path': the tokenizer in {model} turns the first "
                               f"prompt {text[:60]!r} into no tokens")
-        if len(ids) >= cfg.rollout.max_model_len:
-            raise ConfigError(f"config key 'rollout.max_model_len': the first prompt is {len(ids)} "
+        if len(first) >= cfg.rollout.max_model_len:
+            raise ConfigError(f"config key 'rollout.max_model_len': the first prompt is {len(first)} "
                               f"tokens, no room to generate in {cfg.rollout.max_model_len}")
-    from .data.prompts import too_long
-    for key, rows in (datasets or {}).items():
-        problem = too_long(tokenizer, cfg.data, rows, cfg.rollout.max_model_len)
+    for key, rows in datasets.items():
+        try:
+            problem = too_long(tokenizer, cfg.data, rows, cfg.rollout.max_model_len, ids)
+        except RenderTimeout as exc:
+            raise RenderTimeout(f"{key}: {exc}") from None
         if problem:
             raise ConfigError(f"config key '{key}': {problem} (drop such rows or raise "
                               "rollout.max_model_len)")

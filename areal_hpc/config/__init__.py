@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import io
 import logging
-import re
 import os
+import re
+import secrets
+import stat
 from pathlib import Path
 from typing import Any
 
 import yaml
 from omegaconf import OmegaConf
+from omegaconf.basecontainer import BaseContainer
 from omegaconf.errors import OmegaConfBaseException
 
 from .schema import (CheckpointConfig, ConfigError, DataConfig, ModelConfig, RewardConfig,
@@ -58,12 +61,33 @@ def _yaml_problem(exc: yaml.YAMLError, context_line: bool = True) -> tuple[int |
     return (mark.line + 1 if mark is not None else None), " ".join(what.split())
 
 
-def _read_utf8(path: Path, what: str) -> str:
-    """A file's text; unreadable or non-UTF-8 is one ConfigError line naming file and line."""
+# The most the config YAML (and a model's config.json, which the preflight reads with this
+# function) may hold before it is parsed.
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _not_regular(mode: int) -> str | None:
+    if stat.S_ISREG(mode):
+        return None
+    return "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+
+
+def _read_utf8(path: Path, what: str, max_bytes: int = MAX_CONFIG_BYTES) -> str:
+    """A regular file's text, at most `max_bytes`; anything else (a FIFO, a device, a directory:
+    opened without blocking, so that none of them hangs), a larger file, unreadable or non-UTF-8
+    text is one ConfigError line naming the file (and the line)."""
     try:
-        raw = path.read_bytes()
+        kind = _not_regular(os.stat(path).st_mode)
+        if kind is None:    # no wait on a FIFO swapped in since; fstat says what was opened
+            with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC), "rb") as f:
+                kind = _not_regular(os.fstat(f.fileno()).st_mode)
+                raw = f.read(max_bytes + 1) if kind is None else b""
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read {what} ({exc.strerror})") from None
+    if kind is not None:
+        raise ConfigError(f"{path}: cannot read {what}: {kind}, not a regular file")
+    if len(raw) > max_bytes:
+        raise ConfigError(f"{path}: cannot read {what}: over {max_bytes} bytes (the cap before parsing)")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -118,19 +142,63 @@ ENV_KEYS = ("output_dir", "model.path", "data.train_path", "data.eval_path", "da
             "reward.fn")
 
 
-def _check_env_interpolations(tree, prefix: str = "") -> None:
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            _check_env_interpolations(v, f"{prefix}{k}.")
-    elif isinstance(tree, list):
-        for i, v in enumerate(tree):
-            _check_env_interpolations(v, f"{prefix[:-1]}[{i}].")
-    elif isinstance(tree, str) and "oc.env" in tree and prefix[:-1] not in ENV_KEYS \
-            and not re.fullmatch(r"reward\.functions\[\d+\]\.fn", prefix[:-1]):
-        raise ConfigError(f"config key '{prefix[:-1]}': an environment interpolation ({tree}) would "
-                          "be written, resolved, into config.yaml, the rollout log and every "
-                          f"checkpoint; only {', '.join(ENV_KEYS)} (and reward.functions[i].fn) "
-                          "may use one")
+def _env_allowed(key: str) -> bool:
+    return key in ENV_KEYS or re.fullmatch(r"reward\.functions\[\d+\]\.fn", key) is not None
+
+
+def _leaves(tree, path: tuple = ()):
+    """(path, value) of every leaf of a container tree (dicts and lists), a path being its keys."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else None
+    if items is None:
+        yield path, tree
+        return
+    for k, v in items:
+        yield from _leaves(v, (*path, k))
+
+
+def _key(path: tuple) -> str:
+    return "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path).lstrip(".")
+
+
+def _raw(tree, key: str):
+    """The unresolved value at `key` ("a.b[0]") of a container tree ("?" when it has none)."""
+    for part in re.findall(r"[^.\[\]]+", key):
+        try:
+            tree = tree[int(part)] if isinstance(tree, list) else tree[part]
+        except (KeyError, IndexError, TypeError, ValueError):
+            return "?"
+    return tree
+
+
+def _env_refused(key: str, raw) -> ConfigError:
+    return ConfigError(f"config key '{key}': an environment interpolation ({raw}) would be written, "
+                       "resolved, into config.yaml, the rollout log and every checkpoint; only "
+                       f"{', '.join(ENV_KEYS)} (and reward.functions[i].fn) may use one")
+
+
+def _check_env_interpolations(merged) -> None:
+    """The rule of ENV_KEYS on what the config resolves to, whatever the route: `oc.env` answers
+    a marker meanwhile, and a key outside ENV_KEYS whose resolved value holds it (a nested
+    resolver name `${oc.${x}:...}`, `oc.decode`, `oc.select`, a copy of an allowed key), or whose
+    type refuses it, is refused. Its environment value is never read here."""
+    marker = f"areal_env_{secrets.token_hex(8)}"
+    raw = OmegaConf.to_container(merged, resolve=False)
+    saved = BaseContainer._resolvers["oc.env"]
+    try:
+        OmegaConf.register_resolver("oc.env", lambda *args, **kwargs: marker, replace=True,
+                                    annotation_validation="off")
+        tree = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as exc:
+        if marker not in str(exc):
+            raise
+        key = str(getattr(exc, "full_key", None) or "?")
+        raise _env_refused(key, _raw(raw, key)) from None
+    finally:
+        BaseContainer._resolvers["oc.env"] = saved
+    for path, value in _leaves(tree):
+        key = _key(path)
+        if marker in str(value) and not _env_allowed(key):
+            raise _env_refused(key, _raw(raw, key))
 
 
 def load(yaml_path: str | os.PathLike | None, overrides: list[str] = ()) -> RunConfig:
@@ -140,7 +208,7 @@ def load(yaml_path: str | os.PathLike | None, overrides: list[str] = ()) -> RunC
         layers = [schema]
         if yaml_path is not None:
             path = Path(yaml_path)
-            if not path.is_file():
+            if not path.exists():
                 raise ConfigError(f"config file not found: {path}")
             layers.append(_read_yaml(path))
         layers.append(_read_overrides(list(overrides)))
@@ -150,8 +218,6 @@ def load(yaml_path: str | os.PathLike | None, overrides: list[str] = ()) -> RunC
                     del layer[key]
                     logging.getLogger(__name__).warning(
                         "config key '%s' is no longer used (%s); ignored", key, why)
-        for layer in layers[1:]:
-            _check_env_interpolations(OmegaConf.to_container(layer, resolve=False))
         for layer in layers[1:]:    # OmegaConf's merge error for these names no key
             for key, value in OmegaConf.to_container(layer, resolve=False).items():
                 if key in schema and OmegaConf.is_dict(schema[key]) and not isinstance(value, dict):
@@ -161,11 +227,29 @@ def load(yaml_path: str | os.PathLike | None, overrides: list[str] = ()) -> RunC
         missing = sorted(OmegaConf.missing_keys(merged))
         if missing:
             raise ConfigError(f"config key '{missing[0]}' is required but not set")
+        _check_env_interpolations(merged)
         cfg: RunConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise ConfigError(_explain(exc)) from None
     validate(cfg)
+    _check_name(cfg.name)
     return cfg
+
+
+NAME_MAX = 255      # bytes of one path component (Linux's NAME_MAX)
+
+
+def _check_name(name: str) -> None:
+    """`name` is one plain folder name: the run lives in output_dir/name, never output_dir itself,
+    its parent or a folder further down (storage/run_dir.py `place` checks where it resolves)."""
+    why = ("empty" if not name else "output_dir itself" if name == "." else
+           "output_dir's parent" if name == ".." else "a path, not a name" if "/" in name else
+           "a leading '-' reads as an option" if name.startswith("-") else
+           "a control character" if any(ord(c) < 32 or ord(c) == 127 for c in name) else
+           f"over {NAME_MAX} bytes" if len(name.encode("utf-8", "surrogatepass")) > NAME_MAX else None)
+    if why:
+        raise ConfigError(f"config key 'name': must be a plain folder name inside output_dir, got "
+                          f"{name[:80]!r} ({why})")
 
 
 def to_yaml(cfg: RunConfig) -> str:

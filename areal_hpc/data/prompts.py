@@ -10,10 +10,9 @@ reference with each prompt, so the generator's reward pool scores without knowin
 from __future__ import annotations
 
 import functools
-import os
 
 from .code_jsonl import load_code_jsonl
-from .files import field, iter_rows
+from .files import field, iter_rows, open_regular
 from .answers import final_answer
 from .jsonl import load_jsonl
 
@@ -60,16 +59,25 @@ def load_prompts_of(cfg, path: str) -> list[dict]:
     return load_prompts(path, d.kind, d.question_key, d.answer_key, custom=bool(r.fn or r.functions))
 
 
+MAX_TEMPLATE_BYTES = 1 << 20     # a chat template file (the shipped ones are a few KiB)
+
+
 @functools.lru_cache(maxsize=8)
 def read_chat_template(value: str | None) -> str | None:
-    """`data.chat_template`: a Jinja template itself, or the path of a file holding one (read
-    once per process: the controller renders every prompt with it)."""
+    """`data.chat_template`: a Jinja template itself (it holds a '{'), or the path of a regular
+    file of at most MAX_TEMPLATE_BYTES holding one (read once per process: the controller renders
+    every prompt with it). Anything else raises ValueError naming it."""
     if not value:
         return None
-    if "{" not in value and os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    return value
+    if "{" in value:
+        return value
+    try:
+        with open_regular(value, "chat template file", MAX_TEMPLATE_BYTES) as f:
+            return f.read().decode("utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"{value!r} is neither a Jinja template (no '{{') nor a file") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{value}: not UTF-8 text ({exc.reason})") from None
 
 
 def prompt_ids(tokenizer, d, question: str) -> list[int]:
@@ -92,20 +100,36 @@ def prompt_ids(tokenizer, d, question: str) -> list[int]:
 MAX_CHARS_PER_TOKEN = 32    # a question this many characters per token of room: refused untokenized
 
 
-def too_long(tokenizer, d, rows: list[dict], max_model_len: int) -> str | None:
+class RenderTimeout(Exception):
+    """A prompt's rendering (the chat template's loops) ran past its time bound (preflight.py)."""
+
+
+def too_many_chars(rows: list[dict], max_model_len: int) -> str | None:
+    """The first row whose question is longer than MAX_CHARS_PER_TOKEN characters per token of
+    `max_model_len`, as "row i: ..." (None when none is): refused without rendering or
+    tokenizing it, so that a question of megabytes costs nothing."""
+    cap = MAX_CHARS_PER_TOKEN * max_model_len
+    i = next((i for i, r in enumerate(rows) if len(r["question"]) > cap), None)
+    if i is None:
+        return None
+    return (f"row {i}: the question is {len(rows[i]['question'])} characters, over "
+            f"{MAX_CHARS_PER_TOKEN} per token of rollout.max_model_len = {max_model_len} (not tokenized)")
+
+
+def too_long(tokenizer, d, rows: list[dict], max_model_len: int, ids=prompt_ids) -> str | None:
     """The first row whose prompt leaves no room to generate in `max_model_len` tokens, as
     "row i: ..." (None when every row fits): vLLM refuses such a request, which would end the
-    generator mid-run. A question longer than MAX_CHARS_PER_TOKEN characters per token of
-    `max_model_len` is refused without tokenizing it (a huge row costs nothing); the others are
-    tokenized as the controller will (`prompt_ids`)."""
-    cap = MAX_CHARS_PER_TOKEN * max_model_len
+    generator mid-run. `too_many_chars` first (its rows are not tokenized); the others are
+    tokenized as the controller will (`ids`: `prompt_ids`, or the preflight's time-bounded one,
+    whose RenderTimeout comes back naming the row)."""
+    problem = too_many_chars(rows, max_model_len)
+    if problem:
+        return problem
     for i, r in enumerate(rows):
-        if len(r["question"]) > cap:
-            return (f"row {i}: the question is {len(r['question'])} characters, over "
-                    f"{MAX_CHARS_PER_TOKEN} per token of rollout.max_model_len = {max_model_len} "
-                    "(not tokenized)")
-    for i, r in enumerate(rows):
-        n = len(prompt_ids(tokenizer, d, r["question"]))
+        try:
+            n = len(ids(tokenizer, d, r["question"]))
+        except RenderTimeout as exc:
+            raise RenderTimeout(f"row {i}: {exc}") from None
         if n >= max_model_len:
             return (f"row {i}: its prompt is {n} tokens, no room to generate in "
                     f"rollout.max_model_len = {max_model_len}")

@@ -23,8 +23,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..data.files import file_kind
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +47,35 @@ ATTEMPT_FILES = (ROLLOUTS, METRICS, EVALS)
 
 class RunFileError(ValueError):
     """A run-directory file that is not what its format says (the message names file and line)."""
+
+
+def place(output_dir: str | os.PathLike, name: str) -> Path:
+    """`output_dir/name` (`name` a plain name: config/__init__.py), checked before anything is
+    written there: it resolves to that very folder of `output_dir` as `output_dir` resolves (a
+    symlink there moves the run elsewhere, or makes two names one run: refused), it is a directory
+    if it exists, and each of its files that exists is a regular file (each folder a folder).
+    Returns the path; raises ValueError naming the path."""
+    run = Path(output_dir) / name
+    try:
+        where, base = run.resolve(), Path(output_dir).resolve()
+    except (OSError, RuntimeError) as exc:      # a symlink loop
+        raise ValueError(f"{run}: does not resolve ({_why(exc)})") from None
+    if where != base / name:
+        raise ValueError(f"{run}: resolves to {where}, not a folder of its own in output_dir "
+                         f"{base} (a symlink there: remove it or choose another name)")
+    folders = (CHECKPOINTS, POLICY, WEIGHTS, TENSORBOARD)
+    for path, want_dir in ((run, True), *((run / f, True) for f in folders),
+                           *((run / f, False) for f in (CONFIG, *ATTEMPT_FILES, GENERATORS))):
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot be read ({_why(exc)})") from None
+        kind = "a directory" if stat.S_ISDIR(mode) else file_kind(mode) or "a regular file"
+        if kind != ("a directory" if want_dir else "a regular file"):
+            raise ValueError(f"{path}: {kind}, not {'a directory' if want_dir else 'a regular file'}")
+    return run
 
 
 def _why(exc: BaseException) -> str:
