@@ -125,16 +125,17 @@ def check_torch_pickle(src: Path | bytes, what: str | Path) -> None:
         return open(src, "rb") if isinstance(src, Path) else io.BytesIO(src)
 
     with stream() as f:
-        if not zipfile.is_zipfile(f):
+        zipped = f.read(4) == b"PK\x03\x04" and zipfile.is_zipfile(f)   # torch's own test, first
+        if not zipped:
             f.seek(0)
             named = _first_global(f)
             raise refuse("not a torch.save archive" + (f"; its pickle names {named}" if named
                                                        else ""))
         try:
             with zipfile.ZipFile(f) as z:
-                for name in z.namelist():
-                    if name.endswith(".pkl"):
-                        with z.open(name) as pkl:
+                for entry in z.infolist():      # every entry, a repeated name's too
+                    if entry.filename.endswith(".pkl"):
+                        with z.open(entry) as pkl:
                             foreign = _foreign_globals(pkl)
                         if foreign:
                             more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
@@ -145,8 +146,9 @@ def check_torch_pickle(src: Path | bytes, what: str | Path) -> None:
         except Exception as exc:    # noqa: BLE001 -- a damaged archive or pickle: one line
             raise refuse(f"unreadable ({type(exc).__name__}: {_first_line(exc)})") from None
     try:
-        torch.load(src if isinstance(src, Path) else io.BytesIO(src), map_location="cpu",
-                   weights_only=True)
+        with weights_only_loads():      # also when both variables are set (torch refuses that)
+            torch.load(src if isinstance(src, Path) else io.BytesIO(src), map_location="cpu",
+                       weights_only=True)
     except Exception as exc:        # noqa: BLE001 -- UnpicklingError and anything else
         raise refuse("not plain data (torch's weights-only unpickler refused it: "
                      f"{_first_line(exc)})") from None

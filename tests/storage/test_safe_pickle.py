@@ -7,6 +7,7 @@ import io
 import json
 import os
 import pickle
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,23 @@ def test_pt_files_with_code_are_refused_unrun_whatever_the_environment(tmp_path,
             check_torch_pickle(path, path)
         line = str(info.value)
         assert line.startswith(f"{path}: ") and "posix.system" in line and "\n" not in line
+    polyglot = tmp_path / "polyglot.pt"     # a bare pickle first, a good archive after it
+    polyglot.write_bytes(pickle.dumps(Payload(marker)) + good.read_bytes())
+    with pytest.raises(UnsafeCheckpoint, match="polyglot.pt: not a torch.save archive; its "
+                                               "pickle names posix.system"):
+        check_torch_pickle(polyglot, polyglot)
+    twice = tmp_path / "twice.pt"           # one name twice: each reader may take another
+    bad, ok = io.BytesIO(), io.BytesIO()
+    torch.save(Payload(marker), bad)
+    torch.save({"w": torch.ones(1)}, ok)
+    with zipfile.ZipFile(bad) as zb, zipfile.ZipFile(ok) as zo, \
+            zipfile.ZipFile(twice, "w") as out, pytest.warns(UserWarning, match="Duplicate"):
+        for entry in zo.infolist():
+            out.writestr(entry, zo.read(entry))
+            if entry.filename.endswith("data.pkl"):
+                out.writestr(entry.filename, zb.read(entry.filename))
+    with pytest.raises(UnsafeCheckpoint, match="twice.pt: its pickle names posix.system"):
+        check_torch_pickle(twice, twice)
     (tmp_path / "junk.pt").write_bytes(b"PK\x03\x04 not really a zip")
     with pytest.raises(UnsafeCheckpoint, match="junk.pt: not a torch.save archive"):
         check_torch_pickle(tmp_path / "junk.pt", tmp_path / "junk.pt")
@@ -182,4 +200,11 @@ def test_weights_only_loads_overrides_every_caller_and_restores_the_environment(
         buf.seek(0)
         assert torch.equal(torch.load(buf, weights_only=False)["w"], torch.ones(2))
     assert os.environ.get(NO_WO) == env and "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ
+    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.ones(2)}, good)
+    if env == "1":                      # both variables set: torch refuses every load
+        with pytest.raises(RuntimeError, match="Only one of"):
+            torch.load(good, weights_only=True)
+    check_torch_pickle(good, good)      # the check still reads it
     assert not marker.exists()
