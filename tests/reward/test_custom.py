@@ -9,7 +9,7 @@ import pytest
 
 from areal_hpc.config import ConfigError, load
 from areal_hpc.reward import custom
-from areal_hpc.reward.pool import RewardPool
+from areal_hpc.reward.pool import RewardPool, RewardResult
 
 ROOT_CONFIG = Path(__file__).resolve().parents[2] / "configs/tiny_cpu.yaml"
 
@@ -254,3 +254,135 @@ def test_what_a_call_starts_dies_with_it_and_its_prints_are_capped(tmp_path, cap
         with RewardPool(max_workers=1, functions=_specs((f"{mod}:{name}", 1.0))) as pool:
             res = _score_all(pool, {"k": ("x", "1", {})})["k"]
             assert res.reward == 0.0 and why in res.error, res
+
+
+# ---- user code cannot reach the parent ---------------------------------------------------------
+
+HOSTILE = '''
+import ctypes, fcntl, os, pickle, platform, sys, time
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("touch " + MARKER,))
+
+def pickles(c, r, row):
+    """Writes its own pickle where the worker's result goes (its fd is in the worker's argv)."""
+    result_fd = int(sys.argv[2])
+    os.write(result_fd, pickle.dumps(Evil()) + b"\\n")
+    return 1.0
+
+def patches(c, r, row):
+    """Turns the worker's own check off, then returns what it would refuse."""
+    import areal_hpc.reward.custom as custom
+    custom._number = lambda value, what: value
+    return {"reward": float("nan"), "ok": float("inf")}
+
+class Liar(dict):
+    def __len__(self):
+        return 1
+
+def many(c, r, row):
+    return Liar({"reward": 1.0, **{f"k{i}": 1.0 for i in range(100_000)}})
+
+class LongName(str):
+    def __len__(self):
+        return 3
+
+def long_name(c, r, row):
+    return {"reward": 1.0, LongName("n" * 1_000_000): 1.0}
+
+def spawns(c, r, row):
+    """A CLONE_PARENT child (from a forked child: the kernel refuses the flag to pid 1) and a
+    chain that re-spawns itself as fast as it can; each holds a lock; then it blocks."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    nr = {"x86_64": 56, "aarch64": 220}[platform.machine()]
+    if os.fork() == 0:
+        if libc.syscall(nr, 17 | 0x8000, 0, 0, 0, 0) == 0:       # SIGCHLD | CLONE_PARENT
+            f = open(MARKER + ".sibling", "w")
+            fcntl.flock(f, fcntl.LOCK_EX)
+            open(MARKER + ".sibling.ready", "w").close()
+            while True:
+                time.sleep(1)
+        os._exit(0)
+    if os.fork() == 0:
+        f = open(MARKER + ".chain", "w")
+        fcntl.flock(f, fcntl.LOCK_EX)
+        open(MARKER + ".chain.ready", "w").close()
+        while True:
+            if os.fork():
+                os._exit(0)
+    time.sleep(600)
+
+def floods_stderr(c, r, row):
+    block = b"e" * (1 << 20)
+    for _ in range(300):                 # 300 MB on the raw descriptor
+        os.write(2, block)
+    return 1.0
+'''
+
+
+@pytest.fixture
+def hostile(tmp_path):
+    marker = tmp_path / "marker"
+    mod = tmp_path / "hostile.py"
+    mod.write_text(f"_MARKER = {str(marker)!r}\n" + HOSTILE.replace("MARKER", "_MARKER"))
+    return mod, marker
+
+
+def test_a_result_pickle_cannot_execute_in_the_parent(hostile):
+    mod, marker = hostile
+    with RewardPool(max_workers=1, functions=_specs((f"{mod}:pickles", 1.0))) as pool:
+        res = _score_all(pool, {"k": ("x", "1", {})})["k"]
+        assert res.reward == 0.0 and res.error.startswith("reward worker result refused:"), res
+        assert "\n" not in res.error
+        pool.submit("next", "custom", "x", "1", {})   # a fresh worker, the same refusal
+        assert pool.drain(timeout=120)[0].error.startswith("reward worker result refused")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("name", ["patches", "many", "long_name"])
+def test_results_are_checked_again_in_the_parent(hostile, name):
+    """The worker's own check patched away, or fooled by a dict or str whose len() lies: the
+    parent refuses NaN and infinity, 100,000 logged fields, a 1,000,000-character name."""
+    mod, _ = hostile
+    with RewardPool(max_workers=1, functions=_specs((f"{mod}:{name}", 1.0))) as pool:
+        res = _score_all(pool, {"k": ("x", "1", {})})["k"]
+    assert res.reward == 0.0 and res.extras is None, res
+    assert res.error.startswith("reward worker result refused:") and len(res.error) <= 200, res
+
+
+def _lock_free(path: Path) -> bool:
+    import fcntl
+    with open(path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+
+def test_a_clone_parent_child_and_a_respawning_chain_are_gone_after_close(hostile):
+    import time
+    mod, marker = hostile
+    pool = RewardPool(max_workers=1, functions=_specs((f"{mod}:spawns", 1.0)), fn_timeout_s=600)
+    try:
+        pool.submit("k", "custom", "x", "1", {})
+        deadline = time.monotonic() + 120
+        while not all(Path(f"{marker}.{w}.ready").exists() for w in ("sibling", "chain")):
+            assert time.monotonic() < deadline, "the hostile function never got going"
+            time.sleep(0.05)
+    finally:
+        pool.close()
+    # no waiting: once close() has returned, neither holds its lock any more
+    assert _lock_free(Path(f"{marker}.sibling")) and _lock_free(Path(f"{marker}.chain"))
+    assert pool.done() == [RewardResult("k", 0.0, "reward pool closed")]
+
+
+def test_raw_writes_to_the_workers_stderr_are_capped(hostile, capfd):
+    from areal_hpc.reward import pool as pool_mod
+    mod, _ = hostile
+    with RewardPool(max_workers=1, functions=_specs((f"{mod}:floods_stderr", 1.0))) as pool:
+        res = _score_all(pool, {"k": ("x", "1", {})})["k"]
+    assert res == RewardResult("k", 1.0, None), res
+    err = capfd.readouterr().err
+    assert err.count("e") < pool_mod.WORKER_OUTPUT_BYTES + 10_000 and "bytes dropped]" in err

@@ -157,3 +157,32 @@ def test_close_leaves_no_processes_and_fails_unfinished_calls(tmp_path, monkeypa
     with pytest.raises(RuntimeError, match="closed"):
         pool.submit("late", "math", "\\boxed{1}", "1")
     pool.close()  # idempotent
+
+
+@pytest.mark.parametrize("line, why", [
+    (b'{"id": 1, "reward": NaN, "error": null, "extras": null}', "NaN is not a finite number"),
+    (b'{"id": 1, "reward": 1e400, "error": null, "extras": null}', "reward is inf"),
+    (b'{"id": 1, "reward": true, "error": null, "extras": null}', "reward is a bool"),
+    (b'{"id": 1, "reward": "1", "error": null, "extras": null}', "reward is a str"),
+    (b'{"id": 1, "reward": 1e7, "error": null, "extras": null}', "beyond"),
+    (b'{"id": "1", "reward": 1, "error": null, "extras": null}', "no call id"),
+    (b'{"id": 1, "reward": 1, "error": 3, "extras": null}', "error is a int"),
+    (b'{"id": 1, "reward": 1, "error": null, "extras": null, "more": 1}', "not a result"),
+    (b'[1, 1.0, null, null]', "not a result"),
+    (b'{"id": 1, "reward": 1, "error": null, "extras": {"a": [1]}}', "is a list"),
+    (b'{"id": 1, "reward": 1, "error": null, "extras": {"": 1}}', "name"),
+    (('{"id": 1, "reward": 1, "error": null, "extras": {"%s": 1}}' % ("n" * 200)).encode(),
+     "name"),
+    (('{"id": 1, "reward": 1, "error": null, "extras": {%s}}'
+      % ", ".join(f'"k{i}": 1' for i in range(40))).encode(), "at most 16"),
+])
+def test_a_result_line_is_checked_as_exact_plain_types(line, why):
+    from areal_hpc.reward.pool import _plain_result
+    with pytest.raises(ValueError, match=why):
+        _plain_result(line, ())
+
+
+def test_a_plain_result_passes_and_a_long_error_is_cut():
+    from areal_hpc.reward.pool import MAX_ERROR_CHARS, _plain_result
+    line = b'{"id": 7, "reward": 0, "error": "%s", "extras": {"a": 2}}' % (b"e" * 1000)
+    assert _plain_result(line, ()) == (7, 0.0, "e" * MAX_ERROR_CHARS, {"a": 2.0})

@@ -62,3 +62,87 @@ def test_available_here_and_a_plain_run():
     assert Sandbox.available() == (True, "")
     res = Sandbox().run("import sys\nprint(sys.stdin.read().upper())", "abc")
     assert (res.ok, res.stdout, res.returncode, res.sandbox_error) == (True, b"ABC\n", 0, None)
+
+
+# ---- memory no process owns, keyrings, open files, CLONE_PARENT (the seccomp filter) ----------
+
+needs_sandbox = pytest.mark.skipif(not Sandbox.available()[0],
+                                   reason=f"no code sandbox here: {Sandbox.available()[1]}")
+
+MEMFD_HOG = """
+import os
+fds = []
+for _ in range(32):                      # 1 GiB that no process maps: RLIMIT_AS never sees it
+    fd = os.memfd_create("hog")
+    os.ftruncate(fd, 32 << 20)
+    os.write(fd, b"x" * (32 << 20))
+    fds.append(fd)
+print("held", len(fds))
+"""
+
+
+@needs_sandbox
+def test_a_memfd_hog_gets_reward_0_with_a_reason():
+    from areal_hpc.reward.code import run_tests
+
+    res = run_tests(MEMFD_HOG, [{"input": "", "output": "held 32"}], timeout_s=20, memory_mb=256)
+    assert res["reward"] == 0.0 and res["error"] is None, res
+    assert "PermissionError" in res["errors"][0], res   # memfd_create refused by the filter
+
+
+@needs_sandbox
+def test_keyrings_carry_nothing_from_one_test_to_the_next():
+    store = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+nr = {"x86_64": 248, "aarch64": 217}[__import__("platform").machine()]   # add_key
+print(libc.syscall(nr, b"user", b"areal-secret", b"answer=42", 9, -4), ctypes.get_errno())
+"""
+    read = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+nr = {"x86_64": 249, "aarch64": 218}[__import__("platform").machine()]   # request_key
+print(libc.syscall(nr, b"user", b"areal-secret", None, 0), ctypes.get_errno())
+"""
+    first = Sandbox().run(store, timeout_s=10, memory_mb=256)
+    second = Sandbox().run(read, timeout_s=10, memory_mb=256)
+    assert first.stdout.split() == [b"-1", b"1"], first          # EPERM: nothing stored
+    assert second.stdout.split() == [b"-1", b"1"], second        # EPERM: nothing found
+
+
+@needs_sandbox
+def test_open_files_are_capped_and_the_cap_cannot_be_raised():
+    res = Sandbox().run("""
+import os, resource
+print(resource.getrlimit(resource.RLIMIT_NOFILE))
+try:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1 << 16, 1 << 16))
+except ValueError:
+    print("refused")
+n = 0
+try:
+    while True:
+        os.pipe()
+        n += 2
+except OSError:
+    print(n < sb.MAX_OPEN_FILES)
+""".replace("sb.MAX_OPEN_FILES", str(sb.MAX_OPEN_FILES)), timeout_s=10, memory_mb=256)
+    assert res.stdout.decode().split("\n")[:3] == [
+        f"({sb.MAX_OPEN_FILES}, {sb.MAX_OPEN_FILES})", "refused", "True"], res
+
+
+@needs_sandbox
+def test_a_child_made_with_clone_parent_is_refused():
+    """CLONE_PARENT would make the child a sibling of its maker: outside the tree of the test."""
+    res = Sandbox().run("""
+import ctypes, os, platform
+libc = ctypes.CDLL(None, use_errno=True)
+nr = {"x86_64": 56, "aarch64": 220}[platform.machine()]
+rc = libc.syscall(nr, 17 | 0x8000, 0, 0, 0, 0)    # SIGCHLD | CLONE_PARENT
+if rc == 0:
+    os._exit(0)
+print(rc, os.strerror(ctypes.get_errno()))
+""", timeout_s=10, memory_mb=256)
+    assert res.stdout.decode().strip() == "-1 Operation not permitted", res
