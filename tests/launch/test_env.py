@@ -59,3 +59,89 @@ def test_on_cpu_the_key_sets_no_variable(site, capsys):
     assert forced_env(cfg) == {}
     assert merged_env(cfg)["NCCL_PROTO"] == "LL128"
     assert _warnings(capsys) == []
+
+
+# ---- the reward-function import check: nothing it starts outlives it ---------------------------
+
+DAEMON_AT_IMPORT = '''
+import fcntl, os, sys, time
+if os.fork() == 0:                       # a double-forked daemon holding stdout and stderr
+    os.setsid()
+    if os.fork() == 0:
+        lock = open(LOCK, "w")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        open(LOCK + ".ready", "w").close()
+        while True:
+            print("still here", flush=True)
+            time.sleep(0.2)
+    os._exit(0)
+BLOCK
+def f(completion, reference, row):
+    return 1.0
+'''
+
+
+def _module(tmp_path, block: bool):
+    lock = tmp_path / "daemon.lock"
+    mod = tmp_path / "at_import.py"
+    mod.write_text(DAEMON_AT_IMPORT.replace("LOCK", repr(str(lock)), 1).replace(
+        "LOCK + ", repr(str(lock)) + " + ").replace(
+        "BLOCK", "while not os.path.exists(" + repr(str(lock) + ".ready") + "):\n"
+                 "    time.sleep(0.05)\n" + ("time.sleep(600)\n" if block else "")))
+    return mod, lock
+
+
+def _launch_env(tmp_path, mod) -> list[str]:
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    return [sys.executable, "-m", "areal_hpc.launch.env", str(root / "configs/tiny_cpu.yaml"),
+            f"reward.fn={mod}:f", f"output_dir={tmp_path / 'out'}"]
+
+
+def _lock_free(lock, timeout_s: float = 0.0) -> bool:
+    import fcntl
+    import time
+    deadline = time.monotonic() + timeout_s
+    with open(lock) as f:
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.05)
+
+
+def test_eval_of_launch_env_is_not_held_open_by_a_daemon_the_check_started(tmp_path):
+    """`eval "$(python -m areal_hpc.launch.env ...)"` reads the command's stdout to its end: a
+    daemon the user's module starts at import (holding what it inherited) must not keep it open."""
+    import shlex
+    import subprocess
+    mod, lock = _module(tmp_path, block=False)
+    cmd = " ".join(map(shlex.quote, _launch_env(tmp_path, mod)))
+    res = subprocess.run(["bash", "-c", f'eval "$({cmd})" && echo "run=$AREAL_RUN_DIR"'],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "run=" in res.stdout, res.stderr[-2000:]
+    assert _lock_free(lock)           # the check's namespace is gone: no retry needed
+
+
+def test_killing_launch_env_kills_its_check_child_and_what_that_started(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+    mod, lock = _module(tmp_path, block=True)
+    proc = subprocess.Popen(_launch_env(tmp_path, mod), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while not os.path.exists(f"{lock}.ready"):
+            assert proc.poll() is None and time.monotonic() < deadline, "no check started"
+            time.sleep(0.05)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    # the parent-death signal travels asynchronously: wait for the event, bounded
+    assert _lock_free(lock, timeout_s=30.0)
