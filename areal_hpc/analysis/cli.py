@@ -7,7 +7,8 @@
 Works on a log that a running job is still writing (it is read as of the moment it is opened).
 Plots and exports go to --out (default: an `analysis/` folder beside the first log).
 Exit status: 0 done, 1 nothing to analyse (no trajectories yet), 2 a file is missing, not HDF5,
-truncated, or not a rollout log (one line naming the file, no traceback).
+truncated, or not a rollout log, or a row holds a value that cannot be (one line naming the
+file, and the row and field; --skip-bad-rows leaves such rows out, one line each, and goes on).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 EXIT_EMPTY, EXIT_BAD_FILE = 1, 2
+SHOW_SKIPPED = 20       # bad rows named one per line (--skip-bad-rows); the rest counted
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--rows", type=int, default=20, metavar="N",
                     help="at most N rows in the per-step and per-version tables (steps are "
                     "grouped beyond that; default 20)")
+    ap.add_argument("--skip-bad-rows", action="store_true", help="leave out rows holding a value "
+                    "that cannot be (e.g. an inf reward of an older log), each named on stderr, "
+                    "instead of refusing the file")
     ap.add_argument("--bin-s", type=float, help="time bin of the throughput table and plot "
                     "(seconds; default: about 12 bins over the run)")
     return ap
@@ -57,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for path in args.logs:
         try:
-            runs.append(load_run(path))
+            runs.append(load_run(path, skip_bad=args.skip_bad_rows))
         except FileNotFoundError:
             return _fail(f"{path}: no such file", EXIT_BAD_FILE)
         except RolloutLogError as e:
@@ -65,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, KeyError, ValueError) as e:    # h5py's errors from a damaged file
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             return _fail(f"{path}: damaged rollout log ({first})", EXIT_BAD_FILE)
+    for run in runs:
+        for row, why in list(run.skipped.items())[:SHOW_SKIPPED]:
+            print(f"{run.path}: row {row} left out: {why}", file=sys.stderr)
+        if len(run.skipped) > SHOW_SKIPPED:
+            print(f"{run.path}: {len(run.skipped) - SHOW_SKIPPED} more bad rows left out",
+                  file=sys.stderr)
     label_runs(runs)
     empty = [r for r in runs if r.traj.empty]
     for r in empty:

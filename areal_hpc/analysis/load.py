@@ -7,6 +7,11 @@ staleness. Everything else in a row is already one scalar.
 
 A log that a running job is still writing is read as of the moment it is opened: the commit
 marker (`traj/output_end`) is read once and every column is cut to that many rows.
+
+A row holding a value that cannot be (an inf reward, stored by a writer before the log refused
+them, or a hostile file) is an error naming the file, the row and the field; with `skip_bad`
+(`--skip-bad-rows`) such rows are left out of every table, plot and export and named in
+`RunData.skipped`.
 """
 from __future__ import annotations
 
@@ -59,6 +64,7 @@ class RunData:
     token_staleness: dict[int, int] = field(default_factory=dict)
     metrics: list[dict] = field(default_factory=list)   # metrics.jsonl beside the log, if any
     evals: list[dict] = field(default_factory=list)     # eval.json beside the log, if any
+    skipped: dict[int, str] = field(default_factory=dict)   # row -> why, left out (skip_bad)
 
     @property
     def generated(self) -> pd.DataFrame:
@@ -94,7 +100,8 @@ def _row_blocks(ends: np.ndarray, budget: int) -> list[tuple[int, int]]:
 
 def version_blocks(reader: RolloutReader, ends: np.ndarray, block_tokens: int):
     """``(r0, r1, v, start, stop)`` for blocks of whole rows [r0, r1) of at most `block_tokens`
-    output tokens: ``v`` their /tokens/versions (int64), checked non-negative; row r0 + i's
+    output tokens: ``v`` their /tokens/versions (int64), checked non-negative (`reader.check`:
+    with its skip_bad, a row with a negative one is recorded in `reader.bad`); row r0 + i's
     tokens are ``v[start[i]:stop[i]]``. A large run's tokens do not fit in
     memory, so every reader of versions goes a block at a time. RolloutLogError names the file
     (and the row) for a damaged log."""
@@ -110,20 +117,17 @@ def version_blocks(reader: RolloutReader, ends: np.ndarray, block_tokens: int):
         t0 = int(ends[r0 - 1]) if r0 else 0
         with damage_is_an_error(reader.path, "/tokens/versions"):
             v = ds[t0: int(ends[r1 - 1])].astype(np.int64)
-        if (v < 0).any():               # a policy version is a training step
-            k = int(np.argmax(v < 0))
-            row = r0 + int(np.searchsorted(ends[r0:r1] - t0, k, side="right"))
-            raise RolloutLogError(f"{reader.path}: damaged rollout log (row {row}: versions is "
-                                  f"negative: {int(v[k])})")
         stop = ends[r0:r1] - t0
+        reader.check("versions", v, stop, first=r0)     # a policy version is a training step
         yield r0, r1, v, np.concatenate([[0], stop[:-1]]), stop
 
 
 def _reduce_versions(reader: RolloutReader, ends: np.ndarray, consumed: np.ndarray,
                      block_tokens: int, progress: bool):
     """Per row: the versions of its first and last token, its oldest version, how many times
-    the version changed; and the per-token staleness histogram of consumed rows. One pass over
-    /tokens/versions in blocks of whole rows. Rows without tokens get version -1."""
+    the version changed; and the per-token staleness histogram of consumed rows (but the bad
+    ones `reader` records). One pass over /tokens/versions in blocks of whole rows. Rows
+    without tokens get version -1."""
     n = len(ends)
     first, last, oldest = (np.full(n, -1, dtype=np.int64) for _ in range(3))
     changes = np.zeros(n, dtype=np.int64)
@@ -141,7 +145,8 @@ def _reduce_versions(reader: RolloutReader, ends: np.ndarray, consumed: np.ndarr
                 changes[r0:r1][has] = steps[stop[has] - 1] - steps[start[has]]
             row = np.repeat(np.arange(r1 - r0), stop - start)                # each token's row
             step = consumed[r0:r1][row]
-            used = step >= 0
+            good = ~np.isin(np.arange(r0, r1), np.fromiter(reader.bad, np.int64, len(reader.bad)))
+            used = (step >= 0) & good[row]
             vals, counts = np.unique(step[used] - v[used], return_counts=True)
             hist.update(dict(zip(vals.tolist(), counts.tolist())))
             bar.update(len(v))
@@ -149,13 +154,15 @@ def _reduce_versions(reader: RolloutReader, ends: np.ndarray, consumed: np.ndarr
 
 
 def load_run(path: str | Path, label: str | None = None, *, block_tokens: int = BLOCK_TOKENS,
-             progress: bool = True) -> RunData:
+             progress: bool = True, skip_bad: bool = False) -> RunData:
     """Read one rollout log into a `RunData` (see there for the columns).
 
     Raises FileNotFoundError (no such file) or RolloutLogError (not HDF5, truncated, another
-    program's file, or internally inconsistent); both name the file."""
+    program's file, internally inconsistent, or, unless `skip_bad`, a row holding a value that
+    cannot be); both name the file. With `skip_bad` such rows are left out, each named in
+    `RunData.skipped` and the count logged."""
     path = Path(path)
-    with RolloutReader(path) as r:
+    with RolloutReader(path, skip_bad=skip_bad) as r:
         config = _config(r.config_yaml)
         label = label or str(config.get("name") or path.parent.name)
         ends = r.column("output_end")
@@ -165,22 +172,24 @@ def load_run(path: str | Path, label: str | None = None, *, block_tokens: int = 
         if n and (np.any(np.diff(ends) < 0) or np.any(np.diff(prompt_end) < 0)):
             raise RolloutLogError(f"{path}: damaged rollout log (offsets go backwards)")
         consumed = col("consumed_step").astype(np.int64)
+        c = {name: col(name) for name in ("prompt_id", "sample_idx", "generator_rank", "reward",
+                                          "finish_reason", "t_submit", "t_first_token", "t_end",
+                                          "reward_error")}
+        # the fields first, so that the staleness histogram leaves out every bad row (skip_bad)
         first, last, oldest, changes, hist = _reduce_versions(r, ends, consumed, block_tokens,
                                                               progress)
-        reward = col("reward").astype(np.float64)
-        finish = col("finish_reason")
-        if n and finish.max() >= len(FINISH_REASONS):
-            raise RolloutLogError(f"{path}: damaged rollout log (unknown finish_reason code)")
-        t_submit, t_end = col("t_submit"), col("t_end")
+        reward = c["reward"].astype(np.float64)
+        finish = np.where(c["finish_reason"] < len(FINISH_REASONS), c["finish_reason"], 0)
+        t_submit, t_end = c["t_submit"], c["t_end"]
         traj = pd.DataFrame({
             "run": label,
             "row": np.arange(n),
-            "prompt_id": col("prompt_id"),
-            "sample_idx": col("sample_idx"),
-            "generator_rank": col("generator_rank"),
+            "prompt_id": c["prompt_id"],
+            "sample_idx": c["sample_idx"],
+            "generator_rank": c["generator_rank"],
             "reward": reward,
             "correct": reward > 0.5,
-            "reward_error": [e.decode("utf-8", "replace") for e in col("reward_error")],
+            "reward_error": [e.decode("utf-8", "replace") for e in c["reward_error"]],
             "finish_reason": pd.Categorical.from_codes(finish, FINISH_REASONS),
             "prompt_len": np.diff(prompt_end, prepend=0),
             "output_len": np.diff(ends, prepend=0),
@@ -191,10 +200,15 @@ def load_run(path: str | Path, label: str | None = None, *, block_tokens: int = 
             "consumed_step": consumed,
             "staleness": np.where(consumed >= 0, consumed - oldest, np.nan),
             "t_submit": t_submit,
-            "t_first_token": col("t_first_token"),
+            "t_first_token": c["t_first_token"],
             "t_end": t_end,
             "latency_s": t_end - t_submit,
         }, columns=list(COLUMNS))
+        skipped = dict(sorted(r.bad.items()))
+    if skipped:
+        traj = traj[~traj["row"].isin(list(skipped))].reset_index(drop=True)
+        log.warning("%s: %d bad rows left out (first: row %d: %s)", path, len(skipped),
+                    *next(iter(skipped.items())))
     beside = RunDir(path.parent)
     try:
         metrics, evals = beside.read_metrics(), beside.read_all_evals()
@@ -202,7 +216,7 @@ def load_run(path: str | Path, label: str | None = None, *, block_tokens: int = 
         log.warning("%s: metrics.jsonl / eval.json unreadable (%s): no learning curves", path.parent, exc)
         metrics, evals = [], []
     return RunData(path=path, label=label, config=config, traj=traj, token_staleness=hist,
-                   metrics=metrics, evals=evals)
+                   metrics=metrics, evals=evals, skipped=skipped)
 
 
 def label_runs(runs: list[RunData]) -> None:

@@ -153,13 +153,14 @@ def print_trajectories(console: Console, run: RunData, rows: list[int], tokenize
     t = run.traj
     with RolloutReader(run.path) as reader:
         for i in rows:
-            row, info = reader[i], t.iloc[i]
+            info = t.iloc[i]
+            row = reader[int(info.row)]         # the file's row (--skip-bad-rows leaves gaps)
             v = row["versions"]
             versions = f"{v.min()}" if v.size and v.min() == v.max() else \
                 (f"{v.min()}→{v.max()} (interrupted)" if v.size else "–")
             c = row["consumed_step"]
             step = f"step {c}" if c >= 0 else STATUS_NAMES.get(c, f"not trained ({c})")
-            head = (f"[bold]{escape(run.label)} row {i}[/bold]  prompt {row['prompt_id']} "
+            head = (f"[bold]{escape(run.label)} row {info.row}[/bold]  prompt {row['prompt_id']} "
                     f"sample {row['sample_idx']}  reward {row['reward']:+.2f}  versions {versions}"
                     f"  {step}  finish {row['finish_reason']}  rank {row['generator_rank']}  "
                     f"{info.output_len} tokens")

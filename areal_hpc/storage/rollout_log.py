@@ -110,6 +110,48 @@ def _append(ds: h5py.Dataset, values: np.ndarray) -> None:
     dsid.write(h5py.h5s.create_simple((len(values),)), space, values)
 
 
+def _columns(trajs: Sequence[dict[str, Any]], consumed: int, prompt_end: int, output_end: int
+             ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The token arrays and the row fields (the commit marker's too) of `trajs` as the datasets
+    store them, after `prompt_end` / `output_end`; a ValueError naming the trajectory and the
+    field for anything a reader would refuse (`_invalid`)."""
+    name_of = lambda x: f"trajectory {x.get('prompt_id')}/{x.get('sample_idx')}"
+    plen = np.array([len(x["prompt_tokens"]) for x in trajs], dtype=np.int64)
+    olen = np.array([len(x["output_tokens"]) for x in trajs], dtype=np.int64)
+    for x, n in zip(trajs, olen):
+        if len(x["behav_logprobs"]) != n or len(x["versions"]) != n:
+            raise ValueError(f"{name_of(x)}: behav_logprobs and versions must have one entry per "
+                             f"output token ({n})")
+        if x["finish_reason"] not in FINISH_REASONS:
+            raise ValueError(f"{name_of(x)}: finish_reason {x['finish_reason']!r} is not one of "
+                             f"{FINISH_REASONS}")
+    cat = lambda key, dt: np.concatenate([np.asarray(x[key], dtype=dt) for x in trajs])
+    tokens = {"prompt": cat("prompt_tokens", np.int32), "output": cat("output_tokens", np.int32),
+              "behav_logprobs": cat("behav_logprobs", np.float32), "versions": cat("versions", np.int32)}
+    rows = {name: np.asarray([x[name] for x in trajs], dtype=_ROW_FIELDS[name])
+            for name in ("prompt_id", "sample_idx", "reward", "generator_rank", "t_submit",
+                         "t_first_token", "t_end")}
+    rows.update({
+        "finish_reason": np.asarray([FINISH_REASONS.index(x["finish_reason"]) for x in trajs], "u1"),
+        "consumed_step": np.full(len(trajs), consumed, dtype=_ROW_FIELDS["consumed_step"]),
+        "prompt_end": prompt_end + np.cumsum(plen),
+        "reward_error": np.asarray([_error_bytes(x.get("reward_error")) for x in trajs],
+                                   dtype=_ROW_FIELDS["reward_error"]),
+        "seed": np.asarray([NO_SEED if x.get("seed") is None else x["seed"] for x in trajs],
+                           dtype=_ROW_FIELDS["seed"]),
+        _COMMIT: output_end + np.cumsum(olen)})
+    ends = {"prompt": np.cumsum(plen)}
+    ends["output"] = ends["behav_logprobs"] = ends["versions"] = np.cumsum(olen)
+    for name, values in (*rows.items(), *tokens.items()):
+        bad, why = _invalid(name, values)
+        if bad.any():
+            k = int(np.argmax(bad))
+            x = trajs[int(np.searchsorted(ends[name], k, side="right")) if name in tokens else k]
+            raise ValueError(f"{name_of(x)}: {name} is {why}: {values[k].item()!r} (a rollout log "
+                             "holds only what it can read back)")
+    return tokens, rows
+
+
 class RolloutWriter:
     """Single writer (the controller). Rows are appended in batches; flush per batch."""
 
@@ -195,44 +237,42 @@ class RolloutWriter:
 
     def append(self, trajs: Sequence[dict[str, Any]], consumed: int = NOT_CONSUMED) -> list[int]:
         """Append trajectories (the dicts of docs/architecture.md#data-contract; `reward_error`
-        is optional) as pending rows, or PARTIAL ones; returns their row indices."""
+        is optional) as pending rows, or PARTIAL ones; returns their row indices.
+
+        The log holds only what RolloutReader reads back. A reward that float32 cannot hold
+        (inf, nan, 1e300, not a number) is that sample's failure, as a failed reward call is:
+        stored as 0 with the reason in `reward_error`, and so set in the trajectory's dict too
+        (the trainer uses the same dicts). Any other value the reader would refuse is a
+        ValueError naming the trajectory and the field, before any of the batch is written."""
         if not trajs:
             return []
+        for x in trajs:
+            self._storable_reward(x)
+        tokens, rows = _columns(trajs, consumed, self._prompt_end, self._output_end)
         t, tok = self._datasets()
-        plen = np.array([len(x["prompt_tokens"]) for x in trajs], dtype=np.int64)
-        olen = np.array([len(x["output_tokens"]) for x in trajs], dtype=np.int64)
-        for x, n in zip(trajs, olen):
-            if len(x["behav_logprobs"]) != n or len(x["versions"]) != n:
-                raise ValueError(f"trajectory {x['prompt_id']}/{x['sample_idx']}: behav_logprobs "
-                                 f"and versions must have one entry per output token ({n})")
-        cat = lambda key, dt: np.concatenate([np.asarray(x[key], dtype=dt) for x in trajs])
-        _append(tok["prompt"], cat("prompt_tokens", np.int32))
-        _append(tok["output"], cat("output_tokens", np.int32))
-        _append(tok["behav_logprobs"], cat("behav_logprobs", np.float32))
-        _append(tok["versions"], cat("versions", np.int32))
-        rows = {
-            "prompt_id": [x["prompt_id"] for x in trajs],
-            "sample_idx": [x["sample_idx"] for x in trajs],
-            "reward": [x["reward"] for x in trajs],
-            "finish_reason": [FINISH_REASONS.index(x["finish_reason"]) for x in trajs],
-            "generator_rank": [x["generator_rank"] for x in trajs],
-            "t_submit": [x["t_submit"] for x in trajs],
-            "t_first_token": [x["t_first_token"] for x in trajs],
-            "t_end": [x["t_end"] for x in trajs],
-            "consumed_step": [consumed] * len(trajs),
-            "prompt_end": self._prompt_end + np.cumsum(plen),
-            "reward_error": [_error_bytes(x.get("reward_error")) for x in trajs],
-            "seed": [NO_SEED if x.get("seed") is None else x["seed"] for x in trajs],
-        }
-        for name, dt in _ROW_FIELDS.items():
-            _append(t[name], np.asarray(rows[name], dtype=dt))
-        _append(t[_COMMIT], self._output_end + np.cumsum(olen))    # commit marker: last
-        self._prompt_end += int(plen.sum())
-        self._output_end += int(olen.sum())
+        for name, values in tokens.items():
+            _append(tok[name], values)
+        for name in _ROW_FIELDS:
+            _append(t[name], rows[name])
+        _append(t[_COMMIT], rows[_COMMIT])      # commit marker: last
+        self._prompt_end, self._output_end = int(rows["prompt_end"][-1]), int(rows[_COMMIT][-1])
         first = self.n_rows
         self.n_rows += len(trajs)
         self.f.flush()
         return list(range(first, self.n_rows))
+
+    def _storable_reward(self, x: dict[str, Any]) -> None:
+        r = x["reward"]
+        try:
+            with np.errstate(over="ignore", invalid="ignore"):
+                ok = isinstance(r, (int, float, np.number)) and bool(np.isfinite(np.float32(r)))
+        except (OverflowError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            why = f"reward {str(r)[:24]} is not a finite float32 (stored as 0)"
+            log.warning("%s: trajectory %s/%s: %s", self.path, x.get("prompt_id"),
+                        x.get("sample_idx"), why)
+            x["reward"], x["reward_error"] = 0.0, why
 
     def _datasets(self) -> tuple[dict[str, h5py.Dataset], dict[str, h5py.Dataset]]:
         """The row datasets (the commit marker's too) and the token datasets by name, looked up
@@ -429,13 +469,19 @@ class RolloutReader:
 
     Every value that is read is checked (finite times, rewards and log-probabilities, known
     finish codes, offsets that never go backwards, token arrays as long as the offsets say):
-    a damaged or hostile file is a RolloutLogError naming the file and the row."""
+    a damaged or hostile file is a RolloutLogError naming the file and the row.
 
-    def __init__(self, path: str | Path):
+    `skip_bad`: a row holding a value that cannot be (an inf reward an older writer stored) is
+    not an error of `column` and `tokens` but recorded in `bad` (row -> field and value, the
+    first found); the values come back as stored and the caller leaves those rows out
+    (analysis/load.py does). Damage to the file's structure (offsets, checksums, layout) and
+    a bad row asked for by index stay errors."""
+
+    def __init__(self, path: str | Path, skip_bad: bool = False):
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no rollout log at {path}")
-        self.path = path
+        self.path, self.skip_bad, self.bad = path, skip_bad, {}
         self.f = _open_for_reading(path)
         try:
             with damage_is_an_error(path):
@@ -448,7 +494,7 @@ class RolloutReader:
     def of_open_file(cls, f: h5py.File, path: Path) -> RolloutReader:
         """A reader over a file this process already has open (a writer reading its own rows)."""
         self = cls.__new__(cls)
-        self.path, self.f = Path(path), f
+        self.path, self.f, self.skip_bad, self.bad = Path(path), f, False, {}
         return self
 
     def _check_layout(self) -> None:
@@ -509,17 +555,28 @@ class RolloutReader:
                     raise RolloutLogError(f"{path}: damaged rollout log (/tokens/{name} has "
                                           f"{ds.shape[0]} entries, the offsets need {end})")
 
-    def _check(self, name: str, values: np.ndarray, row_of=None) -> np.ndarray:
-        """`values` of a field (row i is values[i]) or a token array (`row_of`: the row of an
-        entry), unless one cannot be: then a RolloutLogError naming the file and the row."""
+    def check(self, name: str, values: np.ndarray, ends: np.ndarray | None = None,
+              first: int = 0, row: int | None = None) -> np.ndarray:
+        """`values` of a field (row first + k is values[k]), of a token array (`ends`: the end
+        offsets of its rows, from row `first` on) or of one `row`, unless one cannot be: then a
+        RolloutLogError naming the file, the row and the field, or with `skip_bad` (not for one
+        row, nor for offsets) the rows recorded in `bad`."""
         bad, why = _invalid(name, values)
-        if bad.any():
-            k = int(np.argmax(bad))
-            row = row_of(k) if row_of is not None else k
-            value = values[k].item() if isinstance(values[k], np.generic) else values[k]
-            raise RolloutLogError(f"{self.path}: damaged rollout log (row {row}: {name} is {why}:"
-                                  f" {value!r})")
-        return values
+        if not bad.any():
+            return values
+        at = np.flatnonzero(bad)
+        rows = (np.full(len(at), row) if row is not None else
+                first + (np.searchsorted(ends, at, side="right") if ends is not None else at))
+        if self.skip_bad and row is None and name not in ("prompt_end", _COMMIT):
+            rows, k = np.unique(rows, return_index=True)
+            for r, j in zip(rows.tolist(), at[k].tolist()):
+                self.bad.setdefault(r, f"{name} is {why}: {values[j].item()!r}")
+            return values
+        value = values[at[0]].item() if isinstance(values[at[0]], np.generic) else values[at[0]]
+        hint = "" if name in ("prompt_end", _COMMIT) else (
+            "; skip_bad=True (analyze_rollouts.py --skip-bad-rows) reads the other rows")
+        raise RolloutLogError(f"{self.path}: damaged rollout log (row {int(rows[0])}: {name} is "
+                              f"{why}: {value!r}{hint})")
 
     @property
     def config_yaml(self) -> str:
@@ -551,7 +608,7 @@ class RolloutReader:
         if len(values) < n:
             raise RolloutLogError(f"{self.path}: damaged rollout log (/traj/{name} has "
                                   f"{len(values)} rows, /traj/{_COMMIT} {n})")
-        return self._check(name, values)
+        return self.check(name, values)
 
     def tokens(self, name: str) -> np.ndarray:
         """One flat token array ("prompt", "output", "behav_logprobs", "versions") over all
@@ -566,8 +623,7 @@ class RolloutReader:
                 raise RolloutLogError(f"{self.path}: damaged rollout log (/tokens/{name} has "
                                       f"{ds.shape[0]} entries, the offsets need {end})")
             values = self._read(ds, end, lambda k: int(np.searchsorted(ends, k, side="right")))
-        return self._check(name, values,
-                           lambda k: int(np.searchsorted(ends, k, side="right")))
+        return self.check(name, values, ends)
 
     def _read(self, ds, n: int, row_of=None) -> np.ndarray:
         """ds[:n]; where a chunk is damaged (its Fletcher-32 checksum fails, or HDF5 cannot
@@ -611,7 +667,7 @@ class RolloutReader:
             raise RolloutLogError(f"{self.path}: damaged rollout log (row {i}: its token offsets "
                                   f"[{p0}, {p1}) / [{o0}, {o1}) go backwards)")
         for name, value in row.items():
-            self._check(name, np.asarray([value]), lambda k: i)
+            self.check(name, np.asarray([value]), row=i)
             row[name] = value.item()
         row["finish_reason"] = FINISH_REASONS[row["finish_reason"]]
         row["reward_error"] = row.get("reward_error", b"").decode("utf-8", "replace")
@@ -627,7 +683,7 @@ class RolloutReader:
             if len(values) != want:
                 raise RolloutLogError(f"{self.path}: damaged rollout log (row {i}: {len(values)} "
                                       f"{key}, its offsets say {want})")
-            row[key] = self._check(name, values, lambda k: i)
+            row[key] = self.check(name, values, row=i)
         return row
 
     def close(self) -> None:

@@ -136,3 +136,55 @@ def test_files_that_are_not_rollout_logs(tmp_path):
         assert str(tmp_path / name) in str(e.value)
     with pytest.raises(FileNotFoundError):
         RolloutReader(tmp_path / "missing.h5")
+
+
+def test_a_reward_float32_cannot_hold_is_that_samples_failure(tmp_path):
+    """A reward of 1e300 (a config typo before weights were range-checked, or a reward function)
+    used to be stored as float32 inf, after which every reader refused the whole log. It is
+    refused at write time for that sample: stored as 0 with the reason, the dict set to match."""
+    from areal_hpc.analysis.load import load_run
+    path = tmp_path / "rollouts.h5"
+    w = RolloutWriter(path)
+    trajs = [_traj(0, i, 2, 3, 0) for i in range(6)]
+    for t, reward in zip(trajs, [1e300, float("inf"), float("nan"), -1e39, "1.0", 0.5]):
+        t["reward"] = reward
+    assert w.append(trajs) == list(range(6))
+    w.append([_traj(1, 0, 2, 3, 0)])
+    w.close()
+    why = "is not a finite float32 (stored as 0)"
+    assert [t["reward"] for t in trajs] == [0.0] * 5 + [0.5]
+    assert trajs[0]["reward_error"] == f"reward 1e+300 {why}" and trajs[5].get("reward_error") is None
+    with RolloutReader(path) as r:
+        assert r.column("reward").tolist() == [0.0] * 5 + [0.5, 0.0]
+        errors = [r[i]["reward_error"] for i in range(7)]
+        assert errors == [f"reward {x} {why}" for x in ("1e+300", "inf", "nan", "-1e+39", "1.0")] + ["", ""]
+        assert r.bad == {}
+    run = load_run(path, progress=False)
+    assert len(run.traj) == 7 and run.skipped == {} and run.traj["reward_error"][0].startswith("reward 1e+300")
+
+
+@pytest.mark.parametrize("field, value, why", [
+    ("behav_logprobs", [-0.1, float("nan"), -0.2], "behav_logprobs is not a log-probability: nan"),
+    ("behav_logprobs", [-0.1, -0.1, 5.0], "behav_logprobs is not a log-probability: 5.0"),
+    ("versions", [0, -1, 0], "versions is negative: -1"),
+    ("t_end", float("inf"), "t_end is not a finite number: inf"),
+    ("finish_reason", "eos", "finish_reason 'eos' is not one of"),
+    ("seed", -7, "seed is not a seed: -7"),
+])
+def test_what_a_reader_would_refuse_is_not_written(tmp_path, field, value, why):
+    """Any other value the reader would refuse: a ValueError naming the trajectory and the
+    field, before anything of the batch is written; the log goes on as if it was never tried."""
+    path = tmp_path / "r.h5"
+    w = RolloutWriter(path)
+    w.append([_traj(0, 0, 2, 3, 0)])
+    bad = _traj(7, 1, 4, 3, 0)
+    bad[field] = np.asarray(value) if isinstance(value, list) else value
+    with pytest.raises(ValueError, match=f"trajectory 7/1: {why}"):
+        w.append([_traj(5, 0, 2, 3, 0), bad])
+    good = _traj(2, 0, 3, 2, 1)
+    assert w.append([good]) == [1]
+    w.close()
+    with RolloutReader(path) as r:
+        assert len(r) == 2 and r[1]["prompt_id"] == 2
+        np.testing.assert_array_equal(r[1]["prompt_tokens"], good["prompt_tokens"])
+        np.testing.assert_array_equal(r.tokens("versions"), [0, 0, 0, 1, 1])
