@@ -210,6 +210,8 @@ class MemoryGroup:
             os.mkdir(path)
             if self.kind == "v2":
                 _write(path, "memory.max", limit_bytes)
+                if os.path.exists(os.path.join(path, "memory.oom.group")):
+                    _write(path, "memory.oom.group", 1)     # one OOM kill ends the test whole
                 if os.path.exists(os.path.join(path, "memory.swap.max")):
                     _write(path, "memory.swap.max", 0)
             else:

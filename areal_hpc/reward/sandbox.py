@@ -17,7 +17,9 @@ signals its host, patches the grader. Every code test therefore runs in a fresh 
   left); as any other user (a Slurm job), in a user namespace as uid/gid 65534 (``nobody``) with
   further user namespaces disabled;
 - no new namespaces in either mode: a seccomp filter (reward/seccomp.py, bwrap's ``--seccomp``)
-  refuses unshare, setns and a clone with a CLONE_NEW* flag (x86_64, aarch64);
+  refuses unshare, setns and a clone with a CLONE_NEW* flag (x86_64, aarch64), and also
+  CLONE_PARENT, ``memfd_create``/``memfd_secret`` (memory no process maps) and the keyring
+  calls (``keyctl``, ``add_key``, ``request_key``: keyrings are per uid and outlive a test);
 - file system: an empty tmpfs root with read-only binds of ``/usr`` (and the ``/lib*``, ``/bin``
   symlinks or directories of a merged or unmerged ``/usr``) and of the Python installation that
   runs the tests (``sys.base_prefix``: the interpreter, its standard library and the libraries it
@@ -30,10 +32,14 @@ signals its host, patches the grader. Every code test therefore runs in a fresh 
   processes ``RLIMIT_NPROC`` (it binds: the program's uid is never root, and in a user namespace
   the count is per namespace, so one sandbox's fork flood cannot starve another), address space
   ``RLIMIT_AS`` (per process), CPU time ``RLIMIT_CPU``, file size ``RLIMIT_FSIZE`` (stdout
-  included), no core files; the scratch tmpfs has a fixed size; the wall clock is the parent's,
+  included), open files ``RLIMIT_NOFILE`` (soft and hard: pipes and sockets hold kernel memory),
+  no core files; the scratch tmpfs has a fixed size, and ``/`` and ``/dev`` are read-only; the wall clock is the parent's,
   counted from the program's start (set-up excluded): past ``timeout_s`` it kills the sandbox's
-  pid 1 (then bwrap itself), ``--die-with-parent`` covers
-  the parent dying;
+  pid 1 (then bwrap itself), ``--die-with-parent`` covers the parent dying. Whatever the ending,
+  the parent then kills the sandbox's pid 1 through a pidfd taken at start and waits until it
+  has gone, which the kernel allows only once the whole PID namespace is empty: bwrap itself
+  exits as soon as the program does, while its pid 1 still waits for what the program left, so
+  without this a fork flood could outlive ``run`` by a moment on a loaded node;
 - I/O: stdin, stdout and stderr are unlinked files the parent opened; it reads stdout back through
   the descriptor it holds (never re-opened by path), at most ``MAX_OUTPUT_BYTES``.
 
@@ -47,9 +53,14 @@ tmpfs, a pid-1 reaper, die-with-parent) in one exec per test (~20 ms). nsjail do
 policies, cgroups) but is not packaged in Debian 12; firejail is setuid root with a large
 profile language; docker/podman need a daemon or an image store and are heavy per test; plain
 ``unshare(1)`` gives namespaces but no bind layout, no read-only root and no pid-1 reaper.
-Memory: ``RLIMIT_AS`` bounds each process; the parent sums the resident memory of all the
-test's processes every ``MEMORY_POLL_S`` and kills the sandbox past ``memory_mb`` (a user-space
-stand-in for a cgroup, which a Slurm job cannot count on being allowed to create).
+Memory: where the host lets this process make one, each test runs in a memory cgroup of its own
+limited to ``memory_mb`` (reward/contain.py: v2 ``memory.max``, or v1 ``memory.limit_in_bytes``
+with ``memsw``), which counts all its memory, tmpfs and kernel buffers included; a kill for that
+limit ends the test as ``over_memory``. In every case ``RLIMIT_AS`` bounds each process and the
+parent sums the memory of all the test's processes every ``MEMORY_POLL_S`` and kills the sandbox
+past ``memory_mb`` (a user-space stand-in where no cgroup can be made, as in many Slurm jobs);
+the memory no process maps is then bounded by the filter (no memfd), the open-file cap and the
+sized tmpfs.
 """
 
 from __future__ import annotations
@@ -313,7 +324,7 @@ class Sandbox:
                 ns_fd = next(map(contain.pidfd, _children(proc.pid)), None)
             timed_out = slow_setup = over_memory = False
             if started:     # the wall clock, and the memory of all its processes together
-                ended = _wait_bounded(proc, timeout_s, memory_mb << 20)
+                ended = _wait_bounded(proc, timeout_s, memory_mb << 20, group.oom_killed)
                 timed_out, over_memory = ended == "timeout", ended == "memory"
                 if ended != "exited":
                     _kill_sandbox(proc)
@@ -379,11 +390,13 @@ def _end(ns_fd: int | None) -> None:
         pass
 
 
-def _wait_bounded(proc: subprocess.Popen, timeout_s: float, limit_bytes: int) -> str:
+def _wait_bounded(proc: subprocess.Popen, timeout_s: float, limit_bytes: int,
+                  oom_killed=lambda: False) -> str:
     """Wait for the sandbox: ``"exited"``; ``"timeout"`` after ``timeout_s``; ``"memory"`` once
-    the memory of all its processes together (PSS) passes ``limit_bytes`` (checked every
-    MEMORY_POLL_S: RLIMIT_AS bounds each process alone, so without this a test of 32 processes
-    could hold 32 times its memory)."""
+    its memory cgroup has had a process killed for the limit (``oom_killed``; the test is then
+    over, not only that process), or once the memory of all its processes together (PSS)
+    passes ``limit_bytes`` (checked every MEMORY_POLL_S: RLIMIT_AS bounds each process alone, so
+    without this a test of 32 processes could hold 32 times its memory)."""
     import psutil
 
     deadline = time.monotonic() + timeout_s
@@ -393,6 +406,8 @@ def _wait_bounded(proc: subprocess.Popen, timeout_s: float, limit_bytes: int) ->
             return "exited"
         except subprocess.TimeoutExpired:
             pass
+        if oom_killed():
+            return "memory"
         if time.monotonic() >= deadline:
             return "timeout"
         try:
