@@ -27,6 +27,7 @@ by a plain `pickle.load` that nothing can restrict: only the check protects it.
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import pickletools
@@ -36,9 +37,15 @@ from pathlib import Path
 
 METADATA = ".metadata"
 COMMON = "common.pt"
+CONFIG = "metadata.json"
 # What every Megatron dist-checkpointing load reads: DCP's metadata, the common state, and the
 # backend description (metadata.json); a folder without one of them cannot be loaded.
-REQUIRED = (METADATA, COMMON, "metadata.json")
+REQUIRED = (METADATA, COMMON, CONFIG)
+# metadata.json as Megatron writes it for the backends checked here (its CheckpointingConfig):
+# another backend would be loaded by another strategy, which nothing here has checked.
+_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+           "common_backend": "torch", "common_backend_version": 1}
+_CONFIG_MAX_BYTES = 1 << 16
 _DCP = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
         "torch.distributed.checkpoint.filesystem")
 _ALLOWED = {
@@ -201,12 +208,33 @@ def check_checkpoint(ckpt: Path, shards: str) -> int:
         if not (folder / name).is_file():
             raise UnsafeCheckpoint(f"{folder / name}: missing (every Megatron load reads it; "
                                    "a checkpoint without it is refused)")
+    _check_config(folder / CONFIG)
     checked = check_dcp(folder)
     for path in sorted(ckpt.rglob("*.pt")):
         if path.is_file():
             check_torch_pickle(path, path)
             checked += 1
     return checked
+
+
+def _check_config(path: Path) -> None:
+    """UnsafeCheckpoint unless `path` (metadata.json) names the backends Megatron writes and
+    this module checks (`_CONFIG`; a missing version is Megatron's default, 1): a small JSON
+    object, no other key, no other value."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(_CONFIG_MAX_BYTES + 1)
+        if len(text) > _CONFIG_MAX_BYTES:
+            raise ValueError(f"over {_CONFIG_MAX_BYTES} bytes")
+        config = json.loads(text)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise UnsafeCheckpoint(f"{path}: unreadable ({_first_line(exc)})") from None
+    ok = isinstance(config, dict) and "sharded_backend" in config and set(config) <= set(
+        _CONFIG) and all(type(config.get(k, v)) is type(v) and config.get(k, v) == v
+                         for k, v in _CONFIG.items())
+    if not ok:
+        raise UnsafeCheckpoint(f"{path}: {_first_line(Exception(repr(config)))[:120]} is not "
+                               f"{json.dumps(_CONFIG)} (another loader, not checked: refused)")
 
 
 @contextmanager

@@ -36,12 +36,23 @@ def _no_metadata(shards, marker):
     (shards / ".metadata").unlink()
 
 
+def _no_common(shards, marker):
+    (shards / "common.pt").unlink()
+
+
+def _other_backend(shards, marker):         # a loader nothing here has checked
+    (shards / "metadata.json").write_text('{"sharded_backend": "zarr"}')
+
+
 SPOIL = {"common.pt by torch.save": (_common_saved, "common.pt: its pickle names posix.system"),
          "common.pt a bare pickle": (_common_bare, "common.pt: not a torch.save archive; its "
                                                    "pickle names posix.system"),
          "a sharded-object .pt": (_sharded_object, "optimizer.extra/shard_0_1.pt: its pickle "
                                                    "names posix.system"),
-         ".metadata deleted": (_no_metadata, "megatron/.metadata: missing")}
+         ".metadata deleted": (_no_metadata, "megatron/.metadata: missing"),
+         "common.pt deleted": (_no_common, "megatron/common.pt: missing"),
+         "metadata.json of another backend": (_other_backend, "megatron/metadata.json: "
+                                                              "{'sharded_backend': 'zarr'}")}
 
 
 @pytest.fixture(scope="module")

@@ -166,6 +166,20 @@ def test_a_checkpoint_needs_every_file_a_load_reads_and_every_pt_is_checked(tmp_
         with pytest.raises(UnsafeCheckpoint, match=f"megatron/{name}: missing"):
             check_checkpoint(ckpt, "megatron")
         (ckpt / "megatron" / name).write_bytes(data)
+    config = ckpt / "megatron" / "metadata.json"
+    good = config.read_text()
+    for bad, why in (('{"sharded_backend": "zarr"}', "another loader"),
+                     ('{"sharded_backend": "torch_dist", "x": 1}', "another loader"),
+                     ('{"sharded_backend": "torch_dist", "common_backend_version": "1"}',
+                      "another loader"),
+                     ("[1]", "another loader"), ("{", "unreadable"),
+                     (" " * 70_000 + "{}", "unreadable")):
+        config.write_text(bad)
+        with pytest.raises(UnsafeCheckpoint, match=f"metadata.json: .*{why}"):
+            check_checkpoint(ckpt, "megatron")
+    config.write_text('{"sharded_backend": "torch_dist"}')        # versions: Megatron's default
+    check_checkpoint(ckpt, "megatron")
+    config.write_text(good)
     obj = ckpt / "megatron" / "optimizer.extra" / "shard_0_1.pt"      # a sharded object's file
     obj.parent.mkdir()
     torch.save({"k": 1}, obj)
