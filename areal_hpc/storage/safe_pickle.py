@@ -16,8 +16,11 @@ must be a torch.save archive whose pickle names only torch's own weights-only gl
 ones a library added at import: the verdict is the same in every process) and that torch's
 weights-only unpickler reads, called with `weights_only=True` (an explicit argument, which the
 environment variable does not override). A checkpoint without the files every Megatron load
-reads (`REQUIRED`) is refused too. Any failure raises UnsafeCheckpoint: one line naming the file
-(and the global or item); `find_latest` then passes the checkpoint over.
+reads (`REQUIRED`), or whose metadata.json names another backend (another loader), is refused
+too. Any failure raises UnsafeCheckpoint: one line naming the file (and the global or item);
+`find_latest` then passes the checkpoint over. The tensor items of the shards are not read here:
+DCP reads them with `torch.load(weights_only=True)` itself (torch's allowlist and what a library
+added to it).
 
 `weights_only_loads` closes the gap between the check and the load: inside it, every torch.load
 is weights-only whatever its caller passes or the environment says, so bytes swapped after the
