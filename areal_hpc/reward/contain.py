@@ -14,7 +14,7 @@ by list:
   with CLONE_PARENT: from pid 1 the kernel refuses that flag, below pid 1 it makes a sibling
   inside the namespace). ``--kill-child`` and ``--pdeathsig KILL`` chain the same end to the
   starting thread's death, a SIGKILL of the parent included. As another user ``unshare`` also
-  makes a user namespace (``--map-root-user``); where neither works (no ``unshare``, user
+  makes a user namespace in which the process keeps its uid (``--map-current-user``); where neither works (no ``unshare``, user
   namespaces disabled) the fallback is said: the child is its descendants' subreaper and they
   are killed by list (``reaper.kill_descendants``), which a determined chain can outrun.
 - **Sandboxed tests** (``MemoryGroup``): the test's whole memory (page cache, tmpfs and shared
@@ -43,7 +43,9 @@ _seq = itertools.count()
 # ---- PID namespaces for workers ---------------------------------------------------------------
 
 def _ns_prefix(as_root: bool) -> list[str]:
-    user = [] if as_root else ["--map-root-user"]
+    # as another user, a user namespace of its own in which it keeps its uid (not root: the
+    # sandbox then runs as a user too, in a nested user namespace)
+    user = [] if as_root else ["--map-current-user"]
     return ["setpriv", "--pdeathsig", "KILL", "unshare", *user, "--pid", "--fork",
             "--kill-child", "--mount-proc"]
 

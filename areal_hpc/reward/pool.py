@@ -81,6 +81,7 @@ import time
 from dataclasses import dataclass
 from typing import Hashable, NamedTuple
 
+from areal_hpc.reaper import MPI_ENV_PREFIXES
 from areal_hpc.reward import contain, custom
 from areal_hpc.reward.sandbox import UID_OFFSET_ENV, warn_unsafe
 
@@ -177,8 +178,10 @@ class _Worker:
         res_r, res_w = os.pipe()
         out_r, out_w = os.pipe()
         # the caller's import path, as multiprocessing's spawn handed it to workers; a sandbox
-        # uid of the worker's own (inside its namespace its pid is 1)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+        # uid of the worker's own (inside its namespace its pid is 1); not the MPI job's
+        # variables (an import of mpi4py.MPI would join the job as a duplicate rank)
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith(MPI_ENV_PREFIXES)},
+               "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
                UID_OFFSET_ENV: str((1 << 27) + (((os.getpid() & 0x3FFFFF) << 6)
                                                 | (next(_seq) & 63)))}
         try:
