@@ -186,3 +186,33 @@ def test_a_plain_result_passes_and_a_long_error_is_cut():
     from areal_hpc.reward.pool import MAX_ERROR_CHARS, _plain_result
     line = b'{"id": 7, "reward": 0, "error": "%s", "extras": {"a": 2}}' % (b"e" * 1000)
     assert _plain_result(line, ()) == (7, 0.0, "e" * MAX_ERROR_CHARS, {"a": 2.0})
+
+
+def test_without_a_pid_namespace_the_pool_still_scores_and_says_so(monkeypatch, caplog):
+    """Where no PID namespace can be made (no unshare, user namespaces off), workers run plain,
+    their leftovers killed by list; the pool says which at start."""
+    import logging
+
+    from areal_hpc.reward import contain
+
+    monkeypatch.setattr(contain, "namespace_prefix", lambda: ([], "no PID namespace (test)"))
+    caplog.set_level(logging.INFO, logger="areal_hpc.reward.pool")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with RewardPool(max_workers=1) as pool:
+        pool.submit("m", "math", "\\boxed{2}", "2")
+        pool.submit("c", "code", "print(int(input()) + 1)", [{"input": "1", "output": "2"}])
+        assert sorted(pool.drain(timeout=120)) == [RewardResult("c", 1.0, None),
+                                                   RewardResult("m", 1.0, None)]
+        [pid] = pool.worker_pids()
+        assert psutil.Process(pid).ppid() == os.getpid()     # the worker itself, no unshare
+    assert [r.message for r in caplog.records if "no PID namespace (test)" in r.message]
+    def running() -> set:
+        found = set()
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    found.add(p.pid)
+            except psutil.Error:
+                pass
+        return found
+    wait_until(lambda: running() <= before, 10.0)
