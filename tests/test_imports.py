@@ -118,8 +118,6 @@ def test_imports_run_down_the_floors_but_the_listed_ones():
 # Package files over MAX_LINES, each with its reason (issue: no file over ~600 lines without one).
 MAX_LINES = 600
 LONG = {
-    "storage/rollout_log.py": "the one writer and the one reader of rollouts.h5 (SWMR, checksums, "
-                              "damage named by row) kept side by side: the format in one file",
     "rollout/vllm_engine.py": "everything the project asks of vLLM's engine (requests, seeds, "
                               "aborts, weight loads, its child processes) behind one class",
     "storage/checkpoint.py": "the checkpoint format in one file: staging, sealing and swapping a "
