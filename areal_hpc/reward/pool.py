@@ -303,7 +303,9 @@ class RewardPool:
         self._start_failed: str | None = None   # set until the next submit
         # Code tests' scratch directories, one per worker, removed with it.
         self._scratch_root = tempfile.mkdtemp(prefix="areal_reward_")
-        log.info("reward pool: %s", contain.bound())
+        # one line: which bounds hold here (a warning where a fallback stands in)
+        full = contain.memory_base() is not None and bool(contain.namespace_prefix()[0])
+        log.log(logging.INFO if full else logging.WARNING, "reward pool: %s", contain.bound())
 
         self._supervisor = threading.Thread(target=self._supervise, name="reward-pool",
                                             daemon=True)
