@@ -261,7 +261,7 @@ class RolloutWriter:
         r = x["reward"]
         try:
             with np.errstate(over="ignore", invalid="ignore"):
-                ok = isinstance(r, (int, float, np.number)) and bool(np.isfinite(np.float32(r)))
+                ok = isinstance(r, (int, float, np.number, np.bool_)) and bool(np.isfinite(np.float32(r)))
         except (OverflowError, TypeError, ValueError):
             ok = False
         if not ok:
