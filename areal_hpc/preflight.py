@@ -257,10 +257,12 @@ def check_model_files(model: Path) -> None:
 
 
 @contextmanager
-def bounded_rendering(seconds: float = TEMPLATE_TIMEOUT_S):
-    """Yields `prompt_ids` with every call bounded to `seconds` of wall time (a chat template
-    whose loops run for minutes): SIGALRM raises RenderTimeout in the rendering; the caller's
-    handler and timer are put back after. Outside the main thread (no signals) unbounded."""
+def bounded_rendering(seconds: float | None = None):
+    """Yields `prompt_ids` with every call bounded to `seconds` (TEMPLATE_TIMEOUT_S) of wall time
+    (a chat template whose loops run for minutes): SIGALRM raises RenderTimeout in the rendering;
+    the caller's handler and timer are put back after. Outside the main thread (no signals)
+    unbounded."""
+    seconds = TEMPLATE_TIMEOUT_S if seconds is None else seconds
     if threading.current_thread() is not threading.main_thread():
         yield prompt_ids
         return
@@ -335,7 +337,7 @@ def check_model_dir(cfg: RunConfig, sample: dict | None = None,
             _check_prompts(cfg, tokenizer, ids, sample, datasets or {})
         except RenderTimeout as exc:
             raise ConfigError(f"config key '{template_key}': {exc} (the chat template's loops must "
-                              f"end within {TEMPLATE_TIMEOUT_S:g} s a prompt)") from None
+                              "end within seconds)") from None
 
 
 def _check_prompts(cfg: RunConfig, tokenizer, ids, sample: dict | None, datasets: dict[str, list[dict]]):

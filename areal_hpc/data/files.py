@@ -128,13 +128,15 @@ def irregular(folder: str | os.PathLike) -> str | None:
 
 
 def iter_rows(path: str | os.PathLike, required_keys: tuple[str, ...] = (),
-              max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[tuple[str, dict]]:
+              max_row_bytes: int | None = None) -> Iterator[tuple[str, dict]]:
     """``(where, row)`` for every row of the dataset at ``path``, in order (module docstring).
 
     Raises FileNotFoundError if ``path`` does not exist, and ValueError naming the file and the
     row for a row that lacks one of ``required_keys`` or is over `max_row_bytes`, or naming the
-    file for one that is not a regular file or that its format cannot read."""
+    file for one that is not a regular file or that its format cannot read. `max_row_bytes`:
+    MAX_ROW_BYTES unless given."""
     path = os.fspath(path)
+    max_row_bytes = MAX_ROW_BYTES if max_row_bytes is None else max_row_bytes
     if not os.path.exists(path):
         raise FileNotFoundError(f"dataset file not found: {path!r}")
     kind = dataset_format(path)
@@ -210,11 +212,15 @@ def _parquet_batches(path: str, f: BinaryIO, cap: int) -> Iterator[tuple[int, ob
         rg = pf.metadata.row_group(g)
         n, size = rg.num_rows, rg.total_byte_size
         packed = sum(rg.column(j).total_compressed_size for j in range(rg.num_columns))
-        if size > max(n, 1) * cap or (size > cap and size > BOMB_RATIO * max(packed, 1)):
+        if size > max(n, 1) * cap:
+            why = f"over the {cap} a row may hold" + (f", for each of its {n} rows" if n > 1 else "")
+        elif size > cap and size > BOMB_RATIO * max(packed, 1):
+            why = f"over {BOMB_RATIO}x its {packed} bytes and past the {cap} a row may hold"
+        else:
+            why = None
+        if why:
             rows = f"{path}[{start}]" if n == 1 else f"{path}[{start}:{start + n}]"
-            raise ValueError(f"{rows}: row group {g} decompresses {packed} bytes into {size}, past "
-                             f"the {cap} a row may hold{' (over %dx)' % BOMB_RATIO if n > 1 else ''}: "
-                             "refused unread")
+            raise ValueError(f"{rows}: row group {g} decompresses to {size} bytes, {why}: refused unread")
         for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=[g]):
             yield start, batch
             start += batch.num_rows
@@ -271,7 +277,7 @@ def _hf_batches(path: str) -> Iterator[tuple[int, object]]:
 
 
 def iter_objects(path: str | os.PathLike, required_keys: tuple[str, ...],
-                 max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[tuple[str, dict]]:
+                 max_row_bytes: int | None = None) -> Iterator[tuple[str, dict]]:
     """``(where, obj)`` for every non-blank line of ``path``; ``where`` is ``"path:lineno"``.
 
     Raises FileNotFoundError if ``path`` does not exist, and ValueError naming the file (not a
@@ -280,6 +286,7 @@ def iter_objects(path: str | os.PathLike, required_keys: tuple[str, ...],
     ``required_keys``.
     """
     path = os.fspath(path)
+    max_row_bytes = MAX_ROW_BYTES if max_row_bytes is None else max_row_bytes
     with open_regular(path) as f:
         for lineno, raw in enumerate(iter(lambda: f.readline(max_row_bytes + 1), b""), start=1):
             if len(raw) > max_row_bytes and not (len(raw) == max_row_bytes + 1 and raw.endswith(b"\n")):

@@ -139,3 +139,71 @@ def test_every_enumeration_is_checked_from_one_table(tmp_path):
                                               r"got 'bogus'$"):
             load(_yaml(tmp_path, BASE), [f"{key}=bogus"])
     assert _names((None, "selective", "full")) == "null, selective or full"
+
+
+# -- the interpolation rule, on the resolved config ----------------------------------------------
+SECRET = "areal-test-secret-7f3a"
+ENV_ROUTES = [
+    (["data.system_prompt=${oc.env:AREAL_TEST_SECRET}"], "data.system_prompt"),
+    (["data.system_prompt='x ${oc.env:AREAL_TEST_SECRET,none} y'"], "data.system_prompt"),
+    (["name=env", "data.system_prompt=${oc.${name}:AREAL_TEST_SECRET}"], "data.system_prompt"),
+    (["name=env", "data.system_prompt=${oc.decode:'\\${oc.${name}:AREAL_TEST_SECRET}'}"], "data.system_prompt"),
+    (["model.path=${oc.env:AREAL_TEST_SECRET}", "data.system_prompt=${model.path}"], "data.system_prompt"),
+    (["model.path=${oc.env:AREAL_TEST_SECRET}", "name=${model.path}"], "name"),
+    (["model.path=${oc.env:AREAL_TEST_SECRET}", "data.system_prompt=${oc.select:model.path}"],
+     "data.system_prompt"),
+    (["model.path=${oc.env:AREAL_TEST_SECRET}", "data.assistant_prefix=${oc.deprecated:model.path}"],
+     "data.assistant_prefix"),
+    (["train.seed=${oc.env:AREAL_TEST_SECRET}"], "train.seed"),
+    (["checkpoint.signals=[USR1,'${oc.env:AREAL_TEST_SECRET}']"], r"checkpoint.signals[1]"),
+]
+
+
+@pytest.mark.parametrize("overrides,key", ENV_ROUTES, ids=[" ".join(o) for o, _ in ENV_ROUTES])
+@pytest.mark.filterwarnings("ignore:.*is deprecated:UserWarning")      # oc.deprecated's own
+def test_no_route_gets_an_environment_value_into_a_key_that_is_not_a_path(monkeypatch, overrides, key):
+    from omegaconf import OmegaConf
+    monkeypatch.setenv("AREAL_TEST_SECRET", SECRET)
+    with pytest.raises(ConfigError) as info:
+        load(None, ["model.path=m", "data.train_path=t.jsonl", *overrides])
+    msg = str(info.value)
+    assert msg.startswith(f"config key '{key}': an environment interpolation") and "\n" not in msg, msg
+    assert SECRET not in msg
+    assert OmegaConf.create({"a": "${oc.env:AREAL_TEST_SECRET}"}).a == SECRET     # oc.env put back
+
+
+def test_paths_may_still_come_from_the_environment_and_copy_each_other(monkeypatch):
+    monkeypatch.setenv("AREAL_TEST_SCRATCH", "/scratch/me")
+    cfg = load(None, ["model.path=${oc.env:AREAL_TEST_SCRATCH}/m", "data.train_path=${model.path}/t.jsonl",
+                      "data.eval_path=${oc.env:AREAL_TEST_NOT_SET,/data/e.jsonl}",
+                      "output_dir=${oc.env:AREAL_TEST_SCRATCH}/runs", "data.system_prompt=${name}"])
+    assert (cfg.model.path, cfg.data.train_path) == ("/scratch/me/m", "/scratch/me/m/t.jsonl")
+    assert (cfg.data.eval_path, cfg.output_dir, cfg.data.system_prompt) == ("/data/e.jsonl", "/scratch/me/runs", "run")
+    assert "/scratch/me/m" in to_yaml(cfg)
+
+
+# -- run names -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,why", [(".", "output_dir itself"), ("a/b", "a path, not a name"),
+                                      ("-rf", "a leading '-'"), ("x" * 300, "over 255 bytes")])
+def test_a_run_name_is_a_plain_name(name, why):
+    with pytest.raises(ConfigError) as info:
+        load(None, ["model.path=m", "data.train_path=t.jsonl", f"name={name}"])
+    msg = str(info.value)
+    assert msg.startswith("config key 'name': must be a") and why in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("text", ['name: ".."\n', 'name: ""\n', 'name: "a\\0b"\n', 'name: "a\\x01b"\n',
+                                  'name: "a\\tb"\n'])
+def test_a_run_name_from_yaml_is_a_plain_name_too(tmp_path, text):
+    with pytest.raises(ConfigError, match=r"^config key 'name': must be a (plain )?folder name inside output_dir"):
+        load(_yaml(tmp_path, BASE + text))
+
+
+def test_a_config_file_that_is_not_a_regular_file_is_one_line(tmp_path):
+    import os
+    os.mkfifo(tmp_path / "c.yaml")
+    with pytest.raises(ConfigError, match=r"c\.yaml: cannot read the config file: a FIFO, not a regular file"):
+        load(tmp_path / "c.yaml")
+    (tmp_path / "big.yaml").write_text(BASE + "#" * (1 << 20))
+    with pytest.raises(ConfigError, match=r"big\.yaml: cannot read the config file: over 1048576 bytes"):
+        load(tmp_path / "big.yaml")

@@ -114,3 +114,122 @@ def test_unreadable_tables_and_plain_directories_are_one_line_errors(tmp_path):
         list(iter_rows(tmp_path / "nope.parquet"))
     assert dataset_format(tmp_path / "a.PARQUET") == "parquet"
     assert dataset_format(tmp_path / "a.json") == "jsonl"
+
+
+# -- untrusted files, read within bounds ---------------------------------------------------------
+def test_only_regular_files_are_opened_and_a_fifo_is_never_waited_on(tmp_path):
+    import os
+    import socket
+
+    from areal_hpc.data.files import irregular, open_regular
+    os.mkfifo(tmp_path / "f.jsonl")
+    (tmp_path / "d.jsonl").mkdir()
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "s.jsonl"))
+    try:
+        for name, kind in (("f.jsonl", "a FIFO"), ("s.jsonl", "a socket")):
+            with pytest.raises(ValueError, match=rf"{name}: {kind}, not a regular file"):
+                open_regular(tmp_path / name)
+            with pytest.raises(ValueError, match=rf"{name}: {kind}"):
+                list(iter_rows(tmp_path / name))
+        with pytest.raises(ValueError, match=r"/dev/null: a character device, not a regular file"):
+            open_regular("/dev/null")
+        with pytest.raises(ValueError, match=r"d\.jsonl: a directory"):
+            open_regular(tmp_path / "d.jsonl")
+        (tmp_path / "ok.jsonl").write_text("{}\n")
+        with pytest.raises(ValueError, match=r"ok\.jsonl: 3 bytes, over the 2 a x may hold"):
+            open_regular(tmp_path / "ok.jsonl", "x", 2)
+        with open_regular(tmp_path / "ok.jsonl", "x", 3) as f:
+            assert f.read() == b"{}\n"
+        assert irregular(tmp_path) == f"{tmp_path}/f.jsonl: a FIFO, not a regular file"
+    finally:
+        sock.close()
+
+
+def test_a_jsonl_line_over_the_row_cap_is_named_and_not_read_further(tmp_path):
+    path = tmp_path / "d.jsonl"
+    fits = json.dumps({"question": "1" * 80, "answer": "2"})
+    path.write_text(fits + "\n" + fits + "x" * 10_000 + "\n")
+    got = iter_rows(path, max_row_bytes=len(fits))
+    assert next(got)[0] == f"{path}:1"                              # a line of exactly the cap
+    with pytest.raises(ValueError, match=rf"d\.jsonl:2: a line over the {len(fits)} bytes a row may hold"):
+        next(got)
+    path.write_bytes(b'{"question": "1", "answer": "2"}\n{"question": "\xff"}\n')
+    with pytest.raises(ValueError, match=r"d\.jsonl:2: not UTF-8 text \(byte 0xff"):
+        list(iter_rows(path))
+
+
+def _random_text(n: int) -> str:
+    import random
+    rng = random.Random(n)
+    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(n))
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "arrow-file", "arrow-stream", "hf"])
+def test_a_table_row_over_the_cap_is_named_before_it_is_converted(tmp_path, fmt):
+    rows = [{"question": f"{i}+1", "answer": str(i + 1)} for i in range(100)]
+    rows[57] = {"question": _random_text(300_000), "answer": "1"}       # barely compressible
+    path = _write(rows, tmp_path, fmt)
+    with pytest.raises(ValueError, match=r"\[57\]: a row of \d+ bytes, over the 200000 a row may hold"):
+        list(iter_rows(path, max_row_bytes=200_000))
+    assert len(list(iter_rows(path, max_row_bytes=400_000))) == 100
+
+
+def test_a_parquet_row_group_past_the_cap_is_refused_from_its_metadata(tmp_path):
+    rows = [{"question": "1+1", "answer": "2"}] * 9 + [{"question": "0" * 3_000_000, "answer": "1"}]
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=5, compression="zstd")
+    with pytest.raises(ValueError, match=r"d\.parquet\[5:10\]: row group 1 decompresses to \d+ bytes, "
+                                         r"over 100x its \d+ bytes and past the 1000000 a row may hold"):
+        list(iter_rows(path, max_row_bytes=1_000_000))
+    with pytest.raises(ValueError, match=r"d\.parquet\[5:10\]: row group 1 .* over the 100000 a row may "
+                                         r"hold, for each of its 5 rows"):
+        list(iter_rows(path, max_row_bytes=100_000))
+
+
+def test_an_hf_directory_with_a_fifo_inside_is_refused(tmp_path):
+    import os
+    path = _write(MATH, tmp_path, "hf")
+    os.mkfifo(path / "extra.arrow")
+    with pytest.raises(ValueError, match=r"extra\.arrow: a FIFO, not a regular file \(in an HF datasets"):
+        list(iter_rows(path))
+
+
+# Reads a parquet file in a child with the given row cap; prints the refusal and the peak RSS
+# (VmHWM: this process image's own, where ru_maxrss would carry the parent's over from the fork).
+PEAK = """
+import json, re, sys
+from areal_hpc.data.files import iter_rows
+try:
+    n, refused = len(list(iter_rows(sys.argv[1], max_row_bytes=int(sys.argv[2])))), None
+except ValueError as exc:
+    n, refused = 0, str(exc)
+peak = int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) << 10
+print(json.dumps({"rows": n, "refused": refused, "peak": peak}))
+"""
+
+
+def test_a_compression_bomb_is_refused_before_it_takes_memory(tmp_path):
+    """A 64 MiB question in a few KiB: refused with the peak memory of a reader that read nothing,
+    where reading it takes at least its size (the same child, a cap that lets it through)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    size = 64 << 20
+    offsets = pa.array([0, size], pa.int32()).buffers()[1]
+    table = pa.table({"question": pa.StringArray.from_buffers(1, offsets, pa.py_buffer(bytes(size))),
+                      "answer": ["1"]})
+    path = tmp_path / "bomb.parquet"
+    pq.write_table(table, path, compression="zstd")
+    del table
+    assert path.stat().st_size < (64 << 10)
+    root = Path(__file__).resolve().parents[2]
+
+    def child(cap):
+        out = subprocess.run([sys.executable, "-c", PEAK, str(path), str(cap)], cwd=root, timeout=600,
+                             capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)
+    refused, read = child(1 << 20), child(128 << 20)
+    assert "bomb.parquet[0]: row group 0 decompresses to" in refused["refused"] and refused["rows"] == 0
+    assert read["refused"] is None and read["rows"] == 1
+    assert read["peak"] - refused["peak"] > size

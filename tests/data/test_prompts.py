@@ -88,3 +88,21 @@ def test_a_chat_prompt_that_cannot_render_stops_the_job_at_start_up(tiny_model, 
     cfg.data.chat_template = template
     with pytest.raises(ConfigError, match=f"config key '{key}'"):
         check_inputs(cfg)
+
+
+def test_a_chat_template_file_must_be_a_regular_file_within_its_cap(tmp_path):
+    import os
+
+    from areal_hpc.data.prompts import MAX_TEMPLATE_BYTES, read_chat_template
+    os.mkfifo(tmp_path / "fifo.jinja")
+    (tmp_path / "big.jinja").write_text("{{ x }}" * (MAX_TEMPLATE_BYTES // 7 + 1))
+    (tmp_path / "bad.jinja").write_bytes(b"{{ \xff }}")
+    (tmp_path / "ok.jinja").write_text("{{ messages[0].content }}")
+    for name, match in (("fifo.jinja", r"fifo\.jinja: a FIFO, not a regular file"),
+                        ("big.jinja", rf"big\.jinja: \d+ bytes, over the {MAX_TEMPLATE_BYTES}"),
+                        ("bad.jinja", r"bad\.jinja: not UTF-8 text"),
+                        ("nope.jinja", r"nope\.jinja' is neither a Jinja template \(no '\{'\) nor a file")):
+        with pytest.raises(ValueError, match=match):
+            read_chat_template(str(tmp_path / name))
+    assert read_chat_template(str(tmp_path / "ok.jinja")) == "{{ messages[0].content }}"
+    assert read_chat_template("{{ inline }}") == "{{ inline }}"

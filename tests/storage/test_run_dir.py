@@ -135,3 +135,38 @@ def test_the_run_files_have_one_reader_and_one_writer():
     assert found == {}
     assert _path_uses(ast.parse('p = d / "metrics.jsonl"\nopen("eval.json")\nrun_files.GENERATORS'),
                       names, consts) == [1, 2, 3]         # the check sees each kind of use
+
+
+# -- where the run directory is ------------------------------------------------------------------
+def test_the_run_directory_is_its_own_folder_of_output_dir(tmp_path):
+    import os
+
+    from areal_hpc.storage.run_dir import place
+    out = tmp_path / "runs"
+    assert place(out, "r") == out / "r"                          # nothing there yet
+    (out / "r" / "checkpoints").mkdir(parents=True)
+    (out / "r" / "rollouts.h5").write_bytes(b"")
+    assert place(out, "r") == out / "r"
+    (tmp_path / "elsewhere").mkdir()
+    (out / "away").symlink_to(tmp_path / "elsewhere")
+    (out / "twin").symlink_to(out / "r")
+    (out / "loop").symlink_to(out / "loop")
+    os.mkfifo(out / "fifo")
+    (out / "file").write_text("x")
+    (out / "f" / "checkpoints").mkdir(parents=True)
+    (out / "f" / "config.yaml").mkdir()
+    os.mkfifo(out / "f" / "rollouts.h5")
+    for name, match in (("away", r"away: resolves to .*elsewhere, not a folder of its own in output_dir"),
+                        ("twin", r"twin: resolves to .*runs/r, not a folder of its own"),
+                        ("loop", r"loop: does not resolve"),
+                        ("fifo", r"fifo: a FIFO, not a directory"),
+                        ("file", r"file: a regular file, not a directory"),
+                        ("f", r"f/config\.yaml: a directory, not a regular file")):
+        with pytest.raises(ValueError, match=match):
+            place(out, name)
+    (out / "f" / "config.yaml").rmdir()
+    with pytest.raises(ValueError, match=r"f/rollouts\.h5: a FIFO, not a regular file"):
+        place(out, "f")
+    linked = tmp_path / "linked"
+    linked.symlink_to(out)                                       # output_dir itself may be a link
+    assert place(linked, "r") == linked / "r"
