@@ -247,12 +247,15 @@ def check_model_files(model: Path) -> None:
     tokenizer reads too) is a regular file, and each that is parsed is at most
     MAX_MODEL_FILE_BYTES: a FIFO there would hang the tokenizer's load, a huge one exhaust memory."""
     for folder in (model, model / "additional_chat_templates"):
-        bad = irregular(folder) if folder.is_dir() else None
+        if not folder.is_dir():
+            continue
+        bad = irregular(folder)     # (the tokenizer's own reads follow this check, by path)
         if bad:
             raise ConfigError(f"config key 'model.path': {bad}")
-        for f in sorted(folder.iterdir()) if folder.is_dir() else ():
-            if f.suffix in PARSED_SUFFIXES and f.is_file() and f.stat().st_size > MAX_MODEL_FILE_BYTES:
-                raise ConfigError(f"config key 'model.path': {f}: {f.stat().st_size} bytes, over the "
+        for f in sorted(folder.iterdir()):
+            size = f.stat().st_size if f.suffix in PARSED_SUFFIXES and f.is_file() else 0
+            if size > MAX_MODEL_FILE_BYTES:
+                raise ConfigError(f"config key 'model.path': {f}: {size} bytes, over the "
                                   f"{MAX_MODEL_FILE_BYTES} a model's config or tokenizer file may hold")
 
 
@@ -331,13 +334,17 @@ def check_model_dir(cfg: RunConfig, sample: dict | None = None,
     if cfg.data.chat and not (cfg.data.chat_template or getattr(tokenizer, "chat_template", None)):
         raise ConfigError(f"config key 'data.chat': the tokenizer in {model} has no chat template; "
                           f"give one in data.chat_template (a Jinja template or its file)")
-    template_key = "data.chat_template" if cfg.data.chat and cfg.data.chat_template else "model.path"
     with bounded_rendering() as ids:
         try:
             _check_prompts(cfg, tokenizer, ids, sample, datasets or {})
         except RenderTimeout as exc:
-            raise ConfigError(f"config key '{template_key}': {exc} (the chat template's loops must "
+            raise ConfigError(f"config key '{template_key(cfg)}': {exc} (the chat template's loops must "
                               "end within seconds)") from None
+
+
+def template_key(cfg: RunConfig) -> str:
+    """The key to name for a prompt that does not render: the chat template's, or the model's."""
+    return "data.chat_template" if cfg.data.chat and cfg.data.chat_template else "model.path"
 
 
 def _check_prompts(cfg: RunConfig, tokenizer, ids, sample: dict | None, datasets: dict[str, list[dict]]):
@@ -363,6 +370,8 @@ def _check_prompts(cfg: RunConfig, tokenizer, ids, sample: dict | None, datasets
             problem = too_long(tokenizer, cfg.data, rows, cfg.rollout.max_model_len, ids)
         except RenderTimeout as exc:
             raise RenderTimeout(f"{key}: {exc}") from None
+        except ValueError as exc:
+            raise ConfigError(f"config key '{template_key(cfg)}': {key}: {exc}") from None
         if problem:
             raise ConfigError(f"config key '{key}': {problem} (drop such rows or raise "
                               "rollout.max_model_len)")

@@ -161,10 +161,10 @@ def test_a_chat_template_whose_loops_run_for_minutes_is_refused_within_its_bound
     chat = [*base, "data.chat=true"]
     refusals = _in_child([[*chat, f"data.chat_template={endless}"],
                           [*chat, f"data.chat_template='{SLOW_ON_LONG}'", f"data.train_path={long_last}"],
-                          [*chat, f"data.chat_template='{SLOW_ON_LONG}'"]], TEMPLATE_TIMEOUT_S=1.0)
-    _one_line(refusals[0], "config key 'data.chat_template'", "the first prompt: rendering its prompt took over 1 s")
+                          [*chat, f"data.chat_template='{SLOW_ON_LONG}'"]], TEMPLATE_TIMEOUT_S=2.0)
+    _one_line(refusals[0], "config key 'data.chat_template'", "the first prompt: rendering its prompt took over 2 s")
     _one_line(refusals[1], "config key 'data.chat_template'", "data.train_path: row 4: rendering its prompt took "
-              "over 1 s")
+              "over 2 s")
     assert refusals[2] is None          # the same template on short questions renders at once
 
 
@@ -202,3 +202,16 @@ def test_a_run_directory_moved_by_a_symlink_is_refused(inputs, tmp_path):
         check_inputs(load(None, [*base, "name=r"]))
     _one_line(str(info.value), "config key 'name'", "resolves to", "elsewhere", "a symlink there")
     check_inputs(load(None, [*base, "name=s"]))
+
+
+def test_a_template_that_fails_on_a_later_row_names_the_row(inputs, tmp_path):
+    model, data, base = inputs
+    long_last = tmp_path / "long_last.jsonl"
+    long_last.write_text(data.read_text() + json.dumps({"question": "1+" * 20, "answer": "1"}) + "\n")
+    template = ("{% for m in messages %}{% if m.content | length > 20 %}{{ raise_exception(\"too long\") }}"
+                "{% endif %}{{ m.content }}{% endfor %}")
+    with pytest.raises(ConfigError) as info:
+        check_inputs(load(None, [*base, "data.chat=true", f"data.chat_template='{template}'",
+                                 f"data.train_path={long_last}"]))
+    _one_line(str(info.value), "config key 'data.chat_template': data.train_path: row 4: its prompt does "
+              "not render: TemplateError: too long")

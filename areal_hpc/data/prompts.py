@@ -121,7 +121,7 @@ def too_long(tokenizer, d, rows: list[dict], max_model_len: int, ids=prompt_ids)
     "row i: ..." (None when every row fits): vLLM refuses such a request, which would end the
     generator mid-run. `too_many_chars` first (its rows are not tokenized); the others are
     tokenized as the controller will (`ids`: `prompt_ids`, or the preflight's time-bounded one,
-    whose RenderTimeout comes back naming the row)."""
+    whose RenderTimeout comes back naming the row; any other failure is a ValueError naming it)."""
     problem = too_many_chars(rows, max_model_len)
     if problem:
         return problem
@@ -130,6 +130,10 @@ def too_long(tokenizer, d, rows: list[dict], max_model_len: int, ids=prompt_ids)
             n = len(ids(tokenizer, d, r["question"]))
         except RenderTimeout as exc:
             raise RenderTimeout(f"row {i}: {exc}") from None
+        except Exception as exc:    # noqa: BLE001 - whatever the template or tokenizer raises
+            lines = str(exc).strip().splitlines()
+            raise ValueError(f"row {i}: its prompt does not render: {type(exc).__name__}"
+                             + (f": {lines[0]}" if lines else "")) from None
         if n >= max_model_len:
             return (f"row {i}: its prompt is {n} tokens, no room to generate in "
                     f"rollout.max_model_len = {max_model_len}")
