@@ -308,6 +308,8 @@ def _parse_line(path: str, lineno: int, line: str, required_keys: tuple[str, ...
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: bad JSON: {e.msg}") from e
+    except ValueError as e:     # an integer of more digits than Python converts
+        raise ValueError(f"{where}: bad JSON: {str(e).split(':')[0]}") from None
     except RecursionError:
         raise ValueError(f"{where}: bad JSON: nested too deeply") from None
     if not isinstance(obj, dict):

@@ -157,6 +157,9 @@ def test_a_jsonl_line_over_the_row_cap_is_named_and_not_read_further(tmp_path):
     path.write_bytes(b'{"question": "1", "answer": "2"}\n{"question": "\xff"}\n')
     with pytest.raises(ValueError, match=r"d\.jsonl:2: not UTF-8 text \(byte 0xff"):
         list(iter_rows(path))
+    path.write_text('{"question": "1", "answer": "2"}\n{"question": ' + "1" * 5000 + "}\n")
+    with pytest.raises(ValueError, match=r"d\.jsonl:2: bad JSON: Exceeds the limit \(4300 digits\)"):
+        list(iter_rows(path))
 
 
 def _random_text(n: int) -> str:
