@@ -35,8 +35,9 @@ Timeouts. A Python thread cannot be stopped from outside, and a call stuck insid
 to an idle, ready worker only (the rest wait in our own queue), and its deadline, counted from
 the hand-over, measures its own run. A call past its deadline yields reward 0.0 (counted in
 ``errors`` and ``timeouts``), its worker is killed and replaced; the other workers' calls go on.
-A worker that dies by itself (OOM killer, segfault, a kill from outside) costs its call (0.0 with
-an error) and is replaced; each replacement is counted in ``restarts``. A worker's start-up
+Handing a call over is bounded too (the calls' pipe is non-blocking): a worker that stops reading
+costs that call a timeout and is replaced. A worker that dies by itself (OOM killer, segfault, a
+kill from outside) costs its call (0.0 with an error) and is replaced; each replacement is counted in ``restarts``. A worker's start-up
 (imports, ~1 s) never counts against a deadline: calls go only to workers that said they are
 ready. Math calls run on the worker's main thread, so math_verify's own SIGALRM bound
 (reward/math.py, 3 s) works too and normally answers first; ``math_timeout_s`` is the backstop.
@@ -71,6 +72,7 @@ import math
 import os
 import pickle
 import queue
+import select
 import shutil
 import struct
 import subprocess
@@ -193,7 +195,8 @@ class _Worker:
         finally:
             for fd in (call_r, res_w, out_w):
                 os.close(fd)
-        self.calls = os.fdopen(call_w, "wb")
+        os.set_blocking(call_w, False)     # a hand-over never waits without bound (send)
+        self.calls = call_w
         self.pid = contain.init_pid(self.proc)
         self.pidfd = contain.pidfd(self.pid)
         self.call: _Call | None = None
@@ -222,19 +225,29 @@ class _Worker:
 
     def send(self, call_id: int, call: _Call) -> None:
         """Hand a call over (pickle: the parent -> worker direction only). Raises what
-        pickling raises, or OSError if the worker is gone."""
+        pickling raises, OSError if the worker is gone, TimeoutError if it does not take the
+        call within the call's own timeout (a worker that stopped reading)."""
         frame = pickle.dumps((call_id, call.kind, call.completion, call.reference, call.row))
-        self.calls.write(struct.pack(">Q", len(frame)) + frame)
-        self.calls.flush()
-        self.call, self.call_id = call, call_id
+        data = memoryview(struct.pack(">Q", len(frame)) + frame)
+        self.call, self.call_id = call, call_id   # from the first byte on, the call is its
+        deadline = time.monotonic() + call.timeout_s
+        while data:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([], [self.calls], [], left)[1]:
+                raise TimeoutError(f"the worker did not take the call within "
+                                   f"{call.timeout_s:g} s")
+            try:
+                data = data[os.write(self.calls, data):]
+            except BlockingIOError:
+                pass
+        call.deadline = time.monotonic() + call.timeout_s
         call.deadline = time.monotonic() + call.timeout_s
 
     def end(self) -> None:
         """Kill the worker and everything it started (reward/contain.py), remove its files."""
-        try:
-            self.calls.close()
-        except OSError:
-            pass
+        if self.calls is not None:
+            os.close(self.calls)
+            self.calls = None
         contain.end(self.proc, self.pidfd)
         if self.pidfd is not None:
             os.close(self.pidfd)
@@ -534,14 +547,23 @@ class RewardPool:
                 return
             with self._lock:
                 self._pids = [w.pid for w in self._workers]
-        for w in self._workers:
+        replaced = False
+        for w in list(self._workers):       # (_replace may remove one)
             if not self._pending:
-                return
+                break
             if w.ready and w.call is None:
                 call = self._pending.popleft()
                 try:
                     w.send(next(_seq), call)
-                except OSError:       # the worker died while idle: its end-of-file follows
+                except TimeoutError as e:   # the worker is stuck: it goes, the call with it
+                    self._replace(w, f"timeout: {e}", timeout=True)
+                    replaced = True
+                except OSError:       # the worker is gone or closed its end: it goes, the
+                    w.call = None     # call waits for another
                     self._pending.appendleft(call)
+                    self._replace(w, "reward worker process died")
+                    replaced = True
                 except Exception as e:  # e.g. a reference that does not pickle
                     self._finish(call, 0.0, f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS])
+        if replaced:
+            self._dispatch()        # start the replacements now (not ready: nothing is sent)

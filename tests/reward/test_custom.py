@@ -313,6 +313,16 @@ def spawns(c, r, row):
                 os._exit(0)
     time.sleep(600)
 
+def stops_reading(c, r, row):
+    """The worker's main loop is pointed at a pipe nobody writes, while the calls' pipe keeps
+    a reader that never reads."""
+    call_fd = int(sys.argv[1])
+    global _kept
+    _kept = os.dup(call_fd)
+    r, w = os.pipe()
+    os.dup2(r, call_fd)
+    return 1.0
+
 def floods_stderr(c, r, row):
     block = b"e" * (1 << 20)
     for _ in range(300):                 # 300 MB on the raw descriptor
@@ -386,3 +396,16 @@ def test_raw_writes_to_the_workers_stderr_are_capped(hostile, capfd):
     assert res == RewardResult("k", 1.0, None), res
     err = capfd.readouterr().err
     assert err.count("e") < pool_mod.WORKER_OUTPUT_BYTES + 10_000 and "bytes dropped]" in err
+
+
+def test_a_worker_that_stops_taking_calls_costs_a_bounded_wait(hostile):
+    """A function that stops its worker reading calls: the next call (1 MB, more than a pipe
+    holds) is a timeout within its own bound, and the pool serves on with a fresh worker."""
+    mod, _ = hostile
+    with RewardPool(max_workers=1, functions=_specs((f"{mod}:stops_reading", 1.0)),
+                    fn_timeout_s=3) as pool:
+        assert _score_all(pool, {"first": ("x", "1", {})})["first"].reward == 1.0
+        res = _score_all(pool, {"big": ("x" * (1 << 20), "1", {})})["big"]
+        assert res.reward == 0.0 and res.error.startswith("timeout"), res
+        assert _score_all(pool, {"next": ("x", "1", {})})["next"].reward == 1.0
+        assert pool.stats()["timeouts"] == 1 and pool.stats()["restarts"] == 1
