@@ -108,6 +108,13 @@ def end(proc: subprocess.Popen, fd: int | None, timeout_s: float = END_TIMEOUT_S
     `fd`: a pidfd of `init_pid(proc)`; without a namespace (or a pidfd) the fallback kills by
     list."""
     if fd is not None and namespace_prefix()[0]:
+        # unshare itself first: killed after its child it would print "sigprocmask unblock
+        # failed" (util-linux re-raising SIGKILL) onto the job's output; its death kills pid 1
+        # too (--kill-child), and the pidfd kill below is the bound that does not depend on it
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
         try:
             signal.pidfd_send_signal(fd, signal.SIGKILL)
         except ProcessLookupError:

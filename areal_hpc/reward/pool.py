@@ -241,7 +241,6 @@ class _Worker:
             except BlockingIOError:
                 pass
         call.deadline = time.monotonic() + call.timeout_s
-        call.deadline = time.monotonic() + call.timeout_s
 
     def end(self) -> None:
         """Kill the worker and everything it started (reward/contain.py), remove its files."""

@@ -216,3 +216,14 @@ def test_without_a_pid_namespace_the_pool_still_scores_and_says_so(monkeypatch, 
                 pass
         return found
     wait_until(lambda: running() <= before, 10.0)
+
+
+def test_close_writes_nothing_onto_the_jobs_output(capfd):
+    """Ending the workers is silent: unshare, killed after its pid 1, would print
+    'sigprocmask unblock failed' at every job's end."""
+    with RewardPool(max_workers=2) as p:
+        p.submit(1, "math", r"\boxed{42}", "42")
+        assert [r.reward for r in p.drain(timeout=120)] == [1.0]
+        capfd.readouterr()
+    out, err = capfd.readouterr()
+    assert "sigprocmask" not in err and "unshare" not in err, err
