@@ -132,3 +132,15 @@ def test_no_package_file_is_long_without_a_reason():
     long = {f for f, n in lengths.items() if n > MAX_LINES}
     assert long <= set(LONG), sorted((f, lengths[f]) for f in long - set(LONG))
     assert all(lengths.get(f, 0) > MAX_LINES for f in LONG), "a listed file is short now: unlist it"
+
+
+def test_the_suite_runs_every_test_file():
+    """tools/test.sh names the suite's folders and files one by one: a new test file outside
+    them would never run in CI."""
+    root = Path(__file__).resolve().parents[1]
+    script = (root / "tools" / "test.sh").read_text()
+    named = [w.rstrip("\\") for w in script.split() if w.startswith("tests/")]
+    files = sorted(p.relative_to(root).as_posix() for p in (root / "tests").rglob("test_*.py"))
+    missed = [f for f in files if not any(f == n or f.startswith(n.rstrip("/") + "/")
+                                          for n in named)]
+    assert not missed, f"tools/test.sh does not run {missed}"
