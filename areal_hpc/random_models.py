@@ -59,3 +59,15 @@ def qwen_byte_tokenizer(path, eos: int, max_len: int):
     Path(path).mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(path)
     return tok
+
+
+def random_seqs(lens: list[int], vocab: int, rng, low: int = 0) -> list[dict]:
+    """Sequences of `lens` tokens each, token ids drawn by numpy Generator `rng` from [low, vocab),
+    an eighth of each (at least 2 tokens) the prompt; rewards 0/1 alternating (one GRPO group):
+    the packs the benchmarks and tools/gpu_check.py train on."""
+    seqs = []
+    for i, n in enumerate(lens):
+        p = max(2, n // 8)
+        seqs.append({"prompt_tokens": rng.integers(low, vocab, p), "output_tokens": rng.integers(low, vocab, n - p),
+                     "reward": float(i % 2)})
+    return seqs

@@ -111,14 +111,10 @@ def make_seqs(pack: int, n_seqs: int, vocab: int, seed: int = 0) -> list[dict]:
     each the prompt; rewards 0/1 alternating (one GRPO group)."""
     import numpy as np
 
-    rng = np.random.default_rng(seed)
+    from areal_hpc.random_models import random_seqs
+
     lens = [pack // n_seqs + (i < pack % n_seqs) for i in range(n_seqs)]
-    seqs = []
-    for i, n in enumerate(lens):
-        p = max(2, n // 8)
-        seqs.append({"prompt_tokens": rng.integers(0, vocab, p), "output_tokens": rng.integers(0, vocab, n - p),
-                     "reward": float(i % 2)})
-    return seqs
+    return random_seqs(lens, vocab, np.random.default_rng(seed))
 
 
 # ------------------------------------------------------------------------------ helpers

@@ -18,12 +18,12 @@ Checks, each timed and guarded (a failure is printed and the next check runs):
    random weights, built here with transformers and saved to a temp dir) on 4k- and 16k-token
    packs, recompute off and full (uniform, 1 layer), attention varlen; 1 warm-up + 3 timed steps.
    prox=behaviour, so a step is exactly one forward/backward over the pack + one optimizer step.
-   Model FLOPs per step (recompute not counted, causal attention counted once):
-       6 * P_body * T  +  6 * V * h * N_out  +  6 * layers * (heads * head_dim) * sum(len_i^2)
-   P_body = matmul weights of the decoder layers (q/k/v/o, gate/up/down); T = tokens in the pack;
-   the output layer (V x h) runs on the N_out output tokens only (chunked log-probs); per layer
-   and sequence causal QK^T and AV take 2 * len^2 * heads * head_dim forward, x3 with backward.
-   MFU = FLOPs / (step seconds * peak); peak = 989 TFLOP/s (H200 SXM, bf16 dense).
+   FLOPs and MFU are the planner's, one definition (areal_hpc/plan/budget.py: `pack_flops` over
+   this pack's sequence lengths, `mfu`): the layers' forward + backward (3 forwards, causal
+   attention 2 * len^2 * heads * head_dim per layer and sequence forward), the output layer at
+   the output tokens only in 4 forwards (8 V h per token: train/logprobs.py recomputes each
+   chunk's logits in backward), and full recompute's extra forward; MFU = FLOPs / (step
+   seconds * peak), the peak the dense bf16 of `--gpu` in the planner's table (default h200).
 4. Peak memory of each case of 3 (`torch.cuda.max_memory_allocated`, reset after the Actor is
    built, so it includes weights, grads, Adam state and activations) against the memory model
    (`areal_hpc.plan.trainer_estimates` for the same config; its CUDA-context, NCCL,
@@ -54,8 +54,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout, without installing areal_hpc
-
-H200_BF16_PEAK_TFLOPS = 989.0
 
 # areal_hpc.determinism's CUDA environment (imported after the sys.path line above)
 from areal_hpc.determinism import rank_env as _deterministic_env  # noqa: E402
@@ -134,8 +132,9 @@ def fmt(x, digits=3) -> str:
 # ---------------------------------------------------------------- setup
 
 class Env:
-    def __init__(self, device: str, tiny: bool, dtype: str, deterministic: bool = False):
+    def __init__(self, device: str, tiny: bool, dtype: str, deterministic: bool = False, gpu=None):
         self.deterministic = deterministic      # --deterministic: check 5's child
+        self.gpu = gpu                          # the planner's Gpu (budget.GPUS) whose peak MFU uses
         self.device = device
         self.tiny = tiny
         self.dtype = dtype  # the parameter dtype of checks 1 and 3
@@ -147,21 +146,6 @@ class Env:
 
         if self.cuda:
             torch.cuda.synchronize()
-
-
-def init_distributed(env: Env) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from areal_hpc.topology import free_port
-
-    if env.cuda:
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                                world_size=1, device_id=torch.device("cuda", 0))
-    else:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                                world_size=1)
 
 
 def free_memory() -> None:
@@ -200,16 +184,13 @@ def make_seqs(n_tokens: int, n_seqs: int, vocab: int, seed: int = 0) -> list[dic
     of each; rewards 0/1, both present (one GRPO group: group_size = n_seqs)."""
     import numpy as np
 
+    from areal_hpc.random_models import random_seqs
+
     rng = np.random.default_rng(seed)
     w = rng.uniform(0.5, 1.5, n_seqs)
     lens = np.maximum(np.floor(w / w.sum() * n_tokens).astype(int), 4)
     lens[-1] += n_tokens - lens.sum()
-    seqs = []
-    for i, n in enumerate(lens):
-        p = max(2, int(n) // 8)
-        seqs.append({"prompt_tokens": rng.integers(3, vocab, p), "output_tokens": rng.integers(3, vocab, int(n) - p),
-                     "reward": float(i % 2)})
-    return seqs
+    return random_seqs([int(n) for n in lens], vocab, rng, low=3)
 
 
 def with_behav(actor, seqs: list[dict], noise: float = 0.05, seed: int = 1) -> list[dict]:
@@ -335,15 +316,17 @@ def check_varlen_vs_mask(report: Report, env: Env, dtypes: list[str]) -> None:
                   "abs d loss", "grad norm mask", "grad norm varlen", "step s mask", "step s varlen"], rows)
 
 
-def flops_per_step(dims: dict, seqs: list[dict]) -> float:
-    """Model FLOPs of one forward/backward over `seqs` packed (see the module docstring)."""
-    h, f, L = dims["hidden_size"], dims["intermediate_size"], dims["num_hidden_layers"]
-    heads, kv = dims["num_attention_heads"], dims["num_key_value_heads"]
-    d = h // heads
-    body = L * (h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * f)
-    lens = [len(s["prompt_tokens"]) + len(s["output_tokens"]) for s in seqs]
-    n_out = sum(len(s["output_tokens"]) for s in seqs)
-    return 6 * body * sum(lens) + 6 * dims["vocab_size"] * h * n_out + 6 * L * heads * d * sum(n * n for n in lens)
+def step_mfu(dims: dict, train, seqs: list[dict], seconds: float, gpu=None) -> tuple[float, float | None]:
+    """(model TFLOP/s, MFU) of a train step over `seqs` (trained as TrainConfig `train` says) that
+    took `seconds`: the planner's FLOP model over this pack (`budget.pack_flops`) and its MFU
+    (`budget.mfu`) at the peak of `gpu` (a `budget.Gpu`; None: no MFU)."""
+    from areal_hpc.plan import Arch
+    from areal_hpc.plan.budget import mfu, pack_flops
+
+    fl = pack_flops(Arch.from_hf(dims, "the check's model"),
+                    [len(s["prompt_tokens"]) + len(s["output_tokens"]) for s in seqs],
+                    sum(len(s["output_tokens"]) for s in seqs), train)
+    return fl.total / seconds / 1e12, (mfu(fl, seconds, gpu) if gpu is not None else None)
 
 
 # Terms of the memory model that the caching allocator's max_memory_allocated does not see
@@ -422,9 +405,7 @@ def check_throughput(report: Report, env: Env, packs: list[int], timed: int,
                     case["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
                     case["reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
                 step = float(np.median(times))
-                flops = flops_per_step(dims, seqs)
-                tflops = flops / step / 1e12
-                mfu = tflops / H200_BF16_PEAK_TFLOPS if env.cuda else None
+                tflops, mfu = step_mfu(dims, actor.cfg, seqs, step, env.gpu if env.cuda else None)
                 case.update(ok=True, n_seqs=n_seqs, step_s=step)
                 rows.append([n_tokens, n_seqs, name, fmt(build_s), fmt(step, 4), fmt(float(np.median(fb)), 4),
                              fmt(float(np.median(opt)), 4), f"{n_tokens / step:,.0f}", fmt(tflops, 4),
@@ -451,7 +432,8 @@ def check_throughput(report: Report, env: Env, packs: list[int], timed: int,
            f"{env.dtype}, attention varlen, prox=behaviour; median of {timed} steps after 1 warm-up.")
     report()
     report.table(["pack tokens", "seqs", "recompute", "build s", "step s", "fwd+bwd s", "optim s", "tokens/s",
-                  "model TFLOP/s", "MFU (989 TFLOP/s)" if env.cuda else "MFU", "loss"], rows)
+                  "model TFLOP/s", f"MFU ({env.gpu.name}, {env.gpu.bf16_flops / 1e12:.0f} TFLOP/s)"
+                  if env.cuda else "MFU", "loss"], rows)
     return cases
 
 
@@ -536,11 +518,22 @@ def main(argv=None) -> int:
     ap.add_argument("--deterministic", action="store_true",
                     help="the Actor in `deterministic: true` (check 5 runs itself with it)")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
+    ap.add_argument("--gpu", default="h200", help="the GPU whose dense bf16 peak MFU is taken at, from "
+                    "the planner's table (areal_hpc/plan/budget.py GPUS: h100, h200, a100, b200)")
     ap.add_argument("--out", help="results file (default $OUT/gpu_check.txt, else runs/gpu_check/gpu_check.txt)")
     args = ap.parse_args(argv)
 
     out = Path(args.out) if args.out else (
         Path(os.environ["OUT"]) / "gpu_check.txt" if os.environ.get("OUT") else ROOT / "runs/gpu_check/gpu_check.txt")
+    from areal_hpc.config import ConfigError
+    from areal_hpc.plan.budget import GPUS, gpu_spec
+
+    try:
+        gpu = gpu_spec(args.gpu, "--gpu")
+    except ConfigError:
+        print(f"error: --gpu: unknown GPU {args.gpu!r}; one of {', '.join(GPUS)} (the planner's "
+              f"table, areal_hpc/plan/budget.py)", file=sys.stderr)
+        return 2
     report = Report(out)
     t_start = time.perf_counter()
     if args.deterministic:      # before torch starts: cuBLAS and NCCL read these once
@@ -553,11 +546,10 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     import torch
 
-    torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         report("error: --device cuda but torch.cuda.is_available() is False (use --device cpu --tiny)")
         return 2
-    env = Env(args.device, args.tiny, "bfloat16" if args.device == "cuda" else "float32", args.deterministic)
+    env = Env(args.device, args.tiny, "bfloat16" if args.device == "cuda" else "float32", args.deterministic, gpu)
     if args.tiny:
         packs, timed = args.packs or ([256] if args.quick else [256, 512]), args.steps or (2 if args.quick else 3)
     else:
@@ -571,7 +563,10 @@ def main(argv=None) -> int:
     with guarded(report, "Environment", status):
         check_environment(report, env)
     with guarded(report, "Distributed init", status):
-        init_distributed(env)
+        from areal_hpc.train.megatron_model import single_process
+
+        # the tools' and tests' one-rank world and Megatron's groups (seed 1: the Actors' train.seed)
+        single_process(seed=1, threads=args.threads, backend="nccl" if env.cuda else "gloo")
         report(f"torch.distributed: {torch.distributed.get_backend()}, world size {torch.distributed.get_world_size()}")
         report()
     if 1 in only:

@@ -37,10 +37,11 @@ s = prompt + output tokens, T = n s tokens, N = n x output tokens:
   recompute_num_layers of each stage's layers), selective = one more forward of core attention;
 - π_prox (prox recompute, k minibatches, not naive PPO): one more forward of the layers and the
   output layer over all minibatches but the first (`TrainConfig.prox_pass_share`, (k - 1) / k).
-Seconds = FLOPs / (n_trainers x the GPU's dense bf16 peak x MFU). Every sequence has the same
-length (mean output `--out-len`, default max_new_tokens / 2, after a prompt of max_model_len -
-max_new_tokens tokens, the room the config leaves for it): with long-tailed lengths the attention
-term is larger (sum of squares). ASSUMPTIONS, not measurements: MFU, the output length, the
+Seconds = FLOPs / (n_trainers x the GPU's dense bf16 peak x MFU); MFU = FLOPs / (seconds x
+n_trainers x peak) is `mfu`, what tools/gpu_check.py measures (`pack_flops` over its pack).
+Every sequence has the same length (mean output `--out-len`, default max_new_tokens / 2, after a
+prompt of max_model_len - max_new_tokens tokens, the room the config leaves for it): with
+long-tailed lengths the attention term is larger (sum of squares). ASSUMPTIONS, not measurements: MFU, the output length, the
 checkpoint filesystem's bandwidth, the weight broadcast's (throughput.py's constants) and the
 generation throughput (throughput.py's decode roofline scaled to the GPU's bandwidth, or
 `--gen-tok-s`).
@@ -54,7 +55,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from ..config import ConfigError, RunConfig, load
+from ..config import ConfigError, RunConfig, TrainConfig, load
 from .bounds import bound_problems, render_waits, waits
 from .bounds import fmt_s as _fmt_s
 from .memory import Arch, read_arch
@@ -125,27 +126,42 @@ def lengths(cfg: RunConfig, out_len: float | None = None) -> tuple[float, float]
 
 
 def step_flops(cfg: RunConfig, arch: Arch, out_len: float | None = None) -> StepFlops:
-    tr = cfg.train
+    """One step of `cfg`: B x group_size sequences of the same length (`lengths`)."""
     prompt, out = lengths(cfg, out_len)
     n = cfg.train.batch_prompts * cfg.rollout.group_size
-    s = prompt + out
-    tokens, out_tokens = n * s, n * out
-    attn_fwd = 2.0 * s * s * arch.heads * arch.head_dim * arch.layers * n
+    return pack_flops(arch, [prompt + out] * n, n * out, cfg.train, cfg.topology.pp)
+
+
+def pack_flops(arch: Arch, seq_lens: list[float], out_tokens: float, train: TrainConfig,
+               pp: int = 1) -> StepFlops:
+    """The FLOPs of one training step over sequences of `seq_lens` tokens (prompt + output),
+    `out_tokens` output tokens in all, trained as `train` says (recompute, π_prox): the
+    project's one FLOP model (the module docstring), for the planner's step and for a measured
+    pack (tools/gpu_check.py's MFU, `mfu`)."""
+    tokens = float(sum(seq_lens))
+    attn_fwd = 2.0 * arch.heads * arch.head_dim * arch.layers * float(sum(s * s for s in seq_lens))
     layers_fwd = 2.0 * arch.layers * arch.layer_matmul_params * tokens + attn_fwd
     head_fwd = 2.0 * arch.vocab * arch.hidden * out_tokens
-    if tr.recompute_granularity == "full":
-        per_stage = arch.layers // cfg.topology.pp
-        share = 1.0 if tr.recompute_method == "uniform" else \
-            min(tr.recompute_num_layers or 0, per_stage) / per_stage
+    if train.recompute_granularity == "full":
+        per_stage = arch.layers // pp
+        share = 1.0 if train.recompute_method == "uniform" else \
+            min(train.recompute_num_layers or 0, per_stage) / per_stage
         recompute, recompute_attn = share * layers_fwd, share * attn_fwd
-    elif tr.recompute_granularity == "selective":
+    elif train.recompute_granularity == "selective":
         recompute = recompute_attn = attn_fwd
     else:
         recompute = recompute_attn = 0.0
-    prox = (layers_fwd + head_fwd) * tr.prox_pass_share
-    attention = 3 * attn_fwd + recompute_attn + attn_fwd * tr.prox_pass_share
+    prox = (layers_fwd + head_fwd) * train.prox_pass_share
+    attention = 3 * attn_fwd + recompute_attn + attn_fwd * train.prox_pass_share
     return StepFlops(train=3 * layers_fwd + 4 * head_fwd, recompute=recompute, prox=prox,
-                     attention=attention, tokens=tokens, out_tokens=out_tokens)
+                     attention=attention, tokens=tokens, out_tokens=float(out_tokens))
+
+
+def mfu(flops: StepFlops, seconds: float, gpu: Gpu, n_gpus: int = 1) -> float:
+    """Model-FLOPs utilisation, the one definition (topology.mfu, `estimate_time`'s divisor):
+    every FLOP of the step (`StepFlops.total`: recompute and π_prox passes included) over
+    `seconds` x `n_gpus` x the GPU's dense bf16 peak."""
+    return flops.total / (seconds * n_gpus * gpu.bf16_flops)
 
 
 @dataclass

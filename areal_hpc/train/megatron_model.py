@@ -61,19 +61,24 @@ def init_megatron_parallel(tp: int, pp: int, seed: int, backend: str | None = No
     model_parallel_cuda_manual_seed(seed)
 
 
-def single_process(seed: int = 0, threads: int | None = 1) -> None:
-    """A trainer of one rank in this process (the tests' and tools' Actor): a gloo world of one
-    and Megatron's groups at tp = pp = 1, each made only if this process has none yet; torch's
-    compute threads set to `threads` (None: left as they are). The world's store is in this
-    process (no port to pick, none to lose to another process)."""
+def single_process(seed: int = 0, threads: int | None = 1, backend: str = "gloo") -> None:
+    """A trainer of one rank in this process (the tests' and tools' Actor): a world of one over
+    `backend` ("gloo"; "nccl" on the current CUDA device, set to 0) and Megatron's groups at
+    tp = pp = 1, each made only if this process has none yet; torch's compute threads set to
+    `threads` (None: left as they are). The world's store is in this process (no port to pick,
+    none to lose to another process)."""
     if threads:
         torch.set_num_threads(threads)
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        device = None
+        if backend == "nccl":
+            torch.cuda.set_device(0)
+            device = torch.device("cuda", 0)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device)
     if dist.get_world_size() != 1:
         raise RuntimeError(f"a single-process trainer in a world of {dist.get_world_size()} ranks")
     if not parallel_state.model_parallel_is_initialized():
-        init_megatron_parallel(1, 1, seed, backend="gloo")
+        init_megatron_parallel(1, 1, seed, backend=backend)
 
 
 def read_hf_config(model_dir: str) -> dict:
