@@ -146,7 +146,7 @@ def main() -> None:
     n_out = torch.tensor([len(s["output_tokens"]) for s in seqs])
     per_token = {"behav_logprobs": [s["behav_logprobs"] for s in seqs],
                  "advantages": [np.zeros(int(n), np.float32) for n in n_out]}
-    micro_batches = [mb for minibatch in actor._plan_step(seqs, per_token) for mb in minibatch]
+    micro_batches = [mb for minibatch in actor.plan_step(seqs, per_token) for mb in minibatch]
     tokens = sum(len(s["prompt_tokens"]) + len(s["output_tokens"]) for s in seqs)
     print(f"batch: {len(seqs)} sequences, {tokens} tokens ({int(n_out.sum())} output), "
           f"{len(micro_batches)} micro-batches of <= {args.max_tokens_per_mb} tokens, prox={args.prox}, "

@@ -47,7 +47,7 @@ Pipeline (1F1B): stage r keeps the activations of pp - r in-flight micro-batches
 each). The last stage also keeps the final norm's fp32 tensors and the gathered hidden states
 of the output positions.
 The step's packed batch: every trainer rank packs its data-parallel share of the whole step
-(all minibatches) onto the device before the first forward (`Actor._plan_step`): per token the
+(all minibatches) onto the device before the first forward (`Actor.plan_step`): per token the
 ids and positions (int64, 16 B), per output token the output positions and targets (int64) and
 the behaviour log-probs and advantages (fp32): 24 B, + 8 B of versions (prox loglinear), + 4 B
 of π_prox log-probs on the last stage for (k-1)/k of them (`TrainConfig.prox_pass_share`); at

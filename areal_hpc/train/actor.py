@@ -367,7 +367,7 @@ class Actor:
         }
         return loss_sum, self._n_tokens(n), sums
 
-    def _plan_step(self, seqs: list[dict], per_token: dict) -> list[list[MicroBatch]]:
+    def plan_step(self, seqs: list[dict], per_token: dict) -> list[list[MicroBatch]]:
         """This rank's packed micro-batches, per minibatch (see the module docstring), of a
         whole batch."""
         per_rank = dp_split(sequence_lengths(seqs), self.cfg.ppo_minibatches, self.layout.dp)

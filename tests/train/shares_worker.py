@@ -46,7 +46,7 @@ def make_batch(seed: int = 0, groups: int = 16) -> list[dict]:
 
 def old_share(seqs: list[dict], dp: int, dp_rank: int) -> tuple[list[list[int]], np.ndarray]:
     """What the trainer computed on every rank before shares were sent: the advantages of the
-    whole batch, and this data-parallel rank's indices per minibatch (Actor._plan_step then)."""
+    whole batch, and this data-parallel rank's indices per minibatch (Actor.plan_step then)."""
     lengths = [len(s["prompt_tokens"]) + len(s["output_tokens"]) for s in seqs]
     n_out = torch.tensor([len(s["output_tokens"]) for s in seqs])
     rewards = torch.tensor([float(s["reward"]) for s in seqs], dtype=torch.float64)
