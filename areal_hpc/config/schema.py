@@ -132,6 +132,17 @@ class RolloutConfig:
     # areal_hpc.plan time CONFIG` lists every wait beside its estimated work; the launchers'
     # preflight refuses a fixed bound shorter than its estimate.
     collective_timeout_s: float = 1800.0
+    # A generator's vLLM engine that dies (its EngineCore or a TP worker gone, an engine error)
+    # or stalls (a step with requests unfinished and no output for engine_stall_s) is killed
+    # and started again in its rank with the current weights (weights.mode disk; under
+    # broadcast the job ends), its in-flight samples continued from their tokens. More than
+    # engine_restarts faults of one generator within engine_restart_window_s end the job, one
+    # line naming it and the causes (0: the first fault ends it). Keep engine_stall_s well
+    # above the longest single engine step and below generator_timeout_s (the controller
+    # names a generator silent that long, and a stalled step keeps its loop silent).
+    engine_restarts: int = 3
+    engine_restart_window_s: float = 3600.0
+    engine_stall_s: float = 300.0
     # vLLM tensor parallelism inside one generator rank: workers per engine (GPUs on a GPU node;
     # on CPU, this rank's allowed CPUs split among them). Each worker joins the weight group, so
     # it has pp + n_generators * engine_tp members.

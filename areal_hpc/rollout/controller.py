@@ -185,6 +185,7 @@ class Controller:
             self.watch.heard(src)
             match msgs.check(tag, msg):
                 case msgs.Heartbeat():
+                    self._engine_report(src, msg)
                     self.watch.report(src, msg)
                 case msgs.Group(trajectories=group):
                     self.ledger.arrived(src, group, self.writer.append(group))
@@ -200,6 +201,17 @@ class Controller:
                 case msgs.WeightsAck():
                     self.weight_acks.record(src, msg)
         return got
+
+    def _engine_report(self, src: int, beat: msgs.Heartbeat) -> None:
+        """One line per engine restart a generator reports (rollout/engine_guard.py)."""
+        was_down = getattr(self.watch.last_report.get(src), "engine_down", False)
+        if was_down and not beat.engine_down:
+            log.warning("generator rank %d (host %s): vLLM engine restarted (%d so far), its "
+                        "in-flight samples continued; cause: %s", src, self.topo.hosts[src],
+                        beat.engine_restarts, beat.engine_fault)
+        elif beat.engine_down and not was_down:
+            log.warning("generator rank %d (host %s): vLLM engine down, restarting; cause: %s",
+                        src, self.topo.hosts[src], beat.engine_fault)
 
     def _check_partial(self, path) -> int:
         """The checkpoint's PARTIAL groups, against the log: each names rows of its own prompt,
@@ -283,6 +295,7 @@ class Controller:
                  "dropped_stale": dropped, "lost_stale": self.ledger.stale_groups.lost,
                  "reward_errors": sum(1 for t in trajs if t.get("reward_error")),
                  "response_len": float(np.mean([len(t["output_tokens"]) for t in trajs])),
+                 **dict(zip(("engine_restarts", "generators_live"), self.watch.engines())),
                  **reward_extras(trajs)}
         return Batch.of(groups, stats)
 

@@ -18,6 +18,9 @@
             its reaper kills the vLLM engine and reward workers
         step vLLM; hand every finished sample to the reward pool (processes beside the
         engine, so scoring overlaps generation); send each group once all its samples are scored
+        the engine died or stalled (engine_guard.EngineWatch) → kill it, start a new one with
+            the current weights, continue its in-flight samples from their tokens (at most
+            rollout.engine_restarts per rollout.engine_restart_window_s, else the job ends)
 
 Sampling seeds (rollout.per_request_seeds): every sample is generated under its own seed
 (`seeds.sample_seed`: from train.seed, the prompt's id and the sample's index; held-out
@@ -29,9 +32,10 @@ every run.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +48,7 @@ from ..reward.pool import RewardPool
 from ..topology import CONTROLLER_RANK, Topology
 from ..transport import messages as msgs
 from ..transport.mpi import Channel
+from .engine_guard import EngineRestartsError, EngineWatch, RestartBudget, is_engine_dead, kill_engine
 from .gen_clock import GenClock
 from .liveness import ControllerWatch, Pacer
 from .seeds import group_seed
@@ -83,8 +88,16 @@ class Generator:
     channel to the controller. `start` makes the children on a rank; a test passes its own."""
 
     def __init__(self, cfg: RunConfig, topo: Topology, *, engine=None, rewards=None, chan=None,
-                 tokenizer=None, clock: GenClock | None = None):
+                 tokenizer=None, clock: GenClock | None = None, engine_factory=None):
         self.cfg, self.topo = cfg, topo
+        # `engine_factory(version=...)` starts an engine like the first: a faulted one is
+        # replaced by it (None: a fault ends the rank, as for a test's own engine)
+        self.engine_factory, self.guard = engine_factory, None
+        r = cfg.rollout
+        hosts = getattr(topo, "hosts", None)
+        self.me = f"generator rank {topo.rank}" + (f" (host {hosts[topo.rank]})" if hosts else "")
+        self.restarts = RestartBudget(r.engine_restarts, r.engine_restart_window_s, self.me)
+        self.last_fault, self._weights_path = "", None      # the newest loaded weights' files
         self.engine, self.rewards, self.chan, self.tokenizer = engine, rewards, chan, tokenizer
         self.per_request_seeds = seeded(cfg)     # rollout.per_request_seeds or deterministic
         self.groups: dict[tuple[str, int], _Group] = {}
@@ -115,9 +128,11 @@ class Generator:
         with preemption.shield_children():     # engine processes must outlive a USR1
             generator_node(cfg)   # on this node: code rewards need the sandbox (or the unsafe opt-out)
             r = cfg.rollout
-            engine = VLLMEngine(cfg.model.path, dtype=cfg.model.dtype, seed=cfg.train.seed + topo.rank,
-                                tensor_parallel_size=topo.engine_tp,
-                                per_request_seeds=seeded(cfg), **engine_options(r))
+            factory = functools.partial(
+                VLLMEngine, cfg.model.path, dtype=cfg.model.dtype, seed=cfg.train.seed + topo.rank,
+                tensor_parallel_size=topo.engine_tp, per_request_seeds=seeded(cfg),
+                **engine_options(r))
+            engine = factory()
             if cfg.weights.mode == "broadcast":
                 engine.init_weight_group(topo.weight_group_address(cfg.weights),
                                          topo.weight_group_rank)
@@ -125,14 +140,20 @@ class Generator:
             rewards = RewardPool(rw.workers, math_timeout_s=rw.math_timeout_s,
                                  unsafe_no_sandbox=rw.unsafe_no_sandbox, extractor=rw.extractor,
                                  functions=custom.specs_of(cfg), fn_timeout_s=rw.fn_timeout_s)
-        return cls(cfg, topo, engine=engine, rewards=rewards, chan=chan, tokenizer=tokenizer)
+        return cls(cfg, topo, engine=engine, rewards=rewards, chan=chan, tokenizer=tokenizer,
+                   engine_factory=factory)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
         self.watch = ControllerWatch(self.cfg.rollout, self.cfg.weights, self.topo.rank,
                                      self.topo.hosts, beacon=self.topo.controller_alive)
+        if self.engine_factory is not None:
+            self.guard = EngineWatch(self.engine, self.cfg.rollout.engine_stall_s)
         running = True
         while running:
+            if self.guard is not None and self.guard.cause is not None and not self._engine_lost \
+                    and not preemption.requested():
+                self._guarded(self._raise_fault)     # found while nothing waited on the engine
             self._tick()
             self._heartbeat()
             self.watch.check()
@@ -170,13 +191,13 @@ class Generator:
                 self.clock.start()
                 with self.clock.timed("submit"):
                     for p in prompts:
-                        self._submit("train", p)
+                        self._guarded(self._submit, "train", p)
             case msgs.WeightsNotice() if not self._engine_lost:
                 with self._engine_paused():
                     self._update_weights(msg)
             case msgs.StaleBefore(version=version) if not self._engine_lost:
                 with self.clock.timed("send"):
-                    self._abort_stale(version)
+                    self._guarded(self._abort_stale, version)
             case msgs.StepsDone():
                 self.clock.end()
             case msgs.EvalRequest():
@@ -208,9 +229,12 @@ class Generator:
         self.clock.end()
         msgs.post(self.chan, msgs.GeneratorStats(
             self.topo.rank, self.tokens_generated, dict(self.clock.seconds), self.engine.version,
-            self.rewards.stats(), self.stale_aborted, self.clock.engine_s), CONTROLLER_RANK)
+            self.rewards.stats(), self.stale_aborted, self.clock.engine_s, self.restarts.total),
+            CONTROLLER_RANK)
         self.chan.flush(timeout=60)
         self.rewards.close()
+        if self.guard is not None:
+            self.guard.close()
         try:
             self.engine.shutdown()
         except Exception as exc:    # noqa: BLE001 - an engine lost to the preemption's signal
@@ -227,30 +251,41 @@ class Generator:
         version = msg.version
         msgs.post(self.chan, msgs.WeightsAck(version, "started"), CONTROLLER_RANK)
         t0 = time.monotonic()
+        held = list(getattr(self.engine, "_requests", {}).values())  # the update takes them out
         try:
             if msg.path is not None:
                 paused_s = self.engine.update_weights_from_file(version, msg.path)
             else:
                 paused_s = self.engine.update_weights(version, msg.plan)
+            self._weights_path = msg.path
         except Exception as exc:
-            if preemption.requested():  # TERM reached the engine too: wait for the stop
+            cause = None if preemption.requested() else self._fault(exc)
+            if cause is not None:       # a dead engine: a new one loads this version
+                self._recover(f"{cause} (during the update to weights v{version})",
+                              held=held, version=version, path=msg.path)
+                paused_s = time.monotonic() - t0
+            elif preemption.requested():    # TERM reached the engine too: wait for the stop
                 log.warning("generator rank %d: weights v%d not loaded, its vLLM engine went with "
                             "the preemption (%s); waiting for stop", self.topo.rank, version, exc)
                 self._engine_lost = True
                 return
-            self.watch.weights_failed(version, msg.path is not None, time.monotonic() - t0, exc)
-            raise
+            else:
+                self.watch.weights_failed(version, msg.path is not None, time.monotonic() - t0, exc)
+                raise
         self.clock.count("pause", paused_s)
         msgs.post(self.chan, msgs.WeightsAck(self.engine.version, "loaded", paused_s),
                   CONTROLLER_RANK)
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, force: bool = False, down: bool = False) -> None:
         """Tell the controller this loop still turns (at most every rollout.heartbeat_s): a
         generator that falls silent (hung engine, stopped or lost process) is named by the
-        trainer after rollout.generator_timeout_s instead of being waited on forever."""
-        if self._heartbeats.due():
-            msgs.post(self.chan, msgs.Heartbeat(self.engine.version, self.engine.num_running(),
-                                                self.tokens_generated), CONTROLLER_RANK)
+        trainer after rollout.generator_timeout_s instead of being waited on forever. `down`:
+        its engine is being replaced (the controller allows the time to start one)."""
+        if self._heartbeats.due() or force:
+            msgs.post(self.chan, msgs.Heartbeat(
+                self.engine.version, 0 if down else self.engine.num_running(),
+                self.tokens_generated, self.restarts.total, down, self.last_fault),
+                CONTROLLER_RANK)
 
     def _tick(self, count: bool = True) -> None:
         """The engine's occupancy clock (GenClock.tick): a lost engine has no work."""
@@ -263,15 +298,23 @@ class Generator:
         yield
         self._tick(count=False)
 
+    def _sampling(self, kind: str) -> dict:
+        r = self.cfg.rollout
+        return dict(temperature=r.temperature, top_p=r.top_p,
+                    ignore_eos=r.ignore_eos and kind == "train")
+
+    def _seeds(self, kind: str, pid: int, n: int) -> list[int] | None:
+        """The group's per-sample seeds (sample i: group_seed + i), None without them."""
+        seed0 = group_seed(self.cfg.train.seed, kind, pid)
+        return None if not self.per_request_seeds else [seed0 + i for i in range(n)]
+
     def _submit(self, kind: str, prompt: msgs.Prompt) -> None:
         r = self.cfg.rollout
         self.groups[(kind, prompt.prompt_id)] = _Group(prompt)
-        pid, sampling = prompt.prompt_id, dict(temperature=r.temperature, top_p=r.top_p,
-                                             ignore_eos=r.ignore_eos and kind == "train")
+        pid, sampling = prompt.prompt_id, self._sampling(kind)
         if kind == "train" and self._in_order:
             self._send_order.append(pid)
-        seed0 = group_seed(self.cfg.train.seed, kind, pid)    # sample i: seed0 + i
-        seeds = None if not self.per_request_seeds else [seed0 + i for i in range(prompt.n)]
+        seeds = self._seeds(kind, pid, prompt.n)
         # A preempted job's partial outputs: each goes on from its prefix (a finished one is
         # scored again); the samples that had no token yet start afresh below, and so, with
         # per-request seeds, does an unfinished one whose tokens all came from the weights this
@@ -304,10 +347,111 @@ class Generator:
                                      seeds=seeds and [seeds[i] for i in fresh], **sampling)
 
     def _step(self) -> None:
-        """One engine step; every finished sample goes to the reward pool at once."""
-        for smp in self.engine.step():
+        """One engine step; every finished sample goes to the reward pool at once. An engine
+        fault (not a preemption's) is recovered here (`_recover`)."""
+        def step():
+            with self.guard.busy() if self.guard is not None else nullcontext():
+                return self.engine.step()
+        for smp in self._guarded(step) or ():
             kind, pid, idx = _parse_request_id(smp.request_id)
             self._finished(kind, pid, idx, smp)
+
+    def _guarded(self, fn, *args):
+        """`fn(*args)`; an engine fault in it (not a preemption's) is recovered (`_recover`):
+        then None. Anything else is raised."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            cause = None if preemption.requested() else self._fault(exc)
+            if cause is None:
+                raise
+            self._recover(cause)
+            return None
+
+    def _raise_fault(self) -> None:
+        raise RuntimeError(self.guard.cause)
+
+    def _fault(self, exc: BaseException) -> str | None:
+        """Why the engine failed, if it is an engine fault this rank can restart it from (its
+        watch fired, a process of it is gone, or vLLM says it is dead); None otherwise."""
+        if self.engine_factory is None or self.guard is None:
+            return None
+        cause = self.guard.cause or self.guard.check()
+        if cause is None and is_engine_dead(exc):
+            cause = f"vLLM engine error ({type(exc).__name__}: {exc})"
+        return cause
+
+    def _recover(self, cause: str, held=(), version: int | None = None,
+                 path: str | None = None) -> None:
+        """Replace a faulted engine: count it (past rollout.engine_restarts the job ends), kill
+        every process of it, start a new one on the same devices with the current weights
+        (`version` from `path`, else the ones loaded last), and continue its in-flight samples
+        from their tokens (`held`: samples a weight update had taken out of the engine)."""
+        t0 = time.monotonic()
+        log.warning("%s: vLLM engine fault: %s", self.me, cause)
+        self.guard.fire(cause)          # kills it, if the watch has not already
+        self.guard.close()
+        try:
+            self.restarts.record(cause)
+        except EngineRestartsError as exc:
+            log.error("%s", exc)
+            raise
+        old, self.last_fault = self.engine, cause
+        version = old.version if version is None else version
+        path = path if path is not None else self._weights_path
+        if self.cfg.weights.mode == "broadcast" or (version > 0 and path is None):
+            why = ("weights.mode=broadcast: the weight group cannot take a new member (restarts "
+                   "need weights.mode=disk)" if self.cfg.weights.mode == "broadcast"
+                   else f"no published copy of weights v{version} to load")
+            msg = f"{self.me}: its vLLM engine failed ({cause}) and cannot be restarted: {why}; the job ends"
+            log.error(msg)
+            raise EngineRestartsError(msg)
+        now = time.time()
+        samples = {s.request_id: s for s in (old._finish(r, "abort", now) for r in held)}
+        samples.update((s.request_id, s) for s in old.abort_all())
+        kill_engine(old)
+        self._heartbeat(force=True, down=True)
+        with preemption.shield_children():
+            self.engine = self.engine_factory(version=version)
+        if version > 0:
+            self.engine.update_weights_from_file(version, path)
+            self._weights_path = path
+        self.guard = EngineWatch(self.engine, self.cfg.rollout.engine_stall_s)
+        kept, fresh = self._continue(samples)
+        if self.watch is not None:
+            self.watch.heard()          # this rank's own work, not the controller's silence
+        self._heartbeat(force=True)
+        log.warning("%s: vLLM engine restarted in %.1f s at weights v%d (restart %d; cause: %s); "
+                    "%d sample(s) continued with %d token(s) kept, %d started again", self.me,
+                    time.monotonic() - t0, version, self.restarts.total, cause, len(kept),
+                    sum(kept), fresh)
+
+    def _continue(self, samples: dict) -> tuple[list[int], int]:
+        """Every unfinished sample of every group here, on the new engine: continued from its
+        tokens, returned at once if it had finished, or started again if the old engine had no
+        record of it. Returns (tokens kept per continued sample, samples started again)."""
+        r, kept, fresh = self.cfg.rollout, [], 0
+        for (kind, pid), group in list(self.groups.items()):
+            seeds = self._seeds(kind, pid, group.prompt.n)
+            again = []
+            for idx in range(group.prompt.n):
+                smp = samples.get(_request_id(kind, pid, idx))
+                if idx in group.samples:
+                    continue
+                if smp is None:
+                    again.append(idx)
+                elif smp.finish_reason != "abort":
+                    self._finished(kind, pid, idx, smp)
+                else:
+                    self.engine.continue_sample(smp, r.max_new_tokens, **self._sampling(kind))
+                    kept.append(len(smp.output_tokens))
+            if again:
+                fresh += len(again)
+                self.engine.submit_group([_request_id(kind, pid, i) for i in again],
+                                         group.prompt.prompt_tokens, max_new_tokens=r.max_new_tokens,
+                                         seeds=seeds and [seeds[i] for i in again],
+                                         **self._sampling(kind))
+        return kept, fresh
 
     def _record(self, kind: str, pid: int, idx: int, smp: FinishedSample) -> _Group:
         """A sample ends (finished or stopped): into its group, the tokens generated here counted."""
@@ -420,7 +564,7 @@ class Generator:
         t0 = time.monotonic()
         pending = set()
         for p in msg.prompts:
-            self._submit("eval", p)
+            self._guarded(self._submit, "eval", p)
             pending.add(p.prompt_id)
         results = []
         while pending:

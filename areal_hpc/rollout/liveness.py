@@ -70,6 +70,21 @@ class GeneratorWatch:
     def report(self, rank: int, heartbeat) -> None:
         self.last_report[rank] = heartbeat
 
+    def bound(self, rank: int) -> float:
+        """How long generator `rank` may be silent: rollout.generator_timeout_s, or, while it
+        restarts its vLLM engine (its last report says the engine is down), the allowance for
+        starting one, weights.join_timeout_s, if that is longer."""
+        last = self.last_report.get(rank)
+        timeout = self.rollout.generator_timeout_s
+        return max(timeout, self.weights.join_timeout_s) if getattr(last, "engine_down", False) \
+            else timeout
+
+    def engines(self) -> tuple[int, int]:
+        """(engine restarts over all generators so far, generators whose engine is up)."""
+        reports = [self.last_report.get(g) for g in self.generators]
+        return (sum(getattr(r, "engine_restarts", 0) for r in reports),
+                sum(not getattr(r, "engine_down", False) for r in reports))
+
     def check(self, in_flight: dict[int, int], incomplete: Iterable = (),
               now: float | None = None) -> None:
         """Raise `GeneratorLostError` naming every generator not heard from within
@@ -88,11 +103,13 @@ class GeneratorWatch:
                                  f"{now - self.t_start:.0f} s since the job started "
                                  f"(weights.join_timeout_s = {join:g}); "
                                  f"is its vLLM engine stuck starting?")
-            elif now - heard > timeout:
+            elif now - heard > (bound := self.bound(g)):
                 last = self.last_report.get(g)
                 version, running = (last.version, last.running) if last else ("?", "?")
+                key = "weights.join_timeout_s: restarting its engine" if bound != timeout \
+                    else "rollout.generator_timeout_s"
                 lines.append(f"generator rank {g} (host {host}) silent for {now - heard:.1f} s "
-                             f"(rollout.generator_timeout_s = {timeout:g}) with "
+                             f"({key} = {bound:g}) with "
                              f"{in_flight.get(g, 0)} prompt(s) in flight; last report: version "
                              f"{version}, {running} request(s) running; its vLLM engine or "
                              f"process is hung or gone")

@@ -167,6 +167,7 @@ class GeneratorStats:
     stale_aborted: int = 0          # training groups stopped mid-generation as too stale
     engine_s: float = 0.0           # of the span, seconds its engine had training work: see
                                     # Generator._tick (overlaps the loop's buckets)
+    engine_restarts: int = 0        # its vLLM engine restarted after a fault (engine_guard.py)
 
     def span_s(self) -> float:
         """From the first training prompt until the run's last batch is taken (every bucket),
@@ -210,6 +211,9 @@ class Heartbeat:
     version: int
     running: int                    # requests in its engine
     tokens: int                     # generated so far
+    engine_restarts: int = 0        # its vLLM engine's restarts after a fault, so far
+    engine_down: bool = False       # sent as a faulted engine is replaced (until it is up)
+    engine_fault: str = ""          # the cause of the newest restart
 
 
 MESSAGES = (Prompts, WeightsNotice, EvalRequest, Stop, ControllerBeat, StaleBefore, StepsDone,
