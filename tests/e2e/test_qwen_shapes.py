@@ -23,7 +23,7 @@ import pickle
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -90,6 +90,13 @@ def qwen_dir(tmp_path_factory):
     return str(path)
 
 
+class TrainerJob(NamedTuple):
+    proc: Any           # the Popen of its mpiexec
+    work: Path          # its folder: in.pkl, seqs.pkl (the samples it waits for), its output
+    case: dict          # the case tests/rollout/weights_worker.py runs
+    out: Path           # the trained model's HF export
+
+
 @pytest.fixture(scope="module")
 def trainer(qwen_dir, tmp_path_factory, run_distributed):
     """The trainer job: builds the Actor (HF → Megatron, TP=2), waits for the samples, trains one
@@ -101,7 +108,7 @@ def trainer(qwen_dir, tmp_path_factory, run_distributed):
             "version": 1, "model_dir": qwen_dir, "train": train}
     (work / "in.pkl").write_bytes(pickle.dumps({"cases": [case], "torch_port": free_port()}))
     proc = run_distributed.start(WORKER, TP, work)
-    yield SimpleNamespace(proc=proc, work=work, case=case, out=Path(train["out"]))
+    yield TrainerJob(proc=proc, work=work, case=case, out=Path(train["out"]))
     run_distributed.stop(proc)      # a test failed before the job finished
 
 

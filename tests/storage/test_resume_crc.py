@@ -156,13 +156,13 @@ def test_four_ranks_split_the_checks_and_reject_a_corrupted_file_together(runs, 
           f"{[rep['clean/owner']['seconds'] for rep in reports]}")
 
 
-def test_trainer_resume_uses_the_collective_search(runs, monkeypatch):
+def test_trainer_resume_uses_the_collective_search(runs, monkeypatch, tmp_path):
     """Trainer._resume: every rank calls find_resume (no rank-0-only search and broadcast), loads
     what it returns; with nothing to resume from, rank 0 sets the old files aside."""
-    import types
-
+    from areal_hpc.config import load
+    from areal_hpc.storage.run_dir import RunDir
     from areal_hpc.train import checkpoint as train_ckpt
-    from areal_hpc.train.trainer import Trainer
+    from tests.train.one_rank import StandInActor, TrainerOfParts, one_rank_topology
     root, _ = runs
     calls = []
     real = train_ckpt.find_resume
@@ -173,21 +173,18 @@ def test_trainer_resume_uses_the_collective_search(runs, monkeypatch):
     monkeypatch.setattr(train_ckpt, "find_resume", spy)
     monkeypatch.setattr(train_ckpt, "load", lambda path, **kw: {"step": ck.step_of(path),
                                                                 "path": path})
-    one = type("One", (), {"Get_rank": lambda s: 0, "Get_size": lambda s: 1})()
+    old = RunDir(root / "nothing")      # a rollout log, no checkpoint: killed before its first one
+    old.path.mkdir()
+    old.rollouts.write_bytes(b"the first attempt's rows")
     for run, want in (("corrupt", 2), ("nothing", None)):
-        t = object.__new__(Trainer)
-        t.cfg = types.SimpleNamespace(run_dir=str(root / run), train=types.SimpleNamespace(
-            total_steps=9), rollout=types.SimpleNamespace(collective_timeout_s=7.0))
-        t.topo = types.SimpleNamespace(role_comm=one)
-        t.actor = types.SimpleNamespace(model=None, optimizer=None, lr_scheduler=None)
-        aside = []
-        t.run_dir = types.SimpleNamespace(set_aside_attempt=lambda: aside.append(1),
-                                          truncate_metrics=lambda step: None)
-        t.version = 0
+        cfg = load(None, [f"model.path={tmp_path / 'model'}", "data.train_path=x.jsonl", f"output_dir={root}",
+                          f"name={run}", "train.total_steps=9", "rollout.collective_timeout_s=7.0"])
+        t = TrainerOfParts(cfg, one_rank_topology(cfg), StandInActor())
         state = t._resume()
-        assert calls[-1] == (str(root / run), one, 7.0)
+        assert calls[-1] == (cfg.run_dir, t.topo.role_comm, 7.0) and cfg.run_dir == root / run
+        aside = sorted(p.name for p in (root / run).glob("*.attempt-*"))
         if want is None:
-            assert state is None and aside == [1]
+            assert state is None and aside == ["rollouts.attempt-1.h5"]
         else:
             assert state["path"] == ck.step_dir(root / run, want) and t.version == want
             assert not aside

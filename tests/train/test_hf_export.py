@@ -5,7 +5,6 @@ the same from two gloo processes (pp = 2, tp = 2); atomic and restartable."""
 import json
 import os
 import pickle
-import sys
 from pathlib import Path
 
 import pytest
@@ -188,8 +187,6 @@ def test_atomic_replace_and_failure(megatron_ws1, model_dir, tmp_path, monkeypat
 def test_main_exports_only_when_policy_is_missing(model_dir, tmp_path, monkeypatch, capsys):
     """A rerun of a complete run: "already complete" when policy/ is a finished export of the
     final step, else the job goes on to an export-only launch (stopped here at the topology)."""
-    import types
-
     from areal_hpc import preflight as preflight_mod
     from areal_hpc import main as main_mod
     from areal_hpc.storage import checkpoint as store
@@ -199,10 +196,6 @@ def test_main_exports_only_when_policy_is_missing(model_dir, tmp_path, monkeypat
     monkeypatch.setattr(preflight_mod, "check_inputs", lambda cfg: None)
     monkeypatch.setattr(store, "find_latest", lambda run_dir, check_crc=True: (
         Path(run_dir) / "checkpoints" / "step_00000004", {"step": 4}))
-    world = types.SimpleNamespace(Get_rank=lambda: 0, Get_size=lambda: 2)
-    monkeypatch.setitem(sys.modules, "mpi4py", types.SimpleNamespace(
-        MPI=types.SimpleNamespace(COMM_WORLD=world)))
-
     def stop(*a, **k):
         raise preflight_mod.ConfigError("stopped before the launch")
     monkeypatch.setattr(Topology, "build", staticmethod(stop))
@@ -229,12 +222,10 @@ def test_export_only_from_the_final_checkpoint(megatron_ws1, model_dir, tmp_path
     """What a rerun of a complete run without its policy/ does on the trainer ranks
     (`trainer.run_export`): the final checkpoint's weights, not the initial model's; and the
     end-of-run export is skipped when policy/ is already a finished export of that step."""
-    import types
-
     from areal_hpc.config import load, to_yaml
     from areal_hpc.train import checkpoint as train_ck
-    from areal_hpc.train.layout import ParallelLayout
     from areal_hpc.train.trainer import export_policy, run_export
+    from tests.train.one_rank import one_rank_topology
 
     cfg = load(None, [f"model.path={model_dir}", "data.train_path=unused.jsonl",
                       f"output_dir={tmp_path}", "name=r", "train.total_steps=2",
@@ -247,8 +238,7 @@ def test_export_only_from_the_final_checkpoint(megatron_ws1, model_dir, tmp_path
             p.add_(0.25)
     train_ck.save(cfg.run_dir, 2, model=trained.model, optimizer=trained.optimizer,
                   config_yaml=to_yaml(cfg))
-    topo = types.SimpleNamespace(role_comm=hf_export._Single(),
-                                 init_trainer_layout=lambda seed: ParallelLayout.read())
+    topo = one_rank_topology(cfg)       # its layout the test's world of one (megatron_ws1)
     assert run_export(cfg, topo) == 0
     policy = cfg.run_dir / "policy"
     assert is_complete(policy, 2)

@@ -104,29 +104,29 @@ def test_each_trainer_rank_receives_only_its_data_parallel_share(tmp_path, run_d
     assert [reports[r]["dp2xtp2"]["dp_rank"] for r in range(4)] == [0, 0, 1, 1]
 
 
-def test_the_trainers_batch_is_a_share_none_at_a_preemption_and_a_bad_batch_raises():
+def test_the_trainers_batch_is_a_share_none_at_a_preemption_and_a_bad_batch_raises(tmp_path):
     """`Trainer._batch` on a single trainer rank (MPI.COMM_SELF, no copy of the share)."""
-    from types import SimpleNamespace
-
-    from mpi4py import MPI
-
+    from areal_hpc.config import load
     from areal_hpc.rollout.staleness import Batch
-    from areal_hpc.train.layout import ParallelLayout
-    from areal_hpc.train.trainer import Trainer
-    from areal_hpc.transport import mpi as coll
+    from areal_hpc.train.lead import Follower
+    from tests.train.one_rank import StandInActor, TrainerOfParts, one_rank_topology
 
     seqs = make_batch(groups=3)
     first = Batch(seqs, [1], {"reward": 0.5})
     batches = iter([first, None, Batch(seqs[:1], [2], {})])
-    t = object.__new__(Trainer)
-    t.cfg = SimpleNamespace(train=CFG, rollout=SimpleNamespace(group_size=GROUP_SIZE,
-                                                               collective_timeout_s=10.0,
-                                                               max_new_tokens=64))
-    t.topo = SimpleNamespace(is_controller=True, controller_alive=None)
-    t.actor = SimpleNamespace(layout=ParallelLayout(1, 1, 1, 0, 0, 0))
-    t.lead = SimpleNamespace(batch=lambda: next(batches))
-    t.version = 0
-    t.shares = coll.GroupScatter(MPI.COMM_SELF, group=0)
+
+    class LeadOfBatches(Follower):      # rank 0's lead as _batch sees it: batches, None at a preemption
+        def batch(self):
+            return next(batches)
+
+    cfg = load(None, [f"model.path={tmp_path / 'model'}", "data.train_path=x.jsonl", f"output_dir={tmp_path}",
+                      "name=r", "train.ppo_minibatches=2", "train.adv_norm=batch", "train.prox=loglinear",
+                      f"rollout.group_size={GROUP_SIZE}", "rollout.collective_timeout_s=10",
+                      "rollout.max_new_tokens=64"])
+    assert cfg.train == CFG
+    topo = one_rank_topology(cfg)
+    assert topo.is_controller and topo.controller_alive is None
+    t = TrainerOfParts(cfg, topo, StandInActor(), LeadOfBatches())
     share, batch = t._batch()
     want = split_batch(seqs, CFG, GROUP_SIZE, 1)[0]
     assert batch is first and share.n_seqs == len(seqs) == want.n_seqs

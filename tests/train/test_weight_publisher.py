@@ -1,7 +1,6 @@
 """The weight publisher's notifier: rank 0's controller announces and collects acknowledgements,
 every other rank is SILENT (no announcement, no wait); the rules without a job."""
-from types import SimpleNamespace
-
+from areal_hpc.config import WeightSyncConfig
 from areal_hpc.rollout.controller import Controller
 from areal_hpc.train.lead import Follower
 from areal_hpc.train.weight_publisher import SILENT, WeightPublisher
@@ -21,7 +20,7 @@ class _Recorder:
 
 
 def _publisher(notifier):
-    cfg = SimpleNamespace(mode="broadcast", timeout_s=7.0, bucket_mb=1)
+    cfg = WeightSyncConfig(mode="broadcast", timeout_s=7.0, bucket_mb=1)
     return WeightPublisher(cfg, actor=None, comm=None, pp=1, collective_timeout_s=1.0,
                            weight_dir="w", notifier=notifier)
 
