@@ -317,7 +317,7 @@ def check_varlen_vs_mask(report: Report, env: Env, dtypes: list[str]) -> None:
 
 
 def step_mfu(dims: dict, train, seqs: list[dict], seconds: float, gpu=None) -> tuple[float, float | None]:
-    """(model TFLOP/s, MFU) of a train step over `seqs` (trained as TrainConfig `train` says) that
+    """(TFLOP/s, MFU) of a train step over `seqs` (trained as TrainConfig `train` says) that
     took `seconds`: the planner's FLOP model over this pack (`budget.pack_flops`) and its MFU
     (`budget.mfu`) at the peak of `gpu` (a `budget.Gpu`; None: no MFU)."""
     from areal_hpc.plan import Arch
@@ -432,7 +432,7 @@ def check_throughput(report: Report, env: Env, packs: list[int], timed: int,
            f"{env.dtype}, attention varlen, prox=behaviour; median of {timed} steps after 1 warm-up.")
     report()
     report.table(["pack tokens", "seqs", "recompute", "build s", "step s", "fwd+bwd s", "optim s", "tokens/s",
-                  "model TFLOP/s", f"MFU ({env.gpu.name}, {env.gpu.bf16_flops / 1e12:.0f} TFLOP/s)"
+                  "TFLOP/s (plan/budget.py)", f"MFU ({env.gpu.name}, {env.gpu.bf16_flops / 1e12:.0f} TFLOP/s)"
                   if env.cuda else "MFU", "loss"], rows)
     return cases
 

@@ -41,10 +41,10 @@ Seconds = FLOPs / (n_trainers x the GPU's dense bf16 peak x MFU); MFU = FLOPs / 
 n_trainers x peak) is `mfu`, what tools/gpu_check.py measures (`pack_flops` over its pack).
 Every sequence has the same length (mean output `--out-len`, default max_new_tokens / 2, after a
 prompt of max_model_len - max_new_tokens tokens, the room the config leaves for it): with
-long-tailed lengths the attention term is larger (sum of squares). ASSUMPTIONS, not measurements: MFU, the output length, the
-checkpoint filesystem's bandwidth, the weight broadcast's (throughput.py's constants) and the
-generation throughput (throughput.py's decode roofline scaled to the GPU's bandwidth, or
-`--gen-tok-s`).
+long-tailed lengths the attention term is larger (sum of squares). ASSUMPTIONS, not
+measurements: MFU, the output length, the checkpoint filesystem's bandwidth, the weight
+broadcast's (throughput.py's constants) and the generation throughput (throughput.py's decode
+roofline scaled to the GPU's bandwidth, or `--gen-tok-s`).
 """
 from __future__ import annotations
 
