@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #   slow  starts vLLM engines, Megatron, MPI or torch.distributed worlds, sandboxes or jobs: a
 #         test using one of HEAVY_FIXTURES, or in a module marked `pytestmark = pytest.mark.slow`.
 # Every e2e test is slow too.
-HEAVY_FIXTURES = {"tiny_model", "jobs", "reward_fn_run", "slurm_env", "megatron_ws1", "engine",
-                  "run_distributed"}
+HEAVY_FIXTURES = {"tiny_model", "trained_tiny_model", "jobs", "reward_fn_run", "slurm_env", "megatron_ws1",
+                  "engine", "run_distributed"}
 
 
 def pytest_configure(config):
@@ -189,6 +189,9 @@ def jobs() -> Jobs:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory, jobs):
+    """The tiny model's recipe (tools/make_tiny_model.py) pre-trained 30 steps, built once a
+    session: enough for jobs to run, not to answer problems (tests/analysis's
+    `trained_tiny_model` does)."""
     out = tmp_path_factory.mktemp("model") / "tiny"
     r = jobs.run(["tools/make_tiny_model.py", "--out", str(out), "--steps", "30"], timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

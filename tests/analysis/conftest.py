@@ -74,11 +74,11 @@ def known():
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    """The project's tiny model (models/tiny, built by tools/run_local.sh), or the same recipe,
-    pre-trained shorter (250 steps, at most 90 s: a minute and a half of a suite near its
-    budget; it still answers some problems, so the evaluations compare non-zero accuracies),
-    built into a temp dir when it is absent."""
+def trained_tiny_model(tmp_path_factory):
+    """A tiny model that answers some problems, so the evaluations compare non-zero accuracies:
+    the project's (models/tiny, built by tools/run_local.sh), or the same recipe pre-trained
+    shorter (250 steps, at most 90 s: a minute and a half of a suite near its budget), built into
+    a temp dir when it is absent. (`tiny_model`, tests/conftest.py, is pre-trained 30 steps.)"""
     built = ROOT / "models" / "tiny"
     if (built / "config.json").is_file() and (built / "heldout.jsonl").is_file():
         return built

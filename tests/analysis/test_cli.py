@@ -91,10 +91,10 @@ def test_same_names_get_distinct_labels(tmp_path, capsys, write_log):
     assert [c.strip() for c in header.strip("┃").split("┃")][1:] == ["a", "b"]
 
 
-def test_show_decodes_with_the_tokenizer(known_log, known, tiny_model, capsys):
+def test_show_decodes_with_the_tokenizer(known_log, known, trained_tiny_model, capsys):
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    assert main([str(known_log), "--no-plots", "--show", "2", "--tokenizer", str(tiny_model)]) == 0
+    tok = AutoTokenizer.from_pretrained(trained_tiny_model)
+    assert main([str(known_log), "--no-plots", "--show", "2", "--tokenizer", str(trained_tiny_model)]) == 0
     printed = capsys.readouterr().out
     trajs, _ = known
     for i in (0, 9):        # first and last row

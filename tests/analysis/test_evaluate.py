@@ -41,7 +41,7 @@ def _run(args, timeout):
                           timeout=timeout)
 
 
-def test_reproduces_the_training_log(tiny_model, tmp_path):
+def test_reproduces_the_training_log(trained_tiny_model, tmp_path):
     """A short job, then evaluate.py on the trained policy with the run's config: its pass@1 must
     match the job's eval.json within sampling noise.
 
@@ -49,8 +49,8 @@ def test_reproduces_the_training_log(tiny_model, tmp_path):
     (measured here from the per-problem pass rates), so their difference has s.d. √2·SE; we allow
     TOLERANCE_SIGMAS = 4 of those (a false failure about once in 16,000 runs)."""
     run = tmp_path / "ev"
-    r = _run(["-m", "areal_hpc.launch.local", "configs/tiny_cpu.yaml", f"model.path={tiny_model}",
-              f"data.train_path={tiny_model}/train.jsonl", f"data.eval_path={tiny_model}/heldout.jsonl",
+    r = _run(["-m", "areal_hpc.launch.local", "configs/tiny_cpu.yaml", f"model.path={trained_tiny_model}",
+              f"data.train_path={trained_tiny_model}/train.jsonl", f"data.eval_path={trained_tiny_model}/heldout.jsonl",
               f"output_dir={tmp_path}", "name=ev", "train.total_steps=3", "train.batch_prompts=4",
               "data.eval_limit=100", "data.eval_samples=4"], timeout=900)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
@@ -59,7 +59,7 @@ def test_reproduces_the_training_log(tiny_model, tmp_path):
     # start would cost a suite near its budget half a minute for no new path).
     for model, label in ((run / "policy", "final"),):
         out = tmp_path / f"{label}.json"
-        r = _run(["tools/evaluate.py", str(model), f"{tiny_model}/heldout.jsonl",
+        r = _run(["tools/evaluate.py", str(model), f"{trained_tiny_model}/heldout.jsonl",
                   "--config", str(run / "config.yaml"), "--json", str(out)], timeout=600)
         assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
         res = json.loads(out.read_text())
