@@ -133,13 +133,13 @@ class RolloutConfig:
     # preflight refuses a fixed bound shorter than its estimate.
     collective_timeout_s: float = 1800.0
     # A generator's vLLM engine that dies (its EngineCore or a TP worker gone, an engine error)
-    # or stalls (a step with requests unfinished and no output for engine_stall_s) is killed
+    # or stalls (a step, or a weight load, with no result for engine_stall_s) is killed
     # and started again in its rank with the current weights (weights.mode disk; under
     # broadcast the job ends), its in-flight samples continued from their tokens. More than
     # engine_restarts faults of one generator within engine_restart_window_s end the job, one
     # line naming it and the causes (0: the first fault ends it). Keep engine_stall_s well
-    # above the longest single engine step and below generator_timeout_s (the controller
-    # names a generator silent that long, and a stalled step keeps its loop silent).
+    # above the longest single engine step and weight load, and below generator_timeout_s and
+    # weights.timeout_s (the trainer gives up on a generator silent or unacknowledged that long).
     engine_restarts: int = 3
     engine_restart_window_s: float = 3600.0
     engine_stall_s: float = 300.0

@@ -9,8 +9,9 @@ collective) is not noticed at all. `EngineWatch` is a thread beside the loop tha
 
 - dead: the client marked the engine dead, or a process the engine started is gone (exited,
   zombie): a TP worker's death counts too;
-- stalled: a `step()` that has blocked for longer than rollout.engine_stall_s (no output while
-  requests are unfinished; set it well above the longest single engine step).
+- stalled: a `step()` (or a weight load) that has blocked for longer than
+  rollout.engine_stall_s (no output while requests are unfinished; set it well above the
+  longest single engine step and weight load).
 
 Either way it kills every process the engine started (SIGKILL, which also ends a stopped
 process) and wakes the blocked call with vLLM's `EngineDeadError`, so the generator's loop gets

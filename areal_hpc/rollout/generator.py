@@ -253,10 +253,11 @@ class Generator:
         t0 = time.monotonic()
         held = list(getattr(self.engine, "_requests", {}).values())  # the update takes them out
         try:
-            if msg.path is not None:
-                paused_s = self.engine.update_weights_from_file(version, msg.path)
-            else:
-                paused_s = self.engine.update_weights(version, msg.plan)
+            with self._busy():      # a load with no result for rollout.engine_stall_s: a stall
+                if msg.path is not None:
+                    paused_s = self.engine.update_weights_from_file(version, msg.path)
+                else:
+                    paused_s = self.engine.update_weights(version, msg.plan)
             self._weights_path = msg.path
         except Exception as exc:
             cause = None if preemption.requested() else self._fault(exc)
@@ -350,11 +351,15 @@ class Generator:
         """One engine step; every finished sample goes to the reward pool at once. An engine
         fault (not a preemption's) is recovered here (`_recover`)."""
         def step():
-            with self.guard.busy() if self.guard is not None else nullcontext():
+            with self._busy():
                 return self.engine.step()
         for smp in self._guarded(step) or ():
             kind, pid, idx = _parse_request_id(smp.request_id)
             self._finished(kind, pid, idx, smp)
+
+    def _busy(self):
+        """Around a call that waits on the engine: the watch's stall bound runs meanwhile."""
+        return self.guard.busy() if self.guard is not None else nullcontext()
 
     def _guarded(self, fn, *args):
         """`fn(*args)`; an engine fault in it (not a preemption's) is recovered (`_recover`):

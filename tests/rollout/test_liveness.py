@@ -137,3 +137,26 @@ def test_service_thread_error_is_surfaced_once_it_ends():
     with pytest.raises(RuntimeError, match="controller service thread failed") as e:
         service.stop(join_s=5)
     assert isinstance(e.value.__cause__, ValueError) and woken == [1]
+
+
+def test_a_generator_restarting_its_engine_gets_the_start_up_allowance():
+    """A generator whose last report says its engine is down (being replaced after a fault) may
+    be silent for weights.join_timeout_s, the time to start vLLM; once it is up again, for
+    rollout.generator_timeout_s. Its restarts and live engines are counted for the step line."""
+    from areal_hpc.transport import messages as msgs
+    cfg = RunConfig()
+    cfg.rollout.generator_timeout_s, cfg.weights.join_timeout_s = 20.0, 100.0
+    watch = GeneratorWatch(cfg.rollout, cfg.weights, [1, 2], ["t", "g1", "g2"], t_start=0.0)
+    for g in (1, 2):
+        watch.heard(g, now=10.0)
+        watch.report(g, msgs.Heartbeat(3, 4, 500))
+    watch.report(1, msgs.Heartbeat(3, 0, 500, engine_restarts=1, engine_down=True,
+                                   engine_fault="engine stalled"))
+    assert watch.engines() == (1, 1)
+    watch.heard(2, now=100.0)
+    watch.check({1: 2, 2: 2}, now=10.0 + 99)            # restarting: still within its allowance
+    with pytest.raises(GeneratorLostError, match=r"generator rank 1 \(host g1\) silent for 101.0 s "
+                                                 r"\(weights.join_timeout_s: restarting its engine"):
+        watch.check({1: 2, 2: 2}, now=10.0 + 101)
+    watch.report(1, msgs.Heartbeat(3, 4, 600, engine_restarts=1))
+    assert watch.engines() == (1, 2) and watch.bound(1) == 20.0

@@ -1,0 +1,167 @@
+"""A generator's vLLM engine that dies or stalls is restarted inside its rank, and the real job
+(mpiexec, vLLM, Megatron, weights over disk) goes on to its last step with nothing lost.
+
+- kill: the EngineCore process is killed (SIGKILL) mid-run: vLLM's client marks the engine dead,
+  the generator's watch (rollout/engine_guard.py) wakes its blocked step;
+- stop: the EngineCore is stopped (SIGSTOP): no output for rollout.engine_stall_s inside a step
+  is a stall; the watch kills the stopped engine.
+Either way the generator starts a new engine on its CPUs, loads the weights the trainer
+published last, and continues its in-flight samples from their tokens; the run trains all its
+steps, the audit is clean. One fault more than rollout.engine_restarts ends the job with one line
+naming the generator and the causes.
+"""
+import json
+import re
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+STALL_S = 15
+# Every sample runs to max_new_tokens (ignore_eos), so the engine is generating most of the time
+ARGS = ["train.total_steps=8", "train.batch_prompts=3", "rollout.group_size=2",
+        "rollout.max_new_tokens=96", "rollout.ignore_eos=true", "data.eval_limit=4", "data.eval_samples=1",
+        "checkpoint.every_steps=100", "weights.mode=disk", "rollout.heartbeat_s=2",
+        f"rollout.engine_stall_s={STALL_S}", "rollout.generator_timeout_s=120",
+        "weights.timeout_s=300"]
+
+
+class _Job:
+    """The job's process with its output read as it comes (vLLM's start-up lines, twice, would
+    fill the pipe)."""
+
+    def __init__(self, jobs, args, run_dir):
+        self.jobs, self.run_dir = jobs, run_dir
+        self.proc = jobs.start(args)
+        self.out: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.out.extend(self.proc.stdout), daemon=True)
+        self._reader.start()
+
+    def text(self) -> str:
+        return "".join(self.out)
+
+    def steps(self) -> int:
+        path = self.run_dir / "metrics.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    def until(self, what, ok, timeout=900):
+        deadline = time.time() + timeout
+        while not ok():
+            assert self.proc.poll() is None or ok(), f"{what}: the job ended\n{self.text()[-4000:]}"
+            assert time.time() < deadline, f"{what}: not within {timeout} s\n{self.text()[-4000:]}"
+            time.sleep(0.2)
+
+    def engine_core(self, not_pid=None):
+        for p in self.jobs.processes():
+            try:
+                if "EngineCore" in " ".join(p.cmdline()) and p.pid != not_pid \
+                        and p.status() != psutil.STATUS_ZOMBIE:
+                    return p
+            except psutil.Error:
+                pass
+        return None
+
+    def wait(self, timeout=900) -> int:
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(timeout=30)
+        return self.proc.returncode
+
+    def leftovers(self):
+        psutil.wait_procs(self.jobs.processes(), timeout=30)
+        return self.jobs.leftovers()
+
+
+def _fault(job, how, after_steps):
+    """After `after_steps` steps, at a moment the EngineCore is computing (mid-generation)."""
+    job.until(f"{after_steps} steps", lambda: job.steps() >= after_steps)
+    victim = job.engine_core()
+    assert victim is not None, "no vLLM EngineCore process found"
+    busy = lambda: sum(victim.cpu_times()[:2])     # noqa: E731
+    before = busy()
+    for _ in range(600):
+        time.sleep(0.05)
+        if (now := busy()) - before > 0.02:
+            break
+        before = now
+    victim.send_signal(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    return victim.pid
+
+
+def _restarted(out: str) -> list[tuple[int, int]]:
+    """Per restart line: (samples continued, samples started again)."""
+    return [(int(a), int(b)) for a, b in re.findall(
+        r"vLLM engine restarted in .*; (\d+) sample\(s\) continued with \d+ token\(s\) kept, "
+        r"(\d+) started again", out)]
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_faulted_engine_is_restarted_and_the_run_finishes(jobs, tiny_model, tmp_path, how):
+    run_dir = tmp_path / how
+    job = _Job(jobs, jobs.args(tiny_model, tmp_path, how, *ARGS), run_dir)
+    try:
+        old = _fault(job, how, 2)
+        t_fault = time.time()
+        code = job.wait()
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+    out = job.text()
+    assert code == 0, out[-6000:]
+    cause = "is gone" if how == "kill" else "engine stalled: no output for"
+    assert cause in out, out[-6000:]
+    restarted = [line for line in out.splitlines() if "vLLM engine restarted in" in line]
+    assert len(restarted) == 1, out[-6000:]
+    print("\n" + restarted[0])
+    (continued, again), = _restarted(out)
+    assert continued + again > 0, restarted[0]      # it was cut mid-generation
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(8)), metrics
+    assert metrics[-1]["engine_restarts"] == 1 and metrics[-1]["generators_live"] == 1
+    assert metrics[0]["engine_restarts"] == 0
+    stats = json.loads((run_dir / "generators.json").read_text())
+    assert [g["engine_restarts"] for g in stats] == [1] and stats[0]["version"] == 8
+    # the new engine served: samples submitted after the fault were trained
+    from areal_hpc.storage.rollout_log import RolloutReader
+    with RolloutReader(run_dir / "rollouts.h5") as log:
+        later = [log[i]["t_submit"] > t_fault for i in range(len(log))
+                 if log.column("consumed_step")[i] >= 0]
+    assert sum(later) >= 2, later
+    from areal_hpc.audit import audit
+    report = audit(run_dir)
+    assert report.ok, report.text()
+    print(report.text())
+    assert not psutil.pid_exists(old) or psutil.Process(old).status() == psutil.STATUS_ZOMBIE
+    assert not job.leftovers(), "processes of the job are still running"
+
+
+def test_more_faults_than_the_bound_end_the_job_with_one_line(jobs, tiny_model, tmp_path):
+    run_dir = tmp_path / "bound"
+    job = _Job(jobs, jobs.args(tiny_model, tmp_path, "bound", *ARGS, "train.total_steps=400",
+                               "rollout.engine_restarts=1"), run_dir)
+    try:
+        first = _fault(job, "kill", 2)
+        job.until("a new engine", lambda: job.engine_core(not_pid=first) is not None
+                  and "vLLM engine restarted in" in job.text())
+        steps = job.steps()
+        _fault(job, "kill", steps + 1)          # it served again before the second fault
+        code = job.wait(timeout=300)
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+    out = job.text()
+    assert code != 0, out[-6000:]
+    lines = [line for line in out.splitlines()
+             if "more than rollout.engine_restarts = 1 allows" in line]
+    assert lines, out[-6000:]
+    print("\n" + lines[0])
+    assert "generator rank 1 (host " in lines[0] and "failed 2 time(s)" in lines[0]
+    assert lines[0].count("is gone") == 2
+    assert job.steps() < 400
+    assert not job.leftovers(), "processes of the job are still running"
