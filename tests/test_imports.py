@@ -144,3 +144,14 @@ def test_the_suite_runs_every_test_file():
     missed = [f for f in files if not any(f == n or f.startswith(n.rstrip("/") + "/")
                                           for n in named)]
     assert not missed, f"tools/test.sh does not run {missed}"
+
+
+def test_tests_build_real_objects():
+    """No SimpleNamespace or object.__new__ standing in for a project object: a test builds the
+    real one, or a typed double of its protocol (tests/train/one_rank.py), so that a changed
+    interface fails the test instead of passing it."""
+    root = Path(__file__).resolve().parents[1]
+    files = [p for p in sorted((root / "tests").rglob("*.py")) if p != Path(__file__).resolve()]
+    hits = [f"{p.relative_to(root)}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1)
+            if "SimpleNamespace" in line or "object.__new__" in line]
+    assert not hits, hits
