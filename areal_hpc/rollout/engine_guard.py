@@ -66,7 +66,7 @@ def _gone(p) -> bool:
 def _cmd(p) -> str:
     import psutil
     try:
-        return " ".join(p.cmdline())[:60] or p.name()
+        return " ".join(" ".join(p.cmdline()).split())[:60] or p.name()    # titles are padded
     except psutil.Error:
         return "?"
 

@@ -4,7 +4,8 @@
 - kill: the EngineCore process is killed (SIGKILL) mid-run: vLLM's client marks the engine dead,
   the generator's watch (rollout/engine_guard.py) wakes its blocked step;
 - stop: the EngineCore is stopped (SIGSTOP): no output for rollout.engine_stall_s inside a step
-  is a stall; the watch kills the stopped engine.
+  is a stall; the watch kills the stopped engine;
+- kill_tp_worker: with rollout.engine_tp=2, one of the engine's two TP workers is killed.
 Either way the generator starts a new engine on its CPUs, loads the weights the trainer
 published last, and continues its in-flight samples from their tokens; the run trains all its
 steps, the audit is clean. One fault more than rollout.engine_restarts ends the job with one line
@@ -21,7 +22,7 @@ import pytest
 
 STALL_S = 15
 # Every sample runs to max_new_tokens (ignore_eos), so the engine is generating most of the time
-ARGS = ["train.total_steps=8", "train.batch_prompts=3", "rollout.group_size=2",
+ARGS = ["train.total_steps=10", "train.batch_prompts=3", "rollout.group_size=2",
         "rollout.max_new_tokens=96", "rollout.ignore_eos=true", "data.eval_limit=4", "data.eval_samples=1",
         "checkpoint.every_steps=100", "weights.mode=disk", "rollout.heartbeat_s=2",
         f"rollout.engine_stall_s={STALL_S}", "rollout.generator_timeout_s=120",
@@ -53,10 +54,10 @@ class _Job:
             assert time.time() < deadline, f"{what}: not within {timeout} s\n{self.text()[-4000:]}"
             time.sleep(0.2)
 
-    def engine_core(self, not_pid=None):
+    def engine_core(self, not_pid=None, needle="EngineCore"):
         for p in self.jobs.processes():
             try:
-                if "EngineCore" in " ".join(p.cmdline()) and p.pid != not_pid \
+                if needle in " ".join(p.cmdline()) and p.pid != not_pid \
                         and p.status() != psutil.STATUS_ZOMBIE:
                     return p
             except psutil.Error:
@@ -81,16 +82,21 @@ class _Job:
 def _fault(job, how, after_steps):
     """After `after_steps` steps, at a moment the EngineCore is computing (mid-generation)."""
     job.until(f"{after_steps} steps", lambda: job.steps() >= after_steps)
-    victim = job.engine_core()
-    assert victim is not None, "no vLLM EngineCore process found"
-    busy = lambda: sum(victim.cpu_times()[:2])     # noqa: E731
-    before = busy()
-    for _ in range(600):
-        time.sleep(0.05)
-        if (now := busy()) - before > 0.02:
-            break
-        before = now
-    victim.send_signal(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    needle = "Worker_TP1" if how == "kill_tp_worker" else "EngineCore"
+    victim = job.engine_core(needle=needle)
+    assert victim is not None, f"no vLLM {needle} process found"
+    try:
+        busy = lambda: sum(victim.cpu_times()[:2])     # noqa: E731
+        before = busy()
+        for _ in range(3000):
+            time.sleep(0.02)
+            if (now := busy()) - before >= 0.01:
+                break
+            before = now
+        victim.send_signal(signal.SIGSTOP if how == "stop" else signal.SIGKILL)
+    except psutil.NoSuchProcess:
+        raise AssertionError(f"{needle} ended before the fault (job exit {job.proc.poll()}, "
+                             f"{job.steps()} steps)\n{job.text()[-4000:]}") from None
     return victim.pid
 
 
@@ -101,10 +107,11 @@ def _restarted(out: str) -> list[tuple[int, int]]:
         r"(\d+) started again", out)]
 
 
-@pytest.mark.parametrize("how", ["kill", "stop"])
+@pytest.mark.parametrize("how", ["kill", "stop", "kill_tp_worker"])
 def test_a_faulted_engine_is_restarted_and_the_run_finishes(jobs, tiny_model, tmp_path, how):
     run_dir = tmp_path / how
-    job = _Job(jobs, jobs.args(tiny_model, tmp_path, how, *ARGS), run_dir)
+    tp = ["rollout.engine_tp=2"] if how == "kill_tp_worker" else []
+    job = _Job(jobs, jobs.args(tiny_model, tmp_path, how, *ARGS, *tp), run_dir)
     try:
         old = _fault(job, how, 2)
         t_fault = time.time()
@@ -114,19 +121,20 @@ def test_a_faulted_engine_is_restarted_and_the_run_finishes(jobs, tiny_model, tm
             job.proc.kill()
     out = job.text()
     assert code == 0, out[-6000:]
-    cause = "is gone" if how == "kill" else "engine stalled: no output for"
+    cause = "engine stalled: no output for" if how == "stop" else "is gone"
     assert cause in out, out[-6000:]
     restarted = [line for line in out.splitlines() if "vLLM engine restarted in" in line]
     assert len(restarted) == 1, out[-6000:]
     print("\n" + restarted[0])
     (continued, again), = _restarted(out)
+    assert "generator rank 1 (host " in out and "vLLM engine restarted (1 so far)" in out   # the controller's line
     assert continued + again > 0, restarted[0]      # it was cut mid-generation
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == list(range(8)), metrics
+    assert [m["step"] for m in metrics] == list(range(10)), metrics
     assert metrics[-1]["engine_restarts"] == 1 and metrics[-1]["generators_live"] == 1
     assert metrics[0]["engine_restarts"] == 0
     stats = json.loads((run_dir / "generators.json").read_text())
-    assert [g["engine_restarts"] for g in stats] == [1] and stats[0]["version"] == 8
+    assert [g["engine_restarts"] for g in stats] == [1] and stats[0]["version"] == 10
     # the new engine served: samples submitted after the fault were trained
     from areal_hpc.storage.rollout_log import RolloutReader
     with RolloutReader(run_dir / "rollouts.h5") as log:
