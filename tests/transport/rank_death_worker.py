@@ -11,8 +11,9 @@ dies while ranks 0-2, the survivors, are in CASE:
   coll  every survivor in a bounded barrier of areal_hpc/transport/mpi.py on the world with it.
 Then each survivor tries, every wait bounded: p2p with another survivor, a barrier and an
 allreduce on `alive` (a communicator of the survivors made by Split before the death), a barrier
-on the world (with the dead rank), MPIX_Comm_get_failed on the world, and last (it may abort the
-process) MPIX_Comm_shrink of the world.
+on the world (with the dead rank), a communicator of the survivors made after the death
+(Create_group: collective over its members alone) and a barrier on it, MPIX_Comm_get_failed on
+the world, and last MPIX_Comm_shrink of the world (in a thread: it may never return).
 
 Each rank appends one JSON line per event to OUT_DIR/rank<R>.jsonl, flushed and fsynced at once
 (the launcher may kill the process at any moment): {"rank", "event", "outcome", "detail", "s"},
@@ -97,23 +98,26 @@ def start(fn) -> dict:
     return result
 
 
-def finish(log: Log, event: str, result: dict) -> None:
+def finish(log: Log, event: str, result: dict, bound: float = EXPECT_S) -> None:
     t0 = time.monotonic()
-    while not result and time.monotonic() - t0 < EXPECT_S:
+    while not result and time.monotonic() - t0 < bound:
         time.sleep(0.01)
     if not result:
-        log(event, "timeout", f"still blocked after {EXPECT_S:g} s more")
+        log(event, "timeout", f"still blocked after {bound:g} s more")
     else:
         (outcome, detail), = result.items()
+        if isinstance(detail, MPI.Comm):
+            detail = f"a communicator of {detail.Get_size()} rank(s)"
         log(event, outcome, detail)
 
 
 def gone(pid: int) -> bool:
+    """The victim's process has ended (a zombie counts: it is dead, its parent not yet told)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        return "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
+    except OSError:     # ProcessLookupError, or /proc/PID gone (ENOENT, ESRCH) while reaped
         return True
-    return not Path(f"/proc/{pid}").exists() or "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
 
 
 def victim_pid(out: Path, log: Log) -> int:
@@ -235,6 +239,11 @@ def after_death(world, alive, log: Log) -> None:
             GUARD_S) == "ok":
         assert int(total[0]) == 6, total
     wait(log, "barrier on the world", [world.Ibarrier()], EXPECT_S)
+    # a communicator of the survivors made after the death (collective over them alone)
+    made = start(lambda: world.Create_group(world.Get_group().Excl([VICTIM]), tag=7))
+    finish(log, "Create_group of the survivors after the death", made, GUARD_S)
+    if isinstance(made.get("ok"), MPI.Comm):
+        wait(log, "barrier on the group made after the death", [made["ok"].Ibarrier()], GUARD_S)
     attempt(log, "MPIX_Comm_get_failed on the world", lambda: _failed(world))
     # the survivors meet once more before the part that may abort them
     wait(log, "barrier on alive before shrink", [alive.Ibarrier()], GUARD_S)

@@ -4,7 +4,8 @@ mpi4py of .venv under its own launcher (hydra's mpiexec): issue 39 item 3, docs/
 Each test runs tests/transport/rank_death_worker.py as 4 ranks; rank 3 dies (SIGKILL, or exit(1)
 without MPI_Finalize) while ranks 0-2 are idle, receiving from it, sending to it or in a barrier
 with it, and then they try p2p among themselves, collectives on a communicator of their own made
-before the death, a barrier on the world, MPIX_Comm_get_failed and MPIX_Comm_shrink. Every wait
+before the death and on one made after it (Create_group), a barrier on the world,
+MPIX_Comm_get_failed and MPIX_Comm_shrink. Every wait
 in the worker is bounded; the tests wait for the records the ranks write (events), with
 generous limits that only guard against a hang."""
 import json
@@ -147,6 +148,9 @@ def test_without_auto_cleanup_the_ranks_of_other_nodes_go_on_without_an_error(tm
         assert seen["barrier on alive"] == seen["allreduce on alive"] == "ok", recs[r]
         # with the dead rank: no error, no end; MPICH's ch4 reports no failed process
         assert seen["barrier on the world"] == "timeout", recs[r]
+        # a communicator of the survivors alone can still be made after the death, and works
+        assert _outcome(recs, r, "Create_group of the survivors") == ("ok", "a communicator of 3 rank(s)"), recs[r]
+        assert seen["barrier on the group made after the death"] == "ok", recs[r]
         assert _outcome(recs, r, "MPIX_Comm_get_failed") == ("ok", "failed world ranks []"), recs[r]
         assert seen["MPIX_Comm_shrink of the world"] == "timeout", recs[r]
         assert not any(rec["outcome"] == "error" for rec in recs[r]), recs[r]
@@ -160,21 +164,37 @@ def test_mpich_fault_tolerance_switch_aborts_at_init(tmp_path):
     assert not any(_outcome(recs, r, "victim died") for r in SURVIVORS), recs
 
 
-def test_over_ofi_tcp_a_survivor_that_sends_to_the_dead_rank_is_stuck_inside_mpi(tmp_path):
-    """MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp (what slurm/site_gpu.sh sets under srun): in a
-    barrier on the world the ranks that send to the dead one (1 and 2) do not come back from
-    MPI calls at all, so no deadline of the caller's can fire; rank 0, which only receives,
-    gives up at its bound. The job has to be killed from outside."""
-    out = tmp_path / "ofi"
+def _start_ofi(out: Path, case: str) -> tuple[subprocess.Popen, Path]:
+    """The job over OFI tcp (what slurm/site_gpu.sh sets under srun's pmi2), victim on its own
+    node, in the background: (mpiexec, its output file)."""
     out.mkdir()
+    log = out.parent / f"{out.name}.out"
     env = _env({"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"})
-    proc = subprocess.Popen(_cmd(out, "idle", "kill", KEEP + OWN_NODE), cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(_cmd(out, case, "kill", KEEP + OWN_NODE), cwd=ROOT, env=env,
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, log
+
+
+def _kill(proc: subprocess.Popen, out: Path) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    _end(out)
+
+
+def test_over_ofi_tcp_a_survivor_that_sends_to_the_dead_rank_is_stuck_inside_mpi(tmp_path):
+    """In a barrier on the world the ranks that send to the dead one (1 and 2) do not come back
+    from MPI calls at all, so no deadline of the caller's can fire; rank 0, which only
+    receives, gives up at its bound. Nobody ends the job: it has to be killed from outside."""
+    out = tmp_path / "ofi"
+    proc, log = _start_ofi(out, "idle")
     try:
         deadline = time.monotonic() + LIMIT_S
         while _outcome(_records(out), 0, "barrier on the world") is None:
-            assert proc.poll() is None and time.monotonic() < deadline, _records(out)
+            assert proc.poll() is None and time.monotonic() < deadline, (_records(out), log.read_text()[-3000:])
             time.sleep(0.2)
         # rank 0 gave up at its 5 s bound; 1 and 2 started the same barrier within a second of
         # it and poll every 5 ms: give them three bounds more
@@ -186,6 +206,5 @@ def test_over_ofi_tcp_a_survivor_that_sends_to_the_dead_rank_is_stuck_inside_mpi
             assert _outcome(recs, r, "barrier on the world") is None, recs[r]
         assert proc.poll() is None      # nobody ends the job
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        _end(out)
+        _kill(proc, out)
+
