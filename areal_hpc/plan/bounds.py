@@ -111,6 +111,9 @@ def waits(est) -> list[Wait]:
         Wait("rank 0, generators", "a live rank's silence: an engine step + 2 heartbeats",
              engine_step_seconds(est, params) + 2 * r.heartbeat_s,
              "rollout.generator_timeout_s", r.generator_timeout_s),
+        Wait("generator", "its engine's step or weight load (the engine watch: a stall)",
+             max(engine_step_seconds(est, params), est.update_s), "rollout.engine_stall_s",
+             r.engine_stall_s),
     ] + ([Wait("batch script", "the signal's lead: a step + its checkpoint",
                est.step_s + est.ckpt_s, "checkpoint.signal_lead_s", ck.signal_lead_s)]
          if ck.signal_lead_s else [])

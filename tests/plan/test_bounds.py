@@ -28,7 +28,7 @@ def test_32b_first_batch_outlasts_the_old_fixed_bound_and_waits_on_rank_0s_liven
     fixed = [x for x in rows if x.key is not None]
     assert {x.key for x in fixed} >= {"rollout.collective_timeout_s", "weights.timeout_s",
                                       "weights.join_timeout_s", "rollout.generator_timeout_s",
-                                      "checkpoint.signal_lead_s"}
+                                      "checkpoint.signal_lead_s", "rollout.engine_stall_s"}
     assert all(x.bound_s >= x.estimate_s for x in fixed), [(x.key, x.bound_s, x.estimate_s) for x in fixed]
     assert bounds.bound_problems(rows) is None
     assert budget.check_time(load(R32, CLOCK), env={}, warn=lambda line: None) is not None
@@ -36,7 +36,8 @@ def test_32b_first_batch_outlasts_the_old_fixed_bound_and_waits_on_rank_0s_liven
 
 @pytest.mark.parametrize("key,value", [("rollout.collective_timeout_s", 300),
                                        ("weights.join_timeout_s", 60),
-                                       ("rollout.generator_timeout_s", 10.1)])
+                                       ("rollout.generator_timeout_s", 10.1),
+                                       ("rollout.engine_stall_s", 1)])
 def test_a_bound_shorter_than_its_work_is_refused_in_one_line_naming_the_key(key, value):
     cfg = load(R32, [*CLOCK, f"{key}={value}"])
     with pytest.raises(ConfigError) as err:
