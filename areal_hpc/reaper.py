@@ -154,16 +154,57 @@ def watch(parent_pid: int, interval: float, stream=None, grace_s: float = 5.0
     except psutil.NoSuchProcess:
         return [], False
     seen: dict = {}
+    segments: set[str] = set()
     # End-of-file is the prompt signal; polling the parent covers a forked child that inherited
     # the pipe's write end and so keeps the pipe open after the rank is gone.
     while not closed.wait(interval) and parent.is_running():
         seen = {pid: p for pid, p in seen.items() if p.is_running()}   # exited on their own
         seen.update(_snapshot(parent, os.getpid()))
+        segments |= shm_mapped(parent_pid)
     closed.wait(1.0)        # a clean exit's announcement may trail the parent's end slightly
     clean = CLEAN in said
     if clean:               # children on their way out (resource tracker, engine) may finish
         psutil.wait_procs([p for p in seen.values() if _alive(p)], timeout=grace_s)
-    return _kill(seen.values()), clean
+    killed = _kill(seen.values())
+    remove_unmapped(segments)
+    return killed, clean
+
+
+# MPICH's shared-memory segments (one per node and communicator): a rank that is killed never
+# unlinks them, so every killed job left a few MiB in /dev/shm (a tmpfs: memory), and a node or
+# test box running many such jobs ran out (MPIDI_POSIX_comm_bootstrap: Out of memory).
+SHM_PREFIX = "/dev/shm/mpich_shm_"
+
+
+def shm_mapped(pid: int | str, prefix: str = SHM_PREFIX) -> set[str]:
+    """The files under `prefix` that process `pid` maps (empty if it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return {line.split(None, 5)[5].strip().removesuffix(" (deleted)")
+                    for line in f if prefix in line and len(line.split(None, 5)) == 6}
+    except (OSError, ValueError):
+        return set()
+
+
+def remove_unmapped(paths: set[str], prefix: str = SHM_PREFIX) -> list[str]:
+    """Unlink each of `paths` (segments the dead rank mapped) that no live process maps any
+    more: the job's other ranks on this node keep theirs until the last one's watcher ends."""
+    left = {p for p in paths if os.path.exists(p)}
+    if not left:
+        return []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid():
+            left -= shm_mapped(pid, prefix)
+            if not left:
+                return []
+    removed = []
+    for path in sorted(left):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
 
 
 def _alive(p) -> bool:

@@ -118,3 +118,43 @@ def test_watcher_survives_sigterm_until_the_rank_ends():
         assert not _alive(children)
     finally:
         _cleanup(proc, watcher, children)
+
+
+SHM_RANK = textwrap.dedent("""
+    import mmap, os, sys, time
+    from areal_hpc import reaper
+    watcher = reaper.start("rank 7 (test)", interval=0.2)
+    maps = []
+    for path in sys.argv[1:]:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, 1 << 16)
+        maps.append(mmap.mmap(fd, 1 << 16))
+    time.sleep(1.0)                      # at least one snapshot of what it maps
+    print(watcher.pid, flush=True)
+    time.sleep(300)
+""")
+
+
+def test_a_killed_ranks_mpich_segments_are_removed_unless_another_process_maps_them():
+    """MPICH's /dev/shm segments outlive a killed rank; its watcher removes those it mapped, but
+    not one that another rank of the job (here: this test) still maps."""
+    import mmap
+    import uuid
+
+    tag = uuid.uuid4().hex[:12]
+    own, shared = (f"/dev/shm/mpich_shm_test_{tag}_{k}" for k in ("own", "shared"))
+    proc = subprocess.Popen([sys.executable, "-c", SHM_RANK, own, shared], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        watcher = psutil.Process(int(proc.stdout.readline()))
+        with open(shared, "r+b") as f, mmap.mmap(f.fileno(), 1 << 16) as still_mapped:
+            proc.kill()
+            proc.wait(timeout=60)
+            watcher.wait(timeout=120)
+            assert not os.path.exists(own)
+            assert os.path.exists(shared) and still_mapped[:1] == b"\0"
+    finally:
+        proc.kill()
+        for path in (own, shared):
+            if os.path.exists(path):
+                os.unlink(path)
