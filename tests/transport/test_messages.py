@@ -85,4 +85,4 @@ def test_generator_stats_as_json_for_generators_json():
     assert json.loads(json.dumps(dataclasses.asdict(st))) == {
         "rank": 1, "tokens": 100, "seconds": {"busy": 1.0}, "version": 3,
         "reward": {"calls": 2, "errors": 0, "timeouts": 0}, "stale_aborted": 4,
-        "engine_s": 0.9}
+        "engine_s": 0.9, "engine_restarts": 0}
