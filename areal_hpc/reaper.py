@@ -75,13 +75,21 @@ def kill_descendants(pid: int | None = None) -> int:
         victims = psutil.Process(pid).children(recursive=True)
     except psutil.Error:
         return 0
-    for v in victims:
+    kill_and_wait(victims)
+    return len(victims)
+
+
+def kill_and_wait(procs: list, timeout: float = 5.0) -> None:
+    """SIGKILL each of `procs` (psutil handles; one already gone is skipped) and reap them,
+    waiting at most `timeout` seconds."""
+    import psutil
+
+    for p in procs:
         try:
-            v.kill()
+            p.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(victims, timeout=5)
-    return len(victims)
+    psutil.wait_procs(procs, timeout=timeout)
 
 
 def _clean_exit(watcher: subprocess.Popen) -> None:

@@ -19,6 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from areal_hpc.reaper import kill_and_wait
+
 pytestmark = pytest.mark.slow     # starts MPI worlds (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,12 +62,7 @@ def _end(out: Path) -> None:
                 mine.append(p)
         except psutil.Error:
             pass
-    for p in mine:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(mine, timeout=30)
+    kill_and_wait(mine, timeout=30)
 
 
 def _cmd(out: Path, case: str, how: str, opts: list[str]) -> list[str]:
