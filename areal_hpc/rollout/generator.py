@@ -151,9 +151,7 @@ class Generator:
             self.guard = EngineWatch(self.engine, self.cfg.rollout.engine_stall_s)
         running = True
         while running:
-            if self.guard is not None and self.guard.cause is not None and not self._engine_lost \
-                    and not preemption.requested():
-                self._guarded(self._raise_fault)     # found while nothing waited on the engine
+            self._recover_idle_fault()
             self._tick()
             self._heartbeat()
             self.watch.check()
@@ -372,6 +370,13 @@ class Generator:
                 raise
             self._recover(cause)
             return None
+
+    def _recover_idle_fault(self) -> None:
+        """An engine fault the watch found while nothing waited on the engine: recovered as
+        one met in a call (`_guarded`), unless the engine went with a preemption."""
+        if self.guard is not None and self.guard.cause is not None and not self._engine_lost \
+                and not preemption.requested():
+            self._guarded(self._raise_fault)
 
     def _raise_fault(self) -> None:
         raise RuntimeError(self.guard.cause)
