@@ -194,6 +194,18 @@ def release(job: str, env=None, timeout: float = 180) -> None:
     _sh("scontrol", "update", f"jobid={job}", "starttime=now", env=env)
 
 
+def last_lines(ranks_log: str) -> list[str]:
+    """The last line each rank wrote to an `srun --label` log (progress bars left out): where
+    each one was when a wait on the job ran out."""
+    last: dict[int, str] = {}
+    for line in ranks_log.splitlines():
+        label, sep, rest = line.partition(": ")
+        if sep and label.strip().isdigit() and rest.strip() and "\r" not in rest \
+                and not rest.lstrip().startswith(("train:", "gen:")):
+            last[int(label)] = line[:300]
+    return [last[r] for r in sorted(last)]
+
+
 def steps_done(run: Path) -> list[int]:
     """The steps metrics.jsonl holds so far ([] before the first, or while a line is being
     written: the caller polls again)."""
@@ -238,8 +250,9 @@ def rehearse(script: Path, model: Path, out_dir: Path, steps: int = 4, env=None,
 
     def log_tail() -> str:
         parts = [batch_out.read_text(errors="replace")[-3000:] if batch_out.exists() else ""]
-        parts += [f"--- {p}\n{p.read_text(errors='replace')[-4000:]}"
-                  for p in sorted(run.glob(f"logs/job-{job}/attempt-*/ranks.log"))]
+        for log in sorted(run.glob(f"logs/job-{job}/attempt-*/ranks.log")):
+            text = log.read_text(errors="replace")
+            parts += [f"--- {log}\n{text[-4000:]}", "--- each rank's last line:", *last_lines(text)]
         return "\n".join(parts)
 
     def alive(cond):
@@ -260,6 +273,8 @@ def rehearse(script: Path, model: Path, out_dir: Path, steps: int = 4, env=None,
         release(job, env)
         until(lambda: job_info(job, env).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"),
               timeout, "the second attempt")
+    except TimeoutError as exc:      # where the job was when the wait ran out, not just that it did
+        raise TimeoutError(f"job {job}: {exc}\n{log_tail()}") from None
     finally:
         _sh("scancel", job, env=env)
     state = job_info(job, env).get("JobState")

@@ -57,7 +57,7 @@ def test_32b_recipe_rehearsal_on_four_namespaced_nodes(netns_cluster, jobs, tiny
     → checkpoint, exit 3, requeue → the second attempt resumes and finishes every step, exports
     policy/, and the audit of the run's files passes."""
     env = {k: v for k, v in netns_cluster["env"].items() if not re.match(r"(MPIR_CVAR|FI|UCX)_", k)}
-    res = rehearse.rehearse(ROOT / "slurm/areal_32b.sh", Path(tiny_model), tmp_path, steps=4,
+    res = rehearse.rehearse(ROOT / "slurm/areal_32b.sh", Path(tiny_model), tmp_path, steps=4, timeout=600,
                             env=jobs.env(env), say=lambda line: None)
     run = Path(res["run"])
     assert res["audit"] == 0, res["audit_out"]
