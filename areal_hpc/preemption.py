@@ -17,6 +17,8 @@ import os
 import signal
 import time
 
+from . import slurm_job
+
 log = logging.getLogger(__name__)
 
 EXIT_PREEMPTED = 3          # areal_hpc.main's exit code after a preemption checkpoint
@@ -122,7 +124,7 @@ def job_end(cfg, signal_at: float | None, env=None) -> tuple[float | None, str]:
     """(the job's end as time.time(), where from), or (None, "") when unknown: the earliest of
     SLURM_JOB_END_TIME, the attempt's start (SLURM_JOB_START_TIME, else this process's) +
     checkpoint.time_limit_s, and the signal's time + its lead (checkpoint.signal_lead_s, else the
-    batch script's --signal: `plan.budget.job_clock`)."""
+    batch script's --signal: `slurm_job.job_clock`)."""
     env = os.environ if env is None else env
     ck = cfg.checkpoint
     found = []
@@ -136,8 +138,7 @@ def job_end(cfg, signal_at: float | None, env=None) -> tuple[float | None, str]:
     if signal_at is not None:
         lead, src = ck.signal_lead_s, "checkpoint.signal_lead_s"
         if lead <= 0 and env.get("SLURM_JOB_ID"):
-            from .plan.budget import job_clock
-            _, _, lead, src = job_clock(cfg, env)
+            _, _, lead, src = slurm_job.job_clock(cfg, env)
         if lead and lead > 0:
             found.append((signal_at + lead, f"the signal + {src}"))
     return min(found) if found else (None, "")

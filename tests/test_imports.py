@@ -85,7 +85,8 @@ def test_config_reads_no_file_but_the_yaml():
 # The package's floors, bottom to top (docs/architecture.md "Floors"): a module imports from its
 # own floor or below. An import that runs back up is listed in UP with its reason.
 FLOORS = {
-    0: ["config", "cpus", "random_models", "versions", "determinism", "preemption", "reaper", "progress"],
+    0: ["config", "cpus", "random_models", "versions", "determinism", "preemption", "reaper", "progress",
+        "slurm_job"],
     1: ["data", "algo", "transport", "topology"],
     2: ["storage", "reward"],
     3: ["rollout", "train", "plan"],
@@ -97,7 +98,6 @@ UP = {
     ("areal_hpc.config.rules", "areal_hpc.data.prompts"): "data.prompt_template's fields",
     ("areal_hpc.config.rules", "areal_hpc.reward.custom"): "reward.functions' spec syntax",
     ("areal_hpc.plan.__main__", "areal_hpc.launch.placement"): "`plan placement` prints its plan",
-    ("areal_hpc.preemption", "areal_hpc.plan.budget"): "the job's clock (time limit, signal lead)",
     ("areal_hpc.rollout.generator", "areal_hpc.preflight"): "the generator's own start-up check",
     ("areal_hpc.topology", "areal_hpc.train.layout"): "a trainer rank's layout, built on demand",
 }

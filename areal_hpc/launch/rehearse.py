@@ -38,6 +38,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import load
+from ..plan import check_fits, estimate
+from ..plan.budget import check_time
+from ..slurm_job import lead_from_script, parse_slurm_time
+from ..storage.run_dir import RunDir, RunFileError
 from .placement import sbatch_components
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,7 +78,6 @@ def recipe_config(script_text: str) -> str:
 
 def layout(script_text: str) -> Layout:
     """The scaled layout of the recipe `script_text` runs (its config read from the repository)."""
-    from ..config import load
     config = recipe_config(script_text)
     cfg = load(ROOT / config, ["model.path=x", "data.train_path=x"])
     t = cfg.topology
@@ -133,9 +137,6 @@ def overrides(lay: Layout, model: Path, out_dir: Path, name: str, steps: int) ->
 def full_scale_preflight(script_text: str) -> list[str]:
     """The memory plan and the time budget of the recipe at its real size on its GPU, with its
     batch script's clock (--time, the USR1 lead): one line each. ConfigError if refused."""
-    from ..config import load
-    from ..plan import check_fits, estimate
-    from ..plan.budget import check_time, lead_from_script, parse_slurm_time
     config = recipe_config(script_text)
     # the recipe's own model path: the memory model falls back to configs/models/<name>/config.json
     cfg0 = load(ROOT / config)
@@ -209,7 +210,6 @@ def last_lines(ranks_log: str) -> list[str]:
 def steps_done(run: Path) -> list[int]:
     """The steps metrics.jsonl holds so far ([] before the first, or while a line is being
     written: the caller polls again)."""
-    from ..storage.run_dir import RunDir, RunFileError
     try:
         return [m["step"] for m in RunDir(run).read_metrics()]
     except RunFileError:

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from areal_hpc import plan
+from areal_hpc import plan, slurm_job
 from areal_hpc.config import ConfigError, load
 from areal_hpc.plan import budget
 from tests.plan.test_memory_terms import small_config
@@ -82,18 +82,6 @@ def test_seconds_at_the_stated_mfu(tmp_path):
         budget.estimate_time(_small(tmp_path, "topology.gpu=v100"))
 
 
-def test_slurm_times_and_the_batch_scripts_lead():
-    p = budget.parse_slurm_time
-    assert (p("24:00:00"), p("1-00:00:00"), p("1-02"), p("1-02:03"), p("03:04"), p("90")) == \
-        (86400, 86400, 93600, 93780, 184, 5400)
-    assert p("UNLIMITED") is None and p("INVALID") is None
-    for name, lead in (("areal_32b.sh", 9000), ("areal_7b.sh", 1200), ("areal_tiny.sh", 120)):
-        text = (ROOT / "slurm" / name).read_text()
-        assert budget.lead_from_script(text, ["USR1", "TERM"]) == lead
-    assert budget.lead_from_script("#SBATCH --signal=USR2\n", ["USR2"]) == 60   # Slurm's default
-    assert budget.lead_from_script("# --signal=B:USR1@5\n", ["USR1"]) is None    # not an #SBATCH line
-
-
 def _lines():
     out = []
     return out, out.append
@@ -138,27 +126,6 @@ def test_skipped_on_cpu_without_a_gpu_name_or_without_a_clock():
     assert budget.check_time(load(R32, ["topology.gpu=h100"]), env={}, warn=warn) is not None and got == []
 
 
-def test_job_clock_from_slurm(monkeypatch):
-    cfg = load(R32, ["topology.gpu=h100"])
-    calls = []
-
-    def fake(cmd):
-        calls.append(cmd[0])
-        return {"squeue": "1-00:00:00\n",
-                "scontrol": (ROOT / "slurm/areal_32b.sh").read_text()}[cmd[0]]
-
-    monkeypatch.setattr(budget, "_run", fake)
-    assert budget.job_clock(cfg, {"SLURM_JOB_ID": "7"}) == (86400.0, "the job's --time (squeue)", 9000.0,
-                                                            "the batch script's --signal")
-    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_START_TIME": "1000", "SLURM_JOB_END_TIME": "4600"}
-    assert budget.job_clock(cfg, env)[:2] == (3600.0, "SLURM_JOB_END_TIME")
-    keys = load(R32, ["checkpoint.time_limit_s=600", "checkpoint.signal_lead_s=60"])
-    calls.clear()
-    assert budget.job_clock(keys, {"SLURM_JOB_ID": "7"}) == (600, "checkpoint.time_limit_s", 60,
-                                                             "checkpoint.signal_lead_s")
-    assert calls == []
-
-
 def test_time_command_prints_the_assumptions(capsys):
     assert plan.main(["time", str(R32), "--gpu", "h100", "--mfu", "0.35"]) == 0
     out = capsys.readouterr().out
@@ -182,7 +149,7 @@ def test_launch_env_refuses_a_step_longer_than_the_lead():
 
 def test_1_5b_recipe_fits_its_batch_scripts_lead():
     cfg = load(ROOT / "configs/qwen2_5_1_5b_math.yaml", ["checkpoint.time_limit_s=86400"])
-    lead = budget.lead_from_script((ROOT / "slurm/areal_1_5b.sh").read_text(), ["USR1"])
+    lead = slurm_job.lead_from_script((ROOT / "slurm/areal_1_5b.sh").read_text(), ["USR1"])
     est = budget.estimate_time(cfg)
     assert cfg.topology.gpu == "h100" and est.step_s + est.ckpt_s < lead
     got, warn = _lines()
@@ -197,8 +164,8 @@ def test_each_gpu_recipe_fits_its_own_batch_scripts_clock(name):
     holds a step and its checkpoint, and checkpoint.every_steps x step fits --time."""
     text = (ROOT / "slurm" / name).read_text()
     config = re.search(r"slurm/job\.sh (configs/\S+\.yaml)", text).group(1)
-    lead = budget.lead_from_script(text, ["USR1", "TERM"])
-    limit = budget.parse_slurm_time(re.search(r"--time=(\S+)", text).group(1))
+    lead = slurm_job.lead_from_script(text, ["USR1", "TERM"])
+    limit = slurm_job.parse_slurm_time(re.search(r"--time=(\S+)", text).group(1))
     cfg = load(ROOT / config, [f"checkpoint.signal_lead_s={lead}", f"checkpoint.time_limit_s={limit}"])
     got, warn = _lines()
     assert budget.check_time(cfg, env={}, warn=warn) is not None and got == []

@@ -149,9 +149,8 @@ def test_verdict():
 
 
 def test_job_end(monkeypatch):
-    from areal_hpc import preemption
+    from areal_hpc import preemption, slurm_job
     from areal_hpc.config import RunConfig
-    from areal_hpc.plan import budget
     cfg = RunConfig()
     assert preemption.job_end(cfg, None, {}) == (None, "")
     assert preemption.job_end(cfg, 500.0, {}) == (None, "")     # a signal, no lead known
@@ -166,7 +165,7 @@ def test_job_end(monkeypatch):
         1100.0, "checkpoint.time_limit_s")
     # in a Slurm job without the key: the batch script's --signal
     cfg = RunConfig()
-    monkeypatch.setattr(budget, "job_clock", lambda c, env: (None, "", 900.0, "the script"))
+    monkeypatch.setattr(slurm_job, "job_clock", lambda c, env: (None, "", 900.0, "the script"))
     assert preemption.job_end(cfg, 500.0, {"SLURM_JOB_ID": "7"}) == (1400.0,
                                                                      "the signal + the script")
 
