@@ -1,0 +1,190 @@
+"""The environment interface: what a user implements, in one file, for multi-turn episodes
+(docs/environments.md).
+
+An environment is a class named ``path/to/file.py:ClassName`` or ``package.module:ClassName``
+(the ``env.fn`` key, like ``reward.fn``), or a built-in by its name (``calculator``, ``python``).
+One instance serves one episode; it is built with the keyword arguments of ``env.args``::
+
+    class MyEnv(Environment):
+        def reset(self, row: dict) -> str | list[int]:
+            ...   # the data row -> the first prompt (text, tokenised once by us, or token ids)
+        def step(self, turn_text: str, turn_ids: list[int]) -> Step:
+            ...   # the model's turn -> Step(observation, done, reward, tool)
+
+``step`` may also return a tuple ``(observation, done, reward)``. ``observation`` is text (the
+job's ``env.observation_template`` wraps it, then it is tokenised once), a list of token ids
+(appended as they are, between the template's parts), or None (nothing to append). ``reward``: the
+episode's reward when ``done``; a number on an earlier turn is a per-turn reward, added to it.
+
+Environments run in a child process of their own (env/runner.py), never in the caller's.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import os
+import runpy
+import string
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+from ..reward.custom import RewardFnError, resolve, split_spec
+
+BUILTINS = {"calculator": "areal_hpc.env.calculator:Calculator",
+            "python": "areal_hpc.env.python_tool:PythonTool"}
+MAX_TOKEN_ID = (1 << 31) - 1
+
+
+class EnvConfigError(ValueError):
+    """A bad env section or an environment class that cannot be used: one line naming the key."""
+
+
+@dataclass
+class ToolCall:
+    """One tool call of an episode, for the rollout log: the tool's name, its arguments (text),
+    the size of its output in bytes, its wall-clock seconds, and its error (None = it ran)."""
+    name: str
+    args: str = ""
+    output_bytes: int = 0
+    seconds: float = 0.0
+    error: Optional[str] = None
+
+
+@dataclass
+class Step:
+    """What an environment answers to a turn (or, from ``reset``, the first prompt in
+    ``observation``). ``error``: set by the runner only, when the environment failed (raised,
+    hung past its bound, died, answered garbage): the episode ends there, reward 0."""
+    observation: Any = None             # str, list[int] or None
+    done: bool = False
+    reward: Optional[float] = None
+    tool: Optional[ToolCall] = None
+    error: Optional[str] = None
+
+
+class Environment:
+    """The base class of environments (subclassing it is optional: any class with ``reset`` and
+    ``step`` will do)."""
+
+    def reset(self, row: dict):
+        raise NotImplementedError
+
+    def step(self, turn_text: str, turn_ids: list[int]) -> Step:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Called when the episode ends (optional)."""
+
+
+@dataclass
+class EnvConfig:
+    """The ``env`` section: which environment, and the bounds of its episodes."""
+    fn: Optional[str] = None            # "path/to/file.py:Class", "package.module:Class", or a built-in
+    args: dict = field(default_factory=dict)   # keyword arguments of the class
+    max_turns: int = 4                  # model turns per episode; an episode not done by then is cut
+    max_episode_tokens: int = 1024      # prompt + turns + observations; past it the episode is cut
+    # what ends a model's turn: strings (a closing code fence, "</calc>") or token ids
+    turn_stop: list = field(default_factory=list)
+    observation_template: str = "{observation}"   # how an observation's text is wrapped
+    call_timeout_s: float = 10.0        # per reset or step call; past it: the episode's error
+    start_timeout_s: float = 60.0       # starting the environment's process (its imports)
+    memory_mb: int = 4096               # address space of the environment's process
+    output_bytes: int = 1 << 20         # what the environment's process may print, in all
+
+
+# key -> (lowest, highest) of the numeric keys
+RANGES = {"max_turns": (1, 1000), "max_episode_tokens": (2, 1 << 24), "call_timeout_s": (0.01, 3600),
+          "start_timeout_s": (1, 3600), "memory_mb": (64, 1 << 20), "output_bytes": (0, 1 << 30)}
+
+
+def from_mapping(section, key: str = "env") -> EnvConfig:
+    """An EnvConfig from a mapping (a dict, an OmegaConf section), checked (`validate`)."""
+    if section is None:
+        section = {}
+    if hasattr(section, "items") and not isinstance(section, dict):
+        from omegaconf import OmegaConf
+        section = OmegaConf.to_container(section, resolve=True)
+    if not isinstance(section, dict):
+        raise EnvConfigError(f"config key '{key}': expected a mapping, got {type(section).__name__}")
+    known = {f.name for f in fields(EnvConfig)}
+    for k in section:
+        if k not in known:
+            raise EnvConfigError(f"config key '{key}.{k}': unknown (known: {', '.join(sorted(known))})")
+    cfg = EnvConfig(**section)
+    validate(cfg, key)
+    return cfg
+
+
+def _bad(key: str, msg: str) -> EnvConfigError:
+    return EnvConfigError(f"config key '{key}': {msg}")
+
+
+def validate(cfg: EnvConfig, key: str = "env") -> None:
+    """Raise EnvConfigError naming the first bad key (syntax only; `runner.check` imports fn)."""
+    if cfg.fn is not None:
+        if not isinstance(cfg.fn, str):
+            raise _bad(f"{key}.fn", f"expected a string, got {type(cfg.fn).__name__}")
+        if cfg.fn not in BUILTINS:
+            try:
+                split_spec(cfg.fn)
+            except RewardFnError as exc:
+                raise _bad(f"{key}.fn", f"{exc} or a built-in ({', '.join(BUILTINS)})") from None
+    if not isinstance(cfg.args, dict) or not all(isinstance(k, str) and k.isidentifier()
+                                                 for k in cfg.args):
+        raise _bad(f"{key}.args", "expected a mapping of keyword-argument names to values")
+    for name, (lo, hi) in RANGES.items():
+        v = getattr(cfg, name)
+        typ = int if isinstance(EnvConfig.__dataclass_fields__[name].default, int) else float
+        if (isinstance(v, bool) or not isinstance(v, (int, float)) or (typ is int and not isinstance(v, int))
+                or not math.isfinite(v) or not lo <= v <= hi):
+            raise _bad(f"{key}.{name}", f"expected {typ.__name__} in [{lo:g}, {hi:g}], got {v!r}")
+    if not isinstance(cfg.turn_stop, (list, tuple)):
+        raise _bad(f"{key}.turn_stop", f"expected a list of strings or token ids, got {cfg.turn_stop!r}")
+    for i, s in enumerate(cfg.turn_stop):
+        ok = (isinstance(s, str) and s) or (type(s) is int and 0 <= s <= MAX_TOKEN_ID)
+        if not ok:
+            raise _bad(f"{key}.turn_stop[{i}]", f"expected a non-empty string or a token id, got {s!r}")
+    tpl = cfg.observation_template
+    try:
+        names = [f for _, f, _, _ in string.Formatter().parse(tpl) if f is not None] \
+            if isinstance(tpl, str) else None
+    except ValueError as exc:
+        raise _bad(f"{key}.observation_template", str(exc)) from None
+    if names != ["observation"]:
+        raise _bad(f"{key}.observation_template", "expected text with {observation} once and no "
+                   f"other field (double other braces), got {tpl!r}")
+
+
+def turn_stops(cfg: EnvConfig) -> tuple[list[str], list[int]]:
+    """(stop strings, stop token ids) of ``env.turn_stop``, as an engine's sampling takes them."""
+    return ([s for s in cfg.turn_stop if isinstance(s, str)],
+            [s for s in cfg.turn_stop if not isinstance(s, str)])
+
+
+def full_spec(fn: str, base: str | os.PathLike | None = None) -> str:
+    """A built-in's spec, or the configured one with a relative file path made absolute."""
+    return BUILTINS.get(fn) or resolve(fn, base)
+
+
+def load_class(spec: str) -> type:
+    """The class a spec names (its module imported here). Raises EnvConfigError. Call it in the
+    environment's own process (env/runner.py), never in the job's."""
+    where, name, is_file = split_spec(spec)
+    if is_file and not os.path.isfile(where):
+        raise EnvConfigError(f"{spec!r}: no such file {where!r}")
+    try:
+        names = (runpy.run_path(where, run_name="areal_user_env") if is_file
+                 else vars(importlib.import_module(where)))
+    except BaseException as exc:    # a module that raises (or exits) while it is imported
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise EnvConfigError(f"{spec!r}: cannot import {where!r}: {type(exc).__name__}: {first}") from None
+    cls = names.get(name)
+    if not inspect.isclass(cls):
+        raise EnvConfigError(f"{spec!r}: {name!r} is " + ("missing" if cls is None else
+                             f"a {type(cls).__name__}, not a class"))
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))
+               or getattr(cls, m) is getattr(Environment, m)]
+    if missing:
+        raise EnvConfigError(f"{spec!r}: {name} has no {' or '.join(missing)} method")
+    return cls
