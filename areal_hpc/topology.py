@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .config import ConfigError, TopologyConfig
+from .transport.mpi import bcast
 
-if TYPE_CHECKING:   # torch-free at import: the launcher uses this module before any rank starts
-    from .train.layout import ParallelLayout
+if TYPE_CHECKING:
     from .transport.weights import WeightGroupAddress
 
 TRAINER, GENERATOR = "trainer", "generator"
@@ -97,7 +97,6 @@ class Topology:
         `timeout_s` (default: rollout.collective_timeout_s via transport.mpi): a rank that never
         starts (or hangs importing) fails the others with a message instead of hanging them;
         the few collectives after it follow at once."""
-        from .transport.mpi import bcast
         check_world(cfg, world.Get_size())
         rank = world.Get_rank()
         role = TRAINER if rank < cfg.n_trainers else GENERATOR
@@ -137,29 +136,9 @@ class Topology:
 
     def weight_group_address(self, weights) -> WeightGroupAddress:
         """The weight group's address for this job (`weights`: the run's weights section)."""
-        from .transport.weights import WeightGroupAddress
+        from .transport.weights import WeightGroupAddress   # torch: the launcher imports this module
         return WeightGroupAddress(self.controller_addr, self.weight_port, self.weight_group_size,
                                   self.cfg.weight_backend, weights.timeout_s, weights.join_timeout_s)
-
-    def init_trainer_layout(self, seed: int) -> ParallelLayout:
-        """This trainer rank's Megatron layout: the default process group over the trainer ranks,
-        then Megatron's TP × PP × DP groups over it (`topology.tp`, `topology.pp`)."""
-        from .train.layout import ParallelLayout
-        self.init_trainer_process_group()
-        return ParallelLayout.create(self.cfg.tp, self.cfg.pp, seed, backend=self.cfg.trainer_backend)
-
-    def init_trainer_process_group(self) -> None:
-        """torch.distributed default group over the trainer ranks only (Megatron builds on it)."""
-        import torch.distributed as dist
-        assert self.role == TRAINER
-        if self.cfg.device == "cuda":
-            import torch
-            # launch.placement narrowed CUDA_VISIBLE_DEVICES to this rank's one GPU.
-            torch.cuda.set_device(0)
-        dist.init_process_group(
-            backend=self.cfg.trainer_backend,
-            init_method=f"tcp://{self.controller_addr}:{self.trainer_port}",
-            rank=self.role_rank, world_size=self.cfg.n_trainers)
 
 
 def node_name(env=None) -> str:

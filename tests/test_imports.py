@@ -99,7 +99,6 @@ UP = {
     ("areal_hpc.config.rules", "areal_hpc.reward.custom"): "reward.functions' spec syntax",
     ("areal_hpc.plan.__main__", "areal_hpc.launch.placement"): "`plan placement` prints its plan",
     ("areal_hpc.rollout.generator", "areal_hpc.preflight"): "the generator's own start-up check",
-    ("areal_hpc.topology", "areal_hpc.train.layout"): "a trainer rank's layout, built on demand",
 }
 
 

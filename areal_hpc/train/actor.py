@@ -120,7 +120,7 @@ class Actor:
         device: "cpu" or "cuda" (the current CUDA device of this rank).
         dtype: parameter dtype, "float32" | "bfloat16" | "float16"; half precision keeps fp32
             main parameters and gradients in Megatron's optimizer (fp16 with loss scaling).
-        layout: this rank's `ParallelLayout` (the trainer's, from `Topology.init_trainer_layout`).
+        layout: this rank's `ParallelLayout` (the trainer's, from `layout.trainer_layout`).
             Without it, Megatron's parallel state is initialised here (seed `cfg.seed`) unless it
             already is, and the layout read from it.
     torch.distributed must already be initialised over the trainer ranks.

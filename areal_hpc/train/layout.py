@@ -2,14 +2,16 @@
 
 Megatron keeps its process groups in module globals (`parallel_state`), and its model code reads
 them there. This project reads ranks and sizes from a `ParallelLayout` instead: created once per
-trainer rank from the job's `Topology` (`Topology.init_trainer_layout`, which also creates
-Megatron's groups), passed to the Actor, and asked the questions the weight path and the
+trainer rank from the job's `Topology` (`trainer_layout`, which also creates the trainer ranks'
+torch.distributed group and Megatron's groups over it), passed to the Actor, and asked the questions the weight path and the
 checkpoint writers need (which stage's weights this rank gathers, whether it sends them, whether
 it writes the HF export).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ..topology import TRAINER, Topology
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,3 +83,27 @@ class ParallelLayout:
         """The global rank of this pipeline's last stage (a broadcast's source)."""
         from megatron.core import parallel_state as ps
         return ps.get_pipeline_model_parallel_last_rank()
+
+
+def trainer_layout(topo: Topology, seed: int) -> ParallelLayout:
+    """This trainer rank's Megatron layout: the default process group over the trainer ranks
+    (`init_trainer_process_group`), then Megatron's TP × PP × DP groups over it (`topology.tp`,
+    `topology.pp`)."""
+    init_trainer_process_group(topo)
+    t = topo.cfg
+    return ParallelLayout.create(t.tp, t.pp, seed, backend=t.trainer_backend)
+
+
+def init_trainer_process_group(topo: Topology) -> None:
+    """torch.distributed's default group over the trainer ranks only (Megatron builds on it), at
+    the rendezvous trainer rank 0 broadcast (`Topology.build`)."""
+    import torch    # torch-free at import, as the rest of this module: the layout is a record
+    import torch.distributed as dist
+    assert topo.role == TRAINER
+    if topo.cfg.device == "cuda":
+        # launch.placement narrowed CUDA_VISIBLE_DEVICES to this rank's one GPU.
+        torch.cuda.set_device(0)
+    dist.init_process_group(
+        backend=topo.cfg.trainer_backend,
+        init_method=f"tcp://{topo.controller_addr}:{topo.trainer_port}",
+        rank=topo.role_rank, world_size=topo.cfg.n_trainers)

@@ -30,6 +30,7 @@ from ..topology import Topology
 from ..transport import mpi as coll
 from . import checkpoint
 from .actor import Actor, StepAbandoned
+from .layout import ParallelLayout, trainer_layout
 from .lead import lead_of
 from .shares import BatchShare, split_batch
 from .weight_publisher import WeightPublisher
@@ -43,7 +44,7 @@ class Trainer:
         self.actor = Actor(
             cfg.train, cfg.model.path, group_size=cfg.rollout.group_size,
             temperature=cfg.rollout.temperature, device=cfg.topology.device,
-            dtype=cfg.model.dtype, layout=topo.init_trainer_layout(cfg.train.seed),
+            dtype=cfg.model.dtype, layout=trainer_layout(topo, cfg.train.seed),
             deterministic=cfg.deterministic)
         self.version = 0
         # what the mid-step decision knows of the time things take (this attempt; rank 0's clock)
@@ -304,14 +305,15 @@ def export_policy(actor: Actor, cfg: RunConfig, comm, step: int, force: bool = T
                      comm=comm, timeout_s=t)
 
 
-def run_export(cfg: RunConfig, topo: Topology) -> int:
+def run_export(cfg: RunConfig, topo: Topology, layout: ParallelLayout | None = None) -> int:
     """Export only: the run is complete (its final checkpoint exists) but its policy/ is not.
     The trainer ranks load the model of the newest checkpoint (no optimizer state, no
-    generators, no weight group) and write policy/."""
+    generators, no weight group) and write policy/. `layout`: this rank's, where its groups are
+    made already (a test's world of one); by default made here (`trainer_layout`)."""
     comm, t = topo.role_comm, cfg.rollout.collective_timeout_s
     actor = Actor(cfg.train, cfg.model.path, group_size=cfg.rollout.group_size,
                   temperature=cfg.rollout.temperature, device=cfg.topology.device,
-                  dtype=cfg.model.dtype, layout=topo.init_trainer_layout(cfg.train.seed),
+                  dtype=cfg.model.dtype, layout=layout or trainer_layout(topo, cfg.train.seed),
                   deterministic=cfg.deterministic)
     hit = checkpoint.find_resume(cfg.run_dir, comm, timeout_s=t)     # collective
     found = (str(hit[0]), hit[1]["step"]) if hit else None

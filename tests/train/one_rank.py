@@ -20,19 +20,13 @@ from areal_hpc.train.trainer import Trainer
 from areal_hpc.transport import mpi as coll
 
 
-class OneRankTopology(Topology):
+def one_rank_topology(cfg: RunConfig) -> Topology:
     """The topology of a job of one trainer rank, this process, whose torch.distributed world and
-    Megatron groups are already made (`megatron_model.single_process`, the `megatron_ws1`
-    fixture): `init_trainer_layout` reads them instead of making them again."""
-
-    def init_trainer_layout(self, seed: int) -> ParallelLayout:
-        return ParallelLayout.read()
-
-
-def one_rank_topology(cfg: RunConfig) -> OneRankTopology:
-    return OneRankTopology(cfg=cfg.topology, world=MPI.COMM_SELF, role_comm=MPI.COMM_SELF, rank=0,
-                           role=TRAINER, role_rank=0, controller_addr="127.0.0.1", trainer_port=0,
-                           weight_port=0, local_rank=0, hosts=[socket.gethostname()])
+    Megatron groups a test made already (`megatron_model.single_process`, the `megatron_ws1`
+    fixture): its layout is `ParallelLayout.read()`."""
+    return Topology(cfg=cfg.topology, world=MPI.COMM_SELF, role_comm=MPI.COMM_SELF, rank=0,
+                    role=TRAINER, role_rank=0, controller_addr="127.0.0.1", trainer_port=0,
+                    weight_port=0, local_rank=0, hosts=[socket.gethostname()])
 
 
 @dataclass

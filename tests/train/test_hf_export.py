@@ -224,6 +224,7 @@ def test_export_only_from_the_final_checkpoint(megatron_ws1, model_dir, tmp_path
     end-of-run export is skipped when policy/ is already a finished export of that step."""
     from areal_hpc.config import load, to_yaml
     from areal_hpc.train import checkpoint as train_ck
+    from areal_hpc.train.layout import ParallelLayout
     from areal_hpc.train.trainer import export_policy, run_export
     from tests.train.one_rank import one_rank_topology
 
@@ -238,8 +239,8 @@ def test_export_only_from_the_final_checkpoint(megatron_ws1, model_dir, tmp_path
             p.add_(0.25)
     train_ck.save(cfg.run_dir, 2, model=trained.model, optimizer=trained.optimizer,
                   config_yaml=to_yaml(cfg))
-    topo = one_rank_topology(cfg)       # its layout the test's world of one (megatron_ws1)
-    assert run_export(cfg, topo) == 0
+    topo = one_rank_topology(cfg)
+    assert run_export(cfg, topo, ParallelLayout.read()) == 0     # the test's world of one (megatron_ws1)
     policy = cfg.run_dir / "policy"
     assert is_complete(policy, 2)
     assert_same(read_export(policy), {k: v.cpu() for k, v in trained.hf_state_dict().items()})
