@@ -1,0 +1,400 @@
+"""Environments run under the same discipline as user reward code (reward/pool.py): in a child
+process, bounded in time and output, and everything they start dies with them.
+
+``EnvProcess`` is one child, ``python -m areal_hpc.env.runner CALL_FD RESULT_FD CONFIG_JSON``,
+started as pid 1 of a PID namespace of its own (reward/contain.py ``wrap``; where none can be
+made, the subreaper fallback that contain.py names). It imports the environment's class once,
+says ``{"ready": true}`` (or why it cannot), then serves one episode after another: ``reset``
+builds a fresh instance, kills what the previous episode left, and returns the first prompt;
+``step`` hands a turn over. Calls go down as pickles (the parent is the trusted side); answers
+come back as one line of JSON each, which the parent checks as plain data of bounded size
+(``_step_of``): the environment's code can write anything on that pipe.
+
+Bounds. Each call waits at most ``env.call_timeout_s``; past it, or when the child dies or
+breaks the protocol, the child is killed whole (its namespace with it: a daemon, a double fork,
+a hang in C code) and the call answers ``Step(error=...)``, the episode's error; the next
+``reset`` starts a fresh child. The child's stdout and stderr are a pipe read here: at most
+``env.output_bytes`` reach the job's stderr, then one line says the rest was dropped. The
+child's address space is limited to ``env.memory_mb``.
+
+``EnvRunner`` runs many episodes at once, one child each, on a thread pool: ``reset`` and
+``step`` return futures, so a slow tool holds its own episode only, and the caller (the engine's
+loop) goes on.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import resource
+import select
+import struct
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict
+from typing import Hashable
+
+from ..reaper import MPI_ENV_PREFIXES
+from ..reward import contain
+from ..reward.custom import MAX_ABS_VALUE
+from ..reward.sandbox import UID_OFFSET_ENV
+from .base import MAX_TOKEN_ID, EnvConfig, EnvConfigError, Step, ToolCall, full_spec
+
+MAX_RESULT_BYTES = 4 << 20      # one answer line (an observation of a few hundred thousand tokens)
+MAX_ERROR_CHARS = 200
+MAX_TOOL_TEXT = 4096            # a tool record's name and arguments, characters
+CLEANUP_ROUNDS = 50             # kill-what-is-left passes at an episode's end (a re-spawning chain)
+_seq = iter(range(1 << 62))
+_seq_lock = threading.Lock()
+
+
+class EnvProcess:
+    """One environment child; see the module docstring. Not thread-safe: one call at a time."""
+
+    def __init__(self, cfg: EnvConfig):
+        self.cfg = cfg
+        self.proc = None
+        self.pidfd = None
+        self.calls = self.results = self.output = None
+        self._buf = b""
+        self._calls = 0
+
+    # ---- the calls ----
+
+    def reset(self, row: dict) -> Step:
+        """A new episode: the first prompt in ``observation`` (text or ids), or ``error``."""
+        if self.proc is None:
+            why = self._start()
+            if why is not None:
+                return Step(done=True, error=why)
+        return self._call("reset", row)
+
+    def step(self, turn_text: str, turn_ids: list[int]) -> Step:
+        """The environment's answer to one model turn, or ``error`` (the episode ends)."""
+        if self.proc is None:
+            return Step(done=True, error="the environment's process is gone (no reset?)")
+        return self._call("step", turn_text, list(turn_ids))
+
+    def close(self) -> None:
+        """Kill the child and everything it started (bounded), close the pipes."""
+        if self.proc is not None:
+            contain.end(self.proc, self.pidfd)
+        for fd in (self.pidfd, self.calls, self.results):
+            if fd is not None:
+                os.close(fd)
+        self.proc = self.pidfd = self.calls = self.results = None
+        self._buf = b""
+
+    # ---- the child, seen from here ----
+
+    def _start(self) -> str | None:
+        """Start the child and wait for its ready line; None, or why not (it is then gone)."""
+        cfg = self.cfg
+        call_r, call_w = os.pipe()
+        res_r, res_w = os.pipe()
+        out_r, out_w = os.pipe()
+        with _seq_lock:
+            n = next(_seq)
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith(MPI_ENV_PREFIXES)},
+               "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+               # a sandbox uid of its own (reward/sandbox.py), apart from the reward workers'
+               UID_OFFSET_ENV: str((1 << 28) + (((os.getpid() & 0x3FFFFF) << 6) | (n & 63)))}
+        setup = {"spec": full_spec(cfg.fn), "args": cfg.args, "memory_mb": cfg.memory_mb}
+        try:
+            self.proc = subprocess.Popen(
+                contain.wrap([sys.executable, "-m", "areal_hpc.env.runner", str(call_r),
+                              str(res_w), json.dumps(setup)]),
+                stdin=subprocess.DEVNULL, stdout=out_w, stderr=out_w, pass_fds=(call_r, res_w),
+                env=env, start_new_session=True)
+        except OSError as e:
+            for fd in (call_w, res_r, out_r):
+                os.close(fd)
+            return f"the environment's process failed to start: {e}"[:MAX_ERROR_CHARS]
+        finally:
+            for fd in (call_r, res_w, out_w):
+                os.close(fd)
+        self.calls, self.results = call_w, res_r
+        os.set_blocking(call_w, False)
+        self.pidfd = contain.pidfd(contain.init_pid(self.proc))
+        self.output = Output(out_r, cfg.output_bytes, f"environment {self.proc.pid}")
+        self.output.start()
+        line = self._read_line(time.monotonic() + cfg.start_timeout_s)
+        try:
+            msg = json.loads(line) if isinstance(line, bytes) else None
+        except ValueError:
+            msg = None
+        if msg == {"ready": True}:
+            return None
+        self.close()
+        if isinstance(line, str):
+            return f"the environment did not start: {line}"
+        if type(msg) is dict and type(msg.get("error")) is str:
+            return msg["error"][:MAX_ERROR_CHARS]
+        return "the environment did not start: no ready line"
+
+    def _call(self, op: str, *args) -> Step:
+        self._calls += 1
+        call_id = self._calls
+        deadline = time.monotonic() + self.cfg.call_timeout_s
+        try:
+            frame = pickle.dumps((call_id, op, args))
+        except Exception as e:     # e.g. a row that does not pickle: this episode's error
+            return Step(done=True, error=f"{op}: {type(e).__name__}: {e}"[:MAX_ERROR_CHARS])
+        why = self._send(struct.pack(">Q", len(frame)) + frame, deadline)
+        line = self._read_line(deadline) if why is None else why
+        if isinstance(line, str):
+            self.close()        # past its bound, dead, or flooding: killed whole
+            return Step(done=True, error=f"{op}: {line}"[:MAX_ERROR_CHARS])
+        try:
+            return _step_of(line, call_id, op)
+        except (ValueError, TypeError, RecursionError) as e:
+            self.close()
+            return Step(done=True, error=f"{op}: answer refused: {e}"[:MAX_ERROR_CHARS])
+
+    def _send(self, data: bytes, deadline: float) -> str | None:
+        view = memoryview(data)
+        while view:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([], [self.calls], [], left)[1]:
+                return f"timeout after {self.cfg.call_timeout_s:g} s (the call was not taken)"
+            try:
+                view = view[os.write(self.calls, view):]
+            except BlockingIOError:
+                pass
+            except OSError:
+                return "the environment's process died"
+        return None
+
+    def _read_line(self, deadline: float) -> bytes | str:
+        """The next line from the child, or why none came (a str)."""
+        while b"\n" not in self._buf:
+            if len(self._buf) > MAX_RESULT_BYTES:
+                return f"an answer over {MAX_RESULT_BYTES} bytes"
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.results], [], [], left)[0]:
+                return f"timeout after {self.cfg.call_timeout_s:g} s"
+            chunk = os.read(self.results, 1 << 16)
+            if not chunk:
+                code = self.proc.wait(timeout=5) if self.proc is not None else None
+                self.output.join(timeout=5)     # its last words, for the error
+                last = self.output.last_line()
+                return f"the environment's process died (exit code {code})" + (f": {last}" if last else "")
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a finite number")
+
+
+def _step_of(line: bytes, call_id: int, op: str) -> Step:
+    """A Step from one answer line, checked as exact plain types and bounded values."""
+    msg = json.loads(line, parse_constant=_reject_constant)
+    if type(msg) is not dict or msg.get("id") != call_id:
+        raise ValueError("not the answer to the call")
+    if "error" in msg:
+        if type(msg["error"]) is not str:
+            raise ValueError("an error that is not a string")
+        return Step(done=True, error=msg["error"][:MAX_ERROR_CHARS])
+    obs, done, reward, tool = (msg.get(k) for k in ("observation", "done", "reward", "tool"))
+    if type(obs) is list:
+        if not all(type(i) is int and 0 <= i <= MAX_TOKEN_ID for i in obs):
+            raise ValueError("observation: a list with something not a token id")
+    elif obs is not None and type(obs) is not str:
+        raise ValueError(f"observation is a {type(obs).__name__}")
+    if op == "reset" and (obs is None or not obs):
+        raise ValueError("reset returned no prompt")
+    if type(done) is not bool:
+        raise ValueError("done is not a bool")
+    if reward is not None:
+        if type(reward) not in (int, float) or not abs(reward) <= MAX_ABS_VALUE:
+            raise ValueError(f"reward is {reward!r}, not a number within ±{MAX_ABS_VALUE:g}")
+        reward = float(reward)
+    if tool is not None:
+        if (type(tool) is not dict or set(tool) != {"name", "args", "output_bytes", "seconds", "error"}
+                or type(tool["name"]) is not str or type(tool["args"]) is not str
+                or type(tool["output_bytes"]) is not int or type(tool["seconds"]) not in (int, float)
+                or not (tool["error"] is None or type(tool["error"]) is str)):
+            raise ValueError("tool is not a tool record")
+        tool = ToolCall(tool["name"][:MAX_TOOL_TEXT], tool["args"][:MAX_TOOL_TEXT],
+                        max(0, tool["output_bytes"]), max(0.0, float(tool["seconds"])),
+                        None if tool["error"] is None else tool["error"][:MAX_ERROR_CHARS])
+    return Step(observation=obs, done=done, reward=reward, tool=tool)
+
+
+class Output(threading.Thread):
+    """A child's stdout and stderr, read to the end (a writer never blocks on a full pipe):
+    the first `limit` bytes onto the job's stderr, then one line saying the rest is dropped; its
+    last line kept for the error of a child that dies (``last_line``)."""
+
+    def __init__(self, fd: int, limit: int, label: str):
+        super().__init__(daemon=True, name="env-output")
+        self.fd, self.left, self.limit, self.label = fd, limit, limit, label
+        self.tail = b""
+
+    def run(self) -> None:
+        with os.fdopen(self.fd, "rb", buffering=0) as f:
+            for chunk in iter(lambda: f.read(1 << 16), b""):
+                self.tail = (self.tail + chunk)[-4096:]
+                shown, self.left = chunk[:max(0, self.left)], self.left - len(chunk)
+                note = (f"\n[{self.label}: output past {self.limit} bytes dropped]\n".encode()
+                        if self.left <= 0 < self.left + len(chunk) else b"")
+                try:
+                    os.write(2, shown + note)
+                except OSError:
+                    pass
+
+    def last_line(self) -> str:
+        lines = [ln.strip() for ln in self.tail.decode("utf-8", "replace").splitlines()]
+        return next((ln[:MAX_ERROR_CHARS] for ln in reversed(lines) if ln), "")
+
+
+# ---- many episodes at once ----
+
+class EnvRunner:
+    """Episodes side by side, one child process each (kept for the next episode when one ends
+    cleanly), their calls on a pool of ``max_episodes`` threads: ``reset(key, row)`` and
+    ``step(key, text, ids)`` return futures of Steps (never failing: an error is in the Step),
+    ``finish(key)`` ends an episode. Thread-safe."""
+
+    def __init__(self, cfg: EnvConfig, max_episodes: int):
+        self.cfg = cfg
+        self._pool = ThreadPoolExecutor(max_workers=max_episodes, thread_name_prefix="env")
+        self._lock = threading.Lock()
+        self._running: dict[Hashable, EnvProcess] = {}
+        self._idle: list[EnvProcess] = []
+        self._closed = False
+
+    def reset(self, key: Hashable, row: dict) -> Future:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("EnvRunner is closed")
+            if key in self._running:
+                raise ValueError(f"episode {key!r} is running already")
+            proc = self._running[key] = self._idle.pop() if self._idle else EnvProcess(self.cfg)
+        return self._pool.submit(proc.reset, row)
+
+    def step(self, key: Hashable, turn_text: str, turn_ids: list[int]) -> Future:
+        with self._lock:
+            proc = self._running[key]
+        return self._pool.submit(proc.step, turn_text, turn_ids)
+
+    def finish(self, key: Hashable) -> None:
+        """The episode is over (call it once its last future is done): its child waits for the
+        next episode, whose reset kills what this one left."""
+        with self._lock:
+            proc = self._running.pop(key)
+            if not self._closed and proc.proc is not None:
+                self._idle.append(proc)
+                return
+        proc.close()
+
+    def close(self) -> None:
+        """Kill every child (and what it started); unfinished calls end with an error."""
+        with self._lock:
+            self._closed = True
+            procs = list(self._running.values()) + self._idle
+            self._running.clear()
+            self._idle.clear()
+        for proc in procs:
+            proc.close()
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> EnvRunner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def check(cfg: EnvConfig, key: str = "env") -> None:
+    """Import `env.fn` in a child, bounded, before any rank starts: EnvConfigError names the
+    key. (The child is the environment's own process, started and ended once.)"""
+    if cfg.fn is None:
+        return
+    proc = EnvProcess(cfg)
+    try:
+        why = proc._start()
+    finally:
+        proc.close()
+    if why is not None:
+        raise EnvConfigError(f"config key '{key}.fn': {why}")
+
+
+# ---- the child ----
+
+def _limit_memory(memory_mb: int) -> None:
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = memory_mb << 20
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def _plain(out, op: str) -> dict:
+    """What the environment returned, as the answer's fields (TypeError says why not)."""
+    if op == "reset":
+        return {"observation": out if isinstance(out, str) else [int(i) for i in out],
+                "done": False, "reward": None, "tool": None}
+    if isinstance(out, tuple):
+        out = Step(*out)
+    if not isinstance(out, Step):
+        raise TypeError(f"step returned a {type(out).__name__}, not a Step or a tuple")
+    obs = out.observation
+    if obs is not None and not isinstance(obs, str):
+        obs = [int(i) for i in obs]
+    reward = out.reward
+    if reward is not None and not (isinstance(reward, (int, float)) and math.isfinite(reward)):
+        raise TypeError(f"step returned the reward {reward!r}")
+    tool = asdict(out.tool) if out.tool is not None else None
+    return {"observation": obs, "done": bool(out.done),
+            "reward": None if reward is None else float(reward), "tool": tool}
+
+
+def _send_line(fd: int, msg: dict) -> None:
+    data = (json.dumps(msg) + "\n").encode()
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def main(argv: list[str]) -> int:
+    from ..reaper import become_subreaper, kill_descendants
+    from .base import load_class
+
+    calls, result_fd, setup = os.fdopen(int(argv[0]), "rb"), int(argv[1]), json.loads(argv[2])
+    become_subreaper()          # (pid 1 of a namespace already is; the fallback is not)
+    _limit_memory(setup["memory_mb"])
+    try:
+        cls = load_class(setup["spec"])
+    except EnvConfigError as e:
+        _send_line(result_fd, {"error": str(e)})
+        return 1
+    _send_line(result_fd, {"ready": True})
+    env = None
+    while (head := calls.read(8)) and len(head) == 8:
+        call_id, op, args = pickle.loads(calls.read(struct.unpack(">Q", head)[0]))
+        try:
+            if op == "reset":
+                if env is not None and hasattr(env, "close"):
+                    env.close()
+                for _ in range(CLEANUP_ROUNDS):       # what the last episode left
+                    if not kill_descendants():
+                        break
+                env = cls(**setup["args"])
+                out = _plain(env.reset(*args), op)
+            else:
+                out = _plain(env.step(*args), op)
+            msg = {"id": call_id, **out}
+            _send_line(result_fd, msg)
+        except Exception as e:      # the environment's: this episode's error, the child goes on
+            _send_line(result_fd, {"id": call_id, "error": f"{op}: {type(e).__name__}: {e}"[:MAX_ERROR_CHARS]})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,211 @@
+"""User environments run in a contained child process (areal_hpc/env/runner.py): a hang, an
+output flood, a daemon, garbage on the answer pipe cost the episode, never the caller."""
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_hpc.env.base import EnvConfig, EnvConfigError, from_mapping
+from areal_hpc.env.runner import EnvProcess, EnvRunner, check
+from tests.reward.test_custom import DAEMON, _gone
+
+pytestmark = pytest.mark.slow       # starts child processes in PID namespaces
+
+ENVS = '''
+import os, sys, time
+from areal_hpc.env.base import Environment, Step, ToolCall
+
+class Echo(Environment):
+    def __init__(self, prefix=">"):
+        self.prefix = prefix
+    def reset(self, row):
+        self.turns = 0
+        return row["question"]
+    def step(self, text, ids):
+        self.turns += 1
+        if self.turns == 2:
+            return Step(done=True, reward=1.0)
+        return Step(self.prefix + text, False, None, ToolCall("echo", text, len(text), 0.0, None))
+
+class Ids(Environment):
+    def reset(self, row):
+        return [1, 2, 3]
+    def step(self, text, ids):
+        return ids[::-1], False, 0.5
+
+class Hangs(Echo):
+    def step(self, text, ids):
+        time.sleep(600)
+
+class Floods(Echo):
+    def step(self, text, ids):
+        sys.stdout.write("x" * (4 << 20)); sys.stdout.flush()
+        os.write(2, b"y" * (4 << 20))
+        return Step("ok")
+
+class Raises(Echo):
+    def step(self, text, ids):
+        raise RuntimeError("a bug of the environment")
+
+class Garbage(Echo):
+    def step(self, text, ids):
+        os.write(int(sys.argv[2]), b'{"id": 2, "observation": {"a": 1}, "done": false}\\n')
+        time.sleep(600)
+
+class Waits(Echo):
+    def step(self, text, ids):
+        while not os.path.exists(text):     # the test's go-ahead
+            time.sleep(0.01)
+        return Step("waited")
+
+class Leaks(Echo):
+    def step(self, text, ids):
+        _daemon(text)
+        return Step("leaked")
+'''
+
+
+@pytest.fixture
+def envs(tmp_path) -> Path:
+    path = tmp_path / "envs.py"
+    path.write_text(ENVS + DAEMON)
+    return path
+
+
+def _cfg(envs: Path, name: str, **kw) -> EnvConfig:
+    return from_mapping({"fn": f"{envs}:{name}", **kw})
+
+
+def test_a_user_environment_serves_episodes_with_its_args(envs):
+    proc = EnvProcess(_cfg(envs, "Echo", args={"prefix": "obs:"}))
+    try:
+        for _ in range(2):                       # the same child, a fresh instance each
+            first = proc.reset({"question": "1+2="})
+            assert first.observation == "1+2=" and first.error is None
+            step = proc.step("<calc>1+2</calc>", [5, 6])
+            assert step.observation == "obs:<calc>1+2</calc>" and not step.done
+            assert step.tool.name == "echo" and step.tool.output_bytes == 16
+            assert proc.step("3", [5]) == type(step)(done=True, reward=1.0)
+        ids = EnvProcess(_cfg(envs, "Ids"))
+        assert ids.reset({}).observation == [1, 2, 3]
+        assert ids.step("", [4, 5]).observation == [5, 4] and ids._calls == 2
+        ids.close()
+    finally:
+        proc.close()
+
+
+def test_a_hanging_step_is_the_episodes_error_and_the_next_episode_starts_fresh(envs):
+    proc = EnvProcess(_cfg(envs, "Hangs", call_timeout_s=1.0))
+    try:
+        proc.reset({"question": "q"})
+        step = proc.step("t", [1])
+        assert step.done and step.error == "step: timeout after 1 s" and proc.proc is None
+        assert proc.reset({"question": "again"}).observation == "again"
+    finally:
+        proc.close()
+
+
+def test_an_output_flood_is_capped_and_the_call_answers(envs, capfd):
+    proc = EnvProcess(_cfg(envs, "Floods", output_bytes=1 << 16, call_timeout_s=60))
+    try:
+        proc.reset({"question": "q"})
+        assert proc.step("t", [1]).observation == "ok"
+    finally:
+        proc.close()
+    err = capfd.readouterr().err
+    assert "output past 65536 bytes dropped]" in err and len(err) < (1 << 16) + 10_000
+
+
+def test_what_an_episode_starts_dies_with_it(envs, tmp_path):
+    with EnvRunner(_cfg(envs, "Leaks"), max_episodes=1) as runner:
+        for i in range(2):
+            pidfile = tmp_path / f"daemon{i}.pid"
+            assert runner.reset("e", {"question": "q"}).result().error is None
+            assert runner.step("e", str(pidfile), [1]).result().observation == "leaked"
+            runner.finish("e")
+            deadline = time.monotonic() + 60
+            while not pidfile.exists():     # the daemon is up (then killed, not before)
+                assert time.monotonic() < deadline, "the daemon never started"
+                time.sleep(0.02)
+            if i == 0:      # the next episode's reset kills what this one left
+                runner.reset("e", {"question": "q"}).result()
+                assert _gone(pidfile)
+                runner.finish("e")
+    assert _gone(pidfile)   # close kills the child's namespace whole
+
+
+def test_a_raising_environment_and_garbage_on_the_answer_pipe_are_errors(envs):
+    proc = EnvProcess(_cfg(envs, "Raises"))
+    try:
+        proc.reset({"question": "q"})
+        step = proc.step("t", [1])
+        assert step.error == "step: RuntimeError: a bug of the environment" and step.done
+        assert proc.proc is not None         # the child goes on
+    finally:
+        proc.close()
+    proc = EnvProcess(_cfg(envs, "Garbage", call_timeout_s=60))
+    try:
+        proc.reset({"question": "q"})
+        step = proc.step("t", [1])
+        assert step.error == "step: answer refused: observation is a dict" and proc.proc is None
+    finally:
+        proc.close()
+
+
+def test_a_slow_tool_holds_its_own_episode_only(envs, tmp_path):
+    go = tmp_path / "go"
+    with EnvRunner(_cfg(envs, "Waits", call_timeout_s=120), max_episodes=2) as runner:
+        for key in ("slow", "fast"):
+            runner.reset(key, {"question": "q"}).result()
+        slow = runner.step("slow", str(go), [1])
+        fast = runner.step("fast", str(tmp_path), [1])     # exists: answers at once
+        assert fast.result(timeout=60).observation == "waited"
+        assert not slow.done()                              # still waiting for its go-ahead
+        go.touch()
+        assert slow.result(timeout=60).observation == "waited"
+
+
+def test_config_errors_name_the_key(envs, tmp_path):
+    for section, key in (({"max_turns": 0}, "env.max_turns"), ({"max_turns": 2.5}, "env.max_turns"),
+                         ({"call_timeout_s": float("nan")}, "env.call_timeout_s"),
+                         ({"turn_stop": ["```", ""]}, r"env.turn_stop\[1\]"),
+                         ({"turn_stop": "</calc>"}, "env.turn_stop"),
+                         ({"observation_template": "<{obs}>"}, "env.observation_template"),
+                         ({"observation_template": "{observation"}, "env.observation_template"),
+                         ({"fn": "no_colon"}, "env.fn"), ({"args": [1]}, "env.args"),
+                         ({"max_turn": 3}, "env.max_turn")):
+        with pytest.raises(EnvConfigError, match=f"^config key '{key}': "):
+            from_mapping(section)
+    assert from_mapping({"turn_stop": ["</calc>", 7], "observation_template": "{{{observation}}}"})
+    for fn, why in ((f"{tmp_path}/none.py:E", "no such file"), (f"{envs}:Nope", "'Nope' is missing"),
+                    (f"{envs}:_daemon", "is a function, not a class"),
+                    (f"{envs}:Environment", "has no reset or step method")):
+        with pytest.raises(EnvConfigError, match=f"^config key 'env.fn': .*{why}"):
+            check(from_mapping({"fn": fn}))
+    bad = tmp_path / "bad.py"
+    bad.write_text("raise SystemExit('no')\n")
+    with pytest.raises(EnvConfigError, match="cannot import .*SystemExit: no"):
+        check(from_mapping({"fn": f"{bad}:E"}))
+    check(from_mapping({"fn": f"{envs}:Echo"}))
+
+
+def test_an_environment_that_blocks_at_import_is_bounded(tmp_path):
+    mod = tmp_path / "blocks.py"
+    mod.write_text("import time\ntime.sleep(600)\n")
+    with pytest.raises(EnvConfigError, match="config key 'env.fn': the environment did not start: "
+                       "timeout after"):
+        check(from_mapping({"fn": f"{mod}:E", "start_timeout_s": 2}))
+
+
+def test_a_child_that_dies_names_its_last_words(envs, tmp_path):
+    mod = tmp_path / "dies.py"
+    mod.write_text(ENVS + "class Dies(Echo):\n    def step(self, text, ids):\n"
+                   "        print('segfault, as it were', flush=True)\n        os._exit(3)\n")
+    proc = EnvProcess(from_mapping({"fn": f"{mod}:Dies"}))
+    try:
+        proc.reset({"question": "q"})
+        step = proc.step("t", [1])
+        assert step.error == ("step: the environment's process died (exit code 3): segfault, "
+                              "as it were") and proc.proc is None
+    finally:
+        proc.close()
