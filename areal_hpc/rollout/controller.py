@@ -32,7 +32,7 @@ import numpy as np
 
 from ..config import RunConfig, to_yaml
 from ..data.prompts import prompt_ids
-from ..storage.rollout_log import DROPPED_STALE, PARTIAL, RolloutWriter
+from ..storage.rollout_log import DROPPED_STALE, NOT_CONSUMED, PARTIAL, RolloutReader, RolloutWriter
 from ..storage.run_dir import RunDir
 from ..storage.run_state import ControllerState
 from ..topology import Topology
@@ -63,10 +63,15 @@ SERVICE_JOIN_S = 60.0
 
 
 class Controller:
-    def __init__(self, cfg: RunConfig, topo: Topology, train_rows: list[dict], tokenizer,
-                 resume: ControllerState | None = None):
+    """Trainer rank 0's side of the generators, around its children: the channel to the
+    generators and the rollout log's writer. `start` makes them on the rank; a test passes its
+    own (a double of the channel's send, poll, incomplete, idle and flush). A resumed
+    controller's writer is its checkpoint's log reopened (`RolloutWriter.reopen`)."""
+
+    def __init__(self, cfg: RunConfig, topo: Topology, train_rows: list[dict], tokenizer, *,
+                 chan, writer: RolloutWriter, resume: ControllerState | None = None):
         self.cfg, self.topo = cfg, topo
-        self.chan = Channel(topo.world)
+        self.chan, self.writer = chan, writer
         self.rows = train_rows
         self.tokenizer = tokenizer
         r = cfg.rollout
@@ -78,9 +83,6 @@ class Controller:
                              max_concurrent=r.max_concurrent_prompts,
                              stale_policy=r.stale_policy, max_reissues=r.max_reissues,
                              total_steps=cfg.train.total_steps)
-        log_path = RunDir(cfg.run_dir).rollouts
-        # A resumed run reopens its log in `restore`.
-        self.writer = RolloutWriter(log_path, to_yaml(cfg)) if resume is None else None
         self.gen_stats: dict[int, msgs.GeneratorStats] = {}
         self._eval_results: list[msgs.EvalResult] = []
         self._dropped_since_batch = 0       # groups dropped as stale since the last batch was taken
@@ -89,13 +91,34 @@ class Controller:
         self._cond = threading.Condition(threading.RLock())
         # The MPI pump runs on its own thread from the first batch on, so that groups are
         # received, logged and their prompts' successors issued while the trainer thread computes
-        # (MPI needs at least THREAD_SERIALIZED: every MPI call here holds `_cond`).
+        # (MPI needs at least THREAD_SERIALIZED, which `start` checks: every MPI call here
+        # holds `_cond`).
         self.service = ServiceThread(self._serve, "controller", on_error=self._wake)
         self.weight_acks = AckTracker({g: topo.hosts[g] for g in topo.generator_ranks})
         self.watch = GeneratorWatch(r, cfg.weights, topo.generator_ranks, topo.hosts)
         self._beats = Pacer(r.heartbeat_s)              # ControllerBeat to every generator
         if resume is not None:
-            self._restore(resume, log_path)
+            self._restore(resume)
+
+    @classmethod
+    def start(cls, cfg: RunConfig, topo: Topology, train_rows: list[dict], tokenizer,
+              resume: ControllerState | None = None) -> "Controller":
+        """On trainer rank 0: the channel over the world and the rollout log, a new one, or the
+        checkpoint's reopened (`resume`: rows it did not see are rolled back)."""
+        from mpi4py import MPI
+        if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+            raise RuntimeError("the controller needs MPI initialised with at least "
+                               "MPI_THREAD_SERIALIZED (mpi4py's default is MULTIPLE; check "
+                               "mpi4py.rc.thread_level)")
+        path = RunDir(cfg.run_dir).rollouts
+        if resume is None:
+            writer = RolloutWriter(path, to_yaml(cfg))
+        else:
+            with RolloutReader(path):       # there, and a rollout log, before it is written to
+                pass
+            writer = RolloutWriter.reopen(path, resume.rollout_rows)
+        return cls(cfg, topo, train_rows, tokenizer, chan=Channel(topo.world), writer=writer,
+                   resume=resume)
 
     # The ledger's figures the trainer and the liveness checks read.
     version = property(lambda self: self.ledger.version)
@@ -104,15 +127,6 @@ class Controller:
     buffer = property(lambda self: self.ledger.buffer)
 
     # -- the service thread ---------------------------------------------------------------------
-    def _start_service(self) -> None:
-        if not self.service.running:
-            from mpi4py import MPI
-            if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
-                raise RuntimeError("the controller needs MPI initialised with at least "
-                                   "MPI_THREAD_SERIALIZED (mpi4py's default is MULTIPLE; check "
-                                   "mpi4py.rc.thread_level)")
-            self.service.start()
-
     def _serve(self, stop: threading.Event) -> None:
         """Receive groups and refill the generators until stopped; wakes waiters on arrivals."""
         while not stop.is_set():
@@ -139,21 +153,32 @@ class Controller:
                 msgs.post(self.chan, msgs.ControllerBeat(self.version), g)
 
     def _wait(self, ready, on_wait=None, watch: bool = True) -> None:
-        """Block (holding the lock on return) until `ready()`; without the service thread,
-        receive in this thread. With `watch`, a generator silent for too long raises
+        """Block (holding the lock on return) until the predicate `ready()` holds, pausing
+        between checks in one of two ways: once the service thread runs (from the first batch),
+        until it wakes this thread (`_await_service`); before that, by receiving in this thread
+        (`_receive_here`). With `watch`, a generator silent for too long raises
         `GeneratorLostError` (`GeneratorWatch.check`)."""
+        pause = self._await_service if self.service.running else self._receive_here
         while not ready():
             self.service.check()
             if watch:
                 self.watch.check(self.in_flight, self.chan.incomplete())
-            if self.service.running:
-                self._cond.wait(timeout=0.1)
-            else:
-                self._beat()
-                if not self.receive():
-                    self.chan.idle(timeout=0.05)
+            pause()
             if on_wait:
                 on_wait(len(self.buffer))
+
+    def _await_service(self) -> None:
+        self._cond.wait(timeout=0.1)
+
+    def _receive_here(self) -> None:
+        """The service thread's work but issuing prompts: heartbeats out, messages in."""
+        self._beat()
+        self._receive_or_idle()
+
+    def _receive_or_idle(self) -> None:
+        """Take what has arrived, or sleep until a message waits (at most 50 ms)."""
+        if not self.receive():
+            self.chan.idle(timeout=0.05)
 
     # -- prompts out, groups in ----------------------------------------------------------------
     def encode(self, prompt_id: int, row: dict, n: int,
@@ -213,24 +238,6 @@ class Controller:
             log.warning("generator rank %d (host %s): vLLM engine down, restarting; cause: %s",
                         src, self.topo.hosts[src], beat.engine_fault)
 
-    def _check_partial(self, path) -> int:
-        """The checkpoint's PARTIAL groups, against the log: each names rows of its own prompt,
-        sample_idx 0.., all PARTIAL, and a prompt that is issued again. Returns their tokens."""
-        from ..storage.checkpoint import CheckpointError
-        reissued = {p for p, _ in self.ledger.reissue}
-        pid, sidx, status, ends = (self.writer.column(k) for k in (
-            "prompt_id", "sample_idx", "consumed_step", "output_end"))
-        tokens = 0
-        for p, (first, n) in sorted(self.ledger.partial.items()):
-            rows = np.arange(first, first + n)
-            if p not in reissued or n < 1 or rows[-1] >= len(pid) or (pid[rows] != p).any() \
-                    or (sidx[rows] != np.arange(n)).any() or (status[rows] != PARTIAL).any():
-                raise CheckpointError(f"{path}: the checkpoint's partial group of prompt {p} "
-                                      f"(rows {first}-{first + n - 1}) is not that prompt's "
-                                      f"PARTIAL rows in the log, or the prompt is not in flight")
-            tokens += int(ends[rows[-1]]) - (int(ends[first - 1]) if first else 0)
-        return tokens
-
     def _continuation(self, row: int) -> msgs.Continuation:
         """A PARTIAL row as a generator continues it (a prompt's `continued` samples)."""
         t = self.writer.read(row)
@@ -268,13 +275,13 @@ class Controller:
         and takes nothing."""
         B = self.cfg.train.batch_prompts
         t0 = time.monotonic()
-        self._start_service()
+        self.service.start()
         with self._cond:
-            def ready() -> bool:
-                self._drop_stale()
-                return len(self.buffer) >= B or bool(should_stop and should_stop())
-
-            self._wait(ready, on_wait)
+            # The step that ended made the buffer's oldest groups older; later arrivals are
+            # dropped by the service thread as they come.
+            self._drop_stale()
+            self._wait(lambda: len(self.buffer) >= B or bool(should_stop and should_stop()),
+                       on_wait)
             if should_stop and should_stop():
                 return None
             groups = self.ledger.take(B)                  # oldest first
@@ -372,8 +379,7 @@ class Controller:
                 log.warning("no final statistics from generator rank(s) %s within "
                             "rollout.generator_timeout_s; ending without them", missing)
                 break
-            if not self.receive():
-                self.chan.idle(timeout=0.05)
+            self._receive_or_idle()
         self.chan.flush(timeout=60)
         for rank, st in sorted(self.gen_stats.items()):
             sec = st.seconds
@@ -401,23 +407,21 @@ class Controller:
         with self._cond:
             return self.ledger.to_state(self.writer.n_rows)
 
-    def _restore(self, state: ControllerState, path) -> None:
-        """Continue from `state()` of a checkpoint: reopen the rollout log (rows after the
-        checkpoint are marked ROLLED_BACK, buffered rows pending again), refill the buffer from it,
-        and queue the prompts that were in flight to be issued first."""
-        from ..storage.rollout_log import NOT_CONSUMED, RolloutReader
+    def _restore(self, state: ControllerState) -> None:
+        """Continue from `state()` of a checkpoint, on its reopened rollout log (rows after the
+        checkpoint marked ROLLED_BACK): the buffered rows pending again and the buffer refilled
+        from them, the prompts that were in flight queued to be issued first, their partial
+        groups checked against the log (`ControllerState.check_partial`)."""
         rows = state.buffer_rows.tolist()
         groups = [g.tolist() for g in state.groups()]
-        with RolloutReader(path) as reader:
-            trajs = [reader[r] for r in rows]
+        trajs = [self.writer.read(r) for r in rows]
         for t in trajs:
             t["output_tokens"] = np.asarray(t["output_tokens"])
-        self.writer = RolloutWriter.reopen(path, state.rollout_rows)
         self.writer.mark_consumed(rows, NOT_CONSUMED)
         by_row = dict(zip(rows, trajs))
         self.ledger.restore(state, [([by_row[r] for r in g], g) for g in groups])
         led = self.ledger
-        kept = self._check_partial(path)
+        kept = state.check_partial(self.writer.path, self.writer)
         log.info("resumed at version %d: %d buffered groups, %d prompts to reissue (%d of them "
                  "continued from %d partial tokens), cursor at %d", led.version, len(groups),
                  len(led.reissue), len(led.partial), kept, led.cursor.consumed)

@@ -23,6 +23,8 @@ from typing import Any
 import h5py
 import numpy as np
 
+from .rollout_log import PARTIAL as PARTIAL_ROW
+
 FORMAT = "areal_hpc checkpoint"
 # How the optimizer shards are laid out (state.h5 attribute `optimizer_format`). PLAIN: Megatron's
 # model-space optimizer state (per-parameter tensors). DISTRIBUTED: the distributed optimizer's
@@ -238,6 +240,27 @@ class ControllerState:
                 or not np.isin(self.partial_prompt_ids, self.inflight_prompt_ids).all():
             raise CheckpointError(f"{where}: controller partial groups name rows beyond its "
                                   f"rollout_rows ({n}) or prompts not in flight")
+
+    def check_partial(self, where, log) -> int:
+        """The partial groups against the rollout log they name (`log`: its writer or reader,
+        anything with `column(name)`): each names rows of its own prompt, sample_idx 0.., all
+        PARTIAL, and a prompt in flight. Returns the output tokens they hold; a CheckpointError
+        naming `where` and the prompt otherwise. (`check` needs no log: it runs on load.)"""
+        in_flight = set(self.inflight_prompt_ids.tolist())
+        partial = dict(zip(self.partial_prompt_ids.tolist(),
+                           zip(self.partial_first_row.tolist(), self.partial_rows.tolist())))
+        pid, sidx, status, ends = (log.column(k) for k in (
+            "prompt_id", "sample_idx", "consumed_step", "output_end"))
+        tokens = 0
+        for p, (first, n) in sorted(partial.items()):
+            rows = np.arange(first, first + n)
+            if p not in in_flight or n < 1 or rows[-1] >= len(pid) or (pid[rows] != p).any() \
+                    or (sidx[rows] != np.arange(n)).any() or (status[rows] != PARTIAL_ROW).any():
+                raise CheckpointError(f"{where}: the checkpoint's partial group of prompt {p} "
+                                      f"(rows {first}-{first + n - 1}) is not that prompt's "
+                                      f"PARTIAL rows in the log, or the prompt is not in flight")
+            tokens += int(ends[rows[-1]]) - (int(ends[first - 1]) if first else 0)
+        return tokens
 
 
 # ---------------------------------------------------------------------------- state.h5

@@ -74,7 +74,7 @@ class Lead(Follower):
         if d.eval_limit:
             self.eval_rows = self.eval_rows[: d.eval_limit]
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        self.controller = Controller(cfg, topo, train_rows, tokenizer, resume=resume)
+        self.controller = Controller.start(cfg, topo, train_rows, tokenizer, resume=resume)
         self.weight_notifier = self.controller      # announces updates, collects acknowledgements
         self.tb: TensorBoardLog | None = None
         self.progress = None

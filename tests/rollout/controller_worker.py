@@ -81,7 +81,7 @@ def controller(cfg, topo: Topology) -> dict:
     tok = qwen_byte_tokenizer(OUT / "tokenizer", eos=256, max_len=256)
     rows = [{"question": f"{i} + {i}", "reward_kind": "math", "reference": str(2 * i)}
             for i in range(10)]
-    ctrl = Controller(cfg, topo, rows, tok)
+    ctrl = Controller.start(cfg, topo, rows, tok)
     batches = []
     for step in range(STEPS):
         batch = ctrl.next_batch()
