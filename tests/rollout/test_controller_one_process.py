@@ -5,6 +5,7 @@ checked against the log on resume. The same controller on a real two-rank MPI wo
 test_controller.py."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -290,3 +291,28 @@ def test_before_the_first_batch_the_waiting_thread_receives(setup):
     chan.deliver(msgs.WeightsAck(1, "started"), msgs.WeightsAck(1, "loaded", paused_s=0.0))
     ctrl.wait_weights_acks(1, timeout_s=WAIT_S)     # returns once both arrived (raises if not)
     assert chan.of(msgs.Prompts) == [] and not ctrl.service.running
+
+
+def test_start_makes_the_channel_and_opens_or_reopens_the_log(setup):
+    """`Controller.start`, as trainer rank 0 makes it (this process's MPI, COMM_SELF): a new log;
+    a resume's log checked by its reader, reopened and its partial groups checked; a resume
+    without its log refused before anything is written."""
+    from mpi4py import MPI
+
+    from areal_hpc.transport.mpi import Channel
+    topo = dataclasses.replace(setup.topo, world=MPI.COMM_SELF, role_comm=MPI.COMM_SELF)
+    state = _preempted(setup)
+    setup.log.unlink()
+    with pytest.raises(FileNotFoundError, match="no rollout log at"):
+        Controller.start(setup.cfg, topo, setup.rows, setup.tok, resume=state)
+    assert not setup.log.exists()
+    fresh = Controller.start(setup.cfg, topo, setup.rows, setup.tok)
+    setup.made.append(fresh)
+    assert isinstance(fresh.chan, Channel) and fresh.writer.n_rows == 0
+    fresh.close()
+    setup.log.unlink()
+    state = _preempted(setup)
+    again = Controller.start(setup.cfg, topo, setup.rows, setup.tok, resume=state)
+    setup.made.append(again)
+    assert len(again.buffer) == 1 and again.ledger.partial == {0: (0, N), 1: (N, N)}
+    assert again.writer.n_rows == state.rollout_rows
