@@ -9,7 +9,6 @@ from areal_hpc.env.base import EnvConfig, EnvConfigError, from_mapping
 from areal_hpc.env.runner import EnvProcess, EnvRunner, check
 from tests.reward.test_custom import DAEMON, _gone
 
-pytestmark = pytest.mark.slow       # starts child processes in PID namespaces
 
 ENVS = '''
 import os, sys, time
