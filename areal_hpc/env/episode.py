@@ -19,7 +19,7 @@ sampled token's version (``oldest_version``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -107,6 +107,30 @@ class Episode:
                 "versions": np.asarray(self.versions, np.int32),
                 "turn_ends": np.asarray([t.end for t in self.turns], np.int64),
                 "turn_is_sample": np.asarray([t.kind == SAMPLE for t in self.turns], np.uint8)}
+
+    def sampled_turns(self) -> list[list[int]]:
+        """The ids of each model turn, in order (a turn continued after an update is one)."""
+        return [self.output[t.start:t.end] for t in self.turns if t.kind == SAMPLE]
+
+    def state(self) -> dict:
+        """The episode as plain data (JSON-able): what a preempted job saves of it."""
+        return {"prompt_ids": self.prompt_ids, "max_tokens": self.max_tokens,
+                "max_turns": self.max_turns, "template": self.template, "output": self.output,
+                "loss_mask": self.loss_mask, "logprobs": self.logprobs, "versions": self.versions,
+                "turns": [[t.kind, t.start, t.end] for t in self.turns],
+                "tool_calls": [asdict(c) for c in self.tool_calls], "rewards": self.rewards,
+                "done": self.done, "cut": self.cut, "error": self.error}
+
+    @classmethod
+    def from_state(cls, state: dict, encode: Optional[Callable[[str], list[int]]] = None) -> Episode:
+        """The episode `state` saved, token for token, ready to go on."""
+        ep = cls(state["prompt_ids"], max_tokens=state["max_tokens"], max_turns=state["max_turns"],
+                 encode=encode, template=state["template"])
+        for name in ("output", "loss_mask", "logprobs", "versions", "rewards", "done", "cut", "error"):
+            setattr(ep, name, state[name])
+        ep.turns = [Turn(*t) for t in state["turns"]]
+        ep.tool_calls = [ToolCall(**c) for c in state["tool_calls"]]
+        return ep
 
     # ---- building ----
 

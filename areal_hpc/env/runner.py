@@ -312,6 +312,21 @@ class EnvRunner:
         self.close()
 
 
+def replay(proc: EnvProcess, row: dict, turns: list[tuple[str, list[int]]]) -> Step | None:
+    """Bring a fresh environment to where a resumed episode was (a preemption took its process):
+    reset with the row, then step through the episode's model turns (their text, their ids) but
+    the last one, which the caller steps itself. The observations it answers are not appended:
+    the episode's saved tokens are the ones trained. Returns the first error, else None."""
+    first = proc.reset(row)
+    if first.error is not None:
+        return first
+    for text, ids in turns[:-1]:
+        step = proc.step(text, ids)
+        if step.error is not None:
+            return step
+    return None
+
+
 def check(cfg: EnvConfig, key: str = "env") -> None:
     """Import `env.fn` in a child, bounded, before any rank starts: EnvConfigError names the
     key. (The child is the environment's own process, started and ended once.)"""

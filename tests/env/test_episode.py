@@ -120,3 +120,25 @@ def test_done_an_error_and_bad_input():
     with pytest.raises(ValueError, match="leave none"):
         Episode([1, 2], max_tokens=2, max_turns=1)
     assert np.asarray(Episode([1], max_tokens=2, max_turns=1).arrays()["output"]).size == 0
+
+
+def test_a_saved_episode_goes_on_token_for_token():
+    """A preempted episode: its state through JSON, restored, continued: the same arrays as an
+    episode never interrupted."""
+    import json
+
+    def build(ep, cut_after):
+        ep.add_sample([2, 3], [-0.5, -0.5], [0, 0])
+        ep.apply(Step(observation=[9, 9], reward=0.5, tool=ToolCall("t", "a", 2, 0.5)))
+        if cut_after:
+            ep = Episode.from_state(json.loads(json.dumps(ep.state())))
+        ep.add_sample([4], [-0.25], [1])
+        ep.apply(Step(done=True, reward=1.0))
+        return ep
+
+    whole = build(Episode([1], max_tokens=16, max_turns=3), cut_after=False)
+    resumed = build(Episode([1], max_tokens=16, max_turns=3), cut_after=True)
+    assert resumed.state() == whole.state()
+    assert resumed.sampled_turns() == [[2, 3], [4]] and resumed.reward == 1.5
+    for k, v in whole.arrays().items():
+        assert np.array_equal(resumed.arrays()[k], v), k

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from areal_hpc.env.base import EnvConfig, EnvConfigError, from_mapping
-from areal_hpc.env.runner import EnvProcess, EnvRunner, check
+from areal_hpc.env.runner import EnvProcess, EnvRunner, check, replay
 from tests.reward.test_custom import DAEMON, _gone
 
 
@@ -25,6 +25,14 @@ class Echo(Environment):
         if self.turns == 2:
             return Step(done=True, reward=1.0)
         return Step(self.prefix + text, False, None, ToolCall("echo", text, len(text), 0.0, None))
+
+class Counts(Environment):
+    def reset(self, row):
+        self.seen = []
+        return "go"
+    def step(self, text, ids):
+        self.seen.append(text)
+        return Step(",".join(self.seen), len(self.seen) == 3, 1.0 if len(self.seen) == 3 else None)
 
 class Ids(Environment):
     def reset(self, row):
@@ -208,3 +216,20 @@ def test_a_child_that_dies_names_its_last_words(envs, tmp_path):
                               "as it were") and proc.proc is None
     finally:
         proc.close()
+
+
+def test_a_resumed_episode_brings_a_fresh_environment_to_where_it_was(envs):
+    """The process of a preempted episode is gone; replay steps a new one through the saved
+    turns, and the turn after them is answered as if nothing had happened."""
+    proc = EnvProcess(_cfg(envs, "Counts"))
+    try:
+        proc.reset({})
+        before = [proc.step(t, [1]).observation for t in ("a", "b")]
+        proc.close()                                    # the preemption
+        assert replay(proc, {}, [("a", [1]), ("b", [1])]) is None
+        assert proc.step("b", [1]).observation == "a,b"    # the last saved turn, stepped again
+        last = proc.step("c", [1])
+        assert (last.observation, last.done, last.reward) == ("a,b,c", True, 1.0)
+    finally:
+        proc.close()
+    assert before == ["a", "a,b"]
