@@ -233,3 +233,19 @@ def test_a_resumed_episode_brings_a_fresh_environment_to_where_it_was(envs):
     finally:
         proc.close()
     assert before == ["a", "a,b"]
+
+
+def test_the_example_of_docs_environments_runs(tmp_path):
+    """docs/environments.md's one-file environment, as written there, through the runner."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "environments.md").read_text()
+    code = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "my_env.py").write_text(code)
+    proc = EnvProcess(from_mapping({"fn": f"{tmp_path}/my_env.py:Lookup", "args": {"table_size": 5}}))
+    try:
+        assert proc.reset({"question": "4 squared?", "answer": "16"}).observation == "4 squared?"
+        step = proc.step("<sq>4</sq>", [1])
+        assert step.observation == "16" and step.tool.args == "4"
+        assert proc.step("<sq>9</sq>", [1]).observation == "unknown"
+        assert (proc.step("it is 16", [1]).reward, proc.step("it is 15", [1]).reward) == (1.0, 0.0)
+    finally:
+        proc.close()
