@@ -93,11 +93,12 @@ FLOORS = {
     4: ["launch", "analysis", "audit", "replay", "main", "preflight", "tiny_model"],
 }
 UP = {
-    # config checks a value's syntax against its owner's definition (lazily, pure modules)
-    ("areal_hpc.config.rules", "areal_hpc.data.answers"): "reward.extractor's names",
-    ("areal_hpc.config.rules", "areal_hpc.data.prompts"): "data.prompt_template's fields",
-    ("areal_hpc.config.rules", "areal_hpc.reward.custom"): "reward.functions' spec syntax",
-    ("areal_hpc.plan.__main__", "areal_hpc.launch.placement"): "`plan placement` prints its plan",
+    ("areal_hpc.config.rules", "areal_hpc.data.answers"):
+        "reward.extractor must be one of the extractors' names, defined once with the parsers the "
+        "rewards use (data/answers.py: pure, no I/O, imports nothing of the package)",
+    ("areal_hpc.plan.__main__", "areal_hpc.launch.placement"):
+        "`python -m areal_hpc.plan placement` is a front door: it prints the placement that "
+        "launch/placement.py computes and checks, not a copy of it",
     ("areal_hpc.rollout.generator", "areal_hpc.preflight"): "the generator's own start-up check",
 }
 

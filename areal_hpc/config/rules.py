@@ -4,16 +4,15 @@ line naming the key."""
 from __future__ import annotations
 
 import math
+import os
 import signal as _signal
 import string
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-
 from ..cpus import parse_cpus
-
-
-from .schema import (ConfigError, RunConfig)
+from ..data.answers import EXTRACTORS   # a pure module (floor 1): the extractors' names, once
+from .schema import ConfigError, RunConfig
 
 
 def _check(cond: bool, key: str, msg: str) -> None:
@@ -209,9 +208,14 @@ def check_signals(names: list) -> None:
                f"SIG{name} cannot announce a preemption ({why}); use e.g. USR1 or TERM")
 
 
+# The fields `data.prompt_template` may use, per data.kind: the controller fills the template with
+# `template.format(question=row["question"])` (data/prompts.py `prompt_ids`; for code, the row's
+# prompt is its "question").
+TEMPLATE_FIELDS = {"math": ("question",), "code": ("question",)}
+
+
 def check_template(template: str, kind: str, key: str = "data.prompt_template") -> None:
     """The fields of `template` (str.format syntax) must be ones the data kind fills in."""
-    from ..data.prompts import TEMPLATE_FIELDS
     fields = TEMPLATE_FIELDS.get(kind, ())
     names = ", ".join("{" + f + "}" for f in fields)
     try:
@@ -236,6 +240,43 @@ def check_template(template: str, kind: str, key: str = "data.prompt_template") 
         used.add(name)
     _check(bool(used), key, f"{template!r} has no field: every prompt would be the same text "
            f"(use {names})")
+
+
+# The form of reward.fn and reward.functions[].fn (reward/custom.py imports what they name, at the
+# preflight).
+SPEC_FORM = "expected 'package.module:function' or 'path/to/file.py:function'"
+
+
+def split_reward_spec(spec) -> tuple[str, str, bool]:
+    """(module or file, function name, is_file) of ``'pkg.mod:fn'`` / ``'path/file.py:fn'``;
+    ValueError when `spec` has neither form."""
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(f"{spec!r}: {SPEC_FORM}")
+    where, name = spec.rsplit(":", 1)
+    if not where or not name.isidentifier():
+        raise ValueError(f"{spec!r}: {SPEC_FORM}")
+    return where, name, where.endswith(".py") or os.sep in where or "/" in where
+
+
+def reward_functions(cfg: RunConfig) -> list[tuple[str, str, float]]:
+    """(config key, spec, weight) of each configured reward function: reward.fn, then
+    reward.functions."""
+    r = cfg.reward
+    return ([("reward.fn", r.fn, 1.0)] if r.fn else []) + [
+        (f"reward.functions[{i}]", f.fn, f.weight) for i, f in enumerate(r.functions)]
+
+
+def check_reward_functions(cfg: RunConfig) -> None:
+    """Every reward function's spec has its form, and no two share a name (their logged fields
+    would collide); whether they import and take the arguments is the preflight's check."""
+    names = []
+    for key, spec, _ in reward_functions(cfg):
+        try:
+            names.append(split_reward_spec(spec)[1])
+        except ValueError as exc:
+            raise ConfigError(f"config key '{key}': {exc}") from None
+    _check(len(set(names)) == len(names), "reward.functions",
+           f"two functions share a name ({', '.join(names)}); their logged fields would collide")
 
 
 def validate(cfg: RunConfig) -> None:
@@ -265,17 +306,12 @@ def validate(cfg: RunConfig) -> None:
         value = getattr(cfg.reward, key)
         _check(math.isfinite(value) and 0 < value <= MAX_REWARD_TIMEOUT_S, f"reward.{key}",
                f"must be in (0, {MAX_REWARD_TIMEOUT_S:g}] seconds (one sample's scoring), got {value}")
-    from ..data.answers import EXTRACTORS
     _check(cfg.reward.extractor in EXTRACTORS, "reward.extractor",
            f"must be one of {', '.join(EXTRACTORS)}, got {cfg.reward.extractor!r}")
     for i, f in enumerate(cfg.reward.functions):
         problem = _REWARD_NUMBER.problem(f.weight)
         _check(problem is None, f"reward.functions[{i}].weight", str(problem))
-    from ..reward.custom import RewardFnError, specs_of
-    try:
-        specs_of(cfg)
-    except RewardFnError as exc:
-        raise ConfigError(str(exc)) from None
+    check_reward_functions(cfg)
     _check(tr.max_tokens_per_mb >= r.max_model_len, "train.max_tokens_per_mb",
            f"must hold one whole sequence: >= rollout.max_model_len = {r.max_model_len}")
     _check(tr.overlong != "shape" or tr.overlong_buffer < r.max_new_tokens, "train.overlong_buffer",

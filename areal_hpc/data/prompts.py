@@ -17,9 +17,6 @@ from .answers import final_answer
 from .jsonl import load_jsonl
 
 KINDS = ("math", "code")
-# The fields `data.prompt_template` may use, per kind: the controller fills the template with
-# `template.format(question=row["question"])` (for code, the row's prompt is its "question").
-TEMPLATE_FIELDS = {"math": ("question",), "code": ("question",)}
 
 
 def load_prompts(path: str, kind: str = "math", question_key: str = "question",
@@ -87,7 +84,7 @@ def prompt_ids(tokenizer, d, question: str) -> list[int]:
     when set, with the generation prompt, then `d.assistant_prefix` (e.g. a reasoning model's
     "<think>\\n"). Tokens as the tokenizer renders them: no special tokens added beyond the
     template's own."""
-    text = d.prompt_template.format(question=question)
+    text = d.prompt_template.format(question=question)     # config/rules.py TEMPLATE_FIELDS
     if not d.chat:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     messages = ([{"role": "system", "content": d.system_prompt}] if d.system_prompt else []) + [

@@ -44,6 +44,8 @@ import os
 import sys
 from typing import Callable, NamedTuple
 
+from ..config.rules import reward_functions, split_reward_spec
+
 
 class RewardFnError(ValueError):
     """A reward function that cannot be used (bad path, not a function, wrong signature)."""
@@ -57,14 +59,12 @@ class Spec(NamedTuple):
 
 
 def split_spec(spec: str) -> tuple[str, str, bool]:
-    """(module or file, function name, is_file) of ``'pkg.mod:fn'`` / ``'path/file.py:fn'``."""
-    if not isinstance(spec, str) or ":" not in spec:
-        raise RewardFnError(f"{spec!r}: expected 'package.module:function' or 'path/to/file.py:function'")
-    where, name = spec.rsplit(":", 1)
-    if not where or not name.isidentifier():
-        raise RewardFnError(f"{spec!r}: expected 'package.module:function' or 'path/to/file.py:function'")
-    is_file = where.endswith(".py") or os.sep in where or "/" in where
-    return where, name, is_file
+    """(module or file, function name, is_file) of ``'pkg.mod:fn'`` / ``'path/file.py:fn'``
+    (its form: config/rules.py `split_reward_spec`). Raises RewardFnError."""
+    try:
+        return split_reward_spec(spec)
+    except ValueError as exc:
+        raise RewardFnError(str(exc)) from None
 
 
 def resolve(spec: str, base: str | os.PathLike | None = None) -> str:
@@ -132,25 +132,11 @@ def _arity(spec: str, fn: Callable) -> int:
 
 
 def specs_of(cfg) -> list[Spec]:
-    """The configured functions (`reward.fn`, then `reward.functions`), paths made absolute.
-    Raises RewardFnError naming the config key."""
-    r = cfg.reward
-    out = []
-    items = ([("reward.fn", r.fn, 1.0)] if r.fn else []) + [
-        (f"reward.functions[{i}]", f.fn, f.weight) for i, f in enumerate(r.functions)]
-    for key, spec, weight in items:
-        try:
-            full = resolve(spec)
-        except RewardFnError as exc:
-            raise RewardFnError(f"config key '{key}': {exc}") from None
-        if not (isinstance(weight, (int, float)) and math.isfinite(weight)):
-            raise RewardFnError(f"config key '{key}.weight': must be a finite number, got {weight!r}")
-        out.append(Spec(full, float(weight), split_spec(full)[1], key))
-    names = [s.name for s in out]
-    if len(set(names)) != len(names):
-        raise RewardFnError("config key 'reward.functions': two functions share a name "
-                            f"({', '.join(names)}); their logged fields would collide")
-    return out
+    """The configured functions (`reward.fn`, then `reward.functions`), file paths made absolute,
+    of a loaded config (config/rules.py checked each one's form and weight, and that no two share
+    a name)."""
+    return [Spec(resolve(spec), float(weight), split_spec(spec)[1], key)
+            for key, spec, weight in reward_functions(cfg)]
 
 
 def check(cfg) -> list[Spec]:
