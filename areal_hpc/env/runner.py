@@ -79,10 +79,16 @@ class EnvProcess:
             return Step(done=True, error="the environment's process is gone (no reset?)")
         return self._call("step", turn_text, list(turn_ids))
 
+    def kill(self) -> None:
+        """Kill the child and everything it started (bounded); a call waiting on it answers
+        that the process died. Its pipes stay open until ``close``."""
+        proc = self.proc
+        if proc is not None:
+            contain.end(proc, self.pidfd)
+
     def close(self) -> None:
-        """Kill the child and everything it started (bounded), close the pipes."""
-        if self.proc is not None:
-            contain.end(self.proc, self.pidfd)
+        """``kill``, then close the pipes."""
+        self.kill()
         for fd in (self.pidfd, self.calls, self.results):
             if fd is not None:
                 os.close(fd)
@@ -301,9 +307,11 @@ class EnvRunner:
             procs = list(self._running.values()) + self._idle
             self._running.clear()
             self._idle.clear()
+        for proc in procs:      # first: a call in flight then answers (the process died)
+            proc.kill()
+        self._pool.shutdown(wait=True)
         for proc in procs:
             proc.close()
-        self._pool.shutdown(wait=True)
 
     def __enter__(self) -> EnvRunner:
         return self

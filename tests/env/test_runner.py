@@ -170,6 +170,8 @@ def test_a_slow_tool_holds_its_own_episode_only(envs, tmp_path):
         assert not slow.done()                              # still waiting for its go-ahead
         go.touch()
         assert slow.result(timeout=60).observation == "waited"
+        stuck = runner.step("slow", str(tmp_path / "never"), [1])
+    assert stuck.result().error.startswith("step: the environment's process died")  # closed
 
 
 def test_config_errors_name_the_key(envs, tmp_path):
