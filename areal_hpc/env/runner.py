@@ -201,7 +201,7 @@ def _reject_constant(name: str):
 def _step_of(line: bytes, call_id: int, op: str) -> Step:
     """A Step from one answer line, checked as exact plain types and bounded values."""
     msg = json.loads(line, parse_constant=_reject_constant)
-    if type(msg) is not dict or msg.get("id") != call_id:
+    if type(msg) is not dict or type(msg.get("id")) is not int or msg["id"] != call_id:
         raise ValueError("not the answer to the call")
     if "error" in msg:
         if type(msg["error"]) is not str:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_hpc.env.base import EnvConfig, EnvConfigError, from_mapping
+from areal_hpc.env.base import EnvConfig, EnvConfigError, from_mapping, turn_stops
 from areal_hpc.env.runner import EnvProcess, EnvRunner, check, replay
 from tests.reward.test_custom import DAEMON, _gone
 
@@ -186,6 +186,9 @@ def test_config_errors_name_the_key(envs, tmp_path):
         with pytest.raises(EnvConfigError, match=f"^config key '{key}': "):
             from_mapping(section)
     assert from_mapping({"turn_stop": ["</calc>", 7], "observation_template": "{{{observation}}}"})
+    from omegaconf import OmegaConf                     # an env section as the job's loader has it
+    cfg = from_mapping(OmegaConf.create({"env": {"fn": "calculator", "turn_stop": ["</calc>", 7]}}).env)
+    assert cfg.fn == "calculator" and turn_stops(cfg) == (["</calc>"], [7])
     for fn, why in ((f"{tmp_path}/none.py:E", "no such file"), (f"{envs}:Nope", "'Nope' is missing"),
                     (f"{envs}:_daemon", "is a function, not a class"),
                     (f"{envs}:Environment", "has no reset or step method")):
