@@ -88,7 +88,7 @@ FLOORS = {
     0: ["config", "cpus", "random_models", "versions", "determinism", "preemption", "reaper", "progress",
         "slurm_job"],
     1: ["data", "algo", "transport", "topology"],
-    2: ["storage", "reward"],
+    2: ["storage", "reward", "env"],
     3: ["rollout", "train", "plan"],
     4: ["launch", "analysis", "audit", "replay", "main", "preflight", "tiny_model"],
 }
@@ -99,7 +99,6 @@ UP = {
     ("areal_hpc.plan.__main__", "areal_hpc.launch.placement"):
         "`python -m areal_hpc.plan placement` is a front door: it prints the placement that "
         "launch/placement.py computes and checks, not a copy of it",
-    ("areal_hpc.rollout.generator", "areal_hpc.preflight"): "the generator's own start-up check",
 }
 
 
