@@ -135,7 +135,10 @@ def _run(cfg, topo, world, export_only: bool) -> tuple[int, bool]:
     elif export_only:
         code = 0
     else:
+        from .preflight import generator_node
         from .rollout.generator import run_generator
+        with preemption.shield_children():      # the sandbox's probe must outlive a USR1
+            generator_node(cfg)     # this node, before the generator's children: the code sandbox
         code = run_generator(cfg, topo)
     # Every rank but trainer rank 0 waits here for its final evaluation, checkpoint and export:
     # as long as rank 0 is alive (the beacon); rank 0 waits for the others within the bound.

@@ -42,7 +42,14 @@ from . import determinism
 from .config import MAX_CONFIG_BYTES, ConfigError, RunConfig, _read_utf8, load
 from .config.rules import _check
 from .data.files import irregular
-from .data.prompts import RenderTimeout, prompt_ids, read_chat_template, too_long, too_many_chars
+from .data.prompts import (RenderTimeout, load_prompts_of, prompt_ids, read_chat_template, too_long,
+                           too_many_chars)
+from .plan import Arch, check_fits
+from .plan.budget import check_time
+from .reward import custom
+from .reward.sandbox import SandboxUnavailable, check_available
+from .storage.run_dir import RunDir, place
+from .versions import check_versions
 
 TINY_MODEL = Path("models/tiny")
 # The models the project builds itself when a config names them and they are not there yet:
@@ -66,14 +73,10 @@ def launcher(config: str, overrides: list[str]) -> RunConfig:
     step and its checkpoint fit the preemption signal's lead (`areal_hpc.plan.budget`), build the
     tiny model if needed, check the input paths. Raises ConfigError with a message that names
     the key."""
-    from .plan import check_fits
-
     cfg = load(config, overrides)
     check_fits(cfg)
-    from .plan.budget import check_time
     check_time(cfg)  # topology.gpu set: a step + its checkpoint within the signal's lead (else a warning)
-    from .versions import check_versions  # VersionMismatch: installed torch/vLLM/Megatron differ
-    check_versions(cfg.topology.device)
+    check_versions(cfg.topology.device)  # VersionMismatch: installed torch/vLLM/Megatron differ
     ensure_tiny_model(cfg)
     check_inputs(cfg)
     generator_node(cfg)  # data.kind=code: refuse where code cannot be sandboxed (or warn if unsafe)
@@ -86,22 +89,22 @@ def rank(config: str, overrides: list[str]) -> RunConfig:
     """The checks a rank runs on its own node: the config, its inputs, this node's releases."""
     cfg = load(config, overrides)
     check_inputs(cfg)
-    from .versions import check_versions  # this node's torch / vLLM / Megatron releases
-    check_versions(cfg.topology.device)
+    check_versions(cfg.topology.device)  # this node's torch / vLLM / Megatron releases
     return cfg
 
 
 def generator_node(cfg: RunConfig) -> None:
-    """On a generator's node, before its children start: code rewards need the sandbox (or the
-    unsafe opt-out)."""
-    from .reward.sandbox import check_available
-    check_available(cfg)
+    """On a generator's node, before its children start (areal_hpc.main, before the generator):
+    code rewards need the sandbox (or the unsafe opt-out)."""
+    try:
+        check_available(cfg)
+    except SandboxUnavailable as exc:
+        raise ConfigError(f"config key 'data.kind': {exc}") from None
 
 
 def check_inputs(cfg: RunConfig) -> None:
     """Inputs that must exist before any rank starts work (clear message, not a deep traceback):
     the model directory, the run's name, the user's reward functions, every dataset row."""
-    from .storage.run_dir import RunDir, place
     try:
         place(cfg.output_dir, cfg.name)
     except ValueError as exc:
@@ -114,12 +117,10 @@ def check_inputs(cfg: RunConfig) -> None:
     if log.exists() and cfg.checkpoint.resume == "never":
         raise ConfigError(f"config key 'name': run {cfg.name!r} already has {log}; choose another "
                           f"name=..., remove {cfg.run_dir}, or resume it with checkpoint.resume=auto")
-    from .reward.custom import RewardFnError, check
     try:        # the user's reward functions import, and take (completion, reference, row)
-        check(cfg)
-    except RewardFnError as exc:
+        custom.check(cfg)
+    except custom.RewardFnError as exc:
         raise ConfigError(str(exc)) from None
-    from .data.prompts import load_prompts_of
     sample, datasets = None, {}
     for key, value in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
         if value is None:
@@ -138,7 +139,7 @@ def check_inputs(cfg: RunConfig) -> None:
         if problem:
             raise ConfigError(f"config key '{key}': {problem} (drop such rows or raise "
                               "rollout.max_model_len)")
-        from .reward.math import MAX_ANSWER_CHARS
+        from .reward.math import MAX_ANSWER_CHARS     # math_verify, sympy: heavy, for math only
         long_ref = next((i for i, r in enumerate(rows) if r["reward_kind"] == "math"
                          and isinstance(r["reference"], str)
                          and len(r["reference"]) > MAX_ANSWER_CHARS), None)
@@ -191,7 +192,6 @@ def check_model_config(cfg: RunConfig, hf: Any, source: str) -> None:
     if archs is not None and not (isinstance(archs, list)
                                   and any(a in SUPPORTED_ARCHITECTURES for a in archs)):
         raise ConfigError(f"{source}: architectures {archs!r} is not supported ({supported})")
-    from .plan import Arch     # hidden_size, heads, layers, intermediate_size, vocab_size, kv heads
     arch = Arch.from_hf(hf, source)
     mpe = hf.get("max_position_embeddings")
     if not _positive_int(mpe):

@@ -66,6 +66,7 @@ sized tmpfs.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 import select
@@ -493,12 +494,15 @@ def _kill_sandbox(proc: subprocess.Popen) -> None:
         pass
 
 
-def check_available(cfg) -> None:
-    """Launcher check: a ``data.kind == "code"`` job refuses to start where code cannot be
-    sandboxed (``ConfigError`` naming what is missing), unless ``reward.unsafe_no_sandbox``; then
-    it warns, loudly, at every start. Call it on every node that scores code (the generators)."""
-    from ..config import ConfigError
+class SandboxUnavailable(RuntimeError):
+    """Code rewards cannot be sandboxed on this node (the preflight names the key: data.kind)."""
 
+
+def check_available(cfg) -> None:
+    """A ``data.kind == "code"`` job refuses to start where code cannot be sandboxed
+    (`SandboxUnavailable` naming what is missing), unless ``reward.unsafe_no_sandbox``; then it
+    warns, loudly, at every start. Call it on every node that scores code (the generators):
+    preflight.py `generator_node`."""
     if getattr(cfg.data, "kind", "math") != "code":
         return
     if getattr(cfg.reward, "unsafe_no_sandbox", False):
@@ -506,14 +510,13 @@ def check_available(cfg) -> None:
         return
     ok, reason = Sandbox.available()
     if not ok:
-        raise ConfigError(
-            f"config key 'data.kind': code rewards run model-written programs, which need the "
-            f"code sandbox, and it cannot be set up on this node: {reason}. (Set "
-            f"reward.unsafe_no_sandbox=true to run them without isolation: UNSAFE.)")
+        raise SandboxUnavailable(
+            f"code rewards run model-written programs, which need the code sandbox, and it "
+            f"cannot be set up on this node: {reason}. (Set reward.unsafe_no_sandbox=true to run "
+            f"them without isolation: UNSAFE.)")
 
 
 def warn_unsafe() -> None:
-    import logging
     msg = ("UNSAFE: reward.unsafe_no_sandbox=true: model-written code runs WITHOUT the sandbox; "
            "it can read the reference answers, the file system and the environment, use the "
            "network and signal this job")

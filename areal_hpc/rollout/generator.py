@@ -118,15 +118,14 @@ class Generator:
 
     @classmethod
     def start(cls, cfg: RunConfig, topo: Topology) -> "Generator":
-        """On a generator rank: the channel, the tokenizer, this node's start-up check, then the
-        engine (joining the weight group) and the reward pool, kept out of a USR1's reach."""
+        """On a generator rank, once its node passed its start-up check (areal_hpc.main runs
+        preflight.generator_node): the channel, the tokenizer, then the engine (joining the weight
+        group) and the reward pool, kept out of a USR1's reach."""
         from transformers import AutoTokenizer
 
-        from ..preflight import generator_node
         chan = Channel(topo.world)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         with preemption.shield_children():     # engine processes must outlive a USR1
-            generator_node(cfg)   # on this node: code rewards need the sandbox (or the unsafe opt-out)
             r = cfg.rollout
             factory = functools.partial(
                 VLLMEngine, cfg.model.path, dtype=cfg.model.dtype, seed=cfg.train.seed + topo.rank,

@@ -1,9 +1,11 @@
-"""The launcher check (sandbox.check_available) and the sandbox's own API."""
+"""The launcher check (sandbox.check_available, preflight.generator_node) and the sandbox's own
+API."""
 import pytest
 
 import areal_hpc.reward.sandbox as sb
 from areal_hpc.config import ConfigError, RunConfig, load
-from areal_hpc.reward.sandbox import Sandbox, check_available
+from areal_hpc.preflight import generator_node
+from areal_hpc.reward.sandbox import Sandbox, SandboxUnavailable, check_available
 
 
 def cfg(kind: str, unsafe: bool = False) -> RunConfig:
@@ -25,9 +27,12 @@ def test_unsafe_no_sandbox_defaults_to_false():
 
 def test_a_code_job_refuses_to_start_without_the_sandbox(no_bwrap):
     assert Sandbox.available() == (False, "bwrap not found: apt-get install bubblewrap")
-    with pytest.raises(ConfigError, match="bwrap not found: apt-get install bubblewrap") as e:
+    with pytest.raises(SandboxUnavailable, match="bwrap not found: apt-get install bubblewrap") as e:
         check_available(cfg("code"))
     assert "reward.unsafe_no_sandbox=true" in str(e.value)
+    with pytest.raises(ConfigError) as line:       # the preflight's line names the key
+        generator_node(cfg("code"))
+    assert str(line.value) == f"config key 'data.kind': {e.value}" and "\n" not in str(line.value)
 
 
 def test_a_math_job_does_not_need_the_sandbox(no_bwrap):
