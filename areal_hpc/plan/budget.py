@@ -56,7 +56,9 @@ from ..config import ConfigError, RunConfig, TrainConfig, load
 from ..slurm_job import job_clock, parse_slurm_time
 from .bounds import bound_problems, render_waits, waits
 from .bounds import fmt_s as _fmt_s
+from .calibration import assumed_rates
 from .memory import Arch, read_arch
+from .throughput import GPU_HBM_BYTES_S, UPDATE_FIXED_S, WEIGHT_BCAST_BYTES_S
 
 
 @dataclass(frozen=True)
@@ -193,9 +195,6 @@ def estimate_time(cfg: RunConfig, gpu: str | None = None, mfu: float | None = No
                   ckpt_bytes_s: float | None = None, arch: Arch | None = None) -> StepTime:
     """The step-time estimate of `cfg` on `gpu` (default topology.gpu) at `mfu` (default
     topology.mfu)."""
-    from .calibration import assumed_rates
-    from .throughput import GPU_HBM_BYTES_S, UPDATE_FIXED_S, WEIGHT_BCAST_BYTES_S
-
     spec = gpu_spec(gpu if gpu is not None else cfg.topology.gpu, "--gpu" if gpu is not None else "topology.gpu")
     mfu = cfg.topology.mfu if mfu is None else mfu
     if not (0 < mfu <= 1):

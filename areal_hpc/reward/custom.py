@@ -38,13 +38,18 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import json
 import math
 import numbers
 import os
+import subprocess
 import sys
+import tempfile
 from typing import Callable, NamedTuple
 
 from ..config.rules import reward_functions, split_reward_spec
+from ..reaper import become_subreaper, kill_descendants
+from . import contain
 
 
 class RewardFnError(ValueError):
@@ -156,12 +161,6 @@ def _check_in_child(specs: list[Spec]) -> None:
     runs as pid 1 of a PID namespace of its own where one can be made (reward/contain.py): when
     it ends, is killed at the bound, or this process dies (a SIGKILL included), everything the
     modules started dies with it, whatever they did."""
-    import json
-    import subprocess
-    import tempfile
-
-    from . import contain
-
     with tempfile.TemporaryFile() as out:
         # the caller's import path, as multiprocessing's spawn hands it to the pool's workers
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
@@ -201,10 +200,6 @@ OUTPUT_TAIL_BYTES = 4096        # of the check's output, read for its verdict
 
 def _check_main(argv: list[str]) -> int:
     """The child of `_check_in_child`."""
-    import json
-
-    from ..reaper import become_subreaper, kill_descendants
-
     become_subreaper()
     found = {}
     for i, spec in enumerate(argv):

@@ -3,9 +3,11 @@
 Megatron keeps its process groups in module globals (`parallel_state`), and its model code reads
 them there. This project reads ranks and sizes from a `ParallelLayout` instead: created once per
 trainer rank from the job's `Topology` (`trainer_layout`, which also creates the trainer ranks'
-torch.distributed group and Megatron's groups over it), passed to the Actor, and asked the questions the weight path and the
-checkpoint writers need (which stage's weights this rank gathers, whether it sends them, whether
-it writes the HF export).
+torch.distributed group and Megatron's groups over it), passed to the Actor, and asked the
+questions the weight path and the checkpoint writers need (which stage's weights this rank
+gathers, whether it sends them, whether it writes the HF export). torch and Megatron are imported
+inside the functions that use them: the record itself needs neither (its questions are pure,
+tests/train/test_layout.py).
 """
 from __future__ import annotations
 
@@ -97,7 +99,7 @@ def trainer_layout(topo: Topology, seed: int) -> ParallelLayout:
 def init_trainer_process_group(topo: Topology) -> None:
     """torch.distributed's default group over the trainer ranks only (Megatron builds on it), at
     the rendezvous trainer rank 0 broadcast (`Topology.build`)."""
-    import torch    # torch-free at import, as the rest of this module: the layout is a record
+    import torch
     import torch.distributed as dist
     assert topo.role == TRAINER
     if topo.cfg.device == "cuda":
