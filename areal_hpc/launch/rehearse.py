@@ -274,7 +274,11 @@ def rehearse(script: Path, model: Path, out_dir: Path, steps: int = 4, env=None,
         until(lambda: job_info(job, env).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"),
               timeout, "the second attempt")
     except TimeoutError as exc:      # where the job was when the wait ran out, not just that it did
-        raise TimeoutError(f"job {job}: {exc}\n{log_tail()}") from None
+        info = job_info(job, env)
+        nodes = _sh("sinfo", "-h", "-N", "-o", "%N %T %E", env=env).stdout.strip()
+        raise TimeoutError(f"job {job}: {exc}; JobState={info.get('JobState')} "
+                           f"Reason={info.get('Reason')} Restarts={info.get('Restarts')}; nodes:\n"
+                           f"{nodes}\n{log_tail()}") from None
     finally:
         _sh("scancel", job, env=env)
     state = job_info(job, env).get("JobState")
