@@ -131,3 +131,21 @@ def damage_is_an_error(path: Path, what: str = ""):
     except (OSError, KeyError, RuntimeError, TypeError, ValueError, AttributeError) as e:
         where = f" ({what})" if what else ""
         raise RolloutLogError(f"{path}: damaged rollout log{where}: {first_line(e)}") from None
+
+
+def rewrite_committed(path: Path, keep) -> None:
+    """Copy the committed rows of a log whose writer died into a fresh file that replaces it;
+    `keep(src, group, name)`: how many entries of /group/name the committed rows hold.
+
+    HDF5 refuses to open such a file for writing until its status flags are cleared (h5clear);
+    reading it in SWMR mode works, and every row up to the last flush is intact."""
+    tmp = path.with_name(path.name + ".recover")
+    with open_swmr(path) as src, h5py.File(tmp, "w", libver="latest") as dst:
+        for key, value in src.attrs.items():
+            dst.attrs[key] = value
+        for grp in src:
+            g = dst.create_group(grp)
+            for name, ds in src[grp].items():
+                g.create_dataset(name, data=ds[:keep(src, grp, name)], maxshape=(None,),
+                                 chunks=ds.chunks, fletcher32=True)
+    os.replace(tmp, path)

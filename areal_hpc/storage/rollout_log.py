@@ -21,7 +21,9 @@ Layout (flat token arrays + end offsets; vlen data is not SWMR-safe):
   /tokens/prompt           int32 [sum of prompt lengths]
   /tokens/output           int32 [sum of output lengths]
   /tokens/behav_logprobs   float32, one per output token
-  /tokens/versions         int32, policy version of every output token
+  /tokens/versions         int32, policy version of every output token (-1: an observation's)
+  /tokens/loss_mask, /turns/*, /tools/*, /traj/turns_end, /traj/tools_end: a multi-turn
+                           episode's mask, turns and tool calls (optional: episode_log.py)
   attrs: config_yaml, schema_version (FORMAT names the file kind)
 
 `traj/output_end` is appended last and is the commit marker: a reader (or a resumed writer)
@@ -31,7 +33,6 @@ job loses at most the batch being written.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -40,8 +41,9 @@ import numpy as np
 
 # the file's opening and its damage as errors, in h5_read.py; RolloutLogError and
 # damage_is_an_error are imported from here too
-from .h5_read import (RolloutLogError, damage_is_an_error, first_line, open_for_reading, open_swmr,
-                      text)
+from .episode_log import GROUPS, MASK, ROW_ENDS, add_datasets, episode_columns, row_episode
+from .h5_read import (RolloutLogError, damage_is_an_error, first_line, open_for_reading,
+                      rewrite_committed, text)
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +78,14 @@ _ROW_FIELDS = {
     "prompt_id": "i8", "sample_idx": "i4", "reward": "f4", "finish_reason": "u1",
     "generator_rank": "i4", "t_submit": "f8", "t_first_token": "f8", "t_end": "f8",
     "consumed_step": "i4", "prompt_end": "i8", "reward_error": f"S{REWARD_ERROR_BYTES}",
-    "seed": "i8",
+    "seed": "i8", "turns_end": "i8", "tools_end": "i8",
 }
 # absent in older files; read as (and, when such a file is continued, filled with) these values
-_OPTIONAL_FIELDS = {"reward_error": b"", "seed": NO_SEED}
+_OPTIONAL_FIELDS = {"reward_error": b"", "seed": NO_SEED, "turns_end": 0, "tools_end": 0, MASK: 1}
 _COMMIT = "output_end"
-_TOKEN_FIELDS = {"prompt": "i4", "output": "i4", "behav_logprobs": "f4", "versions": "i4"}
+_TOKEN_FIELDS = {"prompt": "i4", "output": "i4", "behav_logprobs": "f4", "versions": "i4",
+                 MASK: "u1"}
+_OFFSETS = ("prompt_end", _COMMIT, *ROW_ENDS.values())
 _CHUNK_ROWS, _CHUNK_TOKENS = 1024, 65536
 
 
@@ -106,11 +110,12 @@ def _append(ds: h5py.Dataset, values: np.ndarray) -> None:
     dsid.write(h5py.h5s.create_simple((len(values),)), space, values)
 
 
-def _columns(trajs: Sequence[dict[str, Any]], consumed: int, prompt_end: int, output_end: int
-             ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """The token arrays and the row fields (the commit marker's too) of `trajs` as the datasets
-    store them, after `prompt_end` / `output_end`; a ValueError naming the trajectory and the
-    field for anything a reader would refuse (`_invalid`)."""
+def _columns(trajs: Sequence[dict[str, Any]], consumed: int, prompt_end: int, output_end: int,
+             group_ends: dict[str, int]) -> tuple[dict, dict, dict]:
+    """The token arrays, the row fields (the commit marker's too) and the episode groups'
+    arrays of `trajs` as the datasets store them, after `prompt_end` / `output_end` /
+    `group_ends`; a ValueError naming the trajectory and the field for anything a reader would
+    refuse (`_invalid`, `episode_columns`)."""
     name_of = lambda x: f"trajectory {x.get('prompt_id')}/{x.get('sample_idx')}"
     plen = np.array([len(x["prompt_tokens"]) for x in trajs], dtype=np.int64)
     olen = np.array([len(x["output_tokens"]) for x in trajs], dtype=np.int64)
@@ -121,9 +126,11 @@ def _columns(trajs: Sequence[dict[str, Any]], consumed: int, prompt_end: int, ou
         if x["finish_reason"] not in FINISH_REASONS:
             raise ValueError(f"{name_of(x)}: finish_reason {x['finish_reason']!r} is not one of "
                              f"{FINISH_REASONS}")
+    mask, groups, counts = episode_columns(trajs, name_of)
     cat = lambda key, dt: np.concatenate([np.asarray(x[key], dtype=dt) for x in trajs])
     tokens = {"prompt": cat("prompt_tokens", np.int32), "output": cat("output_tokens", np.int32),
-              "behav_logprobs": cat("behav_logprobs", np.float32), "versions": cat("versions", np.int32)}
+              "behav_logprobs": cat("behav_logprobs", np.float32), "versions": cat("versions", np.int32),
+              MASK: mask}
     rows = {name: np.asarray([x[name] for x in trajs], dtype=_ROW_FIELDS[name])
             for name in ("prompt_id", "sample_idx", "reward", "generator_rank", "t_submit",
                          "t_first_token", "t_end")}
@@ -135,9 +142,10 @@ def _columns(trajs: Sequence[dict[str, Any]], consumed: int, prompt_end: int, ou
                                    dtype=_ROW_FIELDS["reward_error"]),
         "seed": np.asarray([NO_SEED if x.get("seed") is None else x["seed"] for x in trajs],
                            dtype=_ROW_FIELDS["seed"]),
+        **{col: group_ends[g] + np.cumsum(counts[g]) for g, col in ROW_ENDS.items()},
         _COMMIT: output_end + np.cumsum(olen)})
     ends = {"prompt": np.cumsum(plen)}
-    ends["output"] = ends["behav_logprobs"] = ends["versions"] = np.cumsum(olen)
+    ends["output"] = ends["behav_logprobs"] = ends["versions"] = ends[MASK] = np.cumsum(olen)
     for name, values in (*rows.items(), *tokens.items()):
         bad, why = _invalid(name, values)
         if bad.any():
@@ -145,7 +153,7 @@ def _columns(trajs: Sequence[dict[str, Any]], consumed: int, prompt_end: int, ou
             x = trajs[int(np.searchsorted(ends[name], k, side="right")) if name in tokens else k]
             raise ValueError(f"{name_of(x)}: {name} is {why}: {values[k].item()!r} (a rollout log "
                              "holds only what it can read back)")
-    return tokens, rows
+    return tokens, rows, groups
 
 
 class RolloutWriter:
@@ -170,11 +178,11 @@ class RolloutWriter:
         for name, dt in _TOKEN_FIELDS.items():
             tok.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(_CHUNK_TOKENS,),
                                fletcher32=True)
+        self.n_rows = self._prompt_end = self._output_end = 0
+        self._group_ends = dict.fromkeys(GROUPS, 0)
+        add_datasets(self.f, 0, self._group_ends, _CHUNK_ROWS, RolloutLogError)
         self.f.swmr_mode = True
         self.f.flush()
-        self.n_rows = 0
-        self._prompt_end = 0
-        self._output_end = 0
 
     @classmethod
     def reopen(cls, path: str | Path, keep_rows: int) -> RolloutWriter:
@@ -207,7 +215,7 @@ class RolloutWriter:
         if n < keep_rows:
             raise RolloutLogError(f"{path}: {n} committed rows, but the checkpoint saw {keep_rows}")
         for name, empty in _OPTIONAL_FIELDS.items():     # a file from before the field: its rows
-            if name not in t:                           # read as they did, new ones have it
+            if name not in t and name in _ROW_FIELDS:   # read as they did, new ones have it
                 t.create_dataset(name, data=np.full(n, empty, dtype=_ROW_FIELDS[name]),
                                  maxshape=(None,), chunks=(_CHUNK_ROWS,), fletcher32=True)
         for name in _ROW_FIELDS:
@@ -218,6 +226,9 @@ class RolloutWriter:
                 t[name].resize((n,))
         self._prompt_end = int(t["prompt_end"][n - 1]) if n else 0
         self._output_end = int(t[_COMMIT][n - 1]) if n else 0
+        self._group_ends = {g: int(t[c][n - 1]) if n else 0 for g, c in ROW_ENDS.items()}
+        add_datasets(self.f, self._output_end, self._group_ends, _CHUNK_ROWS,
+                     lambda e: RolloutLogError(f"{path}: {e}"))
         for name, ds in tok.items():
             end = self._prompt_end if name == "prompt" else self._output_end
             if not 0 <= end <= ds.shape[0]:
@@ -244,14 +255,19 @@ class RolloutWriter:
             return []
         for x in trajs:
             self._storable_reward(x)
-        tokens, rows = _columns(trajs, consumed, self._prompt_end, self._output_end)
+        tokens, rows, groups = _columns(trajs, consumed, self._prompt_end, self._output_end,
+                                        self._group_ends)
         t, tok = self._datasets()
         for name, values in tokens.items():
             _append(tok[name], values)
+        for grp, arrays in groups.items():
+            for name, values in arrays.items():
+                _append(self.f[grp][name], values)
         for name in _ROW_FIELDS:
             _append(t[name], rows[name])
         _append(t[_COMMIT], rows[_COMMIT])      # commit marker: last
         self._prompt_end, self._output_end = int(rows["prompt_end"][-1]), int(rows[_COMMIT][-1])
+        self._group_ends = {g: int(rows[c][-1]) for g, c in ROW_ENDS.items()}
         first = self.n_rows
         self.n_rows += len(trajs)
         self.f.flush()
@@ -306,24 +322,12 @@ class RolloutWriter:
 
 
 def _rewrite_committed(path: Path) -> None:
-    """Copy the committed rows of a log whose writer died into a fresh file that replaces it.
-
-    HDF5 refuses to open such a file for writing until its status flags are cleared (h5clear);
-    reading it in SWMR mode works, and every row up to the last flush is intact."""
-    tmp = path.with_name(path.name + ".recover")
-    with open_swmr(path) as src, h5py.File(tmp, "w", libver="latest") as dst:
-        for key, value in src.attrs.items():
-            dst.attrs[key] = value
+    """`h5_read.rewrite_committed`: each dataset cut to the committed rows' entries."""
+    def keep(src, grp: str, name: str) -> int:
         n = src["traj"][_COMMIT].shape[0]
-        ends = {"prompt": int(src["traj/prompt_end"][n - 1]) if n else 0,
-                "output": int(src["traj"][_COMMIT][n - 1]) if n else 0}
-        for grp in ("traj", "tokens"):
-            g = dst.create_group(grp)
-            for name, ds in src[grp].items():
-                keep = n if grp == "traj" else ends["prompt" if name == "prompt" else "output"]
-                g.create_dataset(name, data=ds[:keep], maxshape=(None,), chunks=ds.chunks,
-                                 fletcher32=True)
-    os.replace(tmp, path)
+        col = ("prompt_end" if name == "prompt" else _COMMIT) if grp == "tokens" else ROW_ENDS.get(grp)
+        return n if col is None else int(src["traj"][col][n - 1]) if n and col in src["traj"] else 0
+    rewrite_committed(path, keep)
 
 
 _LOGPROB_SLACK = 1e-3       # a log-probability above this is not one (rounding aside)
@@ -340,10 +344,14 @@ def _invalid(name: str, v: np.ndarray) -> tuple[np.ndarray, str]:
         return v >= len(FINISH_REASONS), "an unknown finish_reason code"
     if name == "consumed_step":
         return v < PARTIAL, "not a training step"
-    if name in ("prompt_end", _COMMIT):
+    if name in _OFFSETS:
         return v < np.concatenate([[0], v[:-1]]), "an offset that goes backwards"
     if name == "seed":
         return v < NO_SEED, "not a seed"
+    if name == "versions":          # -1: an observation token's (episode_log.py)
+        return v < -1, "negative"
+    if name == MASK:
+        return v > 1, "not 0 or 1"
     if v.dtype.kind in "iu":        # ids, ranks, token ids, policy versions
         return v < 0, "negative"
     return np.zeros(v.shape, dtype=bool), ""
@@ -399,8 +407,10 @@ class RolloutReader:
                                   f"{shown}, readable: {READABLE_SCHEMAS})")
         if not isinstance(f.attrs.get("config_yaml", ""), (str, bytes)):
             raise RolloutLogError(f"{path}: damaged rollout log (config_yaml is not text)")
-        dtypes = {"traj": {**_ROW_FIELDS, _COMMIT: "i8"}, "tokens": _TOKEN_FIELDS}
+        dtypes = {"traj": {**_ROW_FIELDS, _COMMIT: "i8"}, "tokens": _TOKEN_FIELDS, **GROUPS}
         for grp, fields in dtypes.items():
+            if grp in GROUPS and grp not in f:          # a log from before episodes
+                continue
             if not isinstance(f.get(grp), h5py.Group):
                 raise RolloutLogError(f"{path}: not a rollout log, or a damaged one "
                                       f"(no group /{grp})")
@@ -501,9 +511,11 @@ class RolloutReader:
         "prompt_end" (prompt) or "output_end" (the others). Checked (see the class)."""
         ends = self.column("prompt_end" if name == "prompt" else _COMMIT)
         with damage_is_an_error(self.path, f"/tokens/{name}"):
+            end = int(ends[-1]) if len(ends) else 0
+            if name == MASK and MASK not in self.f["tokens"]:
+                return np.ones(end, np.uint8)   # a log from before episodes: all sampled
             ds = self.f["tokens"][name]
             ds.refresh()
-            end = int(ends[-1]) if len(ends) else 0
             if ds.shape[0] < end:
                 raise RolloutLogError(f"{self.path}: damaged rollout log (/tokens/{name} has "
                                       f"{ds.shape[0]} entries, the offsets need {end})")
@@ -543,7 +555,7 @@ class RolloutReader:
             pe, oe = t["prompt_end"][lo:i + 1], t[_COMMIT][lo:i + 1]
         row = {}
         for name in _ROW_FIELDS:
-            if name != "prompt_end" and name in t:
+            if name not in ("prompt_end", *ROW_ENDS.values()) and name in t:
                 with damage_is_an_error(self.path, f"/traj/{name} row {i}"):
                     row[name] = t[name][i]
         p0, p1 = (int(pe[0]), int(pe[-1])) if i else (0, int(pe[-1]))
@@ -569,6 +581,9 @@ class RolloutReader:
                 raise RolloutLogError(f"{self.path}: damaged rollout log (row {i}: {len(values)} "
                                       f"{key}, its offsets say {want})")
             row[key] = self.check(name, values, row=i)
+        with damage_is_an_error(self.path, f"row {i}'s loss mask, turns or tool calls"):
+            row.update(row_episode(self.f, i, o1 - o0, o0, o1))
+        self.check(MASK, row[MASK], row=i)
         return row
 
     def close(self) -> None:

@@ -19,7 +19,7 @@ docs/architecture.md#data-contract describes each field's meaning.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypedDict
+from typing import Any, ClassVar, NotRequired, TypedDict
 
 import numpy as np
 
@@ -42,6 +42,11 @@ class Trajectory(TypedDict):
     t_end: float
     reward_error: str               # "" when scored normally
     reward_extra: dict              # a reward function's logged fields
+    # a multi-turn episode's (env/episode.py; absent: a single-turn sample, all of it sampled)
+    loss_mask: NotRequired[np.ndarray]      # uint8 per output token: 1 sampled, 0 observation
+    turn_ends: NotRequired[np.ndarray]      # int64, each turn's end in the output tokens
+    turn_is_sample: NotRequired[np.ndarray]  # uint8 per turn: 1 the model's, 0 an observation
+    tool_calls: NotRequired[list]           # env.base.ToolCall records (or their dicts)
 
 
 @dataclass(frozen=True, slots=True)
