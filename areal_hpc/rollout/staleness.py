@@ -20,6 +20,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+import numpy as np
+
 
 class StalenessManager:
     def __init__(self, max_concurrent_rollouts: int, consumer_batch_size: int, max_staleness: int,
@@ -107,8 +109,9 @@ class ReadyBuffer:
         return len(self._groups)
 
     def add(self, trajectories: list, rows: list) -> None:
-        # (a sample stopped before its first token has none)
-        oldest = min(int(min(t["versions"])) for t in trajectories if len(t["versions"]))
+        # (a sample stopped before its first token has none; an episode's observation tokens,
+        # version -1, were not sampled: `oldest_sampled`)
+        oldest = min(o for t in trajectories if (o := oldest_sampled(t["versions"])) is not None)
         self._groups.append(ReadyGroup(oldest, trajectories, rows))
 
     def groups(self) -> list[ReadyGroup]:
@@ -161,6 +164,16 @@ class StaleGroups:
         self.times.pop(prompt_id, None)
 
 
+def oldest_sampled(token_versions) -> int | None:
+    """The oldest version among a trajectory's sampled tokens (a multi-turn episode's
+    observation tokens carry version -1 and count for nothing); None without any."""
+    v = np.asarray(token_versions)
+    v = v[v >= 0]
+    return int(v.min()) if len(v) else None
+
+
 def staleness_of(consume_version: int, token_versions) -> int:
-    """How many versions behind the consuming policy the oldest token of a trajectory is."""
-    return int(consume_version - min(token_versions)) if len(token_versions) else 0
+    """How many versions behind the consuming policy the oldest sampled token of a trajectory
+    is (0 without one)."""
+    oldest = oldest_sampled(token_versions)
+    return int(consume_version - oldest) if oldest is not None else 0

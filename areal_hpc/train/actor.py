@@ -344,14 +344,14 @@ class Actor:
             prox,
             mb.behav_logprobs,
             mb.advantages,
-            torch.ones_like(logprobs, dtype=torch.bool),
+            mb.loss_mask,
             eps_clip=self.cfg.eps_clip,
             eps_clip_high=self.cfg.eps_clip_high,
             dual_clip=self.cfg.dual_clip,
             off_policy=self.off_policy,
             seq_lens=mb.out_lens,
         )
-        n = mb.n_tokens
+        n = mb.n_trained    # its mask's tokens: an observation token is in no count
         # decoupled_ppo_loss averages over this micro-batch; Megatron wants the sum and divides
         # the accumulated gradient by the minibatch's total token count.
         loss_sum = loss * n
@@ -435,7 +435,7 @@ class Actor:
         per_token = {
             "behav_logprobs": [s["behav_logprobs"] for s in seqs],
             "advantages": [np.full(len(s["output_tokens"]), s["advantage"]) for s in seqs],
-        }
+            "loss_mask": [s.get("loss_mask", np.ones(len(s["output_tokens"]))) for s in seqs]}
         if self.prox == "loglinear":
             per_token["versions"] = [s["versions"] for s in seqs]
         ids, offset = [], 0
@@ -487,7 +487,7 @@ class Actor:
                 grad_norms.append(float(grad_norm) if grad_norm is not None else _NAN)
             t_fb, t_opt = t_fb + t2 - t1, t_opt + time.perf_counter() - t2
 
-        sums = self._reduce_sums(outputs, n_tokens=sum(mb.n_tokens for mb in all_mbs))
+        sums = self._reduce_sums(outputs, n_tokens=sum(mb.n_trained for mb in all_mbs))
         denom = max(sums["n_tokens"], 1.0)
         return {
             "loss": sums["loss"] / denom,

@@ -41,10 +41,18 @@ class MicroBatch:
     advantages: torch.Tensor | None = None
     versions: torch.Tensor | None = None  # int64, loglinear π_prox only
     prox_logprobs: torch.Tensor | None = None  # last stage, minibatches 2..k (recompute) or π_behav
+    # bool: True for a sampled token, False for an environment's observation token of a
+    # multi-turn episode (trained on nothing: the loss, its token counts and diagnostics skip it)
+    loss_mask: torch.Tensor | None = None
 
     @property
     def n_tokens(self) -> int:
         return int(self.out_pos.numel())
+
+    @property
+    def n_trained(self) -> int:
+        """Output tokens the loss trains on (mask 1): every one without a loss mask."""
+        return self.n_tokens if self.loss_mask is None else int(self.loss_mask.sum())
 
 
 def plan_micro_batches(lengths: list[int], budget: int, pp: int,
@@ -112,7 +120,7 @@ def pack(seqs: list[dict], mb_ids: list[int], per_token: dict | None = None, *,
         targets=tokens_t[:, out_pos_t + 1],
     )
     for name, per_seq in (per_token or {}).items():
-        dtype = np.int64 if name == "versions" else np.float32
+        dtype = {"versions": np.int64, "loss_mask": np.bool_}.get(name, np.float32)
         parts = [np.asarray(per_seq[i], dtype=dtype) for i in mb_ids] or [np.zeros(0, dtype)]
         setattr(mb, name, torch.from_numpy(np.concatenate(parts)).to(dev))
     return mb

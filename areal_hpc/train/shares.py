@@ -24,8 +24,23 @@ from areal_hpc.algo.ppo import (STORED_REWARD_DTYPE, compute_advantages, equal_r
                                 shape_rewards, token_normalised)
 from areal_hpc.config import TrainConfig
 
-# The fields of a sequence that training reads (plus `versions` for prox: loglinear).
+# The fields of a sequence that training reads (plus `versions` for prox: loglinear, and
+# `loss_mask` where a sequence has one: a multi-turn episode's, 0 on its observation tokens).
 TRAIN_KEYS = ("prompt_tokens", "output_tokens", "behav_logprobs")
+MASK = "loss_mask"
+
+
+def _sampled(s: dict, key: str):
+    """A per-token field of sequence `s` at its sampled tokens (all of them without a mask)."""
+    m = s.get(MASK)
+    return s[key] if m is None else np.asarray(s[key])[np.asarray(m, dtype=bool)]
+
+
+def trained_tokens(s: dict) -> int:
+    """The output tokens of sequence `s` that the loss trains on: those its loss mask keeps
+    (the sampled ones of an episode), all of them without one."""
+    m = s.get(MASK)
+    return len(s["output_tokens"]) if m is None else int(np.count_nonzero(m))
 
 
 @dataclass
@@ -121,8 +136,9 @@ def guard(seqs: list[dict], cfg: TrainConfig, group_size: int,
     cut = np.array([s.get("finish_reason") == "length" for s in seqs], dtype=bool)
     keep, shaped, zero_var = guard_decisions(np.array([float(s["reward"]) for s in seqs]), n_out,
                                              cut, cfg, group_size, max_new_tokens)
-    n_tok = max(int(n_out.sum()), 1)
-    entropy = -sum(float(np.sum(s["behav_logprobs"], dtype=np.float64)) for s in seqs) / n_tok
+    n_tok = max(sum(trained_tokens(s) for s in seqs), 1)
+    entropy = -sum(float(np.sum(_sampled(s, "behav_logprobs"), dtype=np.float64))
+                   for s in seqs) / n_tok
     stats = {"zero_var_groups": int(zero_var.sum()), "filtered_seqs": int((~keep).sum()),
              "truncated_frac": float(cut.mean()) if len(seqs) else 0.0, "entropy": entropy}
     return [int(i) for i in np.flatnonzero(keep)], shaped, stats
@@ -147,14 +163,14 @@ def split_batch(seqs: list[dict], cfg: TrainConfig, group_size: int, dp: int,
         raise ValueError(f"{len(seqs)} sequences cannot fill {cfg.ppo_minibatches} minibatches")
     keys = TRAIN_KEYS + (("versions",) if cfg.prox == "loglinear" else ())
     for i, s in enumerate(seqs):
-        for key in keys[2:]:
+        for key in keys[2:] + ((MASK,) if s.get(MASK) is not None else ()):
             if len(s[key]) != len(s["output_tokens"]):
                 raise ValueError(f"sequence {i}: {key} and output_tokens differ in length")
     kept, shaped, stats = guard(seqs, cfg, group_size, max_new_tokens)
     reward_mean = float(np.mean([float(s["reward"]) for s in seqs]))
     # Advantages of what is left: group statistics over whole groups (a sequence cut by
     # `overlong: filter` counted in its group's), `adv_norm: batch` over the kept tokens only.
-    n_out = torch.tensor([len(s["output_tokens"]) for s in seqs])
+    n_out = torch.tensor([trained_tokens(s) for s in seqs])   # a token mean's weights
     args = (group_size, cfg.reward_bias, cfg.reward_scaling, cfg.reward_clip, cfg.reward_norm)
     if len(kept) == len(seqs) or cfg.adv_norm == "none":
         adv_all = compute_advantages(torch.from_numpy(shaped), n_out, *args, cfg.adv_norm)
@@ -169,7 +185,8 @@ def split_batch(seqs: list[dict], cfg: TrainConfig, group_size: int, dp: int,
     stats["no_signal_steps"] = int(no_signal)
 
     def slim(i: int) -> dict:
-        return {**{k: seqs[i][k] for k in keys}, "advantage": adv[i]}
+        has = (MASK,) if seqs[i].get(MASK) is not None else ()
+        return {**{k: seqs[i][k] for k in keys + has}, "advantage": adv[i]}
 
     if no_signal:
         return [BatchShare([[] for _ in range(cfg.ppo_minibatches)], len(seqs), reward_mean,
