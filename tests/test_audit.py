@@ -253,7 +253,7 @@ def clean(tmp_path):
 def test_clean_run_passes(clean, capsys):
     report = au.audit(clean)
     assert report.ok and failing(report) == set(), report.text()
-    assert [c.ok for c in report.checks] == [True] * 7, report.text()
+    assert [c.ok for c in report.checks] == [True] * 8, report.text()
     text = report.text()
     assert "rolled back and issued again: 2" in text      # prompts 5 and 6
     assert "dropped as stale and issued again: 1" in text  # prompt 10
@@ -403,7 +403,7 @@ def test_empty_run_without_checkpoint(tmp_path):
     RolloutWriter(run / "rollouts.h5", config_yaml()).close()
     report = au.audit(run)
     assert report.exit_code == 0, report.text()
-    assert [c.ok for c in report.checks] == [True, True, None, None, True, True, True], report.text()
+    assert [c.ok for c in report.checks] == [True, True, None, None, True, True, True, True], report.text()
 
 
 def test_issued_again_after_training(tmp_path):

@@ -25,6 +25,9 @@ The checks, each reported with its counts:
      tokens, log-probabilities and versions (or it waits in the checkpoint's partial groups);
      or, with per-request seeds, an unfinished one whose tokens came from one weight version
      was generated again from its seed under that version (reported when its tokens differ).
+  8. every trained token was sampled (loss mask 1: version >= 0), every observation token of a
+     multi-turn episode (version -1) masked out of the loss, and no sampled token masked out;
+     staleness (check 5) counts an episode by its oldest sampled token.
 
 What the files cannot tell, and is reported so:
   - whether a rolled-back row had been trained before its job died: ROLLED_BACK replaces the step
@@ -54,8 +57,8 @@ import sys
 from pathlib import Path
 
 from ..storage import run_dir as run_files
-from .checks import (_check_continued, _check_once, _check_pending, _check_prompts,
-                     _check_rolled_back, _check_steps, _check_versions)
+from .checks import (_check_continued, _check_masks, _check_once, _check_pending,
+                     _check_prompts, _check_rolled_back, _check_steps, _check_versions)
 from .run import (BLOCK_TOKENS, EXIT_OK, EXIT_UNREADABLE, EXIT_VIOLATED, AuditInputError, Check,
                   Report, _Groups, _project, _read, _some, _warnings_into)
 
@@ -92,7 +95,7 @@ def audit(run_dir: str | Path, *, check_crc: bool = True,
                + f"; checkpoint: {ckpt}", *(proj.lines if proj is not None else [])]
     checks = [_check_once(run), _check_steps(run, groups), _check_prompts(run, groups, proj),
               _check_pending(run, groups, proj), _check_versions(run, proj),
-              _check_rolled_back(run, groups), _check_continued(run, groups)]
+              _check_rolled_back(run, groups), _check_continued(run, groups), _check_masks(run)]
     return Report(run_dir, summary, checks, notes)
 
 

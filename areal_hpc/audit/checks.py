@@ -494,3 +494,27 @@ def _check_continued(run: _Run, groups: _Groups) -> Check:
     if bad:
         lines.append(f"{len(bad)} partial row(s) not continued as they should be: {_some(bad)}")
     return Check(name, not bad, lines)
+
+
+def _check_masks(run: _Run) -> Check:
+    """Multi-turn episodes (env/episode.py): every token the loss trains (loss mask 1) was
+    sampled (version >= 0), so every observation token (version -1) is masked out of the loss;
+    and no sampled token is masked out (the episode builder masks observations only). A log
+    from before episodes has no mask: every token trained, each must have been sampled."""
+    name = "trained tokens sampled, observation tokens masked"
+    unsampled = np.flatnonzero(run.unsampled) if run.unsampled is not None else np.zeros(0, int)
+    masked = (np.flatnonzero(run.masked_sampled) if run.masked_sampled is not None
+              else np.zeros(0, int))
+    lines = [f"{len(run.pid)} rows' output tokens: mask 1 with version -1 in {len(unsampled)}, "
+             f"mask 0 with a version in {len(masked)}"]
+    bad = []
+    if len(unsampled):
+        bad.append(f"{len(unsampled)} row(s) train a token that was not sampled (loss mask 1, "
+                   "version -1): " + _some(
+                       f"row {i} (prompt {run.pid[i]} sample {run.sidx[i]}) output token "
+                       f"{run.first_unsampled[i]}, {run.unsampled[i]} such" for i in unsampled))
+    if len(masked):
+        bad.append(f"{len(masked)} row(s) mask a sampled token out of the loss (loss mask 0, "
+                   "version >= 0): " + _some(f"row {i} (prompt {run.pid[i]} sample "
+                                             f"{run.sidx[i]})" for i in masked))
+    return Check(name, not bad, lines + bad)

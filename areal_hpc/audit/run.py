@@ -16,6 +16,8 @@ from ..config import ConfigError, RunConfig, load as load_config
 from ..analysis.load import version_blocks
 from ..storage import checkpoint as ck
 from ..storage import run_dir as run_files
+from ..storage.episode_log import MASK
+from ..storage.h5_read import damage_is_an_error
 from ..storage.run_state import ControllerState
 from ..storage.rollout_log import (DROPPED_STALE, FINISH_REASONS, NOT_CONSUMED, ROLLED_BACK,
                                   STATUS_NAMES, RolloutLogError, RolloutReader, group_starts)
@@ -97,9 +99,14 @@ class _Run:
     out_len: np.ndarray
     reward: np.ndarray          # float32, as stored
     cut: np.ndarray             # finish_reason "length"
-    vmin: np.ndarray            # oldest / newest token version of the row, -1 without tokens
-    vmax: np.ndarray
+    vmin: np.ndarray            # oldest / newest sampled token version of the row (an
+    vmax: np.ndarray            # observation token's -1 left out), -1 without one
     metrics: list[tuple[int, dict]] | None      # (line number, record); None: no file
+    # per row, output tokens trained (loss mask 1) but not sampled (version -1), and the first
+    # one's offset; tokens sampled (version >= 0) but masked out of the loss
+    unsampled: np.ndarray | None = None
+    first_unsampled: np.ndarray | None = None
+    masked_sampled: np.ndarray | None = None
     ckpt: Path | None = None
     ck_step: int | None = None
     ctrl: ControllerState | None = None    # the checkpoint's controller state
@@ -185,18 +192,43 @@ def _load_config(run_dir: Path, log_yaml: str, notes: list[str]) -> tuple[RunCon
     return cfg, cfg.rollout.stale_policy
 
 
+def _mask_block(reader: RolloutReader, a: int, b: int) -> np.ndarray:
+    """The loss mask of output tokens [a, b), as bools (all True in a log from before
+    episodes: every token sampled and trained)."""
+    with damage_is_an_error(reader.path, f"/tokens/{MASK}"):
+        if MASK not in reader.f["tokens"]:
+            return np.ones(b - a, bool)
+        m = reader.f["tokens"][MASK][a:b]
+    if len(m) != b - a or (m > 1).any():
+        raise RolloutLogError(f"{reader.path}: damaged rollout log (/tokens/{MASK} [{a}, {b}) "
+                              "is short or holds a value other than 0 and 1)")
+    return m.astype(bool)
+
+
 def _version_bounds(reader: RolloutReader, ends: np.ndarray, block_tokens: int):
-    """Per row, the oldest and newest version of its output tokens (-1 for a row without
-    tokens): one pass over /tokens/versions in blocks of whole rows (a large run's tokens do not
-    fit in memory)."""
+    """Per row, the oldest and newest version of its sampled output tokens (-1 for a row
+    without one: an observation token's version is -1), and the rows' loss-mask findings
+    (`_Run.unsampled`, `first_unsampled`, `masked_sampled`): one pass over /tokens/versions and
+    /tokens/loss_mask in blocks of whole rows (a large run's tokens do not fit in memory)."""
     n = len(ends)
     vmin, vmax = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
+    unsampled, first, masked = np.zeros(n, np.int64), np.full(n, -1, np.int64), np.zeros(n, np.int64)
+    big = np.iinfo(np.int64).max
     for r0, r1, v, start, stop in version_blocks(reader, ends, block_tokens):
         has = stop > start
-        if has.any():
-            vmin[r0:r1][has] = np.minimum.reduceat(v, start[has])
-            vmax[r0:r1][has] = np.maximum.reduceat(v, start[has])
-    return vmin, vmax
+        if not has.any():
+            continue
+        t0 = int(ends[r0 - 1]) if r0 else 0
+        m = _mask_block(reader, t0, t0 + int(stop[-1]))
+        low = np.minimum.reduceat(np.where(v >= 0, v, big), start[has])
+        vmin[r0:r1][has] = np.where(low == big, -1, low)
+        vmax[r0:r1][has] = np.maximum.reduceat(v, start[has])
+        bad = m & (v < 0)
+        unsampled[r0:r1][has] = np.add.reduceat(bad, start[has])
+        masked[r0:r1][has] = np.add.reduceat(~m & (v >= 0), start[has])
+        for i in np.flatnonzero(unsampled[r0:r1]):
+            first[r0 + i] = int(np.argmax(bad[start[i]:stop[i]]))
+    return vmin, vmax, (unsampled, first, masked)
 
 
 def _read_metrics(run_dir: Path) -> list[tuple[int, dict]] | None:
@@ -223,7 +255,7 @@ def _read(run_dir: Path, check_crc: bool, notes: list[str], block_tokens: int) -
             ends = cols["output_end"]
             if len(ends) and (np.diff(ends) < 0).any():
                 raise RolloutLogError(f"{log_path}: damaged rollout log (offsets go backwards)")
-            vmin, vmax = _version_bounds(r, ends, block_tokens)
+            vmin, vmax, masks = _version_bounds(r, ends, block_tokens)
     except FileNotFoundError:
         raise AuditInputError(f"{log_path}: no such file (no rollout log)") from None
     except RolloutLogError as exc:
@@ -240,7 +272,8 @@ def _read(run_dir: Path, check_crc: bool, notes: list[str], block_tokens: int) -
                out_len=np.diff(ends.astype(np.int64), prepend=0),
                reward=np.asarray(cols["reward"], dtype=np.float32),
                cut=cols["finish_reason"] == FINISH_REASONS.index("length"), vmin=vmin, vmax=vmax,
-               metrics=_read_metrics(run_dir))
+               metrics=_read_metrics(run_dir), unsampled=masks[0], first_unsampled=masks[1],
+               masked_sampled=masks[2])
     hit = ck.find_latest(run_dir, check_crc=check_crc)
     if hit is None:
         folders = ck.list_checkpoints(run_dir)
