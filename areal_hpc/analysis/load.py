@@ -26,6 +26,7 @@ import pandas as pd
 import yaml
 from tqdm import tqdm
 
+from ..storage.episode_log import mask_between
 from ..storage.run_dir import RunDir
 from ..storage.rollout_log import (FINISH_REASONS, PARTIAL, RolloutLogError, RolloutReader,
                                    damage_is_an_error)
@@ -39,7 +40,7 @@ COLUMNS = (
     "run", "row", "prompt_id", "sample_idx", "generator_rank", "reward", "correct",
     "reward_error", "finish_reason", "prompt_len", "output_len", "version_first", "version_last",
     "version_changes", "interrupted", "consumed_step", "staleness", "t_submit", "t_first_token",
-    "t_end", "latency_s",
+    "t_end", "latency_s", "sampled_len", "turns", "tool_calls", "tool_errors", "tool_seconds",
 )
 
 
@@ -53,7 +54,11 @@ class RunData:
     through); `interrupted` whether it spans more than one version; `consumed_step` the training
     step that used it (-1 pending, -2 dropped as stale, -3 rolled back, -4 partial); `staleness` consumed_step minus its
     oldest token's version for consumed rows (as the controller's bound), NaN otherwise; times
-    are time.time() seconds.
+    are time.time() seconds. Multi-turn episodes (storage/episode_log.py): `sampled_len` the
+    output tokens the model sampled (trained; the others are observations, version -1, which
+    the oldest version and the staleness leave out), `turns` its model turns (1 for a
+    single-turn sample), `tool_calls`, `tool_errors` and `tool_seconds` its tool calls' count,
+    failures and wall-clock seconds.
     `token_staleness`: staleness value → number of output tokens with it, over consumed rows
     (training step − the token's version)."""
 
@@ -130,7 +135,8 @@ def _reduce_versions(reader: RolloutReader, ends: np.ndarray, consumed: np.ndarr
     without tokens get version -1."""
     n = len(ends)
     first, last, oldest = (np.full(n, -1, dtype=np.int64) for _ in range(3))
-    changes = np.zeros(n, dtype=np.int64)
+    changes, sampled = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    big = np.iinfo(np.int64).max
     hist: collections.Counter = collections.Counter()
     total = int(ends[-1]) if n else 0
     with tqdm(total=total, unit="tok", unit_scale=True, desc=f"reading {reader.path.name}",
@@ -140,17 +146,46 @@ def _reduce_versions(reader: RolloutReader, ends: np.ndarray, consumed: np.ndarr
             if has.any():
                 first[r0:r1][has] = v[start[has]]
                 last[r0:r1][has] = v[stop[has] - 1]
-                oldest[r0:r1][has] = np.minimum.reduceat(v, start[has])
+                low = np.minimum.reduceat(np.where(v >= 0, v, big), start[has])  # sampled
+                oldest[r0:r1][has] = np.where(low == big, -1, low)
+                t0 = int(ends[r0 - 1]) if r0 else 0
+                mask = mask_between(reader, t0, t0 + int(stop[-1]))
+                sampled[r0:r1][has] = np.add.reduceat(mask, start[has])
                 steps = np.concatenate([[0], np.cumsum(v[1:] != v[:-1])])   # changes up to a token
                 changes[r0:r1][has] = steps[stop[has] - 1] - steps[start[has]]
             row = np.repeat(np.arange(r1 - r0), stop - start)                # each token's row
             step = consumed[r0:r1][row]
             good = ~np.isin(np.arange(r0, r1), np.fromiter(reader.bad, np.int64, len(reader.bad)))
-            used = (step >= 0) & good[row]
+            used = (step >= 0) & good[row] & (v >= 0)     # an observation token: no version
             vals, counts = np.unique(step[used] - v[used], return_counts=True)
             hist.update(dict(zip(vals.tolist(), counts.tolist())))
             bar.update(len(v))
-    return first, last, oldest, changes, dict(sorted(hist.items()))
+    return first, last, oldest, changes, sampled, dict(sorted(hist.items()))
+
+
+def _episode_counts(reader: RolloutReader, out_len: np.ndarray) -> dict[str, np.ndarray]:
+    """Per row: model turns, tool calls, failed tool calls, tool seconds (episode_log.py)."""
+    n = len(out_len)
+    turns = (out_len > 0).astype(np.int64)         # a single-turn sample: one model turn
+    if not n:
+        return {"turns": turns, "tool_calls": turns, "tool_errors": turns,
+                "tool_seconds": np.zeros(0)}
+    t_end, c_end = (reader.column(c)[:n].astype(np.int64) for c in ("turns_end", "tools_end"))
+    f = reader.f
+    with damage_is_an_error(reader.path, "/turns, /tools"):
+        is_sample = f["turns/is_sample"][:int(t_end[-1])] if "turns" in f else np.zeros(0)
+        tools = {k: f[f"tools/{k}"][:int(c_end[-1])] if "tools" in f else np.zeros(0)
+                 for k in ("error", "seconds")}
+
+    def per_row(values, end):           # the sum of each row's entries [end[i-1], end[i])
+        a = np.concatenate([[0], end[:-1]])
+        sums = np.add.reduceat(np.append(values, 0).astype(np.float64), np.minimum(a, len(values)))
+        return np.where(end > a, sums, 0.0)
+    stored = t_end > np.concatenate([[0], t_end[:-1]])
+    turns[stored] = per_row(is_sample, t_end)[stored].astype(np.int64)
+    return {"turns": turns, "tool_calls": np.diff(c_end, prepend=0),
+            "tool_errors": per_row(np.asarray(tools["error"]) != b"", c_end).astype(np.int64),
+            "tool_seconds": per_row(tools["seconds"], c_end)}
 
 
 def load_run(path: str | Path, label: str | None = None, *, block_tokens: int = BLOCK_TOKENS,
@@ -176,8 +211,9 @@ def load_run(path: str | Path, label: str | None = None, *, block_tokens: int = 
                                           "finish_reason", "t_submit", "t_first_token", "t_end",
                                           "reward_error")}
         # the fields first, so that the staleness histogram leaves out every bad row (skip_bad)
-        first, last, oldest, changes, hist = _reduce_versions(r, ends, consumed, block_tokens,
-                                                              progress)
+        first, last, oldest, changes, sampled, hist = _reduce_versions(
+            r, ends, consumed, block_tokens, progress)
+        episodes = _episode_counts(r, np.diff(ends, prepend=0))
         reward = c["reward"].astype(np.float64)
         finish = np.where(c["finish_reason"] < len(FINISH_REASONS), c["finish_reason"], 0)
         t_submit, t_end = c["t_submit"], c["t_end"]
@@ -203,6 +239,8 @@ def load_run(path: str | Path, label: str | None = None, *, block_tokens: int = 
             "t_first_token": c["t_first_token"],
             "t_end": t_end,
             "latency_s": t_end - t_submit,
+            "sampled_len": sampled,
+            **episodes,
         }, columns=list(COLUMNS))
         skipped = dict(sorted(r.bad.items()))
     if skipped:

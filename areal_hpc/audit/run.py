@@ -16,8 +16,7 @@ from ..config import ConfigError, RunConfig, load as load_config
 from ..analysis.load import version_blocks
 from ..storage import checkpoint as ck
 from ..storage import run_dir as run_files
-from ..storage.episode_log import MASK
-from ..storage.h5_read import damage_is_an_error
+from ..storage.episode_log import mask_between
 from ..storage.run_state import ControllerState
 from ..storage.rollout_log import (DROPPED_STALE, FINISH_REASONS, NOT_CONSUMED, ROLLED_BACK,
                                   STATUS_NAMES, RolloutLogError, RolloutReader, group_starts)
@@ -192,19 +191,6 @@ def _load_config(run_dir: Path, log_yaml: str, notes: list[str]) -> tuple[RunCon
     return cfg, cfg.rollout.stale_policy
 
 
-def _mask_block(reader: RolloutReader, a: int, b: int) -> np.ndarray:
-    """The loss mask of output tokens [a, b), as bools (all True in a log from before
-    episodes: every token sampled and trained)."""
-    with damage_is_an_error(reader.path, f"/tokens/{MASK}"):
-        if MASK not in reader.f["tokens"]:
-            return np.ones(b - a, bool)
-        m = reader.f["tokens"][MASK][a:b]
-    if len(m) != b - a or (m > 1).any():
-        raise RolloutLogError(f"{reader.path}: damaged rollout log (/tokens/{MASK} [{a}, {b}) "
-                              "is short or holds a value other than 0 and 1)")
-    return m.astype(bool)
-
-
 def _version_bounds(reader: RolloutReader, ends: np.ndarray, block_tokens: int):
     """Per row, the oldest and newest version of its sampled output tokens (-1 for a row
     without one: an observation token's version is -1), and the rows' loss-mask findings
@@ -219,7 +205,7 @@ def _version_bounds(reader: RolloutReader, ends: np.ndarray, block_tokens: int):
         if not has.any():
             continue
         t0 = int(ends[r0 - 1]) if r0 else 0
-        m = _mask_block(reader, t0, t0 + int(stop[-1]))
+        m = mask_between(reader, t0, t0 + int(stop[-1]))
         low = np.minimum.reduceat(np.where(v >= 0, v, big), start[has])
         vmin[r0:r1][has] = np.where(low == big, -1, low)
         vmax[r0:r1][has] = np.maximum.reduceat(v, start[has])

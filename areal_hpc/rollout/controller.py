@@ -241,9 +241,11 @@ class Controller:
     def _continuation(self, row: int) -> msgs.Continuation:
         """A PARTIAL row as a generator continues it (a prompt's `continued` samples)."""
         t = self.writer.read(row)
+        t["tool_calls"] = tuple(t["tool_calls"])        # an episode's, as the log read them
         return msgs.Continuation(**{k: t[k] for k in (
             "sample_idx", "output_tokens", "behav_logprobs", "versions", "finish_reason",
-            "t_submit", "t_first_token", "t_end")})
+            "t_submit", "t_first_token", "t_end", "loss_mask", "turn_ends", "turn_is_sample",
+            "tool_calls")})
 
     def _drop_stale(self) -> int:
         """Groups whose oldest token is more than η versions behind the policy, by

@@ -22,6 +22,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .h5_read import RolloutLogError, damage_is_an_error
+
 NO_VERSION = -1                     # an observation token's version (env/episode.py)
 MASK = "loss_mask"
 TOOL_TEXT_BYTES = {"name": 32, "args": 256, "error": 96}
@@ -147,3 +149,17 @@ def add_datasets(f, output_end: int, group_ends: dict[str, int], chunks: int, er
                 raise err(f"damaged rollout log (/{grp}/{name} has {g[name].shape[0]} entries, "
                           f"the offsets need {group_ends[grp]})")
             g[name].resize((group_ends[grp],))
+
+
+def mask_between(reader, a: int, b: int) -> np.ndarray:
+    """The loss mask of output tokens [a, b) of `reader`'s log (a RolloutReader), as bools
+    (all True in a log from before episodes: every token sampled and trained); read by blocks
+    of rows (a large run's tokens do not fit in memory)."""
+    with damage_is_an_error(reader.path, f"/tokens/{MASK}"):
+        if MASK not in reader.f["tokens"]:
+            return np.ones(b - a, bool)
+        m = reader.f["tokens"][MASK][a:b]
+    if len(m) != b - a or (m > 1).any():
+        raise RolloutLogError(f"{reader.path}: damaged rollout log (/tokens/{MASK} [{a}, {b}) "
+                              "is short or holds a value other than 0 and 1)")
+    return m.astype(bool)

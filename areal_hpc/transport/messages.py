@@ -61,6 +61,12 @@ class Continuation:
     t_submit: float
     t_first_token: float
     t_end: float
+    # a multi-turn episode's, as the rollout log reads them back (a single-turn sample: one
+    # turn, all ones, no tool calls; None / (): not given)
+    loss_mask: np.ndarray | None = None
+    turn_ends: np.ndarray | None = None
+    turn_is_sample: np.ndarray | None = None
+    tool_calls: tuple = ()
 
 
 @dataclass(frozen=True, slots=True)
