@@ -56,6 +56,14 @@ def main(argv=None) -> int:
                       f"its policy/ export is missing or incomplete: exporting it only",
                       flush=True)
 
+    # A killed job's MPICH segments on this node: a requeued job's MPI start-up would take them
+    # for its own (same names) and fail or hang in MPI_Init (reaper.SHM_PREFIX says why).
+    from .reaper import remove_stale_segments
+    stale = remove_stale_segments()
+    if stale:
+        print(f"[rank {rank_env}] removed {len(stale)} MPI shared-memory segment(s) left on this "
+              f"node by a killed job ({', '.join(os.path.basename(p) for p in stale[:4])}"
+              f"{', ...' if len(stale) > 4 else ''})", file=sys.stderr, flush=True)
     from mpi4py import MPI
 
     from .topology import CONTROLLER_RANK, Topology

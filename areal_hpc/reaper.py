@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 _watcher: subprocess.Popen | None = None
 
@@ -178,10 +179,13 @@ def watch(parent_pid: int, interval: float, stream=None, grace_s: float = 5.0
     return killed, clean
 
 
-# MPICH's shared-memory segments (one per node and communicator): a rank that is killed never
-# unlinks them, so every killed job left a few MiB in /dev/shm (a tmpfs: memory), and a node or
-# test box running many such jobs ran out (MPIDI_POSIX_comm_bootstrap: Out of memory).
-SHM_PREFIX = "/dev/shm/mpich_shm_"
+# MPICH's shared-memory segments (mpich_shm_<world id>_<node>, mpich_vci_...): a rank that is
+# killed never unlinks them. Their names come from the PMI job name, which a requeued Slurm job
+# repeats (same job and step ids): MPICH creates a segment with O_EXCL, so when a stale one of
+# that name is there no rank becomes its root, and MPI_Init fails (a size that differs:
+# "MPIDI_POSIX_comm_bootstrap: Out of memory") or runs on the stale segment's contents, where a
+# rank can wait for ever. Killed jobs also leave a few MiB each in /dev/shm (a tmpfs: memory).
+SHM_PREFIX = "/dev/shm/mpich_"
 
 
 def shm_mapped(pid: int | str, prefix: str = SHM_PREFIX) -> set[str]:
@@ -192,6 +196,28 @@ def shm_mapped(pid: int | str, prefix: str = SHM_PREFIX) -> set[str]:
                     for line in f if prefix in line and len(line.split(None, 5)) == 6}
     except (OSError, ValueError):
         return set()
+
+
+def remove_stale_segments(min_age_s: float = 10.0, prefix: str = SHM_PREFIX) -> list[str]:
+    """Before this rank starts MPI: unlink this node's MPICH segments (ours: others' cannot be
+    unlinked in the sticky /dev/shm) that no live process maps and that are older than
+    `min_age_s`, i.e. left by a killed job. A segment of this job's start-up is safe: its root
+    rank maps it at once after creating it, and it is seconds old, not `min_age_s`."""
+    folder, _, stem = prefix.rpartition("/")
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(stem)]
+    except OSError:
+        return []
+    now, old = time.time(), set()
+    for name in names:
+        path = f"{folder}/{name}"
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if st.st_uid == os.getuid() and now - st.st_mtime >= min_age_s:
+            old.add(path)
+    return remove_unmapped(old, prefix)
 
 
 def remove_unmapped(paths: set[str], prefix: str = SHM_PREFIX) -> list[str]:

@@ -192,6 +192,9 @@ def release(job: str, env=None, timeout: float = 180) -> None:
                        and any(i in " ".join(p.info["cmdline"]) for i in ids)
                        for p in psutil.process_iter(["cmdline"]))
     until(settled, timeout, f"job {job} back in the queue")
+    # slurmd revokes the ended attempt's credential with a time stamp in whole seconds, and
+    # refuses a launch whose credential is not newer: a start within that second is killed
+    time.sleep(2.0)
     _sh("scontrol", "update", f"jobid={job}", "starttime=now", env=env)
 
 

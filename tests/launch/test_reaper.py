@@ -10,6 +10,8 @@ import time
 import psutil
 import pytest
 
+from areal_hpc import reaper
+
 pytestmark = pytest.mark.slow     # starts MPI / torch.distributed worlds or processes (tests/conftest.py)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -156,5 +158,41 @@ def test_a_killed_ranks_mpich_segments_are_removed_unless_another_process_maps_t
     finally:
         proc.kill()
         for path in (own, shared):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_stale_segments_go_before_mpi_starts_but_not_a_live_or_fresh_one():
+    """What a requeued attempt's rank removes before MPI_Init (main.py): this user's MPICH segments
+    older than the bound that no process maps (a killed job's, whose names the attempt's own
+    would repeat). One that a process maps, and one made a moment ago, stay."""
+    import mmap
+    import uuid
+
+    tag = uuid.uuid4().hex[:12]
+    stale, mapped, fresh = (f"/dev/shm/mpich_shm_test_{tag}_{k}" for k in ("stale", "mapped", "fresh"))
+    for path in (stale, mapped, fresh):
+        with open(path, "wb") as f:
+            f.truncate(1 << 16)
+    hour_ago = time.time() - 3600
+    for path in (stale, mapped):
+        os.utime(path, (hour_ago, hour_ago))
+    try:
+        with open(mapped, "r+b") as f, mmap.mmap(f.fileno(), 1 << 16):
+            # this process maps `mapped`; remove_unmapped skips its own maps, so a child holds it
+            holder = subprocess.Popen([sys.executable, "-c", (
+                "import mmap, sys, time\n"
+                f"f = open({mapped!r}, 'r+b'); m = mmap.mmap(f.fileno(), 1 << 16)\n"
+                "print('mapped', flush=True); time.sleep(300)")], stdout=subprocess.PIPE, text=True)
+            try:
+                assert holder.stdout.readline().strip() == "mapped"
+                removed = reaper.remove_stale_segments(min_age_s=60)
+            finally:
+                holder.kill()
+                holder.wait(timeout=60)
+        assert stale in removed and mapped not in removed and fresh not in removed
+        assert not os.path.exists(stale) and os.path.exists(mapped) and os.path.exists(fresh)
+    finally:
+        for path in (stale, mapped, fresh):
             if os.path.exists(path):
                 os.unlink(path)

@@ -159,3 +159,52 @@ def test_netns_gloo_on_loopback_across_hosts_is_refused(netns_cluster, tmp_path)
         else:
             assert not errors and "placement: 2 rank(s) on 2 node(s)" in log, log
             assert re.search(r"rank +0 trainer .* iface eth0 -> eth0  gloo eth0", log), log
+
+
+REQUEUED_MPI = """#!/usr/bin/env bash
+#SBATCH --nodes=1 --ntasks=2 --requeue --open-mode=append
+# attempt 0: two ranks start MPI (their node's MPICH segment), say its name, and are killed;
+# attempt 1 (same job and step ids, so the same segment names) starts MPI again.
+py={py}
+if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then
+  srun --mpi=pmi2 "$py" -c 'from mpi4py import MPI; import glob, os
+MPI.COMM_WORLD.Barrier(); print("segments", *sorted(glob.glob("/dev/shm/mpich_*")), flush=True)
+MPI.COMM_WORLD.Barrier(); os.kill(os.getpid(), 9)'
+  scontrol requeue "$SLURM_JOB_ID"; exit 0
+fi
+if [ "$CLEAN" = 1 ]; then
+  "$py" -c 'from areal_hpc.reaper import remove_stale_segments; print("removed", *remove_stale_segments(min_age_s=1))'
+fi
+timeout 30 srun --mpi=pmi2 "$py" -c 'from mpi4py import MPI; MPI.COMM_WORLD.Barrier(); print("started", MPI.COMM_WORLD.rank)'
+echo "second start: exit $?"
+"""
+
+
+@pytest.mark.parametrize("clean", [0, 1])
+def test_a_requeued_jobs_mpi_start_is_not_broken_by_its_killed_attempts_segments(netns_cluster, tmp_path, clean):
+    """MPICH names a node's shared-memory segment after the PMI job name, which a requeued Slurm
+    job repeats; a killed attempt leaves its segment behind, and the next attempt's MPI_Init
+    takes it for its own: it fails or hangs (here bounded by `timeout 30`). What main.py does
+    before MPI starts (reaper.remove_stale_segments) removes it, and the start succeeds."""
+    from areal_hpc.launch.rehearse import job_info, release, until
+    env = {k: v for k, v in netns_cluster["env"].items() if not re.match(r"(MPIR_CVAR|FI|UCX)_", k)}
+    env = {**env, "CLEAN": str(clean), "PYTHONPATH": str(ROOT)}
+    script, out = tmp_path / "requeued.sh", tmp_path / "requeued.out"
+    script.write_text(REQUEUED_MPI.format(py=sys.executable))
+    job = _sh("sbatch", "--parsable", f"--output={out}", str(script), env=env).stdout.strip()
+    try:
+        until(lambda: job_info(job, env).get("Restarts") == "1", 300, "the requeue")
+        release(job, env)
+        until(lambda: job_info(job, env).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"),
+              300, "the second attempt")
+    finally:
+        _sh("scancel", job, env=env, check=False)
+    text = out.read_text(errors="replace")
+    left = re.search(r"^segments (.*)$", text, re.M)
+    assert left and "mpich_shm_" in left[1], text
+    if clean:
+        removed = re.search(r"^removed (.*)$", text, re.M)
+        assert removed and set(left[1].split()) <= set(removed[1].split()), text
+        assert "second start: exit 0" in text and text.count("started ") == 2, text
+    else:       # the second attempt ran, and its MPI start failed or hung
+        assert "second start: exit " in text and "second start: exit 0" not in text, text
