@@ -44,6 +44,30 @@ def _tool(call: Any) -> dict:
     return dataclasses.asdict(call) if dataclasses.is_dataclass(call) else dict(call)
 
 
+def _unsampled(x: dict, v: np.ndarray, bad: np.ndarray, name_of) -> None:
+    raise ValueError(f"{name_of(x)}: versions is negative: {int(v[bad][0])} at output token "
+                     f"{int(np.argmax(bad))}, where {MASK} is 1 (a trained token must have "
+                     "been sampled)")
+
+
+def _episode_mask(x: dict, n: int, v: np.ndarray, name_of) -> np.ndarray:
+    """`x`'s loss mask, checked against its versions and log-probabilities."""
+    m = np.asarray(x[MASK])
+    if m.shape != (n,) or not ((m == 0) | (m == 1)).all():
+        raise ValueError(f"{name_of(x)}: {MASK} must hold one 0 or 1 per output token ({n})")
+    m = m.astype(np.uint8)
+    if (bad := (m == 1) & (v < 0)).any():
+        _unsampled(x, v, bad, name_of)
+    if (bad := (m == 0) & (v != NO_VERSION)).any():
+        raise ValueError(f"{name_of(x)}: versions is {int(v[bad][0])} at output token "
+                         f"{int(np.argmax(bad))}, where {MASK} is 0 (an observation token has "
+                         f"version {NO_VERSION})")
+    if (np.asarray(x["behav_logprobs"], np.float64)[m == 0] != 0).any():
+        raise ValueError(f"{name_of(x)}: behav_logprobs of an observation token ({MASK} 0) "
+                         "must be 0")
+    return m
+
+
 def episode_columns(trajs: Sequence[dict], name_of) -> tuple[np.ndarray, dict, dict]:
     """(the loss mask of every output token, concatenated; per group its arrays; per group the
     rows' entry counts) of `trajs`. A ValueError naming the trajectory and the field for a mask
@@ -52,22 +76,13 @@ def episode_columns(trajs: Sequence[dict], name_of) -> tuple[np.ndarray, dict, d
     masks, cols = [], {g: {k: [] for k in f} for g, f in GROUPS.items()}
     counts = {g: np.zeros(len(trajs), np.int64) for g in GROUPS}
     for k, x in enumerate(trajs):
-        n, v = len(x["output_tokens"]), np.asarray(x["versions"], dtype=np.int64)
-        m = np.ones(n, np.uint8) if x.get(MASK) is None else np.asarray(x[MASK])
-        if m.shape != (n,) or not np.isin(m, (0, 1)).all():
-            raise ValueError(f"{name_of(x)}: {MASK} must hold one 0 or 1 per output token ({n})")
-        m = m.astype(np.uint8)
-        if (bad := (m == 1) & (v < 0)).any():
-            raise ValueError(f"{name_of(x)}: versions is negative: {int(v[bad][0])} at output "
-                             f"token {int(np.argmax(bad))}, where {MASK} is 1 (a trained token "
-                             "must have been sampled)")
-        if (bad := (m == 0) & (v != NO_VERSION)).any():
-            raise ValueError(f"{name_of(x)}: versions is {int(v[bad][0])} at output token "
-                             f"{int(np.argmax(bad))}, where {MASK} is 0 (an observation token "
-                             f"has version {NO_VERSION})")
-        if (m == 0).any() and (np.asarray(x["behav_logprobs"], np.float64)[m == 0] != 0).any():
-            raise ValueError(f"{name_of(x)}: behav_logprobs of an observation token ({MASK} 0) "
-                             "must be 0")
+        n, v = len(x["output_tokens"]), np.asarray(x["versions"])
+        if x.get(MASK) is None:             # a single-turn sample: every token sampled
+            m = np.ones(n, np.uint8)
+            if n and v.min() < 0:
+                _unsampled(x, v, v < 0, name_of)
+        else:
+            m = _episode_mask(x, n, v, name_of)
         masks.append(m)
         if x.get("turn_ends") is not None:
             ends = np.asarray(x["turn_ends"], dtype=np.int64)
