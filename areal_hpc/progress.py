@@ -27,6 +27,8 @@ class Progress:
                 f"mean {r['staleness_mean']:.2f} drop {r['dropped_stale']} | gen {r['gen_tok_per_s']:7.1f} tok/s "
                 f"| loss {r['loss']:+.4f} | gnorm {r['grad_norm']:.3f} ess {r.get('ess', 1.0):.2f} "
                 f"| wait {r['wait_s']:.1f}s train {r['seconds']:.1f}s sync {r['weight_sync_s']:.2f}s")
+        if r.get("engine_restarts"):        # shown once an engine has been restarted after a fault
+            line += f" | engines restarted {r['engine_restarts']}, generators live {r.get('generators_live', '?')}"
         self.bar.write(line, file=sys.stdout)
         self.bar.update(1)
 

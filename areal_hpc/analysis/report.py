@@ -108,13 +108,28 @@ def error_table(run: RunData) -> Table | None:
     return table
 
 
+def engine_table(run: RunData) -> Table | None:
+    """The steps at which engines were restarted after a fault (None when none were)."""
+    df = S.engine_restarts(run)
+    if df.empty:
+        return None
+    table = _table(f"{run.label}: vLLM engines restarted after a fault")
+    for name in ("step", "restarted", "so far", "generators live"):
+        table.add_column(name, justify="right")
+    for r in df.itertuples():
+        live = "" if r.generators_live is None or r.generators_live != r.generators_live \
+            else f"{int(r.generators_live)}"
+        table.add_row(str(r.step), str(r.new), str(r.restarts), live)
+    return table
+
+
 def print_summary(console: Console, runs: list[RunData], *, max_rows: int = 20,
                   bin_s: float | None = None) -> None:
     """Everything the summary shows: the overview side by side, then each run's tables."""
     console.print(overview_table(runs))
     for run in runs:
         tables = [step_table(run, max_rows), version_table(run, max_rows),
-                  *generator_tables(run, bin_s), error_table(run)]
+                  *generator_tables(run, bin_s), engine_table(run), error_table(run)]
         for table in tables:
             if table is not None:
                 console.print(table)

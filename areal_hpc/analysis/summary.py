@@ -232,3 +232,17 @@ def reward_errors(run: RunData) -> pd.DataFrame:
     e = run.generated["reward_error"].astype(str)
     counts = e[e != ""].value_counts()
     return pd.DataFrame({"error": counts.index, "count": counts.to_numpy()})
+
+
+def engine_restarts(run: RunData) -> pd.DataFrame:
+    """The steps at which a generator's vLLM engine had been restarted after a fault (the
+    metrics' running total grew): step, restarts so far, generators live then. Empty when no
+    engine was restarted (or the run has no metrics.jsonl)."""
+    rows, before = [], 0
+    for m in run.metrics:
+        total = int(m.get("engine_restarts") or 0)
+        if total > before:
+            rows.append({"step": int(m["step"]), "restarts": total, "new": total - before,
+                         "generators_live": m.get("generators_live")})
+        before = max(before, total)
+    return pd.DataFrame(rows, columns=["step", "restarts", "new", "generators_live"])

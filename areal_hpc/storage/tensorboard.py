@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 _ROLLOUT = {"reward", "accuracy", "reward_mean", "reward_errors", "response_len", "n_tokens", "n_seqs",
             "staleness_max", "staleness_mean", "dropped_stale", "adv_abs_mean", "reissued",
-            "given_up", "lost_stale", "truncated_frac", "zero_var_groups", "filtered_seqs", "entropy"}
+            "given_up", "lost_stale", "truncated_frac", "zero_var_groups", "filtered_seqs", "entropy",
+            "engine_restarts", "generators_live"}
 _SKIP = {"step", "time"}
 
 

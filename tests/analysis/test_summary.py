@@ -166,3 +166,22 @@ def test_small_blocks_give_the_same_numbers(known_log):
     blocks = load_run(known_log, progress=False, block_tokens=5)
     assert blocks.token_staleness == whole.token_staleness
     assert blocks.traj.equals(whole.traj)
+
+
+def test_engine_restarts_from_the_metrics(run):
+    """The steps at which the metrics' running total of engine restarts grew, with how many and
+    the generators live; a requeued attempt's counter starting again from 0 adds nothing twice;
+    no table when no engine was restarted."""
+    import dataclasses
+    assert S.engine_restarts(run).empty and report.engine_table(run) is None
+    metrics = [{"step": 0, "engine_restarts": 0, "generators_live": 2},
+               {"step": 1, "engine_restarts": 1, "generators_live": 2},
+               {"step": 2, "engine_restarts": 1, "generators_live": 2},
+               {"step": 3, "engine_restarts": 3, "generators_live": 1},
+               {"step": 4, "engine_restarts": 0, "generators_live": 2},     # the next attempt
+               {"step": 5, "generators_live": 2}]                          # older metrics: no key
+    faulty = dataclasses.replace(run, metrics=metrics)
+    assert S.engine_restarts(faulty).to_dict("records") == [
+        {"step": 1, "restarts": 1, "new": 1, "generators_live": 2},
+        {"step": 3, "restarts": 3, "new": 2, "generators_live": 1}]
+    assert _rows(report.engine_table(faulty)) == [["1", "1", "1", "2"], ["3", "2", "3", "1"]]

@@ -22,6 +22,8 @@ def test_tags_group_the_fields():
                                 "reward/format", "gen_tok_per_s")] == [
         "train/loss", "rollout/reward", "rollout/staleness_mean", "time/weight_sync_s",
         "time/seconds", "reward/format", "time/gen_tok_per_s"]
+    assert [tag_of(k) for k in ("engine_restarts", "generators_live")] == [
+        "rollout/engine_restarts", "rollout/generators_live"]
 
 
 def test_a_resume_rebuilds_the_files_so_each_step_is_there_once(tmp_path):
