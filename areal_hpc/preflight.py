@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from . import determinism
-from .config import MAX_CONFIG_BYTES, ConfigError, RunConfig, _read_utf8, load
-from .config.rules import _check
+from .config import MAX_CONFIG_BYTES, ConfigError, RunConfig, read_utf8, load
+from .config.rules import require
 from .data.files import irregular
 from .data.prompts import (RenderTimeout, load_prompts_of, prompt_ids, read_chat_template, too_long,
                            too_many_chars)
@@ -166,7 +166,7 @@ SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
 def read_json(path: Path, max_bytes: int = MAX_CONFIG_BYTES) -> Any:
     """A JSON file (a regular file of at most `max_bytes`); anything else, unreadable, non-UTF-8
     or bad JSON is one ConfigError line naming file and line."""
-    text = _read_utf8(path, "it", max_bytes)
+    text = read_utf8(path, "it", max_bytes)
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
@@ -216,20 +216,20 @@ def check_model_config(cfg: RunConfig, hf: Any, source: str) -> None:
     if not isinstance(hf.get("tie_word_embeddings", False), bool):
         raise ConfigError(f"{source}: key 'tie_word_embeddings' must be true or false")
     t, r, tr = cfg.topology, cfg.rollout, cfg.train
-    _check(r.max_model_len <= mpe, "rollout.max_model_len",
+    require(r.max_model_len <= mpe, "rollout.max_model_len",
            f"{r.max_model_len} exceeds max_position_embeddings = {mpe} of {source} (vLLM refuses it)")
-    _check(arch.layers % t.pp == 0, "topology.pp",
+    require(arch.layers % t.pp == 0, "topology.pp",
            f"num_hidden_layers = {arch.layers} of {source} do not split over pp = {t.pp} stages")
     for what, n in (("num_attention_heads", arch.heads), ("num_key_value_heads", arch.kv_heads),
                     ("vocab_size", arch.vocab)):
-        _check(n % t.tp == 0, "topology.tp", f"{what} = {n} of {source} is not divisible by tp = {t.tp}")
+        require(n % t.tp == 0, "topology.tp", f"{what} = {n} of {source} is not divisible by tp = {t.tp}")
     etp = r.engine_tp
-    _check(arch.heads % etp == 0 and (arch.kv_heads % etp == 0 or etp % arch.kv_heads == 0),
+    require(arch.heads % etp == 0 and (arch.kv_heads % etp == 0 or etp % arch.kv_heads == 0),
            "rollout.engine_tp", f"vLLM splits num_attention_heads = {arch.heads} and "
            f"num_key_value_heads = {arch.kv_heads} of {source} over engine_tp = {etp}: they must divide")
     if tr.recompute_num_layers is not None:
         per_stage = arch.layers // t.pp
-        _check(tr.recompute_num_layers <= per_stage, "train.recompute_num_layers",
+        require(tr.recompute_num_layers <= per_stage, "train.recompute_num_layers",
                f"{tr.recompute_num_layers} exceeds the {per_stage} layers of a pipeline stage")
 
 

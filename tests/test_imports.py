@@ -67,7 +67,7 @@ def test_no_import_circle():
 
 
 def test_config_reads_no_file_but_the_yaml():
-    """Every file access of the config package is the YAML's (load checks it exists, _read_utf8
+    """Every file access of the config package is the YAML's (load checks it exists, read_utf8
     reads it); the model directory, datasets and the rest are preflight.py's."""
     trees = [ast.parse(f.read_text()) for f in sorted((PKG / "config").glob("*.py"))]
     assert len(trees) == 3                  # __init__ (loading), schema, rules
@@ -79,7 +79,7 @@ def test_config_reads_no_file_but_the_yaml():
                 if isinstance(node, ast.Call) and (getattr(node.func, "attr", None) in io
                                                    or getattr(node.func, "id", None) == "open"):
                     where.setdefault(fn.name, []).append(node.lineno)
-    assert sorted(where) == ["_read_utf8", "load"] and len(where["load"]) == 1, where
+    assert sorted(where) == ["read_utf8", "load"] and len(where["load"]) == 1, where
 
 
 # The package's floors, bottom to top (docs/architecture.md "Floors"): a module imports from its

@@ -72,7 +72,7 @@ def _not_regular(mode: int) -> str | None:
     return "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
 
 
-def _read_utf8(path: Path, what: str, max_bytes: int = MAX_CONFIG_BYTES) -> str:
+def read_utf8(path: Path, what: str, max_bytes: int = MAX_CONFIG_BYTES) -> str:
     """A regular file's text, at most `max_bytes`; anything else (a FIFO, a device, a directory:
     opened without blocking, so that none of them hangs), a larger file, unreadable or non-UTF-8
     text is one ConfigError line naming the file (and the line)."""
@@ -100,7 +100,7 @@ def _read_yaml(path: Path):
     """A YAML file as an OmegaConf node; syntax errors, duplicate keys (OmegaConf's loader refuses
     them), text that is not UTF-8 and a top level that is not a mapping are one ConfigError line
     naming the file and line."""
-    text = _read_utf8(path, "the config file")
+    text = read_utf8(path, "the config file")
     try:
         node = OmegaConf.load(io.StringIO(text))
     except yaml.YAMLError as exc:

@@ -15,7 +15,8 @@ from ..data.answers import EXTRACTORS   # a pure module (floor 1): the extractor
 from .schema import ConfigError, RunConfig
 
 
-def _check(cond: bool, key: str, msg: str) -> None:
+def require(cond: bool, key: str, msg: str) -> None:
+    """One config rule: `cond` must hold, else a ConfigError naming `key` (one line)."""
     if not cond:
         raise ConfigError(f"config key '{key}': {msg}")
 
@@ -196,15 +197,15 @@ def check_ranges(cfg: RunConfig) -> None:
 def check_choices(cfg: RunConfig) -> None:
     for key, choices in CHOICES.items():
         value = _get(cfg, key)
-        _check(value in choices, key, f"must be {_names(choices)}, got {value!r}")
+        require(value in choices, key, f"must be {_names(choices)}, got {value!r}")
 
 
 def check_signals(names: list) -> None:
     for name in names:
-        _check(isinstance(name, str) and f"SIG{name}" in _signal.Signals.__members__,
+        require(isinstance(name, str) and f"SIG{name}" in _signal.Signals.__members__,
                "checkpoint.signals", f"unknown signal {name!r} (names without SIG, e.g. USR1, TERM)")
         why = "cannot be caught" if name in ("KILL", "STOP") else "not a notification signal"
-        _check(name not in UNUSABLE_SIGNALS, "checkpoint.signals",
+        require(name not in UNUSABLE_SIGNALS, "checkpoint.signals",
                f"SIG{name} cannot announce a preemption ({why}); use e.g. USR1 or TERM")
 
 
@@ -227,18 +228,18 @@ def check_template(template: str, kind: str, key: str = "data.prompt_template") 
     for _, name, spec, conversion in parts:
         if name is None:
             continue
-        _check(name in fields, key,
+        require(name in fields, key,
                f"unknown field {{{name}}} in {template!r}: data.kind={kind} fills in {names} "
                f"(write literal braces as {{{{ and }}}})" if name else
                f"positional field {{}} in {template!r}: name it, one of {names}")
-        _check(conversion in (None, "s", "r", "a"), key, f"bad conversion !{conversion} in {{{name}}}")
-        _check("{" not in (spec or ""), key, f"nested field in the format spec of {{{name}}}")
+        require(conversion in (None, "s", "r", "a"), key, f"bad conversion !{conversion} in {{{name}}}")
+        require("{" not in (spec or ""), key, f"nested field in the format spec of {{{name}}}")
         try:
             format("x", spec or "")
         except ValueError as exc:
             raise ConfigError(f"config key '{key}': bad format spec {{{name}:{spec}}}: {exc}") from None
         used.add(name)
-    _check(bool(used), key, f"{template!r} has no field: every prompt would be the same text "
+    require(bool(used), key, f"{template!r} has no field: every prompt would be the same text "
            f"(use {names})")
 
 
@@ -275,7 +276,7 @@ def check_reward_functions(cfg: RunConfig) -> None:
             names.append(split_reward_spec(spec)[1])
         except ValueError as exc:
             raise ConfigError(f"config key '{key}': {exc}") from None
-    _check(len(set(names)) == len(names), "reward.functions",
+    require(len(set(names)) == len(names), "reward.functions",
            f"two functions share a name ({', '.join(names)}); their logged fields would collide")
 
 
@@ -284,54 +285,54 @@ def validate(cfg: RunConfig) -> None:
     t, r, tr = cfg.topology, cfg.rollout, cfg.train
     check_ranges(cfg)       # first: the checks below may divide by these
     check_choices(cfg)
-    _check(t.n_trainers % (t.tp * t.pp) == 0, "topology.n_trainers",
+    require(t.n_trainers % (t.tp * t.pp) == 0, "topology.n_trainers",
            f"{t.n_trainers} trainer ranks are not a multiple of tp*pp = {t.tp * t.pp}")
     for key in ("trainer_cpus", "generator_cpus"):
         try:
             parse_cpus(getattr(t, key), f"topology.{key}")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-    _check(r.max_new_tokens < r.max_model_len, "rollout.max_new_tokens",
+    require(r.max_new_tokens < r.max_model_len, "rollout.max_new_tokens",
            f"{r.max_new_tokens} leaves no room for a prompt in rollout.max_model_len = "
            f"{r.max_model_len}")
     name = PurePosixPath(cfg.name)
-    _check(bool(cfg.name) and not name.is_absolute() and ".." not in name.parts
+    require(bool(cfg.name) and not name.is_absolute() and ".." not in name.parts
            and "\0" not in cfg.name, "name",
            f"must be a folder name inside output_dir (not absolute, no '..'), got {cfg.name!r}")
-    _check(r.generator_timeout_s > 2 * r.heartbeat_s, "rollout.generator_timeout_s",
+    require(r.generator_timeout_s > 2 * r.heartbeat_s, "rollout.generator_timeout_s",
            f"must exceed two heartbeats (2 * rollout.heartbeat_s = {2 * r.heartbeat_s})")
-    _check(1 <= cfg.reward.workers <= MAX_REWARD_WORKERS, "reward.workers",
+    require(1 <= cfg.reward.workers <= MAX_REWARD_WORKERS, "reward.workers",
            f"must be in [1, {MAX_REWARD_WORKERS}] (processes per generator), got {cfg.reward.workers}")
     for key in ("math_timeout_s", "fn_timeout_s"):
         value = getattr(cfg.reward, key)
-        _check(math.isfinite(value) and 0 < value <= MAX_REWARD_TIMEOUT_S, f"reward.{key}",
+        require(math.isfinite(value) and 0 < value <= MAX_REWARD_TIMEOUT_S, f"reward.{key}",
                f"must be in (0, {MAX_REWARD_TIMEOUT_S:g}] seconds (one sample's scoring), got {value}")
-    _check(cfg.reward.extractor in EXTRACTORS, "reward.extractor",
+    require(cfg.reward.extractor in EXTRACTORS, "reward.extractor",
            f"must be one of {', '.join(EXTRACTORS)}, got {cfg.reward.extractor!r}")
     for i, f in enumerate(cfg.reward.functions):
         problem = _REWARD_NUMBER.problem(f.weight)
-        _check(problem is None, f"reward.functions[{i}].weight", str(problem))
+        require(problem is None, f"reward.functions[{i}].weight", str(problem))
     check_reward_functions(cfg)
-    _check(tr.max_tokens_per_mb >= r.max_model_len, "train.max_tokens_per_mb",
+    require(tr.max_tokens_per_mb >= r.max_model_len, "train.max_tokens_per_mb",
            f"must hold one whole sequence: >= rollout.max_model_len = {r.max_model_len}")
-    _check(tr.overlong != "shape" or tr.overlong_buffer < r.max_new_tokens, "train.overlong_buffer",
+    require(tr.overlong != "shape" or tr.overlong_buffer < r.max_new_tokens, "train.overlong_buffer",
            f"must be below rollout.max_new_tokens = {r.max_new_tokens} (the ramp ends there)")
     if tr.recompute_granularity == "full":
-        _check(tr.recompute_method in ("uniform", "block"), "train.recompute_method",
+        require(tr.recompute_method in ("uniform", "block"), "train.recompute_method",
                f"full recompute needs uniform or block, got {tr.recompute_method!r}")
-        _check(tr.recompute_num_layers is not None and tr.recompute_num_layers >= 1,
+        require(tr.recompute_num_layers is not None and tr.recompute_num_layers >= 1,
                "train.recompute_num_layers", "full recompute needs a layer count >= 1")
     else:
-        _check(tr.recompute_method is None and tr.recompute_num_layers is None,
+        require(tr.recompute_method is None and tr.recompute_num_layers is None,
                "train.recompute_method", "only with train.recompute_granularity=full")
-    _check(not tr.sequence_parallel or t.tp > 1, "train.sequence_parallel", "needs topology.tp > 1")
+    require(not tr.sequence_parallel or t.tp > 1, "train.sequence_parallel", "needs topology.tp > 1")
     dp = t.n_trainers // (t.tp * t.pp)
-    _check(tr.batch_prompts * r.group_size >= tr.ppo_minibatches * dp, "train.ppo_minibatches",
+    require(tr.batch_prompts * r.group_size >= tr.ppo_minibatches * dp, "train.ppo_minibatches",
            f"{tr.batch_prompts * r.group_size} sequences per step cannot fill {tr.ppo_minibatches} "
            f"minibatches on each of {dp} data-parallel ranks")
-    _check(tr.min_lr <= tr.lr, "train.min_lr", f"must be <= train.lr = {tr.lr}, got {tr.min_lr}")
+    require(tr.min_lr <= tr.lr, "train.min_lr", f"must be <= train.lr = {tr.lr}, got {tr.min_lr}")
     decay = tr.lr_decay_steps if tr.lr_decay_steps is not None else tr.total_steps * tr.ppo_minibatches
-    _check(decay > tr.lr_warmup_steps, "train.lr_decay_steps",
+    require(decay > tr.lr_warmup_steps, "train.lr_decay_steps",
            f"must exceed lr_warmup_steps = {tr.lr_warmup_steps} (got {decay} optimizer steps)")
     check_signals(cfg.checkpoint.signals)
     check_template(cfg.data.prompt_template, cfg.data.kind)
