@@ -79,7 +79,7 @@ def test_config_reads_no_file_but_the_yaml():
                 if isinstance(node, ast.Call) and (getattr(node.func, "attr", None) in io
                                                    or getattr(node.func, "id", None) == "open"):
                     where.setdefault(fn.name, []).append(node.lineno)
-    assert sorted(where) == ["read_utf8", "load"] and len(where["load"]) == 1, where
+    assert sorted(where) == ["load", "read_utf8"] and len(where["load"]) == 1, where
 
 
 # The package's floors, bottom to top (docs/architecture.md "Floors"): a module imports from its
