@@ -57,10 +57,9 @@ import sys
 from pathlib import Path
 
 from ..storage import run_dir as run_files
-from .checks import (_check_continued, _check_masks, _check_once, _check_pending,
-                     _check_prompts, _check_rolled_back, _check_steps, _check_versions)
+from .checks import run_checks
 from .run import (BLOCK_TOKENS, EXIT_OK, EXIT_UNREADABLE, EXIT_VIOLATED, AuditInputError, Check,
-                  Report, _Groups, _project, _read, _some, _warnings_into)
+                  Groups, Report, project, read_run, some, warnings_into)
 
 __all__ = ["audit", "main", "AuditInputError", "Check", "Report", "EXIT_OK", "EXIT_VIOLATED",
            "EXIT_UNREADABLE"]
@@ -75,14 +74,14 @@ def audit(run_dir: str | Path, *, check_crc: bool = True,
     sizes only (faster for large checkpoints; the CRC-32s are what a resume checks)."""
     run_dir = Path(run_dir)
     notes: list[str] = []
-    with _warnings_into(notes):
-        run = _read(run_dir, check_crc, notes, block_tokens)
+    with warnings_into(notes):
+        run = read_run(run_dir, check_crc, notes, block_tokens)
     attempts = run_files.RunDir(run_dir).attempt_files()
     if attempts:
         notes.append(f"earlier attempts started afresh (no usable checkpoint; their training was "
-                     f"discarded), not audited: {_some(attempts)}")
-    groups = _Groups.of(run)
-    proj = _project(run)
+                     f"discarded), not audited: {some(attempts)}")
+    groups = Groups.of(run)
+    proj = project(run)
     r = run.cfg.rollout
     S = int(run.consumed.max()) + 1 if (run.consumed >= 0).any() else 0
     ckpt = (f"{run.ckpt.relative_to(run_dir)} (step {run.ck_step}"
@@ -93,9 +92,7 @@ def audit(run_dir: str | Path, *, check_crc: bool = True,
                f"rollouts.h5: {len(run.pid)} rows in {len(groups.starts)} groups, "
                + (f"consumed at steps up to {S - 1}" if S else "none consumed")
                + f"; checkpoint: {ckpt}", *(proj.lines if proj is not None else [])]
-    checks = [_check_once(run), _check_steps(run, groups), _check_prompts(run, groups, proj),
-              _check_pending(run, groups, proj), _check_versions(run, proj),
-              _check_rolled_back(run, groups), _check_continued(run, groups), _check_masks(run)]
+    checks = run_checks(run, groups, proj)
     return Report(run_dir, summary, checks, notes)
 
 

@@ -10,10 +10,18 @@ from ..storage.rollout_log import (DROPPED_STALE, NO_SEED, NOT_CONSUMED, PARTIAL
                                   RolloutReader)
 from ..train.shares import guard_decisions
 
-from .run import (Check, EXAMPLES, _Groups, _Projection, _Run, _any_trained, _name, _some)
+from .run import (EXAMPLES, AuditedRun, Check, Groups, Projection, any_trained, some,
+                  status_name)
 
 
 # ------------------------------------------------------------------------------------ checks
+
+def run_checks(run: AuditedRun, groups: Groups, proj: Projection | None) -> list[Check]:
+    """The eight guarantees of the module docstring (areal_hpc/audit/__init__.py), in order."""
+    return [_check_once(run), _check_steps(run, groups), _check_prompts(run, groups, proj),
+            _check_pending(run, groups, proj), _check_versions(run, proj),
+            _check_rolled_back(run, groups), _check_continued(run, groups), _check_masks(run)]
+
 
 def _missing(present: np.ndarray, bound: int) -> tuple[int, list[int]]:
     """How many of 0..bound-1 are absent from `present` (sorted, unique), and the first few;
@@ -35,7 +43,7 @@ def _listing(first: list, count: int) -> str:
                                                if count > len(first) else "")
 
 
-def _check_once(run: _Run) -> Check:
+def _check_once(run: AuditedRun) -> Check:
     name = "no trajectory trained twice"
     idx = np.flatnonzero(run.consumed >= 0)
     r = idx[np.lexsort((run.sidx[idx], run.pid[idx]))]
@@ -57,7 +65,7 @@ def _check_once(run: _Run) -> Check:
                                f"than once ({int(same.sum())} extra trainings):", *examples, *more])
 
 
-def _check_steps(run: _Run, groups: _Groups) -> Check:
+def _check_steps(run: AuditedRun, groups: Groups) -> Check:
     B, n, total, c = run.B, run.n, run.cfg.train.total_steps, run.ck_step
     trained = run.consumed >= 0
     steps, counts = np.unique(run.consumed[trained], return_counts=True)
@@ -70,13 +78,13 @@ def _check_steps(run: _Run, groups: _Groups) -> Check:
     wrong = counts != B * n
     if wrong.any():
         bad.append(f"{int(wrong.sum())} step(s) consumed other than B x n = {B * n} trajectories: "
-                   + _some(f"step {s}: {k}" for s, k in zip(steps[wrong], counts[wrong])))
+                   + some(f"step {s}: {k}" for s, k in zip(steps[wrong], counts[wrong])))
     status, uniform = groups.status(run.consumed)
     good = groups.whole & uniform & (status >= 0)
     partial = np.flatnonzero(trained & ~good[groups.of_row])
     if len(partial):
         bad.append(f"{len(partial)} trained row(s) are not part of a whole group of {n} trained "
-                   "at one step: " + _some(f"{groups.rows(g)} (prompt {groups.pid[g]}: "
+                   "at one step: " + some(f"{groups.rows(g)} (prompt {groups.pid[g]}: "
                                            f"{groups.states(g, run.consumed)})"
                                            for g in np.unique(groups.of_row[partial])))
     if S > total:
@@ -98,7 +106,7 @@ def _check_steps(run: _Run, groups: _Groups) -> Check:
     return Check("training steps continuous", not bad, [state, *lines, *bad])
 
 
-def _guard_problems(run: _Run, groups: _Groups, S: int, lines: list[str]) -> list[str]:
+def _guard_problems(run: AuditedRun, groups: Groups, S: int, lines: list[str]) -> list[str]:
     """What the collapse guards decided at each step, as metrics.jsonl counts it, against the
     log: `zero_var_groups` (groups without learning signal: equal rewards) and `filtered_seqs`
     (trajectories `train.filter_zero_variance` and `train.overlong: filter` left out of the
@@ -133,14 +141,14 @@ def _guard_problems(run: _Run, groups: _Groups, S: int, lines: list[str]) -> lis
                  "by the guards")
     bad = []
     if differ:
-        bad.append("metrics.jsonl's zero_var_groups disagrees with the log's rewards: " + _some(differ))
+        bad.append("metrics.jsonl's zero_var_groups disagrees with the log's rewards: " + some(differ))
     if filtered:
         bad.append("metrics.jsonl's filtered_seqs disagrees with the guards on the log: "
-                   + _some(filtered))
+                   + some(filtered))
     return bad
 
 
-def _metrics_problems(run: _Run, S: int, lines: list[str]) -> list[str]:
+def _metrics_problems(run: AuditedRun, S: int, lines: list[str]) -> list[str]:
     """metrics.jsonl against the log's S steps: 0..S-1, once each, in order, version = step + 1
     (the last step may be missing when it is past the newest checkpoint: the trainer marks the
     log first, then writes the line)."""
@@ -162,21 +170,21 @@ def _metrics_problems(run: _Run, S: int, lines: list[str]) -> list[str]:
     else:
         u, k = np.unique(got, return_counts=True)
         n_absent, absent = _missing(u, S)
-        what = [f"logged more than once: {_some(u[k > 1].tolist())}" if (k > 1).any() else "",
+        what = [f"logged more than once: {some(u[k > 1].tolist())}" if (k > 1).any() else "",
                 f"missing: {_listing(absent, n_absent)}" if n_absent else "",
-                f"beyond the log's steps: {_some(u[u >= S].tolist())}" if (u >= S).any() else ""]
+                f"beyond the log's steps: {some(u[u >= S].tolist())}" if (u >= S).any() else ""]
         what = [w for w in what if w] or ["out of order"]
         bad.append(f"metrics.jsonl does not hold steps 0-{S - 1} once each: " + "; ".join(what))
     versions = [(k, rec) for k, rec in run.metrics
                 if "version" in rec and rec["version"] != rec["step"] + 1]
     if versions:
         bad.append("metrics.jsonl records whose version is not step + 1: "
-                   + _some(f"line {k} (step {rec['step']}, version {rec['version']!r})"
+                   + some(f"line {k} (step {rec['step']}, version {rec['version']!r})"
                            for k, rec in versions))
     return bad
 
 
-def _check_prompts(run: _Run, groups: _Groups, proj: _Projection | None) -> Check:
+def _check_prompts(run: AuditedRun, groups: Groups, proj: Projection | None) -> Check:
     """Every prompt id issued (prompt ids are data-cursor positions, so 0..cursor-1 were all
     issued) classified by its groups in the log (as a resume sees it) and the checkpoint."""
     name = "every issued prompt accounted for"
@@ -207,14 +215,14 @@ def _check_prompts(run: _Run, groups: _Groups, proj: _Projection | None) -> Chec
             again = pending + [g for g in dropped if g > trained[0]]
             if again or p in inflight:
                 bad.append(f"prompt {p} trained at step {status[trained[0]]} was issued again ("
-                           + (f"{groups.rows(again[0])}: {_name(int(status[again[0]]))}"
+                           + (f"{groups.rows(again[0])}: {status_name(int(status[again[0]]))}"
                               if again else "in flight at the checkpoint") + ")")
         elif pending:
             cat = "pending"
             if len(pending) > 1 or p in inflight:
                 bad.append(f"prompt {p} has {len(pending)} pending group(s)"
                            + (" and is in flight too" if p in inflight else "")
-                           + f": {_some(groups.rows(g) for g in pending)}")
+                           + f": {some(groups.rows(g) for g in pending)}")
         elif p in inflight:
             cat = "in flight"
         elif dropped:
@@ -250,13 +258,13 @@ def _check_prompts(run: _Run, groups: _Groups, proj: _Projection | None) -> Chec
                                   [:max(0, EXAMPLES - len(lost))], lost_count))
     if early:
         bad.append(f"{len(early)} prompt(s) given up after a stale drop although stale_policy "
-                   f"reissue allows {run.max_reissues} reissue(s): {_some(early)}")
+                   f"reissue allows {run.max_reissues} reissue(s): {some(early)}")
     if run.policy == "keep" and (status == DROPPED_STALE).any():
         bad.append("groups were dropped as stale although rollout.stale_policy is keep")
-    odd = np.flatnonzero(~(groups.whole & uniform) & ~_any_trained(groups, run.consumed))
+    odd = np.flatnonzero(~(groups.whole & uniform) & ~any_trained(groups, run.consumed))
     if len(odd):                                # (groups with a trained row: check 2)
         bad.append(f"{len(odd)} group(s) of untrained rows are not one whole group of {run.n} "
-                   "samples of one status: " + _some(
+                   "samples of one status: " + some(
                        f"{groups.rows(g)} (prompt {groups.pid[g]}: {groups.states(g, column)})"
                        for g in odd))
     if ctrl is not None:
@@ -264,7 +272,7 @@ def _check_prompts(run: _Run, groups: _Groups, proj: _Projection | None) -> Chec
         beyond = np.flatnonzero(run.pid[:seen] >= bound)
         if len(beyond):
             bad.append(f"rows the checkpoint saw hold prompt ids at or past its data cursor "
-                       f"({bound}): {_some(f'row {i} (prompt {run.pid[i]})' for i in beyond)}")
+                       f"({bound}): {some(f'row {i} (prompt {run.pid[i]})' for i in beyond)}")
         dropped_groups = int(((status == DROPPED_STALE) & uniform).sum())
         if ctrl.dropped_stale != dropped_groups:
             bad.append(f"the checkpoint counts {ctrl.dropped_stale} group(s) dropped as stale "
@@ -306,7 +314,7 @@ def _check_prompts(run: _Run, groups: _Groups, proj: _Projection | None) -> Chec
     return Check(name, False if bad else None, lines + bad)
 
 
-def _check_pending(run: _Run, groups: _Groups, proj: _Projection | None) -> Check:
+def _check_pending(run: AuditedRun, groups: Groups, proj: Projection | None) -> Check:
     name = "pending rows = the checkpoint's buffered rows"
     if run.ckpt is None:
         return Check(name, None, ["not checkable: no valid checkpoint in checkpoints/"])
@@ -320,17 +328,17 @@ def _check_pending(run: _Run, groups: _Groups, proj: _Projection | None) -> Chec
     extra = np.setdiff1d(pending, buf)
     if len(extra):
         bad.append(f"{len(extra)} pending row(s) the checkpoint did not buffer (a resume would "
-                   f"never train them): {_some(f'row {i} (prompt {run.pid[i]})' for i in extra)}")
+                   f"never train them): {some(f'row {i} (prompt {run.pid[i]})' for i in extra)}")
     split = []
     for k, (a, b) in enumerate(zip(ends[:-1], ends[1:])):
         rows = buf[a:b]
         g = int(groups.of_row[rows[0]]) if len(rows) and rows[0] < len(run.pid) else None
         if g is None or not groups.whole[g] or groups.lens[g] != len(rows) \
                 or not np.array_equal(rows, groups.starts[g] + np.arange(len(rows))):
-            split.append(f"buffered group {k} (rows {_some(rows.tolist(), 3)})")
+            split.append(f"buffered group {k} (rows {some(rows.tolist(), 3)})")
     if split:
         bad.append(f"{len(split)} buffered group(s) are not one whole group of the log: "
-                   f"{_some(split)}")
+                   f"{some(split)}")
     # accepted: +1 per group received, -1 per group dropped (StalenessManager), so the trained
     # groups plus the buffered ones; generated_tokens: every row received, dropped ones too
     # (PARTIAL rows are not received trajectories: their tokens count in the row continuing them)
@@ -351,7 +359,7 @@ def _check_pending(run: _Run, groups: _Groups, proj: _Projection | None) -> Chec
     return Check(name, not bad, lines + bad)
 
 
-def _check_versions(run: _Run, proj: _Projection | None) -> Check:
+def _check_versions(run: AuditedRun, proj: Projection | None) -> Check:
     """Token versions against the step that trained them. Staleness as `staleness.staleness_of`
     defines it: the consuming version minus the trajectory's oldest token version (0 without
     tokens); the version that consumes step s's batch is s (the controller's version when it
@@ -366,7 +374,7 @@ def _check_versions(run: _Run, proj: _Projection | None) -> Check:
     bad, unsure = [], []
     if len(ahead):
         bad.append(f"{len(ahead)} trained row(s) hold a token newer than their step: "
-                   + _some(f"row {i} (prompt {run.pid[i]} sample {run.sidx[i]}) at step {s[i]} "
+                   + some(f"row {i} (prompt {run.pid[i]} sample {run.sidx[i]}) at step {s[i]} "
                            f"has version {run.vmax[i]}" for i in ahead))
     values, counts = np.unique(stale[used], return_counts=True)
     lines = [f"{int(used.sum())} trained trajectories; staleness (step - oldest token version) "
@@ -374,7 +382,7 @@ def _check_versions(run: _Run, proj: _Projection | None) -> Check:
              + f"; η = {run.eta}"]
     if len(over):
         what = (f"{len(over)} trained row(s) more than η = {run.eta} versions stale: "
-                + _some(f"row {i} (prompt {run.pid[i]}) at step {s[i]}, oldest version "
+                + some(f"row {i} (prompt {run.pid[i]}) at step {s[i]}, oldest version "
                         f"{run.vmin[i]}" for i in over))
         if run.policy == "keep":
             unsure.append(f"not a guarantee of this run (stale_policy keep trains stale groups "
@@ -385,7 +393,7 @@ def _check_versions(run: _Run, proj: _Projection | None) -> Check:
         late = np.flatnonzero((s < 0) & (s != ROLLED_BACK) & (run.vmax > run.ck_step))
         if len(late):
             bad.append(f"{len(late)} untrained row(s) hold versions beyond the {run.ck_step} "
-                       f"steps trained: {_some(f'row {i} (version {run.vmax[i]})' for i in late)}")
+                       f"steps trained: {some(f'row {i} (version {run.vmax[i]})' for i in late)}")
     if run.metrics and used.any():              # metrics.jsonl's staleness_max, step by step
         order = np.argsort(s[used], kind="stable")
         steps, st = s[used][order], stale[used][order]
@@ -396,12 +404,12 @@ def _check_versions(run: _Run, proj: _Projection | None) -> Check:
                   and rec["staleness_max"] != top[rec["step"]]]
         if differ:
             bad.append("metrics.jsonl's staleness_max disagrees with the log's rows: "
-                       + _some(f"step {rec['step']}: {rec['staleness_max']} logged, "
+                       + some(f"step {rec['step']}: {rec['staleness_max']} logged, "
                                f"{top[rec['step']]} in the log" for rec in differ))
     return Check(name, False if bad else (None if unsure else True), lines + bad + unsure)
 
 
-def _check_rolled_back(run: _Run, groups: _Groups) -> Check:
+def _check_rolled_back(run: AuditedRun, groups: Groups) -> Check:
     name = "rolled-back rows were never trained"
     rb = run.consumed == ROLLED_BACK
     if not rb.any():
@@ -414,7 +422,7 @@ def _check_rolled_back(run: _Run, groups: _Groups) -> Check:
     t = run.consumed >= 0
     again = len(keys & set(zip(run.pid[t].tolist(), run.sidx[t].tolist())))
     lines = [f"{int(rb.sum())} row(s) rolled back in {len(blocks)} block(s): "
-             + _some(f"rows {a}-{b}" for a, b in blocks)
+             + some(f"rows {a}-{b}" for a, b in blocks)
              + f"; {again} of their trajectories were generated again and trained",
              "no rolled-back row counts for a step; each block is whole groups",
              "not checkable: whether a row was trained before its job died and the resume "
@@ -423,12 +431,12 @@ def _check_rolled_back(run: _Run, groups: _Groups) -> Check:
     bad = []
     if mixed:
         bad.append(f"{len(mixed)} group(s) only partly rolled back: "
-                   + _some(f"{groups.rows(g)} (prompt {groups.pid[g]})" for g in mixed))
+                   + some(f"{groups.rows(g)} (prompt {groups.pid[g]})" for g in mixed))
         lines[1] = "no rolled-back row counts for a step"
     return Check(name, not bad, lines + bad)
 
 
-def _check_continued(run: _Run, groups: _Groups) -> Check:
+def _check_continued(run: AuditedRun, groups: Groups) -> Check:
     """Every PARTIAL row (a sample as far as it got at a preemption) is continued by the next
     row of its prompt and sample that was not rolled back: that row starts with the partial
     row's tokens, behaviour log-probabilities and versions (all of it, for a sample that had
@@ -487,16 +495,16 @@ def _check_continued(run: _Run, groups: _Groups) -> Check:
     if redrawn:
         lines.append(f"{len(redrawn)} generated again from their seeds under the weights their "
                      "partial tokens came from, and not repeating those tokens (kernels that are "
-                     f"not batch-invariant): {_some(f'row {i}' for i in redrawn)}")
+                     f"not batch-invariant): {some(f'row {i}' for i in redrawn)}")
     if after:
         lines.append(f"{len(after)} partial row(s) no checkpoint saw (a resume rolls them back "
-                     f"and issues their prompts again): {_some(f'row {i}' for i in after)}")
+                     f"and issues their prompts again): {some(f'row {i}' for i in after)}")
     if bad:
-        lines.append(f"{len(bad)} partial row(s) not continued as they should be: {_some(bad)}")
+        lines.append(f"{len(bad)} partial row(s) not continued as they should be: {some(bad)}")
     return Check(name, not bad, lines)
 
 
-def _check_masks(run: _Run) -> Check:
+def _check_masks(run: AuditedRun) -> Check:
     """Multi-turn episodes (env/episode.py): every token the loss trains (loss mask 1) was
     sampled (version >= 0), so every observation token (version -1) is masked out of the loss;
     and no sampled token is masked out (the episode builder masks observations only). A log
@@ -510,11 +518,11 @@ def _check_masks(run: _Run) -> Check:
     bad = []
     if len(unsampled):
         bad.append(f"{len(unsampled)} row(s) train a token that was not sampled (loss mask 1, "
-                   "version -1): " + _some(
+                   "version -1): " + some(
                        f"row {i} (prompt {run.pid[i]} sample {run.sidx[i]}) output token "
                        f"{run.first_unsampled[i]}, {run.unsampled[i]} such" for i in unsampled))
     if len(masked):
         bad.append(f"{len(masked)} row(s) mask a sampled token out of the loss (loss mask 0, "
-                   "version >= 0): " + _some(f"row {i} (prompt {run.pid[i]} sample "
+                   "version >= 0): " + some(f"row {i} (prompt {run.pid[i]} sample "
                                              f"{run.sidx[i]})" for i in masked))
     return Check(name, not bad, lines + bad)

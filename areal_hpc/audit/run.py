@@ -82,7 +82,7 @@ class Report:
 # ------------------------------------------------------------------------------------ reading
 
 @dataclass
-class _Run:
+class AuditedRun:
     """Everything the checks use, read once."""
 
     run_dir: Path
@@ -111,7 +111,7 @@ class _Run:
     ctrl: ControllerState | None = None    # the checkpoint's controller state
 
 
-def _some(items, k: int = EXAMPLES) -> str:
+def some(items, k: int = EXAMPLES) -> str:
     """The first k of `items`, and how many more there are."""
     it = iter(items)
     shown = ", ".join(str(x) for x in itertools.islice(it, k))
@@ -120,7 +120,7 @@ def _some(items, k: int = EXAMPLES) -> str:
 
 
 @contextlib.contextmanager
-def _warnings_into(notes: list[str]):
+def warnings_into(notes: list[str]):
     """Collect what areal_hpc's loggers warn about while reading (a skipped checkpoint, an
     obsolete config key) into the report instead of stderr."""
     class Into(logging.Handler):
@@ -194,7 +194,7 @@ def _load_config(run_dir: Path, log_yaml: str, notes: list[str]) -> tuple[RunCon
 def _version_bounds(reader: RolloutReader, ends: np.ndarray, block_tokens: int):
     """Per row, the oldest and newest version of its sampled output tokens (-1 for a row
     without one: an observation token's version is -1), and the rows' loss-mask findings
-    (`_Run.unsampled`, `first_unsampled`, `masked_sampled`): one pass over /tokens/versions and
+    (`AuditedRun.unsampled`, `first_unsampled`, `masked_sampled`): one pass over /tokens/versions and
     /tokens/loss_mask in blocks of whole rows (a large run's tokens do not fit in memory)."""
     n = len(ends)
     vmin, vmax = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
@@ -228,7 +228,7 @@ def _read_metrics(run_dir: Path) -> list[tuple[int, dict]] | None:
         raise AuditInputError(str(exc)) from None
 
 
-def _read(run_dir: Path, check_crc: bool, notes: list[str], block_tokens: int) -> _Run:
+def read_run(run_dir: Path, check_crc: bool, notes: list[str], block_tokens: int) -> AuditedRun:
     if not run_dir.is_dir():
         raise AuditInputError(f"{run_dir}: no such run directory")
     log_path = run_dir / run_files.ROLLOUTS
@@ -250,7 +250,7 @@ def _read(run_dir: Path, check_crc: bool, notes: list[str], block_tokens: int) -
         raise AuditInputError(f"{log_path}: unreadable ({exc.strerror or exc})") from None
     cfg, policy = _load_config(run_dir, log_yaml, notes)
     r = cfg.rollout
-    run = _Run(run_dir=run_dir, cfg=cfg, B=cfg.train.batch_prompts, n=r.group_size,
+    run = AuditedRun(run_dir=run_dir, cfg=cfg, B=cfg.train.batch_prompts, n=r.group_size,
                eta=0 if r.mode == "sync" else r.max_staleness, policy=policy,
                max_reissues=r.max_reissues,
                pid=cols["prompt_id"].astype(np.int64), sidx=cols["sample_idx"].astype(np.int64),
@@ -277,7 +277,7 @@ def _read(run_dir: Path, check_crc: bool, notes: list[str], block_tokens: int) -
 # ------------------------------------------------------------------------------------ groups
 
 @dataclass
-class _Groups:
+class Groups:
     """The log cut into groups: a group is the rows of one prompt appended together, sample_idx
     0, 1, ... (the log stores no group boundaries; the generator sends a group's samples in
     sample order and the controller appends them as one batch)."""
@@ -289,7 +289,7 @@ class _Groups:
     of_row: np.ndarray          # group index of each row
 
     @classmethod
-    def of(cls, run: _Run) -> _Groups:
+    def of(cls, run: AuditedRun) -> Groups:
         pid, sidx, rows = run.pid, run.sidx, len(run.pid)
         start = group_starts(np.arange(rows), pid, sidx)
         starts = np.flatnonzero(start)
@@ -307,28 +307,28 @@ class _Groups:
     def states(self, g: int, column: np.ndarray) -> str:
         """The statuses of group g's rows in `column`, e.g. "step 3/pending"."""
         a = int(self.starts[g])
-        return "/".join(_name(int(s)) for s in np.unique(column[a:a + int(self.lens[g])]))
+        return "/".join(status_name(int(s)) for s in np.unique(column[a:a + int(self.lens[g])]))
 
     def rows(self, g: int) -> str:
         a = int(self.starts[g])
         return f"rows {a}-{a + int(self.lens[g]) - 1}" if self.lens[g] > 1 else f"row {a}"
 
 
-def _any_trained(groups: _Groups, column: np.ndarray) -> np.ndarray:
+def any_trained(groups: Groups, column: np.ndarray) -> np.ndarray:
     """Per group: whether any of its rows holds a training step in `column`."""
     if not len(groups.starts):
         return np.zeros(0, bool)
     return np.maximum.reduceat(column, groups.starts) >= 0
 
 
-def _name(step: int) -> str:
+def status_name(step: int) -> str:
     return STATUS_NAMES.get(step, f"step {step}")
 
 
 # ------------------------------------------------------------------------------------ projection
 
 @dataclass
-class _Projection:
+class Projection:
     """The log as a resume from the newest checkpoint would see it (`Controller._restore`):
     rows from the checkpoint's `rollout_rows` on rolled back, its buffered rows pending again.
     For a run whose log is as the checkpoint left it, this is the log itself (`went_on` False)."""
@@ -339,7 +339,7 @@ class _Projection:
     problems: list[str]         # what contradicts the checkpoint (violations)
 
 
-def _project(run: _Run) -> _Projection | None:
+def project(run: AuditedRun) -> Projection | None:
     if run.ctrl is None:
         return None
     c, rows = run.ck_step, len(run.consumed)
@@ -355,24 +355,24 @@ def _project(run: _Run) -> _Projection | None:
     values, times = np.unique(buf, return_counts=True)
     dup = values[times > 1]
     if len(dup):
-        problems.append(f"buffer_rows lists rows more than once: {_some(dup.tolist())}")
+        problems.append(f"buffer_rows lists rows more than once: {some(dup.tolist())}")
     b = consumed[buf]
     early = buf[(b >= 0) & (b < c)]
     if len(early):
         problems.append(f"{len(early)} buffered row(s) were trained before the checkpoint's step "
                         f"{c} (a resume would train them again): "
-                        + _some(f"row {i} (step {consumed[i]})" for i in early))
+                        + some(f"row {i} (step {consumed[i]})" for i in early))
     gone = buf[b == ROLLED_BACK]
     if len(gone):
         problems.append(f"{len(gone)} buffered row(s) are marked rolled back: "
-                        f"{_some(f'row {i}' for i in gone)}")
+                        f"{some(f'row {i}' for i in gone)}")
     in_buf = np.zeros(rows, bool)
     in_buf[buf] = True
     late = np.flatnonzero(~in_buf[:R] & (consumed[:R] >= c))
     if len(late):
         problems.append(f"{len(late)} row(s) the checkpoint neither buffered nor saw trained were "
                         f"trained at step {c} or later: "
-                        + _some(f"row {i} (step {consumed[i]})" for i in late))
+                        + some(f"row {i} (step {consumed[i]})" for i in late))
     after_rows = rows - R
     after_steps = sorted({int(s) for s in consumed[consumed >= c]})
     changed = int(((b >= c) | (b == DROPPED_STALE)).sum())
@@ -389,4 +389,4 @@ def _project(run: _Run) -> _Projection | None:
                      "buffered rows pending again)")
     proj[R:] = ROLLED_BACK
     proj[buf] = NOT_CONSUMED
-    return _Projection(proj, went_on, lines, problems)
+    return Projection(proj, went_on, lines, problems)

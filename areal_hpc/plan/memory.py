@@ -134,7 +134,7 @@ VLLM_MAX_BATCHED_TOKENS = 2048
 BWD_FFN = 4.0
 BWD_H = 4.0
 
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}     # model.dtype: bytes a value
 _REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
 
 
@@ -270,7 +270,7 @@ class Plan:
             elif rank.total > mem:
                 big = rank.largest()
                 out.append((rank.total / mem, f"{rank.label} needs {rank.total / GiB:.1f} GiB of "
-                                              f"{_num(self.gpu_mem_gib)} GiB: {big.name} "
+                                              f"{fmt_num(self.gpu_mem_gib)} GiB: {big.name} "
                                               f"{big.bytes / GiB:.1f} GiB{_hint(big)}"))
         return sorted(out, key=lambda p: -p[0])
 
@@ -279,7 +279,7 @@ class Plan:
         return p[0][1] if p else None
 
 
-def _num(x: float) -> str:
+def fmt_num(x: float) -> str:                      # GiB and the like, 4 significant digits
     return f"{x:.4g}"
 
 
@@ -382,7 +382,7 @@ def trainer_estimates(cfg: RunConfig, arch: Arch, weight_sync: bool = True) -> l
     t, tr = cfg.topology, cfg.train
     tp, pp = t.tp, t.pp
     dp = t.n_trainers // (tp * pp)
-    b = _BYTES[cfg.model.dtype]
+    b = DTYPE_BYTES[cfg.model.dtype]
     half = b == 2
     sp = tr.sequence_parallel and tp > 1
     p = tp if sp else 1
@@ -523,7 +523,7 @@ def kv_bytes_per_token(arch: Arch, dtype_bytes: int, engine_tp: int = 1) -> int:
 def generator_estimate(cfg: RunConfig, arch: Arch, gpu_mem_gib: float | None) -> RankEstimate:
     t, r = cfg.topology, cfg.rollout
     etp = r.engine_tp
-    b = _BYTES[cfg.model.dtype]
+    b = DTYPE_BYTES[cfg.model.dtype]
     on_cuda = t.device == "cuda"
     weights = arch.total_params * b / etp
     kv_per_token = kv_bytes_per_token(arch, b, etp)
@@ -542,7 +542,7 @@ def generator_estimate(cfg: RunConfig, arch: Arch, gpu_mem_gib: float | None) ->
     elif gpu_mem_gib:
         kv = max(0.0, r.gpu_memory_utilization * gpu_mem_gib * GiB - weights - act)
         budget_txt = (f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} x "
-                      f"{_num(gpu_mem_gib)} GiB")
+                      f"{fmt_num(gpu_mem_gib)} GiB")
     else:
         kv = kv_need
         budget_txt = "no GPU memory given: the KV cache the config asks for"

@@ -5,7 +5,7 @@ import re
 import sys
 
 from ..config import ConfigError, load
-from .memory import GiB, Plan, _num, estimate
+from .memory import GiB, Plan, estimate, fmt_num
 
 
 # ------------------------------------------------------------------------------ output
@@ -31,7 +31,7 @@ def render(plan: Plan, console) -> None:
         tab.add_row(name, *(f"{st.terms[i].bytes / GiB:.2f}" for st in plan.trainer))
     tab.add_row("[bold]total[/]", *(f"[bold]{st.total / GiB:.2f}[/]" for st in plan.trainer))
     if mem:
-        tab.add_row("GPU memory", *(_num(mem) for _ in plan.trainer))
+        tab.add_row("GPU memory", *(fmt_num(mem) for _ in plan.trainer))
         tab.add_row("headroom", *(_headroom(st.total, mem) for st in plan.trainer))
     console.print(tab)
     for note in worst.notes:
@@ -45,7 +45,7 @@ def render(plan: Plan, console) -> None:
         gt.add_row(term.name, f"{term.bytes / GiB:.2f}")
     gt.add_row("[bold]total[/]", f"[bold]{g.total / GiB:.2f}[/]")
     if mem:
-        gt.add_row("GPU memory", _num(mem))
+        gt.add_row("GPU memory", fmt_num(mem))
         gt.add_row("headroom", _headroom(g.total, mem))
     console.print(gt)
     for note in g.notes:
@@ -88,7 +88,7 @@ def memory_command(args, console) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if plan.gpu_mem_gib:
-        console.print(f"[green]fits[/] in {_num(plan.gpu_mem_gib)} GiB per GPU")
+        console.print(f"[green]fits[/] in {fmt_num(plan.gpu_mem_gib)} GiB per GPU")
     else:
         console.print("no GPU memory to compare with (device cpu; pass --gpu-mem)")
     return 0

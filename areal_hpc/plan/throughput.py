@@ -73,7 +73,7 @@ from ..config import ConfigError, RunConfig
 from ..cpus import parse_cpus
 from ..rollout.ledger import Ledger
 from ..rollout.staleness import staleness_of
-from .memory import _BYTES, generator_estimate, kv_bytes_per_token, read_arch, vllm_limits
+from .memory import DTYPE_BYTES, generator_estimate, kv_bytes_per_token, read_arch, vllm_limits
 
 Z99 = 2.3263478740408408            # standard normal quantile of 0.99
 ETAS = (0, 1, 2, 4, 8)
@@ -205,7 +205,7 @@ def kv_budget_tokens(cfg: RunConfig) -> float | None:
     if cfg.rollout.kv_cache_gib is None and not gpu:
         return None
     kv = generator_estimate(cfg, arch, gpu or None).term("KV cache").bytes
-    per_token = kv_bytes_per_token(arch, _BYTES[cfg.model.dtype], cfg.rollout.engine_tp)
+    per_token = kv_bytes_per_token(arch, DTYPE_BYTES[cfg.model.dtype], cfg.rollout.engine_tp)
     return kv / per_token if kv > 0 else None
 
 

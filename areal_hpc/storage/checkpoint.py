@@ -42,7 +42,7 @@ from typing import Any, Callable
 from ..transport import mpi as coll
 from .run_dir import CHECKPOINTS
 from .run_state import (DISTRIBUTED, FORMAT, PLAIN, CheckpointError, ControllerState,  # noqa: F401
-                        _is_int, _no_constant, read_state, rng_state, set_rng_state, write_state)
+                        is_int, no_constant, read_state, rng_state, set_rng_state, write_state)
 from .safe_pickle import UnsafeCheckpoint, check_checkpoint
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ def _check_manifest(ckpt: Path, manifest) -> None:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{ckpt}: {MANIFEST} is not an areal_hpc checkpoint manifest")
     step = manifest.get("step")
-    if not _is_int(step) or step < 0 or step != step_of(ckpt):
+    if not is_int(step) or step < 0 or step != step_of(ckpt):
         raise bad(f"step {step!r}, the folder is step {step_of(ckpt)}")
     created = manifest.get("created")
     if not isinstance(created, (int, float)) or isinstance(created, bool) \
@@ -154,11 +154,11 @@ def _check_manifest(ckpt: Path, manifest) -> None:
         if not (ckpt / rel).resolve().is_relative_to(root):
             raise bad(f"{rel} leads out of the checkpoint folder")
         if not isinstance(meta, dict) or set(meta) != {"size", "crc32"} \
-                or not _is_int(meta["size"]) or meta["size"] < 0 \
-                or not _is_int(meta["crc32"]) or not 0 <= meta["crc32"] < 1 << 32:
+                or not is_int(meta["size"]) or meta["size"] < 0 \
+                or not is_int(meta["crc32"]) or not 0 <= meta["crc32"] < 1 << 32:
             raise bad(f"{rel}: {meta!r} is not {{size, crc32}} as non-negative ints")
     total = manifest.get("bytes")
-    if not _is_int(total) or total != sum(m["size"] for m in files.values()):
+    if not is_int(total) or total != sum(m["size"] for m in files.values()):
         raise bad(f"bytes {total!r} is not the sum of the file sizes")
 
 
@@ -184,7 +184,7 @@ def _validate_listing(ckpt: Path) -> dict:
     if not mpath.is_file():
         raise CheckpointError(f"{ckpt}: no {MANIFEST} (the save did not finish)")
     try:
-        manifest = json.loads(mpath.read_text(), parse_constant=_no_constant)
+        manifest = json.loads(mpath.read_text(), parse_constant=no_constant)
     except (OSError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{ckpt}: unreadable {MANIFEST} ({exc})") from None
     _check_manifest(ckpt, manifest)
@@ -288,7 +288,7 @@ def split_files(sizes: dict[str, int], n: int,
         loads, rest = [0] * n, []
         for rel in sizes:
             k = owner(rel)
-            if _is_int(k) and 0 <= k < n:
+            if is_int(k) and 0 <= k < n:
                 parts[k].append(rel)
                 loads[k] += sizes[rel]
             else:
@@ -440,7 +440,9 @@ def _find_latest_other(comm, timeout_s, stats):
     return (Path(found[0]), found[1]) if found else None
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a synced temporary file and a rename: a reader finds the
+    old file or the whole new one, never a part."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         f.write(text)
@@ -622,7 +624,7 @@ def write_manifest(ckpt: Path, step: int, comm=None, known: dict | None = None) 
     manifest = {"format": FORMAT, "step": step, "created": time.time(),
                 "files": dict(sorted(entries.items())),
                 "bytes": sum(v["size"] for v in entries.values())}
-    _write_atomic(ckpt / MANIFEST, json.dumps(manifest, indent=1))
+    write_atomic(ckpt / MANIFEST, json.dumps(manifest, indent=1))
     return manifest
 
 

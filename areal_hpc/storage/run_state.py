@@ -37,11 +37,13 @@ class CheckpointError(RuntimeError):
     """A checkpoint folder that cannot be used; the message says which and why."""
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
+    """An integer as JSON or HDF5 attributes hold one (bool, an int subclass, is not)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _no_constant(name: str):
+def no_constant(name: str):
+    """`json.loads(parse_constant=...)`: NaN and Infinity are refused, never read as numbers."""
     raise ValueError(f"{name} is not a number here")
 
 
@@ -116,7 +118,7 @@ def _read_rng(where: str, g) -> dict[str, Any] | None:
         if isinstance(v, np.generic):
             v = v.item()
         ok = (isinstance(v, bool) if kind is bool else
-              _is_int(v) if kind is int else
+              is_int(v) if kind is int else
               isinstance(v, float) and (math.isfinite(v) or key == "python_gauss"))
         if not ok or (lo is not None and v < lo) or (hi is not None and v > hi):
             raise CheckpointError(f"{where}: {key} = {v!r} is not a valid {kind.__name__}")
@@ -206,7 +208,7 @@ class ControllerState:
         for key in cls.COUNTS + (("lost_stale",) if "lost_stale" in g.attrs else ()):
             v = g.attrs.get(key)
             v = v.item() if isinstance(v, np.generic) else v
-            if not _is_int(v) or v < 0:
+            if not is_int(v) or v < 0:
                 raise CheckpointError(f"{where}: controller {key} = {v!r} is not a count")
             out[key] = v
         partial = [k for k in cls.PARTIAL if k in g]
@@ -332,7 +334,7 @@ def _read_state(path: Path, f: h5py.File) -> dict[str, Any]:
     opt_state = _attr(f, "optimizer_state", (bool,), path, optional=True)
     sched = _attr(f, "scheduler_json", (str,), path)
     try:
-        scheduler = json.loads(sched, parse_constant=_no_constant) if sched else None
+        scheduler = json.loads(sched, parse_constant=no_constant) if sched else None
     except (ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path}: scheduler_json is not JSON ({exc})") from None
     if scheduler is not None and not isinstance(scheduler, dict):

@@ -60,6 +60,7 @@ from areal_hpc import determinism
 from areal_hpc.algo.ppo import OffPolicy, decoupled_ppo_loss, loglinear_prox_logprobs
 from areal_hpc.config import TrainConfig
 from areal_hpc.train import megatron_model
+from areal_hpc.train.hf_export import WEIGHT_SUFFIXES
 from areal_hpc.train.layout import ParallelLayout
 from areal_hpc.train.cpu_compat import CudaToCpuMode
 from areal_hpc.train.logprobs import chunked_token_logprobs
@@ -67,8 +68,6 @@ from areal_hpc.train.micro_batches import MicroBatch, pack, plan_micro_batches
 from areal_hpc.train.step_snapshot import StepSnapshot
 from areal_hpc.train.shares import BatchShare, dp_split, sequence_lengths, split_batch
 
-# Files of a HF model directory that are weights (rewritten by save_hf); all others are copied.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Per-micro-batch sums returned by the PPO loss (last pipeline stage), reduced over the batch.
 # Token sums (the loss's token means times the micro-batch's tokens), then sequence sums.
@@ -594,7 +593,7 @@ class Actor:
         os.makedirs(out_dir, exist_ok=True)
         for name in sorted(os.listdir(self.model_dir)):
             src = os.path.join(self.model_dir, name)
-            if os.path.isfile(src) and not name.endswith(_WEIGHT_SUFFIXES):
+            if os.path.isfile(src) and not name.endswith(WEIGHT_SUFFIXES):
                 shutil.copy2(src, os.path.join(out_dir, name))
         cpu_state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
         save_file(cpu_state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})

@@ -30,13 +30,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..storage.checkpoint import _write_atomic
+from ..storage.checkpoint import write_atomic
 from ..transport import mpi as coll
 from .weight_publisher import join_gather
 
 log = logging.getLogger(__name__)
 
 INDEX = "model.safetensors.index.json"
+# Files of a HF model directory that are weights (an export and Actor.save_hf write their own);
+# all others (config.json, the tokenizer, ...) are copied.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 PARTIAL = ".partial"
 
 
@@ -148,7 +151,6 @@ def _prepare(tmp: Path) -> None:
 
 def _finish(tmp: Path, out: Path, model_dir: str, stages: list[list], step: int | None) -> None:
     """Trainer rank 0, once every stage wrote its shards: names, index, config, then the rename."""
-    from .actor import _WEIGHT_SUFFIXES
     shards = [f for files in stages for f in files]
     n = len(shards)
     weight_map, total = {}, 0
@@ -159,11 +161,11 @@ def _finish(tmp: Path, out: Path, model_dir: str, stages: list[list], step: int 
         total += nbytes
     for name in sorted(os.listdir(model_dir)):
         src = os.path.join(model_dir, name)
-        if os.path.isfile(src) and not name.endswith(_WEIGHT_SUFFIXES):
+        if os.path.isfile(src) and not name.endswith(WEIGHT_SUFFIXES):
             shutil.copy2(src, tmp / name)
     index = {"metadata": {"total_size": total, "format": "pt", "step": step},
              "weight_map": dict(sorted(weight_map.items()))}
-    _write_atomic(tmp / INDEX, json.dumps(index, indent=1))
+    write_atomic(tmp / INDEX, json.dumps(index, indent=1))
     if out.exists():
         if any(out.iterdir()) and not (out / "config.json").is_file():
             raise ExportError(f"{out} exists and is not a model directory: not replacing it")
