@@ -42,6 +42,7 @@ from . import determinism
 from .config import MAX_CONFIG_BYTES, ConfigError, RunConfig, read_utf8, load
 from .config.rules import require
 from .data.files import irregular
+from .env import base as env_base, runner as env_runner
 from .data.prompts import (RenderTimeout, load_prompts_of, prompt_ids, read_chat_template, too_long,
                            too_many_chars)
 from .plan import Arch, check_fits
@@ -121,6 +122,7 @@ def check_inputs(cfg: RunConfig) -> None:
         custom.check(cfg)
     except custom.RewardFnError as exc:
         raise ConfigError(str(exc)) from None
+    check_env(cfg)
     sample, datasets = None, {}
     for key, value in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
         if value is None:
@@ -151,6 +153,20 @@ def check_inputs(cfg: RunConfig) -> None:
             sample = rows[0]
         datasets[key] = rows
     check_model_dir(cfg, sample, datasets)
+
+
+def check_env(cfg: RunConfig) -> None:
+    """The env section (multi-turn episodes): its keys, and its environment imported in a child
+    of its own, bounded. The generator does not run episodes yet: a set env.fn is refused, in one
+    line, rather than ignored."""
+    try:
+        env_base.validate(cfg.env)
+        env_runner.check(cfg.env)
+    except env_base.EnvConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.env.fn is not None:
+        raise ConfigError(f"config key 'env.fn': {cfg.env.fn!r} imports and starts, but the generator "
+                          f"does not run multi-turn episodes yet (docs/environments.md): unset env.fn")
 
 
 def _one_line(exc: BaseException) -> str:

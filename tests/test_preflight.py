@@ -215,3 +215,23 @@ def test_a_template_that_fails_on_a_later_row_names_the_row(inputs, tmp_path):
                                  f"data.train_path={long_last}"]))
     _one_line(str(info.value), "config key 'data.chat_template': data.train_path: row 4: its prompt does "
               "not render: TemplateError: too long")
+
+
+@pytest.mark.parametrize("override,message", [
+    ("env.max_turns=0", "config key 'env.max_turns': must be >= 1, got 0"),
+    ('env.turn_stop=[""]', "config key 'env.turn_stop[0]': expected a non-empty string or a token id"),
+    ("env.fn=nofile.py:X", "config key 'env.fn': "),
+    ("env.fn=calculator", "config key 'env.fn': 'calculator' imports and starts, but the generator "
+                          "does not run multi-turn episodes yet"),
+])
+def test_the_env_section_is_checked_before_any_rank_starts(override, message):
+    """The env section's keys (config ranges, then env/base.py's syntax), its environment imported
+    in a child; a set env.fn refused in one line while the generator cannot run episodes, never
+    ignored."""
+    with pytest.raises(ConfigError) as err:
+        preflight.check_env(load("configs/tiny_cpu.yaml", [override]))
+    assert str(err.value).startswith(message) and "\n" not in str(err.value), err.value
+
+
+def test_no_env_section_is_single_turn():
+    preflight.check_env(load("configs/tiny_cpu.yaml"))      # nothing to check, nothing refused

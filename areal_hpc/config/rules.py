@@ -71,6 +71,12 @@ _REWARD_NUMBER = Range(-MAX_REWARD_MAGNITUDE, MAX_REWARD_MAGNITUDE,
 # Every int / float key of the schema (reward.* is checked in `validate` itself); optional keys
 # are checked when set. tests/config checks that no numeric key is missing here.
 RANGES: dict[str, Range] = {
+    "env.max_turns": Range(1, 1000),
+    "env.max_episode_tokens": Range(2, 1 << 24),
+    "env.call_timeout_s": Range(0.01, 3600, why=" (seconds)"),
+    "env.start_timeout_s": Range(1, 3600, why=" (seconds)"),
+    "env.memory_mb": Range(64, 1 << 20),
+    "env.output_bytes": Range(0, 1 << 30),
     "data.eval_limit": Range(0, INT_MAX, why=" (0 = all)"),
     "data.eval_samples": Range(1, 65536),
     "data.eval_every_steps": _NONNEG,

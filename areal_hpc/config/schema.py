@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from omegaconf import MISSING
 
@@ -316,6 +316,23 @@ class CheckpointConfig:
 
 
 @dataclass
+class EnvConfig:
+    """Multi-turn episodes (areal_hpc/env/, docs/environments.md): which environment, and the
+    bounds of its episodes. fn unset: single-turn (one prompt, one completion)."""
+    fn: Optional[str] = None            # "path/to/file.py:Class", "package.module:Class", or a built-in
+    args: dict[str, Any] = field(default_factory=dict)   # keyword arguments of the class
+    max_turns: int = 4                  # model turns per episode; an episode not done by then is cut
+    max_episode_tokens: int = 1024      # prompt + turns + observations; past it the episode is cut
+    # what ends a model's turn: strings (a closing code fence, "</calc>") or token ids
+    turn_stop: list[Any] = field(default_factory=list)
+    observation_template: str = "{observation}"   # how an observation's text is wrapped
+    call_timeout_s: float = 10.0        # per reset or step call; past it: the episode's error
+    start_timeout_s: float = 60.0       # starting the environment's process (its imports)
+    memory_mb: int = 4096               # address space of the environment's process
+    output_bytes: int = 1 << 20         # what the environment's process may print, in all
+
+
+@dataclass
 class RunConfig:
     name: str = "run"
     output_dir: str = "runs"            # the run lives in <output_dir>/<name>
@@ -335,6 +352,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     @property
     def run_dir(self) -> Path:

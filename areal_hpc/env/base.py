@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import math
 import os
 import runpy
 import string
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Optional
 
+from ..config.rules import RANGES as CONFIG_RANGES
+from ..config.schema import EnvConfig
 from ..reward.custom import RewardFnError, resolve, split_spec
 
 BUILTINS = {"calculator": "areal_hpc.env.calculator:Calculator",
@@ -77,25 +78,6 @@ class Environment:
         """Called when the episode ends (optional)."""
 
 
-@dataclass
-class EnvConfig:
-    """The ``env`` section: which environment, and the bounds of its episodes."""
-    fn: Optional[str] = None            # "path/to/file.py:Class", "package.module:Class", or a built-in
-    args: dict = field(default_factory=dict)   # keyword arguments of the class
-    max_turns: int = 4                  # model turns per episode; an episode not done by then is cut
-    max_episode_tokens: int = 1024      # prompt + turns + observations; past it the episode is cut
-    # what ends a model's turn: strings (a closing code fence, "</calc>") or token ids
-    turn_stop: list = field(default_factory=list)
-    observation_template: str = "{observation}"   # how an observation's text is wrapped
-    call_timeout_s: float = 10.0        # per reset or step call; past it: the episode's error
-    start_timeout_s: float = 60.0       # starting the environment's process (its imports)
-    memory_mb: int = 4096               # address space of the environment's process
-    output_bytes: int = 1 << 20         # what the environment's process may print, in all
-
-
-# key -> (lowest, highest) of the numeric keys
-RANGES = {"max_turns": (1, 1000), "max_episode_tokens": (2, 1 << 24), "call_timeout_s": (0.01, 3600),
-          "start_timeout_s": (1, 3600), "memory_mb": (64, 1 << 20), "output_bytes": (0, 1 << 30)}
 
 
 def from_mapping(section, key: str = "env") -> EnvConfig:
@@ -133,12 +115,14 @@ def validate(cfg: EnvConfig, key: str = "env") -> None:
     if not isinstance(cfg.args, dict) or not all(isinstance(k, str) and k.isidentifier()
                                                  for k in cfg.args):
         raise _bad(f"{key}.args", "expected a mapping of keyword-argument names to values")
-    for name, (lo, hi) in RANGES.items():
+    for name in (k.removeprefix("env.") for k in CONFIG_RANGES if k.startswith("env.")):
         v = getattr(cfg, name)
         typ = int if isinstance(EnvConfig.__dataclass_fields__[name].default, int) else float
-        if (isinstance(v, bool) or not isinstance(v, (int, float)) or (typ is int and not isinstance(v, int))
-                or not math.isfinite(v) or not lo <= v <= hi):
-            raise _bad(f"{key}.{name}", f"expected {typ.__name__} in [{lo:g}, {hi:g}], got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (typ is int and not isinstance(v, int)):
+            raise _bad(f"{key}.{name}", f"expected {typ.__name__}, got {v!r}")
+        problem = CONFIG_RANGES[f"env.{name}"].problem(v)
+        if problem:
+            raise _bad(f"{key}.{name}", problem)
     if not isinstance(cfg.turn_stop, (list, tuple)):
         raise _bad(f"{key}.turn_stop", f"expected a list of strings or token ids, got {cfg.turn_stop!r}")
     for i, s in enumerate(cfg.turn_stop):
