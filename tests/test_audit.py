@@ -258,7 +258,8 @@ def test_clean_run_passes(clean, capsys):
     assert "rolled back and issued again: 2" in text      # prompts 5 and 6
     assert "dropped as stale and issued again: 1" in text  # prompt 10
     assert "in flight at the checkpoint (issued again by a resume): 1" in text
-    assert "lost: 0" in text
+    assert "lost: 0" in text and report.figure("lost") == 0        # printed, and typed for tools
+    assert report.figure("kept_tokens") == 0 and report.figure("absent", -1) == -1
     assert "steps 0-5 consumed, each 4 trajectories in 2 whole groups of 2" in text
     with RolloutReader(clean / "rollouts.h5") as r:    # the resume really rolled rows back
         assert (r.column("consumed_step") == ROLLED_BACK).sum() == 4
@@ -313,6 +314,7 @@ def test_lost_prompt(tmp_path):
     report = au.audit(build_run(tmp_path / "r", final_tamper=forget_inflight))
     assert failing(report) == {3}, report.text()
     assert "1 prompt(s) lost" in "\n".join(report.checks[2].detail)
+    assert report.figure("lost") == 1
 
 
 def test_pending_rows_not_buffered(tmp_path):
@@ -442,7 +444,7 @@ def test_partial_rows_continued_from_their_prefix(tmp_path):
     assert report.ok, report.text()
     text = report.text()
     assert "2 partial row(s); 2 continued by a later row that starts with them (2 tokens kept" \
-        in text
+        in text and report.figure("kept_tokens") == 2
     assert "preempted mid-generation and continued from their partial rows: 1" in text
     waiting = au.audit(preempted_run(tmp_path / "w", resume=False))
     assert waiting.ok, waiting.text()

@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -220,14 +219,9 @@ def check(run_dir: Path) -> tuple[bool, str, dict]:
         return True, "no rollout log yet (stopped before the first group arrived)", \
             {"lost": 0, "twice": 0, "kept_tokens": 0}
     report = audit(run_dir, check_crc=False)
-    text = report.text()
-    fig = {"lost": None, "twice": None, "kept_tokens": 0}
-    m = re.search(r"lost: (\d+)", text)
-    fig["lost"] = int(m.group(1)) if m else None
-    fig["twice"] = 0 if report.checks[0].ok else None
-    m = re.search(r"\((\d+) tokens kept across preemptions\)", text)
-    fig["kept_tokens"] = int(m.group(1)) if m else 0
-    return report.ok, text, fig
+    fig = {"lost": report.figure("lost"), "twice": 0 if report.checks[0].ok else None,
+           "kept_tokens": report.figure("kept_tokens", 0)}
+    return report.ok, report.text(), fig
 
 
 def main(argv=None) -> int:

@@ -304,7 +304,7 @@ def _check_prompts(run: AuditedRun, groups: Groups, proj: Projection | None) -> 
         if ctrl.lost_stale is None:
             lines.append("the checkpoint predates its lost_stale counter: given-up prompts not "
                          "compared with it")
-        return Check(name, not bad, lines + bad)
+        return Check(name, not bad, lines + bad, {"lost": len(lost) + n_norows})
     why = "no valid checkpoint" if run.ckpt is None else "the checkpoint holds no controller state"
     count = len(unknown) + n_norows
     lines.append(f"not checkable: {why}, so the prompts in flight (or queued for reissue) when "
@@ -446,7 +446,7 @@ def _check_continued(run: AuditedRun, groups: Groups) -> Check:
     name = "continued samples start with their partial rows"
     part = np.flatnonzero(run.consumed == PARTIAL)
     if not len(part):
-        return Check(name, True, ["no partial rows (no preemption with samples in flight)"])
+        return Check(name, True, ["no partial rows (no preemption with samples in flight)"], {"kept_tokens": 0})
     live = np.flatnonzero(run.consumed != ROLLED_BACK)
     later: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
     for i in live.tolist():
@@ -501,7 +501,7 @@ def _check_continued(run: AuditedRun, groups: Groups) -> Check:
                      f"and issues their prompts again): {some(f'row {i}' for i in after)}")
     if bad:
         lines.append(f"{len(bad)} partial row(s) not continued as they should be: {some(bad)}")
-    return Check(name, not bad, lines)
+    return Check(name, not bad, lines, {"kept_tokens": kept})
 
 
 def _check_masks(run: AuditedRun) -> Check:

@@ -39,6 +39,9 @@ class Check:
     name: str
     ok: bool | None
     detail: list[str] = field(default_factory=list)
+    # the counts a program reads (tools/chaos.py): e.g. "lost" prompts, "kept_tokens" across
+    # preemptions; the same numbers `detail` prints
+    figures: dict[str, int] = field(default_factory=dict)
 
     @property
     def status(self) -> str:
@@ -63,6 +66,10 @@ class Report:
     @property
     def exit_code(self) -> int:
         return EXIT_OK if self.ok else EXIT_VIOLATED
+
+    def figure(self, key: str, default: int | None = None) -> int | None:
+        """A count one of the checks reported (`Check.figures`), else `default`."""
+        return next((c.figures[key] for c in self.checks if key in c.figures), default)
 
     def text(self) -> str:
         lines = [f"audit of {self.run_dir}", *(f"  {s}" for s in self.summary)]
