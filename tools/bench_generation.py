@@ -112,7 +112,7 @@ def seeds_cost(args) -> None:
         """CPU seconds so far of this process and the engine's (a shared box's load slows the
         wall clock of both sides alike, but not how much CPU a token takes)."""
         import psutil
-        procs = [psutil.Process()] + [p for p in eng._children if p.is_running()]
+        procs = [psutil.Process()] + eng.processes()
         return sum(sum(p.cpu_times()[:2]) for p in procs)
 
     def run(which: str, rep: int) -> tuple[int, float, float]:

@@ -163,7 +163,7 @@ def engine_rss(engine) -> list[tuple[int, str, int]]:
     import psutil
 
     out = []
-    for p in engine._children:
+    for p in engine.processes():
         try:
             out.append((p.pid, p.name(), p.memory_info().rss))
         except psutil.NoSuchProcess:

@@ -96,7 +96,7 @@ def _worker_recv_buckets(worker, plan) -> float:
     t0 = time.perf_counter()
     for root, bucket in plan:
         flat = torch.empty(bucket_numel(bucket), dtype=dtype_from_str(bucket_dtype(bucket)))
-        worker._weight_group.broadcast(flat, root=root).wait()
+        worker.weight_group.broadcast(flat, root=root).wait()
     return time.perf_counter() - t0
 
 
@@ -157,12 +157,12 @@ def bench(size: str, reps: int, bucket_mb: int, work: Path, breakdown: bool = Fa
                 t_gather = time.perf_counter() - t0
                 t_pack = wsync.broadcast_stage(_NoWire(), plan, 0, actor.iter_hf_weights(), "cpu").seconds
                 t0 = time.perf_counter()
-                gen = in_thread(engine._engine.collective_rpc, _worker_recv_buckets, None, (plan,))
+                gen = in_thread(engine.collective_rpc, _worker_recv_buckets, None, (plan,))
                 for (root, _), buf in zip(plan, packed):
                     group.broadcast(buf, root=root).wait()
                 gen()
                 t_wire = time.perf_counter() - t0
-                (t_reload,) = engine._engine.collective_rpc(_worker_reload, args=(plan,))
+                (t_reload,) = engine.collective_rpc(_worker_reload, args=(plan,))
                 if rep:
                     for key, t in zip(phases, (t_gather, t_pack, t_wire, t_reload)):
                         phases[key].append(t)
@@ -175,7 +175,7 @@ def bench(size: str, reps: int, bucket_mb: int, work: Path, breakdown: bool = Fa
             while engine.has_unfinished():
                 engine.step()
             t0 = time.perf_counter()
-            gen = in_thread(engine._engine.collective_rpc, "recv_flat", None, (flat.numel(), "float32"))
+            gen = in_thread(engine.collective_rpc, "recv_flat", None, (flat.numel(), "float32"))
             group.broadcast(flat, root=0).wait()
             gen()
             t_raw = time.perf_counter() - t0

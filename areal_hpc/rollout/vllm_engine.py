@@ -513,6 +513,16 @@ class VLLMEngine:
         """Submitted and not yet finished (waiting or generating inside vLLM)."""
         return len(self._requests)
 
+    def processes(self) -> list:
+        """The processes this engine started (its EngineCore, its workers' parents) that still
+        run, as psutil handles: for a watch, a profile, a kill."""
+        return [p for p in self._children if p.is_running()]
+
+    def collective_rpc(self, method, timeout: float | None = None, args: tuple = ()) -> list:
+        """vLLM's `collective_rpc`: `method` (a worker method's name, or a function taking the
+        worker first) run in every worker; their results. For tools and benchmarks."""
+        return self._engine.collective_rpc(method, timeout, args)
+
     # ---------------------------------------------------------------- weights
 
     def init_weight_group(self, address: WeightGroupAddress, rank: int) -> list[int]:

@@ -137,6 +137,12 @@ class WeightSyncExtension:
         self._weight_group = init_weight_group(address, my_rank)
         return my_rank
 
+    @property
+    def weight_group(self):
+        """This worker's weight group (after `init_weight_group`): for a function a tool runs in
+        the worker through `VLLMEngine.collective_rpc`."""
+        return self._weight_group
+
     def recv_weights(self, plan: Sequence[tuple[int, Bucket]]) -> int:
         """Receive one flat broadcast per bucket of `plan` from its root; reload the model.
 
