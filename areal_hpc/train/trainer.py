@@ -41,11 +41,7 @@ log = logging.getLogger(__name__)
 class Trainer:
     def __init__(self, cfg: RunConfig, topo: Topology):
         self.cfg, self.topo, self.run_dir = cfg, topo, RunDir(cfg.run_dir)
-        self.actor = Actor(
-            cfg.train, cfg.model.path, group_size=cfg.rollout.group_size,
-            temperature=cfg.rollout.temperature, device=cfg.topology.device,
-            dtype=cfg.model.dtype, layout=trainer_layout(topo, cfg.train.seed),
-            deterministic=cfg.deterministic)
+        self.actor = make_actor(cfg, trainer_layout(topo, cfg.train.seed))
         self.version = 0
         # what the mid-step decision knows of the time things take (this attempt; rank 0's clock)
         self._checkpoint_s = 0.0        # the last checkpoint written, else the resume's load
@@ -286,6 +282,14 @@ class Trainer:
         return preemption.EXIT_PREEMPTED
 
 
+def make_actor(cfg: RunConfig, layout: ParallelLayout) -> Actor:
+    """The run's Actor on this rank's layout: the one place a job builds it from the config
+    (training and export-only alike)."""
+    return Actor(cfg.train, cfg.model.path, group_size=cfg.rollout.group_size,
+                 temperature=cfg.rollout.temperature, device=cfg.topology.device,
+                 dtype=cfg.model.dtype, layout=layout, deterministic=cfg.deterministic)
+
+
 def run_trainer(cfg: RunConfig, topo: Topology) -> int:
     return Trainer(cfg, topo).run()
 
@@ -311,10 +315,7 @@ def run_export(cfg: RunConfig, topo: Topology, layout: ParallelLayout | None = N
     generators, no weight group) and write policy/. `layout`: this rank's, where its groups are
     made already (a test's world of one); by default made here (`trainer_layout`)."""
     comm, t = topo.role_comm, cfg.rollout.collective_timeout_s
-    actor = Actor(cfg.train, cfg.model.path, group_size=cfg.rollout.group_size,
-                  temperature=cfg.rollout.temperature, device=cfg.topology.device,
-                  dtype=cfg.model.dtype, layout=layout or trainer_layout(topo, cfg.train.seed),
-                  deterministic=cfg.deterministic)
+    actor = make_actor(cfg, layout or trainer_layout(topo, cfg.train.seed))
     hit = checkpoint.find_resume(cfg.run_dir, comm, timeout_s=t)     # collective
     found = (str(hit[0]), hit[1]["step"]) if hit else None
     if found is None:
