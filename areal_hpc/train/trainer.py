@@ -31,6 +31,7 @@ from ..transport import mpi as coll
 from . import checkpoint
 from .actor import Actor, StepAbandoned
 from .layout import ParallelLayout, trainer_layout
+from .mid_step import MidStepJudge
 from .lead import lead_of
 from .shares import BatchShare, split_batch
 from .weight_publisher import WeightPublisher
@@ -44,17 +45,12 @@ class Trainer:
         self.actor = make_actor(cfg, trainer_layout(topo, cfg.train.seed))
         self.version = 0
         # what the mid-step decision knows of the time things take (this attempt; rank 0's clock)
-        self._checkpoint_s = 0.0        # the last checkpoint written, else the resume's load
-        self._last_step_s: float | None = None          # the last step's train_share
-        self._last_publish_s = 0.0                      # the last weight update
-        self._job_end: tuple[float | None, str] | None = None   # preemption.job_end, once
-        self._why = ""                  # rank 0: why the step was stopped midway
-        self._told = -1                 # rank 0: the step whose going on was logged
+        self.judge = MidStepJudge(lambda signal_at: preemption.job_end(cfg, signal_at))
         self._hook = preemption.test_hook()
         t0 = time.monotonic()
         self.resumed = self._resume() if cfg.checkpoint.resume == "auto" else None
         if self.resumed:
-            self._checkpoint_s = time.monotonic() - t0
+            self.judge.checkpoint_s = time.monotonic() - t0
         self.lead = lead_of(cfg, topo, self.resumed["controller"] if self.resumed else None)
         self.publisher = WeightPublisher.for_trainer(cfg, topo, self.actor, self.lead.weight_notifier)
         # The stage senders have joined the weight group, which waits for the generators' vLLM
@@ -114,13 +110,13 @@ class Trainer:
                          scheduler=a.lr_scheduler, controller_state=self.lead.state(),
                          config_yaml=to_yaml(self.cfg), wait=wait)
         # the last complete one's time, as a synchronous save takes it (a preemption's may)
-        self._checkpoint_s = self._saver.seconds or self._checkpoint_s
+        self.judge.checkpoint_s = self._saver.seconds or self.judge.checkpoint_s
 
     def _poll_checkpoint(self) -> None:
         """Complete the asynchronous checkpoint in flight if its write has ended on every rank
         (collective, never waits: at step boundaries and the mid-step decision points)."""
         if self._saver is not None and self._saver.poll() is not None:
-            self._checkpoint_s = self._saver.seconds
+            self.judge.checkpoint_s = self._saver.seconds
 
     def _batch(self) -> tuple[BatchShare | None, Batch | None]:
         """Rank 0 gathers the batch from the controller and splits it (advantages, batch
@@ -169,10 +165,10 @@ class Trainer:
                     share, self.version, should_stop=self._should_stop if ck.mid_step_stop else None)
             except StepAbandoned as stop:                   # too little time left: stop midway
                 return self._abandoned(start, stop)
-            self._last_step_s = train_stats["seconds"]
+            self.judge.last_step_s = train_stats["seconds"]
             self.version = step + 1
             weight_sync_s = self.publisher.publish(self.version)  # generators go on with it
-            self._last_publish_s = weight_sync_s
+            self.judge.last_publish_s = weight_sync_s
             self.lead.trained(step, self.version, batch, train_stats, weight_sync_s)
             if ck.every_steps and self.version % ck.every_steps == 0 and self.version < total:
                 self._checkpoint(wait=False)
@@ -217,36 +213,9 @@ class Trainer:
             if times:
                 if not preemption.requested():
                     preemption.request(at=min(times))
-                stop = self._verdict(min(times), done, total, minibatch_s)
+                stop = self.judge.stop(self.version, min(times), done, total, minibatch_s)
         return bool(coll.bcast(comm, stop, root=0, timeout_s=t,
                                what=f"step {self.version}: the mid-step decision"))
-
-    def _verdict(self, signal_at: float, done: int, total: int, minibatch_s: float) -> bool:
-        """Rank 0: stop the step now? The rest of it: the minibatches left at the mean time of
-        those done (before any: the last step's time, unknown in an attempt's first step) plus
-        the last weight update."""
-        if self._job_end is None:
-            self._job_end = preemption.job_end(self.cfg, signal_at)
-        end, src = self._job_end
-        rest = (minibatch_s / done * (total - done) if done else self._last_step_s)
-        if rest is not None:
-            rest += self._last_publish_s
-        now = time.time()
-        stop, left = preemption.mid_step_verdict(pending=True, now=now, job_end=end, rest_s=rest,
-                                                  checkpoint_s=self._checkpoint_s)
-        if stop:
-            self._why = (f"a preemption signal came {now - signal_at:.0f} s ago and the rest of "
-                         f"the step needs ~{rest:.0f} s, but {left:.0f} s are left before the "
-                         f"job's end ({src}) less the checkpoint ({self._checkpoint_s:.0f} s) and "
-                         f"a {preemption.MID_STEP_MARGIN_S:.0f} s margin")
-        elif self._told != self.version:            # once a step: why it goes on
-            self._told = self.version
-            log.info("preemption signal pending during step %d: the step goes on (%s); the stop "
-                     "comes at its end", self.version,
-                     "the job's end is unknown" if end is None else
-                     "its time is not known yet" if rest is None else
-                     f"~{rest:.0f} s needed, {left:.0f} s left")
-        return stop
 
     def _abandoned(self, start: int, stop: StepAbandoned) -> int:
         """The step was stopped midway (`train_share` restored its start state on every rank):
@@ -255,7 +224,7 @@ class Trainer:
         if self.topo.is_controller:
             log.warning("step %d abandoned after %d of %d minibatches: %s; the step's start state "
                         "restored, its %d groups back in the buffer (prompts %s)", self.version,
-                        stop.done, stop.total, self._why, len(prompts),
+                        stop.done, stop.total, self.judge.why, len(prompts),
                         " ".join(map(str, prompts)))
         return self._preempted(start)
 
