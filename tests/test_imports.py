@@ -122,7 +122,7 @@ LONG = {
     "storage/checkpoint.py": "the checkpoint format in one file: staging, sealing and swapping a "
                              "save (synchronous or asynchronous), the manifest and its CRC-32s, "
                              "and the choice of the newest valid one, which read each other's "
-                             "private names (a split is issue 41's, with the private-name rule)",
+                             "private names (not split yet: its tests reach those names)",
 }
 
 
