@@ -1,6 +1,5 @@
 """The episode builder: token in, token out (areal_hpc/env/episode.py)."""
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +9,6 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from areal_hpc.env.base import Step, ToolCall
 from areal_hpc.env.episode import CUT_TOKENS, CUT_TURNS, NO_VERSION, OBSERVATION, SAMPLE, Episode
 
-ROOT = Path(__file__).resolve().parents[2]
 CHARS = "0123456789+=,<>/calrestu"  # each once
 
 
@@ -54,8 +52,9 @@ def test_sampled_ids_are_kept_as_sampled_even_where_retokenising_would_change_th
     assert ep.oldest_version == 3 and ep.tool_calls[0].args == "12+1"
 
 
-def test_observation_tokens_are_masked_and_token_observations_go_between_the_template_parts():
-    tok = AutoTokenizer.from_pretrained(ROOT / "models" / "tiny")       # the tiny model's own
+def test_observation_tokens_are_masked_and_token_observations_go_between_the_template_parts(tiny_model):
+    tok = AutoTokenizer.from_pretrained(tiny_model)     # the tiny model's own (built by the fixture:
+    # a fresh clone has no models/tiny)
     enc = _encode(tok)
     ep = Episode(enc("2+3="), max_tokens=40, max_turns=4, encode=enc, template="={observation},")
     ep.add_sample(enc("2+3"), [-1.0] * 3, [0] * 3)
