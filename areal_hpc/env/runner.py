@@ -38,10 +38,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Hashable
 
-from ..reaper import MPI_ENV_PREFIXES
 from ..reward import contain
 from ..reward.custom import MAX_ABS_VALUE
-from ..reward.sandbox import UID_OFFSET_ENV
+from ..reward.sandbox import child_env
 from .base import MAX_TOKEN_ID, EnvConfig, EnvConfigError, Step, ToolCall, full_spec
 
 MAX_RESULT_BYTES = 4 << 20      # one answer line (an observation of a few hundred thousand tokens)
@@ -105,10 +104,7 @@ class EnvProcess:
         out_r, out_w = os.pipe()
         with _seq_lock:
             n = next(_seq)
-        env = {**{k: v for k, v in os.environ.items() if not k.startswith(MPI_ENV_PREFIXES)},
-               "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
-               # a sandbox uid of its own (reward/sandbox.py), apart from the reward workers'
-               UID_OFFSET_ENV: str((1 << 28) + (((os.getpid() & 0x3FFFFF) << 6) | (n & 63)))}
+        env = child_env(1 << 28, n)     # sandbox uids apart from the reward workers' (1 << 27)
         setup = {"spec": full_spec(cfg.fn), "args": cfg.args, "memory_mb": cfg.memory_mb}
         try:
             self.proc = subprocess.Popen(

@@ -83,9 +83,8 @@ import time
 from dataclasses import dataclass
 from typing import Hashable, NamedTuple
 
-from areal_hpc.reaper import MPI_ENV_PREFIXES
 from areal_hpc.reward import contain, custom
-from areal_hpc.reward.sandbox import UID_OFFSET_ENV, warn_unsafe
+from areal_hpc.reward.sandbox import child_env, warn_unsafe
 
 log = logging.getLogger(__name__)
 
@@ -179,13 +178,7 @@ class _Worker:
         call_r, call_w = os.pipe()
         res_r, res_w = os.pipe()
         out_r, out_w = os.pipe()
-        # the caller's import path, as multiprocessing's spawn handed it to workers; a sandbox
-        # uid of the worker's own (inside its namespace its pid is 1); not the MPI job's
-        # variables (an import of mpi4py.MPI would join the job as a duplicate rank)
-        env = {**{k: v for k, v in os.environ.items() if not k.startswith(MPI_ENV_PREFIXES)},
-               "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
-               UID_OFFSET_ENV: str((1 << 27) + (((os.getpid() & 0x3FFFFF) << 6)
-                                                | (next(_seq) & 63)))}
+        env = child_env(1 << 27, next(_seq))
         try:
             self.proc = subprocess.Popen(
                 contain.wrap([sys.executable, "-m", "areal_hpc.reward.worker", str(call_r),

@@ -78,6 +78,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from ..reaper import MPI_ENV_PREFIXES
 from . import contain, seccomp
 
 MAX_OUTPUT_BYTES = 32 << 20        # stdout (and any file) the program may write
@@ -97,6 +98,16 @@ START_TIMEOUT_S = 30.0             # setting a sandbox up (not counted in timeou
 CHILD_PATH = "/usr/local/bin:/usr/bin:/bin"
 WORKDIR = "/tmp"                   # the tmpfs scratch, the program's cwd
 SOURCE = "/sandbox/solution.py"
+
+def child_env(uid_base: int, n: int) -> dict[str, str]:
+    """The environment of a contained child that runs project code (a reward worker, a user's
+    environment): the caller's import path (as multiprocessing's spawn hands it on), a range of
+    sandbox uids of its own (`uid_base` + this process's pid and `n`; inside its PID namespace
+    the child's own pid is 1), and not the MPI job's variables (an import of mpi4py.MPI would
+    join the job as a duplicate rank)."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(MPI_ENV_PREFIXES)},
+            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+            UID_OFFSET_ENV: str(uid_base + (((os.getpid() & 0x3FFFFF) << 6) | (n & 63)))}
 
 # Runs inside the sandbox as pid 2, before the untrusted program: drops to the unprivileged uid
 # (privileged mode), sets the limits, says "ok" on the status fd, closes every other fd, execs.
