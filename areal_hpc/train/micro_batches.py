@@ -44,6 +44,7 @@ class MicroBatch:
     # bool: True for a sampled token, False for an environment's observation token of a
     # multi-turn episode (trained on nothing: the loss, its token counts and diagnostics skip it)
     loss_mask: torch.Tensor | None = None
+    mask_count: int | None = None       # the mask's 1s, counted on the host when packed
 
     @property
     def n_tokens(self) -> int:
@@ -51,8 +52,13 @@ class MicroBatch:
 
     @property
     def n_trained(self) -> int:
-        """Output tokens the loss trains on (mask 1): every one without a loss mask."""
-        return self.n_tokens if self.loss_mask is None else int(self.loss_mask.sum())
+        """Output tokens the loss trains on (mask 1): every one without a loss mask. Counted
+        when packed, so that reading it never waits on the device."""
+        if self.loss_mask is None:
+            return self.n_tokens
+        if self.mask_count is None:
+            self.mask_count = int(self.loss_mask.sum())
+        return self.mask_count
 
 
 def plan_micro_batches(lengths: list[int], budget: int, pp: int,
@@ -122,5 +128,8 @@ def pack(seqs: list[dict], mb_ids: list[int], per_token: dict | None = None, *,
     for name, per_seq in (per_token or {}).items():
         dtype = {"versions": np.int64, "loss_mask": np.bool_}.get(name, np.float32)
         parts = [np.asarray(per_seq[i], dtype=dtype) for i in mb_ids] or [np.zeros(0, dtype)]
-        setattr(mb, name, torch.from_numpy(np.concatenate(parts)).to(dev))
+        values = np.concatenate(parts)
+        setattr(mb, name, torch.from_numpy(values).to(dev))
+        if name == "loss_mask":
+            mb.mask_count = int(np.count_nonzero(values))
     return mb
