@@ -42,9 +42,9 @@ from . import determinism
 from .config import MAX_CONFIG_BYTES, ConfigError, RunConfig, read_utf8, load
 from .config.rules import require
 from .data.files import irregular
-from .env import base as env_base, runner as env_runner
 from .data.prompts import (RenderTimeout, load_prompts_of, prompt_ids, read_chat_template, too_long,
                            too_many_chars)
+from .env import base as env_base, runner as env_runner
 from .plan import Arch, check_fits
 from .plan.budget import check_time
 from .reward import custom
