@@ -368,7 +368,7 @@ def _train(args, cfg, batches: Batches, metrics: dict[int, dict], S: int) -> int
     import torch
     import torch.distributed as dist
 
-    from .topology import free_port
+    from .transport.rendezvous import free_port
     if device == "cuda":
         if not torch.cuda.is_available():
             raise Refused("a CUDA replay (the run's topology.device, or --device cuda), but no GPU "

@@ -8,46 +8,19 @@ import time.
 from __future__ import annotations
 
 import os
-import random
 import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .config import ConfigError, TopologyConfig
 from .transport.mpi import bcast
+from .transport.rendezvous import reserve_port
 
 if TYPE_CHECKING:
     from .transport.weights import WeightGroupAddress
 
 TRAINER, GENERATOR = "trainer", "generator"
 CONTROLLER_RANK = 0
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port() -> int:
-    """A TCP port to listen on, free now. Chosen below the kernel's ephemeral range: a port from
-    bind(("", 0)) is ephemeral, and an outgoing connection can take it before our listener
-    (a TCPStore started a moment later) binds it."""
-    low = _ephemeral_low()
-    rng = random.SystemRandom()
-    for _ in range(64):
-        port = rng.randrange(max(1024, low - 12000), low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def host_address() -> str:
@@ -100,7 +73,7 @@ class Topology:
         check_world(cfg, world.Get_size())
         rank = world.Get_rank()
         role = TRAINER if rank < cfg.n_trainers else GENERATOR
-        rendezvous = (host_address(), free_port(), free_port()) if rank == CONTROLLER_RANK else None
+        rendezvous = (host_address(), reserve_port(), reserve_port()) if rank == CONTROLLER_RANK else None
         addr, tport, wport = bcast(world, rendezvous, root=CONTROLLER_RANK, timeout_s=timeout_s,
                                    what="start-up: the rendezvous from rank 0 (did every rank start?)")
         role_comm = world.Split(0 if role == TRAINER else 1, rank)

@@ -68,7 +68,7 @@ class World:
             out = r.stdout + r.stderr
             assert not check or r.returncode == 0, out[-4000:]
             return out
-        from areal_hpc.topology import free_port
+        from areal_hpc.transport.rendezvous import free_port
         port = str(free_port())
         procs = [subprocess.Popen([sys.executable, str(worker), str(r), str(n), port,
                                    *map(str, args)], cwd=ROOT, env=_world_env(env),

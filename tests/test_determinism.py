@@ -133,7 +133,7 @@ def test_the_nccl_weight_group_is_made_under_the_unpinned_env(monkeypatch, fake_
     off, outside it; a gloo group never enters it. The CUDA parts are faked on CPU."""
     from vllm.platforms import current_platform
 
-    from areal_hpc.topology import free_port
+    from areal_hpc.transport.rendezvous import free_port
     from areal_hpc.transport.weights import WeightGroupAddress, init_weight_group
 
     _invariance(monkeypatch, on)

@@ -236,7 +236,7 @@ def bench_weights(args, actor, model_dir: str, hf: dict, res: dict) -> None:
     import torch
 
     from areal_hpc.rollout.vllm_engine import VLLMEngine
-    from areal_hpc.topology import free_port
+    from areal_hpc.transport.rendezvous import free_port
     from areal_hpc.transport import weights as wsync
 
     t0 = time.perf_counter()
@@ -452,7 +452,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from areal_hpc.config import WeightSyncConfig
-    from areal_hpc.topology import free_port
+    from areal_hpc.transport.rendezvous import free_port
     from areal_hpc.train.megatron_model import init_megatron_parallel
     import areal_hpc.train.actor  # noqa: F401  (imported before RSS0, so RSS0 holds the libraries)
 

@@ -127,7 +127,7 @@ def bench(size: str, reps: int, bucket_mb: int, work: Path, breakdown: bool = Fa
 
     from areal_hpc.config import TrainConfig
     from areal_hpc.rollout.vllm_engine import VLLMEngine
-    from areal_hpc.topology import free_port
+    from areal_hpc.transport.rendezvous import free_port
     from areal_hpc.train.actor import Actor
     from areal_hpc.transport import weights as wsync
 

@@ -28,8 +28,8 @@ by list:
 from __future__ import annotations
 
 import functools
-import itertools
 import os
+import secrets
 import select
 import shutil
 import signal
@@ -37,7 +37,13 @@ import subprocess
 import time
 
 END_TIMEOUT_S = 10.0          # how long a killed namespace gets to empty
-_seq = itertools.count()
+
+
+def _unique() -> str:
+    """A cgroup name part no other process picks: reward workers each run as pid 1 of their own
+    PID namespace, where names from the pid repeated across workers (one worker's failed mkdir
+    then removed another's fresh cgroup before its test joined it: CI, a test's "sandbox failed")."""
+    return secrets.token_hex(8)
 
 
 # ---- PID namespaces for workers ---------------------------------------------------------------
@@ -164,7 +170,7 @@ def _own_path(v2: bool) -> str | None:
 
 
 def _probe(base: str, limit_file: str) -> bool:
-    probe = os.path.join(base, f"areal_probe_{os.getpid()}_{next(_seq)}")
+    probe = os.path.join(base, f"areal_probe_{_unique()}")
     try:
         os.mkdir(probe)
     except OSError:
@@ -214,9 +220,12 @@ class MemoryGroup:
         if base is None:
             return
         self.kind, parent = base
-        path = os.path.join(parent, f"areal_sandbox_{os.getpid()}_{next(_seq)}")
+        path = os.path.join(parent, f"areal_sandbox_{_unique()}")
         try:
             os.mkdir(path)
+        except OSError:
+            return                      # not made here: nothing to remove
+        try:
             if self.kind == "v2":
                 _write(path, "memory.max", limit_bytes)
                 if os.path.exists(os.path.join(path, "memory.oom.group")):

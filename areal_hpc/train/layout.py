@@ -12,8 +12,10 @@ tests/train/test_layout.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 from ..topology import TRAINER, Topology
+from ..transport.rendezvous import rendezvous_store
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +107,8 @@ def init_trainer_process_group(topo: Topology) -> None:
     if topo.cfg.device == "cuda":
         # launch.placement narrowed CUDA_VISIBLE_DEVICES to this rank's one GPU.
         torch.cuda.set_device(0)
-    dist.init_process_group(
-        backend=topo.cfg.trainer_backend,
-        init_method=f"tcp://{topo.controller_addr}:{topo.trainer_port}",
-        rank=topo.role_rank, world_size=topo.cfg.n_trainers)
+    n = topo.cfg.n_trainers
+    store = rendezvous_store(topo.controller_addr, topo.trainer_port, n, topo.role_rank == 0,
+                             timedelta(minutes=30))
+    dist.init_process_group(backend=topo.cfg.trainer_backend, store=store, rank=topo.role_rank,
+                            world_size=n)

@@ -31,7 +31,7 @@ import torch
 
 from areal_hpc.random_models import qwen_byte_tokenizer, save_random_qwen2
 from areal_hpc.rollout import vllm_engine
-from areal_hpc.topology import free_port
+from areal_hpc.transport.rendezvous import free_port
 from areal_hpc.transport.weights import WeightGroupAddress
 from tests.rollout.test_vllm_engine import (
     ATOL,

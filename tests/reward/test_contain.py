@@ -65,3 +65,35 @@ def _wait_for(path, timeout_s: float = 60.0) -> None:
     while not path.exists():
         assert time.monotonic() < deadline, f"{path} never appeared"
         time.sleep(0.02)
+
+
+@pytest.mark.skipif(contain.memory_base() is None or not contain.namespace_prefix()[0],
+                    reason="needs a writable memory cgroup and PID namespaces")
+def test_workers_that_are_each_pid_1_make_their_own_memory_cgroups():
+    """Two wrapped workers (each pid 1 of its namespace, as the reward pool's are) make a memory
+    cgroup each, the second while the first's is still empty: both exist, apart. (Named from the
+    pid, the second's mkdir failed and its clean-up removed the first's before its test joined
+    it: CI's "sandbox failed: ... cannot create .../cgroup.procs".)"""
+    make = ("import os, sys\nfrom areal_hpc.reward import contain\n"
+            "g = contain.MemoryGroup(64 << 20)\nprint(os.getpid(), g.path, flush=True)\n"
+            "sys.stdin.readline()\nprint(os.path.isdir(g.path or ''), flush=True)\ng.remove()\n")
+    procs, lines = [], []
+    try:
+        for _ in range(2):      # the second starts once the first's cgroup is made
+            p = subprocess.Popen(contain.wrap([sys.executable, "-c", make]), text=True,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            procs.append(p)
+            lines.append(p.stdout.readline().split())
+        assert [pid for pid, _ in lines] == ["1", "1"]
+        paths = [path for _, path in lines]
+        assert "None" not in paths and paths[0] != paths[1], paths
+        alive = []
+        for p in procs:
+            p.stdin.write("\n")
+            p.stdin.flush()
+            alive.append(p.stdout.readline().strip())
+        assert alive == ["True", "True"]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(30)

@@ -15,7 +15,7 @@ import torch
 
 from areal_hpc.config import RunConfig
 from areal_hpc.rollout import vllm_engine
-from areal_hpc.topology import free_port
+from areal_hpc.transport.rendezvous import free_port
 from areal_hpc.transport.weights import WeightGroupAddress
 
 DTYPE = "float32"  # fp32 so that behaviour logprobs can be compared with HF to ~1e-5

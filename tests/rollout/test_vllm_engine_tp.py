@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from areal_hpc.rollout import vllm_engine
-from areal_hpc.topology import free_port
+from areal_hpc.transport.rendezvous import free_port
 from areal_hpc.transport.weights import WeightGroupAddress
 
 from .test_vllm_engine import hf_logprobs, hf_model, make_tiny_model, run_to_completion

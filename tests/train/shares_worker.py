@@ -64,7 +64,7 @@ def main(out_dir: str) -> None:
     from megatron.core import parallel_state
 
     from areal_hpc.train.layout import ParallelLayout
-    from areal_hpc.topology import free_port
+    from areal_hpc.transport.rendezvous import free_port
 
     comm = MPI.COMM_WORLD.Dup()
     comm.Set_name("trainer ranks")

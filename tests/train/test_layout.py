@@ -34,7 +34,8 @@ import socket, sys
 from mpi4py import MPI
 import torch.distributed as dist
 from areal_hpc.config import RunConfig
-from areal_hpc.topology import TRAINER, Topology, free_port
+from areal_hpc.topology import TRAINER, Topology
+from areal_hpc.transport.rendezvous import free_port
 from areal_hpc.train.layout import trainer_layout
 cfg = RunConfig().topology
 cfg.n_trainers, cfg.n_generators, cfg.trainer_backend = 1, 1, "gloo"

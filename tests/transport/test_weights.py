@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_hpc.topology import free_port
+from areal_hpc.transport.rendezvous import free_port
 from areal_hpc.transport.messages import WeightsAck
 from areal_hpc.transport.weights import (
     AckTracker,

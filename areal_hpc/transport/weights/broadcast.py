@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..rendezvous import rendezvous_store
 from .plan import Bucket, Plan, bucket_dtype, bucket_numel, dtype_from_str, spec_numel
 
 log = logging.getLogger(__name__)
@@ -46,15 +47,14 @@ def init_weight_group(address: WeightGroupAddress, rank: int) -> torch.distribut
     """
     from datetime import timedelta
 
-    from torch.distributed import PrefixStore, TCPStore
+    from torch.distributed import PrefixStore
     from vllm.distributed.utils import init_gloo_process_group
 
     a, world_size, backend = address, address.world_size, address.backend
     default = torch.distributed.distributed_c10d._get_default_timeout(backend)
     timeout = default if a.timeout_s is None else timedelta(seconds=a.timeout_s)
     join = timeout if a.join_timeout_s is None else timedelta(seconds=a.join_timeout_s)
-    store = TCPStore(a.host, a.port, world_size, is_master=rank == 0, timeout=join,
-                     wait_for_workers=True)
+    store = rendezvous_store(a.host, a.port, world_size, rank == 0, join)
     store.set_timeout(timeout)
     prefix = PrefixStore("areal_weights", store)
     if backend == "gloo":
