@@ -39,17 +39,20 @@ from pathlib import Path
 from typing import Any
 
 from . import determinism
-from .config import MAX_CONFIG_BYTES, ConfigError, RunConfig, read_utf8, load
+from .config import MAX_CONFIG_BYTES, ConfigError, RunConfig, load, read_utf8
 from .config.rules import require
+from .cpus import bind_rank, check_cpus
 from .data.files import irregular
-from .data.prompts import (RenderTimeout, load_prompts_of, prompt_ids, read_chat_template, too_long,
-                           too_many_chars)
-from .env import base as env_base, runner as env_runner
+from .data.prompts import RenderTimeout, load_prompts_of, prompt_ids, read_chat_template, too_long, too_many_chars
+from .env import base as env_base
+from .env import runner as env_runner
+from .launch.placement import gather_and_check
 from .plan import Arch, check_fits
 from .plan.budget import check_time
 from .reward import custom
 from .reward.sandbox import SandboxUnavailable, check_available
-from .storage.run_dir import RunDir, place
+from .storage.checkpoint import find_latest
+from .storage.run_dir import RunDir, is_complete, place
 from .versions import check_versions
 
 TINY_MODEL = Path("models/tiny")
@@ -92,6 +95,55 @@ def rank(config: str, overrides: list[str]) -> RunConfig:
     check_inputs(cfg)
     check_versions(cfg.topology.device)  # this node's torch / vLLM / Megatron releases
     return cfg
+
+
+class Refused(ConfigError):
+    """A start refused after MPI started, with one line. `every_rank`: every rank reached the
+    same verdict (rank 0 says it; all exit 2 together, MPI finalized); else only this rank
+    did (it says it; its exit ends the job)."""
+
+    def __init__(self, message: str, every_rank: bool = True):
+        super().__init__(message)
+        self.every_rank = every_rank
+
+
+TRAIN, EXPORT, DONE = "train", "export", "done"
+
+
+def what_to_run(cfg: RunConfig) -> tuple[str, str | None]:
+    """(TRAIN, EXPORT or DONE, what rank 0 says of it). A rerun of a finished run (resume auto)
+    starts nothing: DONE; EXPORT where it was trained and checkpointed but its policy/ export
+    is missing or incomplete (the trainer ranks export it from the final checkpoint)."""
+    if cfg.checkpoint.resume != "auto":
+        return TRAIN, None
+    found = find_latest(cfg.run_dir, check_crc=False)
+    if not found or found[1]["step"] < cfg.train.total_steps:
+        return TRAIN, None
+    step, where = found[1]["step"], found[0]
+    if is_complete(RunDir(cfg.run_dir).policy, step):
+        return DONE, (f"run {cfg.name} is already complete ({step} steps, {where}); raise "
+                      f"train.total_steps to continue it, or choose another name=...")
+    return EXPORT, (f"run {cfg.name} is complete ({step} steps, {where}) but its policy/ export "
+                    f"is missing or incomplete: exporting it only")
+
+
+def placed(cfg: RunConfig, topo, world) -> list[int] | None:
+    """The checks made once MPI has started, before torch or vLLM touch a device: every rank's
+    GPUs (CUDA_VISIBLE_DEVICES narrowed to its own), cores and interface, checked together on
+    rank 0 (a wrong layout refuses the start on every rank), then this rank's CPUs checked and
+    bound. Returns the CPUs it is bound to (None: not bound). Raises Refused."""
+    _, _, problems = gather_and_check(world, cfg.topology, cfg.rollout.engine_tp, topo.rank,
+                                      topo.role, topo.controller_addr)
+    if problems:
+        more = (f" (and {len(problems) - 1} more; slurm/job.sh --dry-run prints the table)"
+                if len(problems) > 1 else "")
+        raise Refused(f"placement: {problems[0]}{more}")
+    try:
+        check_cpus(cfg.topology)
+        return bind_rank(cfg.topology, topo.role, topo.local_rank, topo.local_size)
+    except ValueError as exc:
+        raise Refused(f"rank {topo.rank} on {topo.hosts[topo.rank]}: {exc}",
+                      every_rank=False) from None
 
 
 def generator_node(cfg: RunConfig) -> None:
@@ -141,7 +193,7 @@ def check_inputs(cfg: RunConfig) -> None:
         if problem:
             raise ConfigError(f"config key '{key}': {problem} (drop such rows or raise "
                               "rollout.max_model_len)")
-        from .reward.math import MAX_ANSWER_CHARS     # math_verify, sympy: heavy, for math only
+        from .reward.math import MAX_ANSWER_CHARS  # math_verify, sympy: heavy, for math only
         long_ref = next((i for i, r in enumerate(rows) if r["reward_kind"] == "math"
                          and isinstance(r["reference"], str)
                          and len(r["reference"]) > MAX_ANSWER_CHARS), None)

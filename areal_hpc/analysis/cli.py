@@ -16,6 +16,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from .load import label_runs, load_run
+from .report import find_tokenizer, print_summary, print_trajectories, show_rows
+
 EXIT_EMPTY, EXIT_BAD_FILE = 1, 2
 SHOW_SKIPPED = 20       # bad rows named one per line (--skip-bad-rows); the rest counted
 
@@ -56,7 +59,6 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     from ..storage.rollout_log import RolloutLogError
-    from .load import label_runs, load_run
 
     console = Console()
     runs = []
@@ -84,7 +86,6 @@ def main(argv: list[str] | None = None) -> int:
     if not runs:
         return EXIT_EMPTY
 
-    from .report import find_tokenizer, print_summary, print_trajectories, show_rows
     print_summary(console, runs, max_rows=args.rows, bin_s=args.bin_s)
     out = args.out or args.logs[0].parent / "analysis"
     if not args.no_plots:

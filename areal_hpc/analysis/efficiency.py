@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..plan.calibration import read_metrics
+from ..plan.throughput import pipelined_bound
 from ..storage.run_dir import RunDir
 from ..train.diagnostics import measured
 from ..transport.messages import LOOP_WORK
@@ -80,8 +82,6 @@ def run_efficiency(run: Path, mode: str, target: float) -> dict:
     Every mean over steps skips the steps whose field is null or NaN (a diagnostic with nothing
     to measure at that step); `diag_skipped` (whole-run means) and `diag_skipped_last10` (the
     last 10 steps') count them per field."""
-    from ..plan.calibration import read_metrics
-    from ..plan.throughput import pipelined_bound
     rd = RunDir(run)
     steps = read_metrics(rd.path)
     gens, evals = rd.read_generators(), rd.read_all_evals()

@@ -38,10 +38,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Hashable
 
+from ..reaper import become_subreaper, kill_descendants
 from ..reward import contain
 from ..reward.custom import MAX_ABS_VALUE
 from ..reward.sandbox import child_env
-from .base import MAX_TOKEN_ID, EnvConfig, EnvConfigError, Step, ToolCall, full_spec
+from .base import MAX_TOKEN_ID, EnvConfig, EnvConfigError, Step, ToolCall, full_spec, load_class
 
 MAX_RESULT_BYTES = 4 << 20      # one answer line (an observation of a few hundred thousand tokens)
 MAX_ERROR_CHARS = 200
@@ -382,8 +383,6 @@ def _send_line(fd: int, msg: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from ..reaper import become_subreaper, kill_descendants
-    from .base import load_class
 
     calls, result_fd, setup = os.fdopen(int(argv[0]), "rb"), int(argv[1]), json.loads(argv[2])
     become_subreaper()          # (pid 1 of a namespace already is; the fallback is not)

@@ -42,9 +42,10 @@ import socket
 import sys
 from dataclasses import asdict, dataclass, field
 
+from ..config import ConfigError, load
 from ..cpus import format_cpus
-
-from ..topology import GENERATOR, TRAINER, local_index, node_name
+from ..topology import GENERATOR, TRAINER, check_world, host_address, local_index, node_name
+from ..transport.mpi import barrier, bcast, gather
 
 
 class PlacementError(ValueError):
@@ -287,7 +288,6 @@ def gather_and_check(world, topology, engine_tp: int, rank: int, role: str, addr
                      apply: bool = True) -> tuple[RankPlacement, list[RankPlacement] | None, list[str]]:
     """Collective over `world`: place this rank, gather every placement on rank 0, check them
     there, and share the verdict. Returns (mine, all (rank 0) or None, problems (every rank))."""
-    from ..transport.mpi import bcast, gather
     nodes = world.allgather(node_name())
     mine = place_rank(topology, engine_tp, rank, role, nodes, address, apply=apply)
     every = gather(world, asdict(mine), root=0, what="start-up: every rank's placement")
@@ -301,7 +301,6 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m mpi4py -m areal_hpc.launch.placement CONFIG [key=value ...]` on every rank of
     the job's step: place, check, print the table on rank 0; exit 2 on a problem."""
     argv = sys.argv[1:] if argv is None else argv
-    from ..config import ConfigError, load
     try:
         cfg = load(argv[0], argv[1:])
     except ConfigError as exc:
@@ -309,7 +308,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from mpi4py import MPI
 
-    from ..topology import check_world, host_address
     world = MPI.COMM_WORLD
     try:
         check_world(cfg.topology, world.Get_size())
@@ -330,7 +328,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"placement: {len(placements)} rank(s) on {len({p.node for p in placements})} "
                   f"node(s), GPUs disjoint on every node", flush=True)
     # `python -m mpi4py` aborts the world when a rank exits non-zero: not before rank 0 has said why.
-    from ..transport.mpi import barrier
     barrier(world, what="placement: rank 0's report")
     return 2 if problems else 0
 
@@ -465,7 +462,6 @@ def plan_command(args, console=None) -> int:
     """`python -m areal_hpc.plan placement CONFIG --script S`: the plan, exit 2 on a problem."""
     from pathlib import Path
 
-    from ..config import ConfigError, load
     try:
         cfg = load(args.config, args.overrides)
         text = Path(args.script).read_text()

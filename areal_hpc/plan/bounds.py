@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import RunConfig
+from .memory import read_arch
 
 # ASSUMPTIONS: a vLLM engine reads its weights from the shared filesystem at this rate per node,
 # and then spends this long on start-up work that does not scale with the model (profiling the
@@ -82,7 +83,6 @@ def engine_step_seconds(est, params: float) -> float:
 
 def waits(est) -> list[Wait]:
     """Every wait of `est.cfg`'s job with its estimated work."""
-    from .memory import read_arch
 
     cfg = est.cfg
     r, w, ck = cfg.rollout, cfg.weights, cfg.checkpoint

@@ -6,12 +6,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-
-from ..config import ConfigError, RunConfig
-
-from .throughput import Lengths, Rates, SimResult, device_units, predict, search
+from ..config import ConfigError, RunConfig, load
 from .calibration import assumed_rates, calibrate, load_lengths
-
+from .throughput import Lengths, Rates, SimResult, device_units, predict, search
 
 # ------------------------------------------------------------------------------ CLI
 
@@ -94,7 +91,6 @@ def throughput_command(args, console) -> int:
     """`python -m areal_hpc.plan throughput`: exit 0 with the tables, 2 with `error: ...`."""
     from rich.table import Table
 
-    from ..config import load
     try:
         cfg = load(args.config, args.overrides)
         rates = rates_from_args(args, cfg)

@@ -36,6 +36,8 @@ import signal
 import subprocess
 import time
 
+from ..reaper import kill_descendants
+
 END_TIMEOUT_S = 10.0          # how long a killed namespace gets to empty
 
 
@@ -127,7 +129,6 @@ def end(proc: subprocess.Popen, fd: int | None, timeout_s: float = END_TIMEOUT_S
             pass
         select.select([fd], [], [], timeout_s)  # readable once pid 1 and its namespace are gone
     else:
-        from ..reaper import kill_descendants
         kill_descendants(proc.pid)
     try:
         proc.kill()

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..config.rules import CHOICES
+
 
 class StalenessManager:
     def __init__(self, max_concurrent_rollouts: int, consumer_batch_size: int, max_staleness: int,
@@ -140,7 +142,7 @@ class StaleGroups:
     the stale ones); reissuing keeps them in the training distribution."""
 
     def __init__(self, policy: str, max_reissues: int):
-        if policy not in ("reissue", "drop", "keep") or max_reissues < 0:
+        if policy not in CHOICES["rollout.stale_policy"] or max_reissues < 0:
             raise ValueError(f"stale policy {policy!r}, max_reissues {max_reissues}")
         self.policy, self.max_reissues = policy, max_reissues
         self.times: dict[int, int] = {}     # prompt id → times issued again (until trained)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..data.files import file_kind
+from ..transport.messages import GeneratorStats
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +170,6 @@ class RunDir:
 
     def read_generators(self) -> list:
         """generators.json: each generator's GeneratorStats ([] without the file)."""
-        from ..transport.messages import GeneratorStats
         path = self.generators
         if not path.exists():
             return []
@@ -214,3 +214,26 @@ def json_line(record: dict) -> str:
     """One JSON line of a run file: a number that is not finite (a diagnostic with nothing to
     measure) is written as null, at any depth, so that the line is standard JSON."""
     return json.dumps(_finite_or_null(record), allow_nan=False) + "\n"
+
+
+# A finished export's index (the policy/ directory: train/hf_export.py writes it).
+INDEX = "model.safetensors.index.json"
+
+
+def is_complete(out_dir: str | os.PathLike, step: int | None = None) -> bool:
+    """Whether `out_dir` is a finished export (of `step`, when given): its index names the step
+    and every shard it lists is there. A single `model.safetensors` without an index is an export
+    of an earlier release (written before the final checkpoint, so complete when one exists)."""
+    out = Path(out_dir)
+    index = out / INDEX
+    if not index.is_file():
+        return (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    try:
+        meta = json.loads(index.read_text())
+        files = set(meta["weight_map"].values())
+        saved_step = meta.get("metadata", {}).get("step")
+    except (OSError, ValueError, KeyError, AttributeError):
+        return False
+    if step is not None and saved_step is not None and int(saved_step) != step:
+        return False
+    return bool(files) and all((out / f).is_file() for f in files) and (out / "config.json").is_file()

@@ -139,8 +139,6 @@ class Actor:
         layout: ParallelLayout | None = None,
         deterministic: bool = False,
     ):
-        if cfg.prox not in ("recompute", "loglinear", "behaviour"):
-            raise ValueError(f"prox must be recompute, loglinear or behaviour, got {cfg.prox!r}")
         self.cfg = cfg
         self.off_policy = off_policy_of(cfg)
         # Where π_prox comes from: naive PPO clips against π_behav itself.

@@ -31,12 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..storage.checkpoint import write_atomic
+from ..storage.run_dir import INDEX
 from ..transport import mpi as coll
 from .weight_publisher import join_gather
 
 log = logging.getLogger(__name__)
 
-INDEX = "model.safetensors.index.json"
 # Files of a HF model directory that are weights (an export and Actor.save_hf write their own);
 # all others (config.json, the tokenizer, ...) are copied.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
@@ -71,25 +71,6 @@ class _Single:
 
     def Get_size(self):
         return 1
-
-
-def is_complete(out_dir: str | os.PathLike, step: int | None = None) -> bool:
-    """Whether `out_dir` is a finished export (of `step`, when given): its index names the step
-    and every shard it lists is there. A single `model.safetensors` without an index is an export
-    of an earlier release (written before the final checkpoint, so complete when one exists)."""
-    out = Path(out_dir)
-    index = out / INDEX
-    if not index.is_file():
-        return (out / "model.safetensors").is_file() and (out / "config.json").is_file()
-    try:
-        meta = json.loads(index.read_text())
-        files = set(meta["weight_map"].values())
-        saved_step = meta.get("metadata", {}).get("step")
-    except (OSError, ValueError, KeyError, AttributeError):
-        return False
-    if step is not None and saved_step is not None and int(saved_step) != step:
-        return False
-    return bool(files) and all((out / f).is_file() for f in files) and (out / "config.json").is_file()
 
 
 def _write_shard(path: Path, bucket: list) -> None:

@@ -14,8 +14,10 @@ import time
 
 from .. import preemption
 from ..config import RunConfig
-from ..storage.run_dir import RunDir
+from ..data.prompts import load_prompts_of
+from ..progress import Progress
 from ..rollout.staleness import Batch
+from ..storage.run_dir import RunDir
 from ..storage.run_state import ControllerState
 from ..storage.tensorboard import TensorBoardLog
 from ..topology import Topology
@@ -65,7 +67,6 @@ class Lead(Follower):
     def __init__(self, cfg: RunConfig, topo: Topology, resume: ControllerState | None):
         from transformers import AutoTokenizer
 
-        from ..data.prompts import load_prompts_of
         from ..rollout.controller import Controller
         self.cfg, self.run = cfg, RunDir(cfg.run_dir)
         d = cfg.data
@@ -90,7 +91,6 @@ class Lead(Follower):
         """Before the first step of this attempt (the generators run `version`'s weights): the
         initial evaluation, or a resumed run's earlier ones; TensorBoard rebuilt from
         metrics.jsonl, so that a requeued run holds every step once; the progress bar."""
-        from ..progress import Progress
         if resumed:
             self.evals = self.run.read_evals(up_to_step=version)
         else:

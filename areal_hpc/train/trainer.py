@@ -23,16 +23,16 @@ import time
 from pathlib import Path
 
 from .. import preemption
-from ..config import RunConfig
+from ..config import RunConfig, to_yaml
 from ..rollout.staleness import Batch
-from ..storage.run_dir import RunDir
+from ..storage.run_dir import RunDir, is_complete
 from ..topology import Topology
 from ..transport import mpi as coll
 from . import checkpoint
 from .actor import Actor, StepAbandoned
 from .layout import ParallelLayout, trainer_layout
-from .mid_step import MidStepJudge
 from .lead import lead_of
+from .mid_step import MidStepJudge
 from .shares import BatchShare, split_batch
 from .weight_publisher import WeightPublisher
 
@@ -96,7 +96,6 @@ class Trainer:
         the next steps train, and the checkpoint is complete at the first `_poll_checkpoint`
         after; the final and preemption checkpoints are complete on return (a save first
         completes the one in flight)."""
-        from ..config import to_yaml
         a, ck = self.actor, self.cfg.checkpoint
         # Rank 0 may come from hours of controller work (the final evaluation, the generators'
         # last rows): the others wait for it as long as it is alive, then save together.
@@ -271,7 +270,7 @@ def export_policy(actor: Actor, cfg: RunConfig, comm, step: int, force: bool = T
     policy = RunDir(cfg.run_dir).policy
     t = cfg.rollout.collective_timeout_s
     if not force:
-        done = hf_export.is_complete(policy, step) if comm.Get_rank() == 0 else None
+        done = is_complete(policy, step) if comm.Get_rank() == 0 else None
         if coll.bcast(comm, done, root=0, timeout_s=t, what="export: is policy/ complete"):
             return
     hf_export.export(actor, policy, chunk_bytes=cfg.checkpoint.export_chunk_mb << 20, step=step,

@@ -26,6 +26,8 @@ import logging
 import threading
 import time
 
+from .mpi import CollectiveTimeout
+
 log = logging.getLogger(__name__)
 
 BEAT_TAG = 1
@@ -63,7 +65,6 @@ class RankWatch:
     def check(self, what: str, since: float, now: float | None = None) -> None:
         """Raise `CollectiveTimeout` when the source has sent no beat for `silent_s`, counted
         from the newest beat or from `since` (the wait's start), whichever is later."""
-        from .mpi import CollectiveTimeout
         now = time.monotonic() if now is None else now
         heard = self.poll(now)
         silent = now - max(since, heard if heard is not None else since)

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from areal_hpc.config import TrainConfig
 from areal_hpc.train import hf_export
-from areal_hpc.train.hf_export import INDEX, ExportError, export, is_complete
+from areal_hpc.storage.run_dir import INDEX, is_complete
+from areal_hpc.train.hf_export import ExportError, export
 
 WORKER = Path(__file__).with_name("export_worker.py")
 
@@ -189,12 +190,11 @@ def test_main_exports_only_when_policy_is_missing(model_dir, tmp_path, monkeypat
     final step, else the job goes on to an export-only launch (stopped here at the topology)."""
     from areal_hpc import preflight as preflight_mod
     from areal_hpc import main as main_mod
-    from areal_hpc.storage import checkpoint as store
     from areal_hpc.topology import Topology
 
     monkeypatch.setenv("AREAL_SKIP_VERSION_CHECK", "1")
     monkeypatch.setattr(preflight_mod, "check_inputs", lambda cfg: None)
-    monkeypatch.setattr(store, "find_latest", lambda run_dir, check_crc=True: (
+    monkeypatch.setattr(preflight_mod, "find_latest", lambda run_dir, check_crc=True: (
         Path(run_dir) / "checkpoints" / "step_00000004", {"step": 4}))
     def stop(*a, **k):
         raise preflight_mod.ConfigError("stopped before the launch")
