@@ -95,7 +95,12 @@ from pathlib import Path
 
 import numpy as np
 
+from .config import ConfigError, load
+from .cpus import role_cpus
+from .rollout.staleness import ReadyBuffer
 from .storage import run_dir as run_files
+from .storage.rollout_log import RolloutLogError, RolloutReader, group_starts
+from .transport.rendezvous import free_port
 
 EXIT_OK, EXIT_DIFFERS, EXIT_REFUSED = 0, 1, 2
 # --check's bound on |replayed - logged loss| / max(|logged loss|, adv_abs_mean), by model
@@ -121,7 +126,6 @@ class Refused(Exception):
 def split_groups(rows: np.ndarray, prompt_id: np.ndarray, sample_idx: np.ndarray) -> list[list[int]]:
     """`rows` (ascending) cut into groups as the controller appended them
     (`rollout_log.group_starts`)."""
-    from .storage.rollout_log import group_starts
     rows = np.asarray(rows, dtype=np.int64)
     cuts = np.flatnonzero(group_starts(rows, prompt_id, sample_idx))[1:]
     return [g.tolist() for g in np.split(rows, cuts)] if len(rows) else []
@@ -130,7 +134,6 @@ def split_groups(rows: np.ndarray, prompt_id: np.ndarray, sample_idx: np.ndarray
 def _take_in_batch_order(groups: list[list[int]], trajs: list[list[dict]]) -> list[list[int]]:
     """The groups of one step in the order `Controller.next_batch` put them into the batch: the
     controller's own `ReadyBuffer`, filled in arrival order (row order), then `take`n whole."""
-    from .rollout.staleness import ReadyBuffer
     buffer = ReadyBuffer()
     for g, t in zip(groups, trajs):
         buffer.add(t, g)
@@ -146,7 +149,6 @@ class Batches:
     """The consumed steps of a rollout log and, step by step, their batches."""
 
     def __init__(self, log_path: Path, group_size: int):
-        from .storage.rollout_log import RolloutLogError, RolloutReader
         self.path, self.n = log_path, group_size
         if not log_path.is_file():
             raise Refused(f"{log_path}: no rollout log (nothing to replay)")
@@ -182,7 +184,6 @@ class Batches:
 
     def batch(self, step: int) -> tuple[list[dict], list[int]]:
         """Step `step`'s trajectories in batch order, and their log rows."""
-        from .storage.rollout_log import RolloutLogError
         try:
             groups = split_groups(self.rows[step], self.prompt_id, self.sample_idx)
             # a log row is the trajectory dict the controller got (as its resume reads them)
@@ -208,7 +209,6 @@ def _line(exc: BaseException) -> str:
 
 
 def load_run_config(run_dir: Path):
-    from .config import ConfigError, load
     if not run_dir.is_dir():
         raise Refused(f"{run_dir}: no such run directory")
     path = run_dir / run_files.CONFIG
@@ -242,7 +242,6 @@ def read_metrics(run_dir: Path) -> dict[int, dict]:
 
 def trainer_threads(cfg) -> int:
     """How many torch threads the run's trainer rank ran (see the module docstring)."""
-    from .cpus import role_cpus
     cpus = role_cpus(cfg.topology, "trainer")
     if cpus:
         return len(cpus)        # one trainer rank: all of them
@@ -368,7 +367,6 @@ def _train(args, cfg, batches: Batches, metrics: dict[int, dict], S: int) -> int
     import torch
     import torch.distributed as dist
 
-    from .transport.rendezvous import free_port
     if device == "cuda":
         if not torch.cuda.is_available():
             raise Refused("a CUDA replay (the run's topology.device, or --device cuda), but no GPU "
@@ -380,7 +378,7 @@ def _train(args, cfg, batches: Batches, metrics: dict[int, dict], S: int) -> int
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     try:
-        from .train.actor import Actor
+        from .train.actor import Actor      # torch, Megatron: only for a replay
         from .train.megatron_model import init_megatron_parallel
         # as the trainer's Actor does it (seed train.seed); see "Randomness" in the docstring
         init_megatron_parallel(tp=1, pp=1, seed=cfg.train.seed, backend=backend)

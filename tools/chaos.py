@@ -23,6 +23,22 @@ does one of:
              names it after rollout.generator_timeout_s (set short here) and the job fails;
              requeue. (Before its first report the bound is weights.join_timeout_s.)
 
+With --engine-faults the events are a generator's engine faults, which the job recovers from
+in place (weights.mode=disk; rollout.engine_restarts high; no requeue between them):
+
+  kill_engine      SIGKILL of the generator's vLLM EngineCore while it computes.
+  stop_engine      SIGSTOP of the EngineCore: a stall, named after rollout.engine_stall_s.
+  kill_at_update   SIGKILL of the EngineCore as a step's metrics line appears: the trainer has
+                   published new weights, which the generator is about to load or loading.
+  kill_tp_worker   SIGKILL of the engine's second TP worker (only with rollout.engine_tp=2).
+
+After each, the generator's "vLLM engine restarted" line and the next trained step are awaited,
+and the audit runs on the live run directory; each record has the restart's seconds, the samples
+continued and the tokens kept, and the seconds from the fault to the next step beside the
+median step interval before it (the cost). --compare N adds N SIGKILLs of the generator rank
+(today's path for a dead rank: the job fails and is requeued) at random places, for the same
+figures side by side.
+
 After each event: the attempt ends, the job is requeued (by job.sh, by Slurm, or here when it
 failed), and before the next attempt is released `python -m areal_hpc.audit` checks the run
 directory; any violation stops the run. At the end the job is stopped with USR1 and cancelled
@@ -36,6 +52,8 @@ import argparse
 import json
 import os
 import random
+import re
+import statistics
 import signal
 import subprocess
 import sys
@@ -63,6 +81,15 @@ OVERRIDES = ["train.total_steps=100000", "train.batch_prompts=4", "rollout.group
              "data.eval_limit=4", "data.eval_samples=1", "checkpoint.every_steps=5",
              "rollout.heartbeat_s=2", "rollout.generator_timeout_s=30", "weights.timeout_s=30",
              "weights.join_timeout_s=180"]
+ENGINE_EVENTS = ("kill_engine", "stop_engine", "kill_at_update")
+STALL_S = 15
+ENGINE_OVERRIDES = ["weights.mode=disk", "rollout.engine_restarts=1000",
+                    "rollout.engine_restart_window_s=60", f"rollout.engine_stall_s={STALL_S}",
+                    "weights.timeout_s=300", "rollout.generator_timeout_s=120"]
+# The generator's line for each restart (rollout/generator.py `_recover`).
+RESTARTED = re.compile(r"vLLM engine restarted in ([\d.]+) s at weights v(\d+) \(restart (\d+); "
+                       r"cause: (.*)\); (\d+) sample\(s\) continued with (\d+) token\(s\) kept, "
+                       r"(\d+) started again")
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
             "BOOT_FAIL", "DEADLINE", "PREEMPTED")
 
@@ -166,6 +193,75 @@ def fire(event: str, job: str, rng: random.Random) -> str:
     raise ValueError(event)
 
 
+def engine_process(job: str, needle: str) -> psutil.Process | None:
+    """The generator rank's vLLM process whose title holds `needle` ("EngineCore",
+    "Worker_TP1"): a descendant of the highest rank."""
+    rk = ranks(job)
+    if not rk:
+        return None
+    try:
+        for p in rk[max(rk)].children(recursive=True):
+            try:
+                if needle in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                    return p
+            except psutil.Error:
+                continue
+    except psutil.Error:
+        pass
+    return None
+
+
+def fire_engine(event: str, job: str, run_dir: Path) -> str:
+    """Do an engine fault to the running job's generator; returns what was done, in words."""
+    needle = "Worker_TP1" if event == "kill_tp_worker" else "EngineCore"
+    if event == "kill_at_update":       # as the next step's line appears
+        at = steps_done(run_dir)
+        until(lambda: steps_done(run_dir) > at, 600, "the next step", poll=0.02)
+    until(lambda: engine_process(job, needle) is not None, 600, f"the generator's {needle}")
+    victim = engine_process(job, needle)
+    if victim is None:
+        raise RuntimeError(f"job {job}: no vLLM {needle} process found")
+    if event != "kill_at_update":       # a moment it computes (as tests/e2e/test_engine_restart)
+        busy = lambda: sum(victim.cpu_times()[:2])     # noqa: E731
+        before = busy()
+        for _ in range(3000):
+            time.sleep(0.02)
+            if (now := busy()) - before >= 0.01:
+                break
+            before = now
+    victim.send_signal(signal.SIGSTOP if event == "stop_engine" else signal.SIGKILL)
+    how = "SIGSTOP" if event == "stop_engine" else "SIGKILL"
+    return f"{how} to the generator's {needle} (pid {victim.pid})"
+
+
+def restarts_logged(out_file: Path) -> list[tuple]:
+    text = out_file.read_text(errors="replace") if out_file.exists() else ""
+    return RESTARTED.findall(text)
+
+
+def step_times(run_dir: Path) -> list[float]:
+    path = RunDir(run_dir).metrics
+    out = []
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        try:
+            out.append(float(json.loads(line)["time"]))
+        except (ValueError, KeyError):
+            pass
+    return out
+
+
+def cost(run_dir: Path, at: int, t_fault: float) -> dict:
+    """Seconds from the fault to the first step after it, the median step interval of the ten
+    steps before it, and their difference (the steps' delay)."""
+    times = step_times(run_dir)
+    before = [b - a for a, b in zip(times[max(0, at - 11):at - 1], times[max(1, at - 10):at])]
+    after = [t for t in times[at:] if t > t_fault]
+    median = statistics.median(before) if before else None
+    to_next = after[0] - t_fault if after else None
+    return {"fault_to_next_step_s": to_next, "median_step_s": median,
+            "delay_s": None if to_next is None or median is None else to_next - median}
+
+
 def wait_attempt_end(job: str, restarts: int, timeout: float = 300) -> str:
     """Wait until the attempt is over: requeued (Restarts went up, back to PENDING) or ended
     (a terminal state); returns "requeued" or the terminal state."""
@@ -224,6 +320,59 @@ def check(run_dir: Path) -> tuple[bool, str, dict]:
     return report.ok, report.text(), fig
 
 
+def engine_run(args, job: str, run_dir: Path, out_file: Path, rng: random.Random) -> list[dict]:
+    """--engine-faults: the events on one running attempt (the --compare generator-rank kills
+    requeue it); the records, without the final stop's."""
+    events = list(ENGINE_EVENTS) + (["kill_tp_worker"] if "rollout.engine_tp=2" in args.overrides
+                                    else [])
+    rank_kills = set(rng.sample(range(args.events), min(args.compare, args.events)))
+    records, t0 = [], time.monotonic()
+    for k in range(args.events):
+        running_again(job)
+        until(lambda: len(ranks(job)) == 2, 300, "the job's two ranks")
+        n_steps = steps_done(run_dir)
+        until(lambda: steps_done(run_dir) > n_steps, 900, "a step")
+        time.sleep(rng.uniform(args.min_gap, args.max_gap))
+        if job_info(job)["JobState"] != "RUNNING":
+            raise RuntimeError(f"job {job} stopped on its own before event {k}; see {out_file}")
+        n_restarts = len(restarts_logged(out_file))
+        rec: dict = {}
+        if k in rank_kills:
+            event, restarts = "kill_generator_rank", int(job_info(job).get("Restarts", 0))
+            rk = ranks(job)
+            rk[max(rk)].kill()
+            what = f"SIGKILL to generator rank {max(rk)}"
+            at, t_fault = steps_done(run_dir), time.time()
+            rec["attempt_end"] = state = wait_attempt_end(job, restarts)
+            requeue_failed(job, state)
+            release(job)
+            running_again(job)
+        else:
+            event = rng.choice(events)
+            what = fire_engine(event, job, run_dir)
+            at, t_fault = steps_done(run_dir), time.time()
+            until(lambda: len(restarts_logged(out_file)) > n_restarts
+                  or job_info(job)["JobState"] != "RUNNING", 900, "the engine's restart")
+            if job_info(job)["JobState"] != "RUNNING":
+                raise RuntimeError(f"job {job} ended after {event} instead of restarting its "
+                                   f"engine; see {out_file}")
+            secs, version, total, cause, continued, kept, again = restarts_logged(out_file)[-1]
+            rec.update(restart_s=float(secs), weights_version=int(version), restarts=int(total),
+                       cause=cause, continued=int(continued), tokens_kept=int(kept),
+                       started_again=int(again))
+        until(lambda: any(t > t_fault for t in step_times(run_dir)), 900, "a step after it")
+        rec = {"event": event, "what": what, "steps_at_event": at, **rec,
+               **cost(run_dir, at, t_fault), "steps_after": steps_done(run_dir),
+               "t": time.monotonic() - t0}
+        records.append(rec)
+        print(f"[chaos] {k + 1}/{args.events} {event}: {what} at step {at}; "
+              + (f"restarted in {rec['restart_s']:.1f} s ({rec['cause']}); " if "restart_s" in rec
+                 else f"attempt {rec['attempt_end']}; ")
+              + f"next step {rec['fault_to_next_step_s']:.1f} s after (median step "
+              f"{rec['median_step_s'] or 0:.1f} s)", flush=True)
+    return records
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--events", type=int, default=20)
@@ -235,6 +384,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="JSON results")
     ap.add_argument("--run-dir", type=Path, help="default: a fresh folder under /tmp")
     ap.add_argument("--model", type=Path, default=ROOT / "models" / "tiny")
+    ap.add_argument("--engine-faults", action="store_true",
+                    help="the generator's engine faults, recovered in place (see above)")
+    ap.add_argument("--compare", type=int, default=0, help="with --engine-faults: this many "
+                    "of the events are SIGKILLs of the generator rank (fail and requeue)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     if "SLURM_CONF" not in os.environ:
@@ -247,7 +400,8 @@ def main(argv=None) -> int:
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="chaos_")) / "chaos"
     out_file = run_dir.parent / "batch.out"
     model = args.model.resolve()
-    cmd = ["sbatch", "--parsable", f"--output={out_file}", "slurm/areal_tiny.sh", *OVERRIDES,
+    extra = ENGINE_OVERRIDES if args.engine_faults else []
+    cmd = ["sbatch", "--parsable", f"--output={out_file}", "slurm/areal_tiny.sh", *OVERRIDES, *extra,
            f"model.path={model}", f"data.train_path={model}/train.jsonl",
            f"data.eval_path={model}/heldout.jsonl", f"output_dir={run_dir.parent}",
            f"name={run_dir.name}", *args.overrides]
@@ -255,8 +409,11 @@ def main(argv=None) -> int:
     job = sh(*cmd).stdout.strip().split(";")[0]
     print(f"[chaos] job {job}, run dir {run_dir}, batch output {out_file}", flush=True)
     records, ok, t0 = [], True, time.monotonic()
+    engine: list[dict] = []
     try:
-        for k in range(args.events + 1):
+        if args.engine_faults:      # the events on the running job; then the final stop below
+            engine = engine_run(args, job, run_dir, out_file, rng)
+        for k in range(args.events if args.engine_faults else 0, args.events + 1):
             final = k == args.events
             info = job_info(job)
             restarts = int(info.get("Restarts", 0))
@@ -314,10 +471,27 @@ def main(argv=None) -> int:
                "trained_twice": records[-1]["twice"] if records else None,
                "by_event": {e: sum(r["event"] == e for r in records) for e in EVENTS},
                "seconds": time.monotonic() - t0, "command": " ".join(sys.argv)}
+    if args.engine_faults:
+        summary["events"] = len(engine) if ok else summary["events"]
+        summary["by_event"] = {e: sum(r["event"] == e for r in engine)
+                               for e in sorted({r["event"] for r in engine})}
+        summary["cost"] = {e: {"n": len(rs),
+                               "restart_s": _median(r.get("restart_s") for r in rs),
+                               "fault_to_next_step_s": _median(r["fault_to_next_step_s"] for r in rs),
+                               "delay_s": _median(r["delay_s"] for r in rs),
+                               "tokens_kept": sum(r.get("tokens_kept", 0) for r in rs)}
+                           for e in summary["by_event"]
+                           for rs in [[r for r in engine if r["event"] == e]]}
     print("[chaos] " + json.dumps(summary), flush=True)
     if args.out:
-        args.out.write_text(json.dumps({"summary": summary, "records": records}, indent=1))
+        args.out.write_text(json.dumps({"summary": summary, "engine_records": engine,
+                                        "records": records}, indent=1))
     return 0 if ok else 1
+
+
+def _median(values) -> float | None:
+    vs = [v for v in values if v is not None]
+    return statistics.median(vs) if vs else None
 
 
 if __name__ == "__main__":

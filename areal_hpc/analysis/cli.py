@@ -16,6 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..storage.rollout_log import RolloutLogError
 from .load import label_runs, load_run
 from .report import find_tokenizer, print_summary, print_trajectories, show_rows
 
@@ -58,7 +59,6 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from rich.console import Console
 
-    from ..storage.rollout_log import RolloutLogError
 
     console = Console()
     runs = []
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     print_summary(console, runs, max_rows=args.rows, bin_s=args.bin_s)
     out = args.out or args.logs[0].parent / "analysis"
     if not args.no_plots:
-        from .plots import write_plots
+        from .plots import write_plots      # matplotlib: only when plotting
         paths = write_plots(runs, out, args.bin_s)
         console.print(f"plots: {', '.join(str(p) for p in paths)}", highlight=False)
     if args.export:

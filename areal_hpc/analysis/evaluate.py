@@ -24,6 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import ConfigError, load
+from ..data.prompts import load_prompts, prompt_ids
+from ..reward import custom
+from ..reward.custom import RewardFnError, check
+from ..reward.pool import RewardPool
 from ..storage import run_dir as run_files
 
 EXIT_BAD_INPUT = 2
@@ -66,7 +71,6 @@ class EvalSettings:
     @classmethod
     def from_config(cls, cfg) -> EvalSettings:
         """The training job's held-out evaluation settings (a config.RunConfig)."""
-        from ..reward import custom
         d, r = cfg.data, cfg.rollout
         return cls(samples=d.eval_samples, limit=d.eval_limit, max_new_tokens=r.max_new_tokens,
                    temperature=r.temperature, top_p=r.top_p, prompt_template=d.prompt_template,
@@ -112,9 +116,7 @@ def evaluate(model: str | Path, rows: list[dict], s: EvalSettings, *, ks: list[i
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from ..data.prompts import prompt_ids
-    from ..reward.pool import RewardPool
-    from ..rollout.vllm_engine import VLLMEngine
+    from ..rollout.vllm_engine import VLLMEngine     # vLLM: only when generating
 
     t0 = time.monotonic()
     n = s.samples
@@ -205,8 +207,6 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")     # before vLLM is imported
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from ..config import ConfigError, load
-    from ..data.prompts import load_prompts
 
     def fail(msg: str) -> int:
         print(f"error: {msg}", file=sys.stderr)
@@ -225,7 +225,6 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load(config_path)
         except ConfigError as e:
             return fail(f"{config_path}: {e}")
-        from ..reward.custom import RewardFnError, check
         try:        # the run's own reward functions, imported here before any engine starts
             check(cfg)
         except RewardFnError as e:

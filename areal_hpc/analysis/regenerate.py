@@ -22,6 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import ConfigError, load
+from ..storage import run_dir as run_files
+from ..storage.rollout_log import NO_SEED, RolloutLogError, RolloutReader
+
 EXIT_DIFFERENT, EXIT_BAD_INPUT = 1, 2
 
 
@@ -52,10 +56,7 @@ def first_segment(row: dict) -> tuple[int, int]:
 
 def regenerate(run_dir: Path, index: int, model: Path | None = None) -> dict:
     """Regenerate row `index` of `run_dir`'s rollout log; returns what was compared."""
-    from ..config import ConfigError, load
-    from ..rollout.vllm_engine import VLLMEngine, engine_options
-    from ..storage import run_dir as run_files
-    from ..storage.rollout_log import NO_SEED, RolloutLogError, RolloutReader
+    from ..rollout.vllm_engine import VLLMEngine, engine_options     # vLLM
 
     log_path, config = run_dir / run_files.ROLLOUTS, run_dir / "config.yaml"
     for path in (log_path, config):

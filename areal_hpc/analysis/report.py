@@ -9,9 +9,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from . import summary as S
 from ..storage import run_dir as run_files
-from ..storage.rollout_log import STATUS_NAMES
+from ..storage.rollout_log import STATUS_NAMES, RolloutReader
+from . import summary as S
 from .load import RunData
 
 
@@ -158,7 +158,6 @@ def find_tokenizer(run: RunData, explicit: str | None = None):
 
 def print_trajectories(console: Console, run: RunData, rows: list[int], tokenizer) -> None:
     """Decoded prompt and answer of each row, with its reward and versions."""
-    from ..storage.rollout_log import RolloutReader
 
     if tokenizer is None:
         console.print(f"[yellow]{escape(run.label)}: no tokenizer found (pass --tokenizer DIR); "

@@ -37,10 +37,12 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from .. import main as entry
 from ..config import ConfigError, TopologyConfig
 from ..preemption import EXIT_PREEMPTED
-from ..storage.run_dir import RunDir
 from ..preflight import launcher
+from ..storage.run_dir import RunDir
+from . import local
 from .env import export_lines
 
 
@@ -81,7 +83,6 @@ def hetjob_layout(topo: TopologyConfig, gpus_per_node: int = 0,
 def run_rank(config: str, overrides: list[str]) -> int:
     """One task of the job: `areal_hpc.main`; after a checkpoint on a signal, requeue (see the
     module docstring) and leave no result behind."""
-    from .. import main as entry
     try:
         rc = entry.main([config, *overrides])
     except BaseException:
@@ -199,7 +200,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.local or shutil.which("sbatch") is None:
         if not args.local:
             print("[submit] no sbatch on PATH: running locally with mpiexec", flush=True)
-        from . import local
         return local.main([args.config, *args.overrides])
     try:
         return submit(args)

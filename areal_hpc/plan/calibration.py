@@ -9,11 +9,18 @@ import numpy as np
 
 from ..config import ConfigError, RunConfig
 from ..storage import run_dir as run_files
+from ..storage.rollout_log import RolloutReader
 from .memory import kv_bytes_per_token, read_arch, vllm_limits
-
-from .throughput import (DECODE_BW_EFFICIENCY, GPU_BF16_FLOPS, GPU_HBM_BYTES_S, TRAIN_MFU,
-                         UPDATE_FIXED_S, WEIGHT_BCAST_BYTES_S, Lengths, Rates)
-
+from .throughput import (
+    DECODE_BW_EFFICIENCY,
+    GPU_BF16_FLOPS,
+    GPU_HBM_BYTES_S,
+    TRAIN_MFU,
+    UPDATE_FIXED_S,
+    WEIGHT_BCAST_BYTES_S,
+    Lengths,
+    Rates,
+)
 
 # ------------------------------------------------------------------------------ calibration
 
@@ -23,7 +30,6 @@ def load_lengths(path: str | Path, metrics: list[dict] | None = None) -> Lengths
     p = Path(path)
     h5 = p / run_files.ROLLOUTS if p.is_dir() else p
     if h5.is_file():
-        from ..storage.rollout_log import RolloutReader
         try:
             with RolloutReader(h5) as reader:
                 out = np.diff(np.r_[0, reader.column("output_end")])

@@ -38,6 +38,7 @@ from areal_hpc.transport.weights import (
     bucket_dtype,
     bucket_numel,
     dtype_from_str,
+    init_weight_group,
     spec_numel,
 )
 
@@ -129,8 +130,6 @@ class WeightSyncExtension:
         without them (`areal_hpc.transport.weights.broadcast.unpinned_nccl_env`).
         Returns the rank this worker joined as.
         """
-        from areal_hpc.transport.weights import init_weight_group
-
         if isinstance(address, dict):   # through vLLM's RPC (msgspec sends a dataclass as a dict)
             address = WeightGroupAddress(**address)
         my_rank = rank + self.rank

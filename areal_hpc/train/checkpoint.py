@@ -198,7 +198,7 @@ class Checkpointer:
         controller state) is of this moment either way. Arguments: see `save` (the function)."""
         from megatron.core import dist_checkpointing
 
-        from .cpu_compat import CudaToCpuMode
+        from .cpu_compat import CudaToCpuMode     # torch: not at this module's import
         self.wait()
         t0 = time.monotonic()
         comm = self.comm
@@ -290,7 +290,7 @@ class Checkpointer:
         return ok
 
     def _finalize(self, blocking: bool) -> Path | None:
-        from .cpu_compat import CudaToCpuMode
+        from .cpu_compat import CudaToCpuMode     # torch: not at this module's import
         pending = self._pending
         if pending is None:
             return None
@@ -371,7 +371,7 @@ def load(ckpt: Path, *, model, optimizer, scheduler=None, comm=None) -> dict[str
     import torch
     from megatron.core import dist_checkpointing
 
-    from .cpu_compat import CudaToCpuMode
+    from .cpu_compat import CudaToCpuMode     # torch: not at this module's import
     store.check_plain_data(ckpt)    # before Megatron unpickles anything of it
     state = store.read_state(ckpt / STATE)
     saved_fmt = state["optimizer_format"] or PLAIN            # older checkpoints: plain only
@@ -451,7 +451,7 @@ def load_model(ckpt: Path, model) -> None:
     """Load only the model shards (e.g. to export the policy); works for any TP x PP layout."""
     from megatron.core import dist_checkpointing
 
-    from .cpu_compat import CudaToCpuMode
+    from .cpu_compat import CudaToCpuMode     # torch: not at this module's import
     store.check_plain_data(ckpt)    # before Megatron unpickles anything of it
     with CudaToCpuMode(), weights_only_loads():
         loaded = dist_checkpointing.load({"model": _module(model).sharded_state_dict()},

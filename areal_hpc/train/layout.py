@@ -31,7 +31,7 @@ class ParallelLayout:
     def create(cls, tp: int, pp: int, seed: int, backend: str | None = None) -> "ParallelLayout":
         """Create Megatron's groups (and RNG states) over the default process group, which spans
         the trainer ranks only; dp = trainer ranks / (tp * pp)."""
-        from .megatron_model import init_megatron_parallel
+        from .megatron_model import init_megatron_parallel     # Megatron: only when it starts
         init_megatron_parallel(tp, pp, seed, backend)
         return cls.read()
 

@@ -67,7 +67,7 @@ class Lead(Follower):
     def __init__(self, cfg: RunConfig, topo: Topology, resume: ControllerState | None):
         from transformers import AutoTokenizer
 
-        from ..rollout.controller import Controller
+        from ..rollout.controller import Controller     # the lead rank only (the controller's writer)
         self.cfg, self.run = cfg, RunDir(cfg.run_dir)
         d = cfg.data
         train_rows = load_prompts_of(cfg, d.train_path)

@@ -28,7 +28,7 @@ from ..rollout.staleness import Batch
 from ..storage.run_dir import RunDir, is_complete
 from ..topology import Topology
 from ..transport import mpi as coll
-from . import checkpoint
+from . import checkpoint, hf_export
 from .actor import Actor, StepAbandoned
 from .layout import ParallelLayout, trainer_layout
 from .lead import lead_of
@@ -266,7 +266,6 @@ def export_policy(actor: Actor, cfg: RunConfig, comm, step: int, force: bool = T
     """Write the run's policy/ (collective over the trainer ranks), streamed in chunks of
     `checkpoint.export_chunk_mb` (train/hf_export.py); unless `force`, only when policy/ is not
     already a complete export of `step` (trainer rank 0 looks)."""
-    from . import hf_export
     policy = RunDir(cfg.run_dir).policy
     t = cfg.rollout.collective_timeout_s
     if not force:
