@@ -211,6 +211,18 @@ def engine_process(job: str, needle: str) -> psutil.Process | None:
     return None
 
 
+def when_busy(proc: psutil.Process, tries: int = 3000) -> None:
+    """Return at a moment `proc` computes (its CPU time rose within 20 ms), or after `tries`
+    such looks (a minute). NoSuchProcess if it ends meanwhile."""
+    busy = lambda: sum(proc.cpu_times()[:2])     # noqa: E731
+    before = busy()
+    for _ in range(tries):
+        time.sleep(0.02)
+        if (now := busy()) - before >= 0.01:
+            return
+        before = now
+
+
 def fire_engine(event: str, job: str, run_dir: Path) -> str:
     """Do an engine fault to the running job's generator; returns what was done, in words."""
     needle = "Worker_TP1" if event == "kill_tp_worker" else "EngineCore"
@@ -221,22 +233,21 @@ def fire_engine(event: str, job: str, run_dir: Path) -> str:
     victim = engine_process(job, needle)
     if victim is None:
         raise RuntimeError(f"job {job}: no vLLM {needle} process found")
-    if event != "kill_at_update":       # a moment it computes (as tests/e2e/test_engine_restart)
-        busy = lambda: sum(victim.cpu_times()[:2])     # noqa: E731
-        before = busy()
-        for _ in range(3000):
-            time.sleep(0.02)
-            if (now := busy()) - before >= 0.01:
-                break
-            before = now
+    if event != "kill_at_update":
+        when_busy(victim)
     victim.send_signal(signal.SIGSTOP if event == "stop_engine" else signal.SIGKILL)
     how = "SIGSTOP" if event == "stop_engine" else "SIGKILL"
     return f"{how} to the generator's {needle} (pid {victim.pid})"
 
 
-def restarts_logged(out_file: Path) -> list[tuple]:
-    text = out_file.read_text(errors="replace") if out_file.exists() else ""
-    return RESTARTED.findall(text)
+def restarts_logged(run_dir: Path) -> list[tuple]:
+    """The generator's restart lines, from every attempt's ranks' log (slurm/job.sh writes the
+    ranks' output under <run_dir>/logs/job-*/attempt-*/)."""
+    found = []
+    for log in sorted(run_dir.glob("logs/job-*/attempt-*/ranks.log"),
+                      key=lambda p: (int(p.parent.parent.name[4:]), int(p.parent.name[8:]))):
+        found += RESTARTED.findall(log.read_text(errors="replace"))
+    return found
 
 
 def step_times(run_dir: Path) -> list[float]:
@@ -255,11 +266,24 @@ def cost(run_dir: Path, at: int, t_fault: float) -> dict:
     steps before it, and their difference (the steps' delay)."""
     times = step_times(run_dir)
     before = [b - a for a, b in zip(times[max(0, at - 11):at - 1], times[max(1, at - 10):at])]
-    after = [t for t in times[at:] if t > t_fault]
+    after = [t for t in times if t > t_fault]      # a resumed run rewrote the steps past its checkpoint
     median = statistics.median(before) if before else None
     to_next = after[0] - t_fault if after else None
     return {"fault_to_next_step_s": to_next, "median_step_s": median,
             "delay_s": None if to_next is None or median is None else to_next - median}
+
+
+def stall(times: list[float], t_fault: float, settle_s: float) -> float | None:
+    """The longest interval between consecutive steps from the last step before `t_fault` until
+    `settle_s` after it: how long training stood still around the fault (it trains on the
+    groups buffered before it while the engine restarts, then waits)."""
+    k = max((i for i, t in enumerate(times) if t <= t_fault), default=None)
+    if k is None:
+        return None
+    end = t_fault + settle_s
+    window = [t for t in times[k:] if t <= end] + [t for t in times[k:] if t > end][:1]
+    gaps = [b - a for a, b in zip(window, window[1:])]
+    return max(gaps) if gaps else None
 
 
 def wait_attempt_end(job: str, restarts: int, timeout: float = 300) -> str:
@@ -335,7 +359,7 @@ def engine_run(args, job: str, run_dir: Path, out_file: Path, rng: random.Random
         time.sleep(rng.uniform(args.min_gap, args.max_gap))
         if job_info(job)["JobState"] != "RUNNING":
             raise RuntimeError(f"job {job} stopped on its own before event {k}; see {out_file}")
-        n_restarts = len(restarts_logged(out_file))
+        n_restarts = len(restarts_logged(run_dir))
         rec: dict = {}
         if k in rank_kills:
             event, restarts = "kill_generator_rank", int(job_info(job).get("Restarts", 0))
@@ -351,25 +375,25 @@ def engine_run(args, job: str, run_dir: Path, out_file: Path, rng: random.Random
             event = rng.choice(events)
             what = fire_engine(event, job, run_dir)
             at, t_fault = steps_done(run_dir), time.time()
-            until(lambda: len(restarts_logged(out_file)) > n_restarts
+            until(lambda: len(restarts_logged(run_dir)) > n_restarts
                   or job_info(job)["JobState"] != "RUNNING", 900, "the engine's restart")
             if job_info(job)["JobState"] != "RUNNING":
                 raise RuntimeError(f"job {job} ended after {event} instead of restarting its "
                                    f"engine; see {out_file}")
-            secs, version, total, cause, continued, kept, again = restarts_logged(out_file)[-1]
+            secs, version, total, cause, continued, kept, again = restarts_logged(run_dir)[-1]
             rec.update(restart_s=float(secs), weights_version=int(version), restarts=int(total),
                        cause=cause, continued=int(continued), tokens_kept=int(kept),
                        started_again=int(again))
         until(lambda: any(t > t_fault for t in step_times(run_dir)), 900, "a step after it")
-        rec = {"event": event, "what": what, "steps_at_event": at, **rec,
+        rec = {"event": event, "what": what, "steps_at_event": at, "t_fault": t_fault, **rec,
                **cost(run_dir, at, t_fault), "steps_after": steps_done(run_dir),
                "t": time.monotonic() - t0}
         records.append(rec)
         print(f"[chaos] {k + 1}/{args.events} {event}: {what} at step {at}; "
               + (f"restarted in {rec['restart_s']:.1f} s ({rec['cause']}); " if "restart_s" in rec
                  else f"attempt {rec['attempt_end']}; ")
-              + f"next step {rec['fault_to_next_step_s']:.1f} s after (median step "
-              f"{rec['median_step_s'] or 0:.1f} s)", flush=True)
+              + f"next step {_s(rec['fault_to_next_step_s'])} after (median step "
+              f"{_s(rec['median_step_s'])})", flush=True)
     return records
 
 
@@ -472,6 +496,9 @@ def main(argv=None) -> int:
                "by_event": {e: sum(r["event"] == e for r in records) for e in EVENTS},
                "seconds": time.monotonic() - t0, "command": " ".join(sys.argv)}
     if args.engine_faults:
+        times = step_times(run_dir)
+        for r in engine:        # the steps' longest pause around each fault, from the final log
+            r["stall_s"] = stall(times, r["t_fault"], r.get("restart_s", 0) + 30)
         summary["events"] = len(engine) if ok else summary["events"]
         summary["by_event"] = {e: sum(r["event"] == e for r in engine)
                                for e in sorted({r["event"] for r in engine})}
@@ -479,6 +506,7 @@ def main(argv=None) -> int:
                                "restart_s": _median(r.get("restart_s") for r in rs),
                                "fault_to_next_step_s": _median(r["fault_to_next_step_s"] for r in rs),
                                "delay_s": _median(r["delay_s"] for r in rs),
+                               "stall_s": _median(r["stall_s"] for r in rs),
                                "tokens_kept": sum(r.get("tokens_kept", 0) for r in rs)}
                            for e in summary["by_event"]
                            for rs in [[r for r in engine if r["event"] == e]]}
@@ -487,6 +515,10 @@ def main(argv=None) -> int:
         args.out.write_text(json.dumps({"summary": summary, "engine_records": engine,
                                         "records": records}, indent=1))
     return 0 if ok else 1
+
+
+def _s(seconds: float | None) -> str:
+    return "?" if seconds is None else f"{seconds:.1f} s"
 
 
 def _median(values) -> float | None:

@@ -14,11 +14,16 @@ naming the generator and the causes.
 import json
 import re
 import signal
+import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from chaos import when_busy  # noqa: E402  (the chaos tool's faults are this test's)
 
 STALL_S = 15
 # Every sample runs to max_new_tokens (ignore_eos), so the engine is generating most of the time
@@ -89,13 +94,7 @@ def _fault(job, how, after_steps):
     victim = job.engine_core(needle=needle)
     assert victim is not None, f"no vLLM {needle} process found"
     try:
-        busy = lambda: sum(victim.cpu_times()[:2])     # noqa: E731
-        before = busy()
-        for _ in range(3000):
-            time.sleep(0.02)
-            if (now := busy()) - before >= 0.01:
-                break
-            before = now
+        when_busy(victim)
         victim.send_signal(signal.SIGSTOP if how == "stop" else signal.SIGKILL)
     except psutil.NoSuchProcess:
         raise AssertionError(f"{needle} ended before the fault (job exit {job.proc.poll()}, "
