@@ -90,11 +90,11 @@ def _refused(exc: Exception, world) -> int:
     preflight.Refused with every_rank); once MPI has started, such ranks leave together
     (none before rank 0 has said why: an early exit would abort the world first) and
     finalize. Any other is said by the rank that found it, and its exit ends the job."""
-    every = getattr(exc, "every_rank", True)
+    every = exc.every_rank if isinstance(exc, preflight.Refused) else True
     rank = _rank() if world is None else world.Get_rank()
     if rank == 0 or not every:
         print(f"error: {exc}", file=sys.stderr, flush=True)
-    if world is not None and isinstance(exc, preflight.Refused) and every:
+    if every and isinstance(exc, preflight.Refused):        # raised once MPI had started
         coll.barrier(world, what="start-up: the start refused")
         _finalize()
     return 2

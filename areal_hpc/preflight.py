@@ -43,7 +43,8 @@ from .config import MAX_CONFIG_BYTES, ConfigError, RunConfig, load, read_utf8
 from .config.rules import require
 from .cpus import bind_rank, check_cpus
 from .data.files import irregular
-from .data.prompts import RenderTimeout, load_prompts_of, prompt_ids, read_chat_template, too_long, too_many_chars
+from .data.prompts import (RenderTimeout, load_prompts_of, prompt_ids, read_chat_template, too_long,
+                           too_many_chars)
 from .env import base as env_base
 from .env import runner as env_runner
 from .launch.placement import gather_and_check

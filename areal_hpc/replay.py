@@ -100,7 +100,6 @@ from .cpus import role_cpus
 from .rollout.staleness import ReadyBuffer
 from .storage import run_dir as run_files
 from .storage.rollout_log import RolloutLogError, RolloutReader, group_starts
-from .transport.rendezvous import free_port
 
 EXIT_OK, EXIT_DIFFERS, EXIT_REFUSED = 0, 1, 2
 # --check's bound on |replayed - logged loss| / max(|logged loss|, adv_abs_mean), by model
@@ -375,8 +374,7 @@ def _train(args, cfg, batches: Batches, metrics: dict[int, dict], S: int) -> int
     torch.set_num_threads(threads)
     backend = "nccl" if device == "cuda" else "gloo"
     t0 = time.monotonic()
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)  # one process
     try:
         from .train.actor import Actor      # torch, Megatron: only for a replay
         from .train.megatron_model import init_megatron_parallel

@@ -34,8 +34,8 @@ in place (weights.mode=disk; rollout.engine_restarts high; no requeue between th
 
 After each, the generator's "vLLM engine restarted" line and the next trained step are awaited,
 and the audit runs on the live run directory; each record has the restart's seconds, the samples
-continued and the tokens kept, and the seconds from the fault to the next step beside the
-median step interval before it (the cost). --compare N adds N SIGKILLs of the generator rank
+continued and the tokens kept, and the fault's delay to training: how much longer than 10
+median steps the 10 steps from the fault on took (from the final metrics). --compare N adds N SIGKILLs of the generator rank
 (today's path for a dead rank: the job fails and is requeued) at random places, for the same
 figures side by side.
 
@@ -262,28 +262,27 @@ def step_times(run_dir: Path) -> list[float]:
 
 
 def cost(run_dir: Path, at: int, t_fault: float) -> dict:
-    """Seconds from the fault to the first step after it, the median step interval of the ten
-    steps before it, and their difference (the steps' delay)."""
+    """Seconds from the fault to the first step after it, and the median step interval of the
+    ten steps before it."""
     times = step_times(run_dir)
     before = [b - a for a, b in zip(times[max(0, at - 11):at - 1], times[max(1, at - 10):at])]
     after = [t for t in times if t > t_fault]      # a resumed run rewrote the steps past its checkpoint
-    median = statistics.median(before) if before else None
-    to_next = after[0] - t_fault if after else None
-    return {"fault_to_next_step_s": to_next, "median_step_s": median,
-            "delay_s": None if to_next is None or median is None else to_next - median}
+    return {"fault_to_next_step_s": after[0] - t_fault if after else None,
+            "median_step_s": statistics.median(before) if before else None}
 
 
-def stall(times: list[float], t_fault: float, settle_s: float) -> float | None:
-    """The longest interval between consecutive steps from the last step before `t_fault` until
-    `settle_s` after it: how long training stood still around the fault (it trains on the
-    groups buffered before it while the engine restarts, then waits)."""
-    k = max((i for i, t in enumerate(times) if t <= t_fault), default=None)
-    if k is None:
+DELAY_STEPS = 10
+
+
+def delay(times: list[float], rec: dict) -> float | None:
+    """The fault's cost to training, from the run's final step times: how much longer than
+    DELAY_STEPS median steps the DELAY_STEPS steps from the fault on took (training goes on
+    with the groups buffered before it while the engine restarts, then waits; a requeued run
+    retrains the steps since its checkpoint). None where the run ended first."""
+    last = rec["steps_at_event"] + DELAY_STEPS - 1
+    if last >= len(times) or rec["median_step_s"] is None:
         return None
-    end = t_fault + settle_s
-    window = [t for t in times[k:] if t <= end] + [t for t in times[k:] if t > end][:1]
-    gaps = [b - a for a, b in zip(window, window[1:])]
-    return max(gaps) if gaps else None
+    return times[last] - rec["t_fault"] - DELAY_STEPS * rec["median_step_s"]
 
 
 def wait_attempt_end(job: str, restarts: int, timeout: float = 300) -> str:
@@ -497,8 +496,8 @@ def main(argv=None) -> int:
                "seconds": time.monotonic() - t0, "command": " ".join(sys.argv)}
     if args.engine_faults:
         times = step_times(run_dir)
-        for r in engine:        # the steps' longest pause around each fault, from the final log
-            r["stall_s"] = stall(times, r["t_fault"], r.get("restart_s", 0) + 30)
+        for r in engine:
+            r["delay_s"] = delay(times, r)
         summary["events"] = len(engine) if ok else summary["events"]
         summary["by_event"] = {e: sum(r["event"] == e for r in engine)
                                for e in sorted({r["event"] for r in engine})}
@@ -506,7 +505,6 @@ def main(argv=None) -> int:
                                "restart_s": _median(r.get("restart_s") for r in rs),
                                "fault_to_next_step_s": _median(r["fault_to_next_step_s"] for r in rs),
                                "delay_s": _median(r["delay_s"] for r in rs),
-                               "stall_s": _median(r["stall_s"] for r in rs),
                                "tokens_kept": sum(r.get("tokens_kept", 0) for r in rs)}
                            for e in summary["by_event"]
                            for rs in [[r for r in engine if r["event"] == e]]}

@@ -59,7 +59,6 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from rich.console import Console
 
-
     console = Console()
     runs = []
     for path in args.logs:

@@ -158,7 +158,6 @@ def find_tokenizer(run: RunData, explicit: str | None = None):
 
 def print_trajectories(console: Console, run: RunData, rows: list[int], tokenizer) -> None:
     """Decoded prompt and answer of each row, with its reward and versions."""
-
     if tokenizer is None:
         console.print(f"[yellow]{escape(run.label)}: no tokenizer found (pass --tokenizer DIR); "
                       "showing token ids[/yellow]")

@@ -383,7 +383,6 @@ def _send_line(fd: int, msg: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
-
     calls, result_fd, setup = os.fdopen(int(argv[0]), "rb"), int(argv[1]), json.loads(argv[2])
     become_subreaper()          # (pid 1 of a namespace already is; the fallback is not)
     _limit_memory(setup["memory_mb"])

@@ -83,7 +83,6 @@ def engine_step_seconds(est, params: float) -> float:
 
 def waits(est) -> list[Wait]:
     """Every wait of `est.cfg`'s job with its estimated work."""
-
     cfg = est.cfg
     r, w, ck = cfg.rollout, cfg.weights, cfg.checkpoint
     params = float(read_arch(cfg).total_params)

@@ -14,19 +14,34 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def free_port() -> int:
-    """A TCP port to listen on, free now. Chosen below the kernel's ephemeral range: a port from
-    bind(("", 0)) is ephemeral, and an outgoing connection can take it before our listener
-    (a TCPStore started a moment later) binds it."""
+def _ports_below_ephemeral(tries: int = 64):
+    """Random ports below the kernel's ephemeral range: a port from bind(("", 0)) is ephemeral,
+    and an outgoing connection can take it before a listener started a moment later binds it."""
     low = _ephemeral_low()
     rng = random.SystemRandom()
-    for _ in range(64):
-        port = rng.randrange(max(1024, low - 12000), low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
+    return (rng.randrange(max(1024, low - 12000), low) for _ in range(tries))
+
+
+def _listener(port: int) -> socket.socket | None:
+    """A socket bound to `port` and listening (None: the port is taken)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("", port))
+        s.listen(1024)
+    except OSError:
+        s.close()
+        return None
+    return s
+
+
+def free_port() -> int:
+    """A TCP port to listen on, free now (for a test or tool whose listener starts at once;
+    a job's rendezvous holds its port: `reserve_port`)."""
+    for port in _ports_below_ephemeral():
+        s = _listener(port)
+        if s is not None:
+            s.close()
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
@@ -44,28 +59,21 @@ def reserve_port() -> int:
     seconds later here and minutes on a large model's start-up: the store then fails with
     EADDRINUSE and the job dies at start-up. A held one cannot be taken; a client that connects
     before the store starts waits in the listen queue."""
-    for _ in range(64):
-        port = free_port()
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(("", port))
-            s.listen(1024)
-        except OSError:                 # taken between free_port's probe and this bind
-            s.close()
-            continue
-        _HELD[port] = s
-        return port
-    raise OSError("no TCP port to listen on (64 tries)")
+    for port in [*_ports_below_ephemeral(), 0]:     # 0: any ephemeral one, as a last resort
+        s = _listener(port)
+        if s is not None:
+            port = s.getsockname()[1]
+            _HELD[port] = s
+            return port
+    raise OSError("no TCP port to listen on")
 
 
-def rendezvous_store(host: str, port: int, world_size: int, is_master: bool, timeout,
-                     wait_for_workers: bool = True):
-    """A torch TCPStore at host:port. Its master serves on the socket `reserve_port` holds for
-    `port` in this process (handed over, so it is never unbound), or binds the port itself
-    where this process holds none."""
+def rendezvous_store(host: str, port: int, world_size: int, is_master: bool, timeout):
+    """A torch TCPStore at host:port, every member joined before it returns. Its master serves
+    on the socket `reserve_port` holds for `port` in this process (handed over, so it is never
+    unbound), or binds the port itself where this process holds none."""
     from torch.distributed import TCPStore
     held = _HELD.pop(port, None) if is_master else None
     fd = held.detach() if held is not None else None
     return TCPStore(host, port, world_size, is_master=is_master, timeout=timeout,
-                    wait_for_workers=wait_for_workers, master_listen_fd=fd)
+                    wait_for_workers=True, master_listen_fd=fd)
