@@ -24,7 +24,9 @@ does one of:
              requeue. (Before its first report the bound is weights.join_timeout_s.)
 
 With --engine-faults the events are a generator's engine faults, which the job recovers from
-in place (weights.mode=disk; rollout.engine_restarts high; no requeue between them):
+in place (--weights-mode: broadcast, the default, re-forms the weight group with the new engine
+and sends the current version again; disk loads the published files; rollout.engine_restarts
+high; no requeue between them):
 
   kill_engine      SIGKILL of the generator's vLLM EngineCore while it computes.
   stop_engine      SIGSTOP of the EngineCore: a stall, named after rollout.engine_stall_s.
@@ -83,11 +85,12 @@ OVERRIDES = ["train.total_steps=100000", "train.batch_prompts=4", "rollout.group
              "weights.join_timeout_s=180"]
 ENGINE_EVENTS = ("kill_engine", "stop_engine", "kill_at_update")
 STALL_S = 15
-ENGINE_OVERRIDES = ["weights.mode=disk", "rollout.engine_restarts=1000",
+ENGINE_OVERRIDES = ["rollout.engine_restarts=1000",
                     "rollout.engine_restart_window_s=60", f"rollout.engine_stall_s={STALL_S}",
-                    "weights.timeout_s=300", "rollout.generator_timeout_s=120"]
-# The generator's line for each restart (rollout/generator.py `_recover`).
-RESTARTED = re.compile(r"vLLM engine restarted in ([\d.]+) s at weights v(\d+) \(restart (\d+); "
+                    "weights.timeout_s=60", "rollout.generator_timeout_s=120"]
+# The generator's line for each restart (rollout/recovery.py `_recover`).
+RESTARTED = re.compile(r"vLLM engine restarted in ([\d.]+) s at weights v(\d+)"
+                       r"(?:, to come over the re-formed weight group)? \(restart (\d+); "
                        r"cause: (.*)\); (\d+) sample\(s\) continued with (\d+) token\(s\) kept, "
                        r"(\d+) started again")
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
@@ -411,6 +414,9 @@ def main(argv=None) -> int:
                     help="the generator's engine faults, recovered in place (see above)")
     ap.add_argument("--compare", type=int, default=0, help="with --engine-faults: this many "
                     "of the events are SIGKILLs of the generator rank (fail and requeue)")
+    ap.add_argument("--weights-mode", choices=("broadcast", "disk"), default="broadcast",
+                    help="with --engine-faults: how a new engine gets the current weights (sent "
+                         "again over the re-formed weight group, or the published files)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     if "SLURM_CONF" not in os.environ:
@@ -423,7 +429,7 @@ def main(argv=None) -> int:
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="chaos_")) / "chaos"
     out_file = run_dir.parent / "batch.out"
     model = args.model.resolve()
-    extra = ENGINE_OVERRIDES if args.engine_faults else []
+    extra = [*ENGINE_OVERRIDES, f"weights.mode={args.weights_mode}"] if args.engine_faults else []
     cmd = ["sbatch", "--parsable", f"--output={out_file}", "slurm/areal_tiny.sh", *OVERRIDES, *extra,
            f"model.path={model}", f"data.train_path={model}/train.jsonl",
            f"data.eval_path={model}/heldout.jsonl", f"output_dir={run_dir.parent}",

@@ -134,8 +134,9 @@ class RolloutConfig:
     collective_timeout_s: float = 1800.0
     # A generator's vLLM engine that dies (its EngineCore or a TP worker gone, an engine error)
     # or stalls (a step, or a weight load, with no result for engine_stall_s) is killed
-    # and started again in its rank with the current weights (weights.mode disk; under
-    # broadcast the job ends), its in-flight samples continued from their tokens. More than
+    # and started again in its rank with the current weights (weights.mode disk: the published
+    # files; broadcast: sent again over the weight group re-formed with the new engine), its
+    # in-flight samples continued from their tokens. More than
     # engine_restarts faults of one generator within engine_restart_window_s end the job, one
     # line naming it and the causes (0: the first fault ends it). Keep engine_stall_s well
     # above the longest single engine step and weight load, and below generator_timeout_s and

@@ -95,6 +95,7 @@ class Controller:
         # holds `_cond`).
         self.service = ServiceThread(self._serve, "controller", on_error=self._wake)
         self.weight_acks = AckTracker({g: topo.hosts[g] for g in topo.generator_ranks})
+        self.weight_generation = 0      # the weight group's generation (re-formed: `regroup`)
         self.watch = GeneratorWatch(r, cfg.weights, topo.generator_ranks, topo.hosts)
         self._beats = Pacer(r.heartbeat_s)              # ControllerBeat to every generator
         if resume is not None:
@@ -270,11 +271,12 @@ class Controller:
             for g in self.topo.generator_ranks:
                 msgs.post(self.chan, msgs.StaleBefore(version), g)
 
-    def next_batch(self, on_wait=None, should_stop=None) -> Batch | None:
+    def next_batch(self, on_wait=None, should_stop=None) -> Batch | str | None:
         """Block until B groups are ready; returns them as one `Batch` (trajectories group after
         group, their log rows, the batch statistics). `on_wait(n_ready)` is called while waiting
         (progress display); when `should_stop()` turns true first (preemption), returns None
-        and takes nothing."""
+        and takes nothing; when a generator's new engine waits for weights first (broadcast),
+        returns `msgs.RESEND_WEIGHTS` and takes nothing."""
         B = self.cfg.train.batch_prompts
         t0 = time.monotonic()
         self.service.start()
@@ -282,10 +284,15 @@ class Controller:
             # The step that ended made the buffer's oldest groups older; later arrivals are
             # dropped by the service thread as they come.
             self._drop_stale()
-            self._wait(lambda: len(self.buffer) >= B or bool(should_stop and should_stop()),
-                       on_wait)
+            self._wait(lambda: len(self.buffer) >= B or bool(should_stop and should_stop())
+                       or bool(self.weight_acks.awaiting), on_wait)
             if should_stop and should_stop():
                 return None
+            if len(self.buffer) < B:
+                log.warning("generator(s) %s wait for weights v%d (a new engine): sending them "
+                            "again over a re-formed weight group before the next batch",
+                            sorted(self.weight_acks.awaiting), self.version)
+                return msgs.RESEND_WEIGHTS
             groups = self.ledger.take(B)                  # oldest first
             self._taken = groups                          # until trained (or put back)
             dropped, self._dropped_since_batch = self._dropped_since_batch, 0
@@ -325,27 +332,59 @@ class Controller:
 
     collects_acks = True        # the trainer's weight notifier (train/weight_publisher.py)
 
-    def send_weights_notice(self, version: int, *, plan=None, path: str | None = None) -> None:
+    def regroup(self, force: bool = False) -> int | None:
+        """The weight group's next generation, to be formed before the update that follows,
+        when a generator waits for weights (its engine was replaced, or a broadcast failed on
+        it) or `force` (the last broadcast failed); None: the group stands."""
+        with self._cond:
+            if not (force or self.weight_acks.awaiting):
+                return None
+            self.weight_generation += 1
+            log.warning("weight group: forming generation %d (generators waiting for weights: %s)",
+                        self.weight_generation, sorted(self.weight_acks.awaiting) or "none")
+            return self.weight_generation
+
+    def send_weights_notice(self, version: int, *, plan=None, path: str | None = None,
+                            generation: int | None = None) -> None:
         """Tell every generator that `version` is coming: over the weight group (`plan`, sent
-        while the stage senders broadcast) or in the safetensors directory `path` (complete)."""
-        msg = msgs.WeightsNotice(version, plan=plan) if path is None \
+        while the stage senders broadcast; joining its `generation` first when it was
+        re-formed) or in the safetensors directory `path` (complete)."""
+        msg = msgs.WeightsNotice(version, plan=plan, generation=generation) if path is None \
             else msgs.WeightsNotice(version, path=path)
         with self._cond:
+            self.weight_acks.sent()
             for g in self.topo.generator_ranks:
                 msgs.post(self.chan, msg, g)
 
-    def wait_weights_acks(self, version: int, timeout_s: float, cause: BaseException | None = None) -> None:
+    def wait_weights_acks(self, version: int, timeout_s: float,
+                          cause: BaseException | None = None) -> bool:
         """Block until every generator acknowledges running `version`, at most `timeout_s`;
         raise `WeightSyncError` naming each generator (rank, host) that did not. With `cause`
         (the trainer's side of the update failed, e.g. a collective timed out) only a short
-        grace is given for late acknowledgements: the update has failed either way."""
+        grace is given for late acknowledgements: the update has failed either way, unless a
+        generator's engine failed in it. Then the wait is extended by the time a new engine
+        takes to start (weights.join_timeout_s), and returns True once every generator either
+        runs `version` or waits for it: the update is to be sent again over a re-formed group."""
         t0 = time.monotonic()
-        deadline = t0 + (min(timeout_s, 5.0) if cause is not None else timeout_s)
+        deadline = [t0 + (min(timeout_s, 5.0) if cause is not None else timeout_s)]
+        restart_s = self.cfg.weights.join_timeout_s + timeout_s
+
+        def ready() -> bool:
+            acks, now = self.weight_acks, time.monotonic()
+            if acks.complete(version) or acks.settled(version):
+                return True
+            if acks.awaiting or any(getattr(self.watch.last_report.get(g), "engine_down", False)
+                                    for g in acks.expected):
+                deadline[0] = max(deadline[0], t0 + restart_s)     # a new engine is starting
+            return now > deadline[0]
+
         with self._cond:
             # Not watched: a generator is silent while it loads; `timeout_s` bounds this wait.
-            self._wait(lambda: self.weight_acks.complete(version) or time.monotonic() > deadline,
-                       watch=False)
+            self._wait(ready, watch=False)
+            if not self.weight_acks.complete(version) and self.weight_acks.settled(version):
+                return True
             self.weight_acks.check(version, time.monotonic() - t0, cause)
+        return False
 
     # -- held-out evaluation --------------------------------------------------------------------
     def request_eval(self, rows: list[dict], samples: int) -> None:

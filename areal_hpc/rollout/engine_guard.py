@@ -15,9 +15,9 @@ collective) is not noticed at all. `EngineWatch` is a thread beside the loop tha
 
 Either way it kills every process the engine started (SIGKILL, which also ends a stopped
 process) and wakes the blocked call with vLLM's `EngineDeadError`, so the generator's loop gets
-an exception instead of waiting forever. `RestartBudget` bounds the restarts: more than
-rollout.engine_restarts within rollout.engine_restart_window_s ends the job with one line naming
-the generator and the causes.
+an exception instead of waiting forever; the generator then recovers (rollout/recovery.py).
+`RestartBudget` bounds the restarts: more than rollout.engine_restarts within
+rollout.engine_restart_window_s ends the job with one line naming the generator and the causes.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 class EngineRestartsError(RuntimeError):
     """An engine that cannot stay up: more faults than rollout.engine_restarts allows, or a fault
-    the rank cannot recover from (a weight group that cannot take a new member)."""
+    the rank cannot recover from (under weights.mode disk, no published copy of its weights)."""
 
 
 def engine_dead_error() -> Exception:
@@ -97,13 +97,16 @@ class EngineWatch:
         self._procs = engine_procs(engine)
         self._names = {p.pid: _cmd(p) for p in self._procs}     # read while they are alive
         self._busy_since: float | None = None
+        self._bound = stall_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-watch", daemon=True)
         self._thread.start()
 
     @contextlib.contextmanager
-    def busy(self):
-        self._busy_since = time.monotonic()
+    def busy(self, stall_s: float | None = None):
+        """Around a call that waits on the engine; `stall_s`: this call's own bound, where it is
+        longer than a step's (a weight receive, which its collective's timeout bounds first)."""
+        self._busy_since, self._bound = time.monotonic(), stall_s or self.stall_s
         try:
             yield
         finally:
@@ -118,11 +121,12 @@ class EngineWatch:
             return f"engine process {gone[0].pid} ({self._names[gone[0].pid]}) is gone"
         if resources is not None and getattr(resources, "engine_dead", False):
             return "vLLM marked its engine dead"
-        since = self._busy_since
+        since, bound = self._busy_since, self._bound
         now = time.monotonic() if now is None else now
-        if since is not None and now - since > self.stall_s:
+        if since is not None and now - since > bound:
             return (f"engine stalled: no output for {now - since:.1f} s with requests unfinished "
-                    f"(rollout.engine_stall_s = {self.stall_s:g})")
+                    f"(rollout.engine_stall_s = {self.stall_s:g}"
+                    + ("" if bound == self.stall_s else f"; this call's bound {bound:g} s") + ")")
         return None
 
     def _run(self) -> None:

@@ -19,7 +19,8 @@
         step vLLM; hand every finished sample to the reward pool (processes beside the
         engine, so scoring overlaps generation); send each group once all its samples are scored
         the engine died or stalled (engine_guard.EngineWatch) → kill it, start a new one with
-            the current weights, continue its in-flight samples from their tokens (at most
+            the current weights (from disk, or sent again over the re-formed weight group:
+            recovery.py), continue its in-flight samples from their tokens (at most
             rollout.engine_restarts per rollout.engine_restart_window_s, else the job ends)
 
 Sampling seeds (rollout.per_request_seeds): every sample is generated under its own seed
@@ -35,7 +36,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,9 +49,10 @@ from ..reward.pool import RewardPool
 from ..topology import CONTROLLER_RANK, Topology
 from ..transport import messages as msgs
 from ..transport.mpi import Channel
-from .engine_guard import EngineRestartsError, EngineWatch, RestartBudget, is_engine_dead, kill_engine
+from .engine_guard import EngineWatch, RestartBudget
 from .gen_clock import GenClock
 from .liveness import ControllerWatch, Pacer
+from .recovery import EngineRecovery, request_id
 from .seeds import group_seed
 from .vllm_engine import FinishedSample, VLLMEngine, engine_options
 
@@ -74,16 +76,12 @@ class _Group:
         return len(self.rewards) == self.prompt.n
 
 
-def _request_id(kind: str, prompt_id: int, sample_idx: int) -> str:
-    return f"{kind}:{prompt_id}:{sample_idx}"
-
-
 def _parse_request_id(rid: str) -> tuple[str, int, int]:
     kind, pid, idx = rid.split(":")
     return kind, int(pid), int(idx)
 
 
-class Generator:
+class Generator(EngineRecovery):
     """A generator rank's loop around its children: the vLLM engine, the reward pool and the
     channel to the controller. `start` makes the children on a rank; a test passes its own."""
 
@@ -114,6 +112,7 @@ class Generator:
         self._heartbeats = Pacer(cfg.rollout.heartbeat_s)
         self.preempted = False
         self._engine_lost = False
+        self.awaiting: int | None = None    # weights version a new engine waits for (recovery.py)
         self.watch: ControllerWatch | None = None   # the controller's liveness, from the loop's start
 
     @classmethod
@@ -167,7 +166,7 @@ class Generator:
             with self.clock.timed("send"):
                 for _, group in self._collect_rewards():     # eval groups never reach this loop
                     self._send(group)
-            if self.engine.has_unfinished() and not self._engine_lost:
+            if self.engine.has_unfinished() and not self._engine_lost and self.awaiting is None:
                 with self.clock.timed("busy"):
                     self._generate()
             else:       # nothing to generate: waiting on scores of finished samples, or on prompts
@@ -240,40 +239,6 @@ class Generator:
             log.warning("generator rank %d: shutting down the lost vLLM engine: %s",
                         self.topo.rank, exc)
 
-    def _update_weights(self, msg: msgs.WeightsNotice) -> None:
-        """Load the announced version and acknowledge it: "started" first, so that a load that
-        never finishes is told apart from a notice never taken up; "loaded" only once the
-        engine runs the new weights (a failed load raises: no generation on a half-loaded
-        model). The trainer fails the job if either does not arrive in time."""
-        version = msg.version
-        msgs.post(self.chan, msgs.WeightsAck(version, "started"), CONTROLLER_RANK)
-        t0 = time.monotonic()
-        held = list(getattr(self.engine, "_requests", {}).values())  # the update takes them out
-        try:
-            with self._busy():      # a load with no result for rollout.engine_stall_s: a stall
-                if msg.path is not None:
-                    paused_s = self.engine.update_weights_from_file(version, msg.path)
-                else:
-                    paused_s = self.engine.update_weights(version, msg.plan)
-            self._weights_path = msg.path
-        except Exception as exc:
-            cause = None if preemption.requested() else self._fault(exc)
-            if cause is not None:       # a dead engine: a new one loads this version
-                self._recover(f"{cause} (during the update to weights v{version})",
-                              held=held, version=version, path=msg.path)
-                paused_s = time.monotonic() - t0
-            elif preemption.requested():    # TERM reached the engine too: wait for the stop
-                log.warning("generator rank %d: weights v%d not loaded, its vLLM engine went with "
-                            "the preemption (%s); waiting for stop", self.topo.rank, version, exc)
-                self._engine_lost = True
-                return
-            else:
-                self.watch.weights_failed(version, msg.path is not None, time.monotonic() - t0, exc)
-                raise
-        self.clock.count("pause", paused_s)
-        msgs.post(self.chan, msgs.WeightsAck(self.engine.version, "loaded", paused_s),
-                  CONTROLLER_RANK)
-
     def _heartbeat(self, force: bool = False, down: bool = False) -> None:
         """Tell the controller this loop still turns (at most every rollout.heartbeat_s): a
         generator that falls silent (hung engine, stopped or lost process) is named by the
@@ -332,7 +297,7 @@ class Generator:
                          self.engine.version)
         for idx, c in sorted(earlier.items()):
             self.engine.continue_sample(FinishedSample(
-                _request_id(kind, pid, idx), np.asarray(prompt.prompt_tokens, dtype=np.int32),
+                request_id(kind, pid, idx), np.asarray(prompt.prompt_tokens, dtype=np.int32),
                 np.asarray(c.output_tokens), np.asarray(c.behav_logprobs), np.asarray(c.versions),
                 c.finish_reason, c.t_submit, c.t_first_token, c.t_end,
                 seed=seeds and seeds[idx]),
@@ -340,7 +305,7 @@ class Generator:
             self._kept[(kind, pid, idx)] = len(c.output_tokens)   # not generated here
         fresh = [i for i in range(prompt.n) if i not in earlier]
         if fresh:
-            self.engine.submit_group([_request_id(kind, pid, i) for i in fresh],
+            self.engine.submit_group([request_id(kind, pid, i) for i in fresh],
                                      prompt.prompt_tokens, max_new_tokens=r.max_new_tokens,
                                      seeds=seeds and [seeds[i] for i in fresh], **sampling)
 
@@ -353,114 +318,6 @@ class Generator:
         for smp in self._guarded(step) or ():
             kind, pid, idx = _parse_request_id(smp.request_id)
             self._finished(kind, pid, idx, smp)
-
-    def _busy(self):
-        """Around a call that waits on the engine: the watch's stall bound runs meanwhile."""
-        return self.guard.busy() if self.guard is not None else nullcontext()
-
-    def _guarded(self, fn, *args):
-        """`fn(*args)`; an engine fault in it (not a preemption's) is recovered (`_recover`):
-        then None. Anything else is raised."""
-        try:
-            return fn(*args)
-        except Exception as exc:
-            cause = None if preemption.requested() else self._fault(exc)
-            if cause is None:
-                raise
-            self._recover(cause)
-            return None
-
-    def _recover_idle_fault(self) -> None:
-        """An engine fault the watch found while nothing waited on the engine: recovered as
-        one met in a call (`_guarded`), unless the engine went with a preemption."""
-        if self.guard is not None and self.guard.cause is not None and not self._engine_lost \
-                and not preemption.requested():
-            self._guarded(self._raise_fault)
-
-    def _raise_fault(self) -> None:
-        raise RuntimeError(self.guard.cause)
-
-    def _fault(self, exc: BaseException) -> str | None:
-        """Why the engine failed, if it is an engine fault this rank can restart it from (its
-        watch fired, a process of it is gone, or vLLM says it is dead); None otherwise."""
-        if self.engine_factory is None or self.guard is None:
-            return None
-        cause = self.guard.cause or self.guard.check()
-        if cause is None and is_engine_dead(exc):
-            cause = f"vLLM engine error ({type(exc).__name__}: {exc})"
-        return cause
-
-    def _recover(self, cause: str, held=(), version: int | None = None,
-                 path: str | None = None) -> None:
-        """Replace a faulted engine: count it (past rollout.engine_restarts the job ends), kill
-        every process of it, start a new one on the same devices with the current weights
-        (`version` from `path`, else the ones loaded last), and continue its in-flight samples
-        from their tokens (`held`: samples a weight update had taken out of the engine)."""
-        t0 = time.monotonic()
-        log.warning("%s: vLLM engine fault: %s", self.me, cause)
-        self.guard.fire(cause)          # kills it, if the watch has not already
-        self.guard.close()
-        try:
-            self.restarts.record(cause)
-        except EngineRestartsError as exc:
-            log.error("%s", exc)
-            raise
-        old, self.last_fault = self.engine, cause
-        version = old.version if version is None else version
-        path = path if path is not None else self._weights_path
-        if self.cfg.weights.mode == "broadcast" or (version > 0 and path is None):
-            why = ("weights.mode=broadcast: the weight group cannot take a new member (restarts "
-                   "need weights.mode=disk)" if self.cfg.weights.mode == "broadcast"
-                   else f"no published copy of weights v{version} to load")
-            msg = f"{self.me}: its vLLM engine failed ({cause}) and cannot be restarted: {why}; the job ends"
-            log.error(msg)
-            raise EngineRestartsError(msg)
-        now = time.time()
-        samples = {s.request_id: s for s in (old._finish(r, "abort", now) for r in held)}
-        samples.update((s.request_id, s) for s in old.abort_all())
-        kill_engine(old)
-        self._heartbeat(force=True, down=True)
-        with preemption.shield_children():
-            self.engine = self.engine_factory(version=version)
-        if version > 0:
-            self.engine.update_weights_from_file(version, path)
-            self._weights_path = path
-        self.guard = EngineWatch(self.engine, self.cfg.rollout.engine_stall_s)
-        kept, fresh = self._continue(samples)
-        if self.watch is not None:
-            self.watch.heard()          # this rank's own work, not the controller's silence
-        self._heartbeat(force=True)
-        log.warning("%s: vLLM engine restarted in %.1f s at weights v%d (restart %d; cause: %s); "
-                    "%d sample(s) continued with %d token(s) kept, %d started again", self.me,
-                    time.monotonic() - t0, version, self.restarts.total, cause, len(kept),
-                    sum(kept), fresh)
-
-    def _continue(self, samples: dict) -> tuple[list[int], int]:
-        """Every unfinished sample of every group here, on the new engine: continued from its
-        tokens, returned at once if it had finished, or started again if the old engine had no
-        record of it. Returns (tokens kept per continued sample, samples started again)."""
-        r, kept, fresh = self.cfg.rollout, [], 0
-        for (kind, pid), group in list(self.groups.items()):
-            seeds = self._seeds(kind, pid, group.prompt.n)
-            again = []
-            for idx in range(group.prompt.n):
-                smp = samples.get(_request_id(kind, pid, idx))
-                if idx in group.samples:
-                    continue
-                if smp is None:
-                    again.append(idx)
-                elif smp.finish_reason != "abort":
-                    self._finished(kind, pid, idx, smp)
-                else:
-                    self.engine.continue_sample(smp, r.max_new_tokens, **self._sampling(kind))
-                    kept.append(len(smp.output_tokens))
-            if again:
-                fresh += len(again)
-                self.engine.submit_group([_request_id(kind, pid, i) for i in again],
-                                         group.prompt.prompt_tokens, max_new_tokens=r.max_new_tokens,
-                                         seeds=seeds and [seeds[i] for i in again],
-                                         **self._sampling(kind))
-        return kept, fresh
 
     def _record(self, kind: str, pid: int, idx: int, smp: FinishedSample) -> _Group:
         """A sample ends (finished or stopped): into its group, the tokens generated here counted."""
@@ -481,7 +338,9 @@ class Generator:
         complete = []
         for res in self.rewards.done(timeout):
             kind, pid, idx = res.key
-            group = self.groups[(kind, pid)]
+            group = self.groups.get((kind, pid))
+            if group is None:       # an evaluation's prompt left out (`_abandon_eval`)
+                continue
             group.rewards[idx] = res.reward
             if res.extras:
                 group.extras[idx] = res.extras
@@ -531,7 +390,7 @@ class Generator:
         for (kind, pid), group in list(self.groups.items()):
             if kind != "train" or group.generated:
                 continue
-            running = [_request_id(kind, pid, i) for i in range(group.prompt.n)
+            running = [request_id(kind, pid, i) for i in range(group.prompt.n)
                        if i not in group.samples]
             firsts = [v for v in (self.engine.oldest_version(r) for r in running) if v is not None]
             firsts += [int(s.versions[0]) for s in group.samples.values() if len(s.versions)]
@@ -578,7 +437,9 @@ class Generator:
         results = []
         while pending:
             self._heartbeat()
-            if self.engine.has_unfinished():
+            if self.awaiting is not None:       # the engine failed: no weights to generate with
+                self._abandon_eval(pending)
+            elif self.engine.has_unfinished():
                 self._step()
             for kind, group in self._collect_rewards(0.0 if self.engine.has_unfinished() else 0.05):
                 if kind == "train":

@@ -541,6 +541,15 @@ class VLLMEngine:
         Returns the seconds generation was paused (abort → resubmission)."""
         return self._update(version, "recv_weights", [(int(root), list(b)) for root, b in plan])
 
+    def drain_weights(self, plan: Sequence[tuple[int, Bucket]]) -> float:
+        """Take part in a broadcast of the version this engine already runs (it went out again
+        for a member that rejoined the weight group) without loading it: the workers receive
+        every bucket and drop it; requests are not interrupted. Returns the seconds."""
+        t0 = time.perf_counter()
+        self._engine.collective_rpc("recv_weights",
+                                    args=([(int(root), list(b)) for root, b in plan], False))
+        return time.perf_counter() - t0
+
     def update_weights_from_file(self, version: int, path: str) -> float:
         """As `update_weights`, from a safetensors file or a directory of shards."""
         return self._update(version, "load_weights_from_file", str(path))
@@ -555,8 +564,20 @@ class VLLMEngine:
             self._requests.clear()
         t1 = time.perf_counter()
         # A failed load raises here, before `version` moves: the engine's model may be half
-        # loaded, and the generator must stop rather than generate with it.
-        self._engine.collective_rpc(method, args=(arg,))
+        # loaded, and the generator must not generate with it until a load succeeds. The
+        # interrupted samples are queued again first (with the tokens they have), so that the
+        # next load resumes them; an engine that died with the load takes them to its
+        # replacement (`abort_all`).
+        try:
+            self._engine.collective_rpc(method, args=(arg,))
+        except BaseException:
+            now = time.time()
+            for req in interrupted:
+                try:
+                    self._resubmit(req, now)
+                except Exception:       # noqa: BLE001 - a dead engine: `abort_all` returns it
+                    self._requests[req.request_id] = req
+            raise
         load_s = time.perf_counter() - t1
         # Without this the next prefill silently reuses KV blocks computed with the old weights.
         if not self._engine.reset_prefix_cache():

@@ -37,6 +37,7 @@ from areal_hpc.transport.weights import (
     WeightGroupAddress,
     bucket_dtype,
     bucket_numel,
+    close_weight_group,
     dtype_from_str,
     init_weight_group,
     spec_numel,
@@ -128,11 +129,15 @@ class WeightSyncExtension:
         With batch invariance on (`deterministic: true` on CUDA) this worker has pinned NCCL
         settings for its own communicators; the weight group, shared with the trainer, is made
         without them (`areal_hpc.transport.weights.broadcast.unpinned_nccl_env`).
+        Called again with a later `address.generation` (the group re-formed after a member's
+        failure), the group this worker was in is torn down first.
         Returns the rank this worker joined as.
         """
         if isinstance(address, dict):   # through vLLM's RPC (msgspec sends a dataclass as a dict)
             address = WeightGroupAddress(**address)
         my_rank = rank + self.rank
+        close_weight_group(getattr(self, "_weight_group", None))
+        self._weight_group = None
         self._weight_group = init_weight_group(address, my_rank)
         return my_rank
 
@@ -142,8 +147,12 @@ class WeightSyncExtension:
         the worker through `VLLMEngine.collective_rpc`."""
         return self._weight_group
 
-    def recv_weights(self, plan: Sequence[tuple[int, Bucket]]) -> int:
+    def recv_weights(self, plan: Sequence[tuple[int, Bucket]], load: bool = True) -> int:
         """Receive one flat broadcast per bucket of `plan` from its root; reload the model.
+
+        `load=False`: receive every bucket and drop it (this engine already runs the version
+        sent, which went out again for a member that rejoined the group): the model is not
+        touched.
 
         `plan` is `plan_stages(...)` as computed by the trainer: [(root, bucket), ...]. Every
         worker receives every full tensor; vLLM's weight loaders cut out this worker's TP shard.
@@ -203,6 +212,9 @@ class WeightSyncExtension:
                     post()
                 wait()
 
+        if not load:
+            drain()
+            return 0
         try:
             _reload(self, tensors())
         except BaseException:

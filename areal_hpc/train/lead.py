@@ -104,9 +104,10 @@ class Lead(Follower):
         self._t_record = self._t_loop = time.monotonic()
         self._eval_s = 0.0
 
-    def batch(self) -> Batch | None:
+    def batch(self) -> Batch | str | None:
         """B groups, none older than η; None when a preemption signal arrived (checked while
-        waiting, too)."""
+        waiting, too); `messages.RESEND_WEIGHTS` when a generator's new engine waits for the
+        weights first."""
         return self.controller.next_batch(on_wait=self.progress.waiting,
                                           should_stop=preemption.requested)
 

@@ -27,6 +27,7 @@ from ..config import RunConfig, to_yaml
 from ..rollout.staleness import Batch
 from ..storage.run_dir import RunDir, is_complete
 from ..topology import Topology
+from ..transport import messages as msgs
 from ..transport import mpi as coll
 from . import checkpoint, hf_export
 from .actor import Actor, StepAbandoned
@@ -127,7 +128,9 @@ class Trainer:
         layout = self.actor.layout
         parts = None
         batch = self.lead.batch()
-        if self.topo.is_controller:
+        if isinstance(batch, str):      # msgs.RESEND_WEIGHTS: a new engine waits for weights
+            parts = [batch] * layout.dp
+        elif self.topo.is_controller:
             try:
                 parts = ([None] * layout.dp if batch is None else
                          split_batch(batch.trajectories, self.cfg.train, self.cfg.rollout.group_size, layout.dp,
@@ -142,6 +145,9 @@ class Trainer:
             alive=self.topo.controller_alive)
         if isinstance(share, Exception):
             raise share
+        if isinstance(share, str) and share == msgs.RESEND_WEIGHTS:
+            self.publisher.publish(self.version)    # every rank; then the batch is waited on again
+            return self._batch()
         return share, batch
 
     # -- the loop ---------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Protocol
 
 from .. import preemption
@@ -32,6 +33,11 @@ from ..transport import weights as wsync
 
 log = logging.getLogger(__name__)
 
+# Sends of one version at most: the first, and again over a re-formed weight group after a
+# generator's engine failed in it (each such failure also counts against that generator's
+# rollout.engine_restarts).
+SENDS = 3
+
 
 class WeightNotifier(Protocol):
     """Who tells the generators about an update and collects their acknowledgements: trainer
@@ -39,22 +45,29 @@ class WeightNotifier(Protocol):
     themselves)."""
     collects_acks: bool
 
-    def send_weights_notice(self, version: int, *, plan=None, path: str | None = None) -> None: ...
+    def regroup(self, force: bool = False) -> int | None: ...
+
+    def send_weights_notice(self, version: int, *, plan=None, path: str | None = None,
+                            generation: int | None = None) -> None: ...
 
     def wait_weights_acks(self, version: int, timeout_s: float,
-                          cause: BaseException | None = None) -> None: ...
+                          cause: BaseException | None = None) -> bool: ...
 
 
 class _Silent:
     """The notifier of a rank that announces nothing and waits for no acknowledgement."""
     collects_acks = False
 
-    def send_weights_notice(self, version: int, *, plan=None, path: str | None = None) -> None:
+    def regroup(self, force: bool = False) -> int | None:
+        return None
+
+    def send_weights_notice(self, version: int, *, plan=None, path: str | None = None,
+                            generation: int | None = None) -> None:
         pass
 
     def wait_weights_acks(self, version: int, timeout_s: float,
-                          cause: BaseException | None = None) -> None:
-        pass
+                          cause: BaseException | None = None) -> bool:
+        return False
 
 
 SILENT: WeightNotifier = _Silent()
@@ -76,23 +89,25 @@ class WeightPublisher:
     """
 
     def __init__(self, cfg, actor, comm, *, pp: int, collective_timeout_s: float,
-                 weight_dir: str, group=None, notifier: WeightNotifier = SILENT):
+                 weight_dir: str, group=None, notifier: WeightNotifier = SILENT, address=None):
         self.cfg, self.actor, self.comm = cfg, actor, comm
         self.pp, self.collective_timeout_s = pp, collective_timeout_s
         self.weight_dir, self.group, self.notifier = weight_dir, group, notifier
+        self.address = address      # the weight group's, for its later generations (senders)
         self._plan: wsync.Plan | None = None
 
     @classmethod
     def for_trainer(cls, cfg, topo, actor, notifier: WeightNotifier = SILENT) -> "WeightPublisher":
         """The trainer's publisher: stage senders join the weight group (weight rank = stage)."""
         w, t = cfg.weights, cfg.topology
-        group = None
+        group = address = None
         if w.mode == "broadcast" and actor.is_weight_sender:
-            group = wsync.init_weight_group(topo.weight_group_address(w), actor.weight_stage)
+            address = topo.weight_group_address(w)
+            group = wsync.init_weight_group(address, actor.weight_stage)
         return cls(w, actor, topo.role_comm, pp=t.pp,
                    collective_timeout_s=cfg.rollout.collective_timeout_s,
                    weight_dir=w.disk_dir or str(RunDir(cfg.run_dir).weights), group=group,
-                   notifier=notifier)
+                   notifier=notifier, address=address)
 
     # -- the plan -------------------------------------------------------------------------------
     def plan(self) -> wsync.Plan:
@@ -128,19 +143,33 @@ class WeightPublisher:
         checkpoint, and the resumed job publishes these weights first."""
         t0 = time.monotonic()
         plan = self.plan()
-        error = None
-        try:
-            self._send(version, plan)
-        except Exception as exc:                # rank 0 names the generators; all raise below
-            log.error("weight update to version %d failed on this rank: %s", version, exc)
-            error = exc
-        failure, stopping = self._acknowledged(version, error)
-        # Rank 0 arrives after the broadcast and the acknowledgements (each bounded by
-        # weights.timeout_s); rollout.collective_timeout_s bounds the whole wait of the others.
-        message, stopping = coll.bcast(
-            self.comm, (None if failure is None else str(failure), stopping), root=0,
-            timeout_s=self.collective_timeout_s,
-            what=f"weight update to version {version}: its outcome")
+        for attempt in range(1, SENDS + 1):
+            # A generator waiting for weights (a new engine), or the last attempt's failure:
+            # the group's next generation is formed first (rank 0 decides for every rank).
+            generation = coll.bcast(self.comm, self.notifier.regroup(force=attempt > 1), root=0,
+                                    timeout_s=self.collective_timeout_s,
+                                    what=f"weight update to version {version}: the group")
+            error = None
+            try:
+                self._send(version, plan, generation)
+            except Exception as exc:            # rank 0 names the generators; all raise below
+                log.error("weight update to version %d failed on this rank: %s", version, exc)
+                error = exc
+            failure, stopping, again = self._acknowledged(version, error)
+            # Rank 0 arrives after the broadcast and the acknowledgements (each bounded by
+            # weights.timeout_s); rollout.collective_timeout_s bounds the whole wait of the others.
+            message, stopping, again = coll.bcast(
+                self.comm, (None if failure is None else str(failure), stopping, again), root=0,
+                timeout_s=self.collective_timeout_s,
+                what=f"weight update to version {version}: its outcome")
+            if not (again and attempt < SENDS and not stopping):
+                break
+            log.warning("weight update to version %d: a generator's engine failed in it; sending "
+                        "it again over a re-formed weight group (attempt %d of %d)", version,
+                        attempt + 1, SENDS)
+        if again and failure is None and message is None:
+            message = (f"weight update to version {version}: generators still wait for it after "
+                       f"{SENDS} sends over re-formed weight groups")
         if stopping:        # every rank goes on to the stop and its checkpoint (rank 0 decides)
             log.warning("weight update to version %d failed during a preemption (%s): going on "
                         "to stop and checkpoint; the resumed job publishes these weights first",
@@ -154,12 +183,18 @@ class WeightPublisher:
             raise error
         return time.monotonic() - t0
 
-    def _send(self, version: int, plan: wsync.Plan) -> None:
-        """This rank's part of moving the tensors (see the module docstring's table)."""
+    def _send(self, version: int, plan: wsync.Plan, generation: int | None = None) -> None:
+        """This rank's part of moving the tensors (see the module docstring's table); a
+        stage sender joins the weight group's `generation` first, when it is re-formed."""
         a, w = self.actor, self.cfg
         stage = a.weight_stage
         if w.mode == "broadcast":
-            self.notifier.send_weights_notice(version, plan=plan)
+            self.notifier.send_weights_notice(version, plan=plan, generation=generation)
+            if a.is_weight_sender and generation is not None:
+                wsync.close_weight_group(self.group)
+                self.group = None
+                self.group = wsync.init_weight_group(replace(self.address, generation=generation),
+                                                     stage)
             if a.is_weight_sender:
                 wsync.broadcast_stage(self.group, plan, stage, a.iter_hf_weights(), a.device)
             elif stage is not None:
@@ -180,22 +215,23 @@ class WeightPublisher:
         join_gather(self.actor.iter_hf_weights(), self.cfg.bucket_mb << 20)
 
     def _acknowledged(self, version: int, error: BaseException | None) -> tuple:
-        """Rank 0: wait for every generator to run `version`; returns (failure, stopping).
-        Every other rank: (None, False); rank 0's outcome reaches it in `publish`."""
+        """Rank 0: wait for every generator to run `version`; returns (failure, stopping,
+        again: send it again over a re-formed group). Every other rank: (None, False, False);
+        rank 0's outcome reaches it in `publish`."""
         if not self.notifier.collects_acks:
-            return None, False
+            return None, False, False
         w = self.cfg
         # A preemption's TERM reaches vLLM's processes too, which die mid-update: no grace for
         # acknowledgements then, the job is stopping and the checkpoint is what counts.
         grace = 0.0 if error is not None and preemption.requested() else w.timeout_s
-        failure = None
+        failure, again = None, False
         try:
-            self.notifier.wait_weights_acks(version, grace, error)
+            again = bool(self.notifier.wait_weights_acks(version, grace, error))
         except wsync.WeightSyncError as exc:
             failure = exc
-        if failure is None and w.mode == "disk":
+        if failure is None and not again and w.mode == "disk":
             wsync.prune_versions(self.weight_dir, keep=version)
-        return failure, failure is not None and preemption.requested()
+        return failure, failure is not None and preemption.requested(), again
 
 
 def join_gather(tensors, bound_bytes: int) -> int:

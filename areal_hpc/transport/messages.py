@@ -90,11 +90,13 @@ class Prompts:
 
 @dataclass(frozen=True, slots=True)
 class WeightsNotice:
-    """Load `version`: over the weight group by `plan` (a broadcast follows), or from `path`."""
+    """Load `version`: over the weight group by `plan` (a broadcast follows), or from `path`.
+    `generation`: join the weight group's generation first (it was re-formed, `regroup`)."""
     TAG: ClassVar[Tag] = Tag.WEIGHTS
     version: int
     plan: list | None = None
     path: str | None = None
+    generation: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,12 +208,21 @@ class GeneratorStats:
         return self.seconds.get("idle", 0.0) + self.seconds.get("idle_scoring", 0.0)
 
 
+# What the controller hands the trainer instead of a batch when a generator's new engine waits
+# for weights (`WeightsAck` "awaiting"): the trainer sends the version it holds again, over a
+# re-formed weight group, and then waits for its batch again.
+RESEND_WEIGHTS = "resend weights"
+
+
 @dataclass(frozen=True, slots=True)
 class WeightsAck:
-    """"started" when a generator begins loading `version`, "loaded" once its engine runs it."""
+    """"started" when a generator begins loading `version`, "loaded" once its engine runs it;
+    "awaiting" when its engine holds no weights it may generate with (a new engine after a
+    fault, or a broadcast that failed part-way) and waits for the group to be re-formed and
+    `version` sent again."""
     TAG: ClassVar[Tag] = Tag.WEIGHTS_ACK
     version: int
-    phase: str                      # "started" | "loaded"
+    phase: str                      # "started" | "loaded" | "awaiting"
     paused_s: float = 0.0           # with "loaded": how long generation was paused
 
 

@@ -1,13 +1,17 @@
 """A generator's vLLM engine that dies or stalls is restarted inside its rank, and the real job
-(mpiexec, vLLM, Megatron, weights over disk) goes on to its last step with nothing lost.
+(mpiexec, vLLM, Megatron; weights over the weight group, re-formed with the new engine, or over
+disk) goes on to its last step with nothing lost.
 
 - kill: the EngineCore process is killed (SIGKILL) mid-run: vLLM's client marks the engine dead,
   the generator's watch (rollout/engine_guard.py) wakes its blocked step;
 - stop: the EngineCore is stopped (SIGSTOP): no output for rollout.engine_stall_s inside a step
   is a stall; the watch kills the stopped engine;
-- kill_tp_worker: with rollout.engine_tp=2, one of the engine's two TP workers is killed.
-Either way the generator starts a new engine on its CPUs, loads the weights the trainer
-published last, and continues its in-flight samples from their tokens; the run trains all its
+- kill_tp_worker: with rollout.engine_tp=2, one of the engine's two TP workers is killed;
+- kill_in_broadcast: the engine is killed as the update to v3 begins (a test hook), so the
+  trainer's broadcast meets a dead member: the update is sent again to the group re-formed.
+Either way the generator starts a new engine on its CPUs with the current weights (the files the
+trainer published last; or, under broadcast, the version sent again once the weight group is
+re-formed with the new engine's workers) and continues its in-flight samples from their tokens; the run trains all its
 steps, the audit is clean. One fault more than rollout.engine_restarts ends the job with one line
 naming the generator and the causes.
 """
@@ -25,13 +29,19 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 from chaos import when_busy  # noqa: E402  (the chaos tool's faults are this test's)
 
+from areal_hpc.rollout.recovery import KILL_AT_UPDATE_ENV  # noqa: E402
+
 STALL_S = 15
 # Every sample runs to max_new_tokens (ignore_eos), so the engine is generating most of the time
 ARGS = ["train.total_steps=10", "train.batch_prompts=3", "rollout.group_size=2",
         "rollout.max_new_tokens=96", "rollout.ignore_eos=true", "data.eval_limit=4", "data.eval_samples=1",
-        "checkpoint.every_steps=100", "weights.mode=disk", "rollout.heartbeat_s=2",
+        "checkpoint.every_steps=100", "rollout.heartbeat_s=2",
         f"rollout.engine_stall_s={STALL_S}", "rollout.generator_timeout_s=120",
-        "weights.timeout_s=300"]
+        "weights.timeout_s=60"]
+# How the new engine gets the current weights: the trainer's published files (disk), or sent
+# again over the weight group re-formed with the new engine's workers (broadcast, the default)
+MODE = {"kill": "broadcast", "stop": "disk", "kill_tp_worker": "broadcast",
+        "kill_in_broadcast": "broadcast"}
 
 
 class _Job:
@@ -109,13 +119,21 @@ def _restarted(out: str) -> list[tuple[int, int]]:
         r"(\d+) started again", out)]
 
 
-@pytest.mark.parametrize("how", ["kill", "stop", "kill_tp_worker"])
-def test_a_faulted_engine_is_restarted_and_the_run_finishes(jobs, tiny_model, tmp_path, how):
+@pytest.mark.parametrize("how", ["kill", "stop", "kill_tp_worker", "kill_in_broadcast"])
+def test_a_faulted_engine_is_restarted_and_the_run_finishes(jobs, tiny_model, tmp_path, how,
+                                                            monkeypatch):
     run_dir = tmp_path / how
     tp = ["rollout.engine_tp=2"] if how == "kill_tp_worker" else []
-    job = _Job(jobs, jobs.args(tiny_model, tmp_path, how, *ARGS, *tp), run_dir)
+    if how == "kill_in_broadcast":      # the engine dies as the update to v3 begins (a hook)
+        monkeypatch.setenv(KILL_AT_UPDATE_ENV, "3")
+    job = _Job(jobs, jobs.args(tiny_model, tmp_path, how, *ARGS, *tp, f"weights.mode={MODE[how]}"),
+               run_dir)
     try:
-        old = _fault(job, how, 2)
+        if how == "kill_in_broadcast":
+            job.until("the engine restarted", lambda: "vLLM engine restarted in" in job.text())
+            old = None
+        else:
+            old = _fault(job, how, 2)
         t_fault = time.time()
         code = job.wait()
     finally:
@@ -125,6 +143,10 @@ def test_a_faulted_engine_is_restarted_and_the_run_finishes(jobs, tiny_model, tm
     assert code == 0, out[-6000:]
     cause = "engine stalled: no output for" if how == "stop" else "is gone"
     assert cause in out, out[-6000:]
+    if how == "kill_in_broadcast":      # the update it broke was sent again, to the group re-formed
+        assert "is gone (during the update to weights v3)" in out, out[-6000:]
+        assert "weight update to version 3: a generator's engine failed in it; sending it " \
+               "again over a re-formed weight group (attempt 2 of 3)" in out, out[-6000:]
     restarted = [line for line in out.splitlines() if "vLLM engine restarted in" in line]
     assert len(restarted) == 1, out[-6000:]
     print("\n" + restarted[0])
@@ -137,10 +159,14 @@ def test_a_faulted_engine_is_restarted_and_the_run_finishes(jobs, tiny_model, tm
     print(f"samples continued {continued}, started again {again}")
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(10)), metrics
+    assert [m["version"] for m in metrics] == list(range(1, 11)), metrics   # none skipped, none twice
     assert metrics[-1]["engine_restarts"] == 1 and metrics[-1]["generators_live"] == 1
     assert metrics[0]["engine_restarts"] == 0
     stats = json.loads((run_dir / "generators.json").read_text())
     assert [g["engine_restarts"] for g in stats] == [1] and stats[0]["version"] == 10
+    if MODE[how] == "broadcast":        # the group re-formed once, the new engine in it
+        assert "weight group: forming generation 1" in out and "generation 2" not in out, out[-6000:]
+        assert re.search(r"joined the weight group's generation 1", out), out[-6000:]
     # the new engine served: samples submitted after the fault were trained
     from areal_hpc.storage.rollout_log import RolloutReader
     with RolloutReader(run_dir / "rollouts.h5") as log:
@@ -151,7 +177,8 @@ def test_a_faulted_engine_is_restarted_and_the_run_finishes(jobs, tiny_model, tm
     report = audit(run_dir)
     assert report.ok, report.text()
     print(report.text())
-    assert not psutil.pid_exists(old) or psutil.Process(old).status() == psutil.STATUS_ZOMBIE
+    assert old is None or not psutil.pid_exists(old) \
+        or psutil.Process(old).status() == psutil.STATUS_ZOMBIE
     assert not job.leftovers(), "processes of the job are still running"
 
 

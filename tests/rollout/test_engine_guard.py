@@ -17,6 +17,7 @@ from areal_hpc.rollout.engine_guard import EngineRestartsError, EngineWatch, Res
 from areal_hpc.rollout.generator import Generator
 from areal_hpc.rollout.vllm_engine import FinishedSample
 from areal_hpc.transport import messages as msgs
+from areal_hpc.transport.weights import WeightGroupAddress
 
 
 class _Core:
@@ -131,7 +132,8 @@ class _FakeEngine:
     """The VLLMEngine calls the generator makes; `fail` makes step() raise as a dead one does."""
 
     def __init__(self, version=0):
-        self.version, self.fail = version, False
+        self.version, self.fail, self.fail_recv = version, False, False
+        self.drained, self.groups, self.aborted = [], [], []
         self.submitted, self.continued, self.loaded, self.pending = [], [], [], []
         self._children, self._closed = [], False
 
@@ -156,6 +158,24 @@ class _FakeEngine:
         self.version = version
         return 0.0
 
+    def update_weights(self, version, plan):
+        if self.fail_recv:
+            raise RuntimeError("[gloo] Timed out waiting for the broadcast")
+        self.loaded.append((version, "broadcast"))
+        self.version = version
+        return 0.0
+
+    def drain_weights(self, plan):
+        self.drained.append(len(plan))
+        return 0.0
+
+    def init_weight_group(self, address, rank):
+        self.groups.append((address.generation, rank))
+
+    def abort(self, ids):
+        self.aborted += list(ids)
+        return []
+
     def has_unfinished(self):
         return True
 
@@ -178,6 +198,9 @@ class _Rewards:
     def submit(self, key, *args):
         self.submitted.append(key)
 
+    def done(self, timeout):
+        return []
+
 
 def _sample(rid, tokens, reason="abort"):
     n = len(tokens)
@@ -189,7 +212,9 @@ def _generator(mode="disk", restarts=3):
     cfg = RunConfig()
     cfg.weights.mode = mode
     cfg.rollout.engine_restarts = restarts
-    topo = type("Topo", (), {"rank": 1, "hosts": ["h0", "h1"]})()
+    address = WeightGroupAddress("h0", 1234, 2, "gloo")
+    topo = type("Topo", (), {"rank": 1, "hosts": ["h0", "h1"], "weight_group_rank": 1,
+                             "weight_group_address": lambda self, w: address})()
     engines = []
 
     def factory(version):
@@ -232,12 +257,54 @@ def test_more_faults_than_the_bound_end_the_rank():
         gen._step()
 
 
-def test_under_broadcast_a_fault_ends_the_rank_with_the_reason():
+def _acks(gen):
+    return [(a.version, a.phase) for a in gen.chan.sent if isinstance(a, msgs.WeightsAck)]
+
+
+def test_under_broadcast_a_new_engine_waits_for_the_weights_over_a_reformed_group():
     gen, engines = _generator(mode="broadcast")
+    gen._submit("train", msgs.Prompt(5, [1, 2], 2, "math", "4"))
+    engines[0].version = 3
+    engines[0].pending = [_sample("train:5:0", [7, 8])]
     engines[0].fail = True
-    with pytest.raises(EngineRestartsError, match="the weight group cannot take a new member"):
-        gen._step()
-    assert len(engines) == 1
+    gen._step()
+    new = engines[1]
+    assert gen.engine is new and new.loaded == []                  # nothing from disk
+    assert gen.awaiting == 3 and _acks(gen) == [(3, "awaiting")]   # told to the controller
+    assert [s.request_id for s in new.continued] == ["train:5:0"]  # kept, not stepped yet
+    plan = [(0, [("w", (2,), "float32")])]
+    gen._update_weights(msgs.WeightsNotice(3, plan=plan, generation=1))
+    assert new.groups == [(1, 1)]           # joined the group's new generation first
+    assert new.loaded == [(3, "broadcast")] and gen.awaiting is None
+    assert _acks(gen)[-2:] == [(3, "started"), (3, "loaded")]
+
+
+def test_a_version_already_running_is_taken_off_the_wire_without_loading():
+    gen, engines = _generator(mode="broadcast")
+    engines[0].version = 2
+    gen._update_weights(msgs.WeightsNotice(2, plan=[(0, [])], generation=4))
+    assert engines[0].groups == [(4, 1)] and engines[0].drained == [1] and engines[0].loaded == []
+    assert _acks(gen) == [(2, "started"), (2, "loaded")]
+
+
+def test_a_broadcast_that_fails_on_a_live_engine_waits_for_the_version_again():
+    gen, engines = _generator(mode="broadcast")
+    engines[0].fail_recv = True
+    gen._update_weights(msgs.WeightsNotice(5, plan=[(0, [])]))      # no raise: the job goes on
+    assert gen.awaiting == 5 and len(engines) == 1 and gen.restarts.total == 0
+    assert _acks(gen) == [(5, "started"), (5, "awaiting")]
+    engines[0].fail_recv = False
+    gen._update_weights(msgs.WeightsNotice(5, plan=[(0, [])], generation=1))
+    assert engines[0].loaded == [(5, "broadcast")] and gen.awaiting is None
+
+
+def test_an_evaluation_met_while_waiting_for_weights_leaves_its_unfinished_prompts_out():
+    gen, engines = _generator(mode="broadcast")
+    gen.awaiting = 2
+    gen._evaluate(msgs.EvalRequest([msgs.Prompt(0, [1, 2], 2, "math", "4")]))
+    assert engines[0].aborted == ["eval:0:0", "eval:0:1"]
+    result, = [m for m in gen.chan.sent if isinstance(m, msgs.EvalResult)]
+    assert result.results == [] and ("eval", 0) not in gen.groups
 
 
 def test_a_fault_during_a_weight_load_loads_that_version_into_the_new_engine():

@@ -5,6 +5,7 @@ file order and share it: the last one shuts it down and checks that no process i
 A tiny random Qwen2 is written to a temp dir; nothing is downloaded.
 """
 
+import dataclasses
 import multiprocessing as mp
 import os
 
@@ -163,7 +164,8 @@ def _trainer(model_dir, port, sent_path, meta_queue):
     from safetensors.torch import load_file, save_file
 
     from areal_hpc.transport.weights import (
-        broadcast_weights, dtype_to_str, init_sender_group, plan_buckets,
+        broadcast_weights, close_weight_group, dtype_to_str, init_sender_group,
+        init_weight_group, plan_buckets,
     )
 
     g = torch.Generator().manual_seed(1234)
@@ -176,9 +178,15 @@ def _trainer(model_dir, port, sent_path, meta_queue):
     save_file({k: v.float().contiguous() for k, v in new.items()}, sent_path)
     buckets = plan_buckets([(k, v.shape, dtype_to_str(v.dtype)) for k, v in new.items()], 32 << 10)
     meta_queue.put(buckets)
-    group = init_sender_group(WeightGroupAddress("127.0.0.1", port, 2, "gloo", timeout_s=300))
+    address = WeightGroupAddress("127.0.0.1", port, 2, "gloo", timeout_s=300)
+    group = init_sender_group(address)
     stats = broadcast_weights(group, new, buckets)
     meta_queue.put(stats)
+    # The group re-formed (its generation 1), the same version sent again: the engine, which
+    # runs it already, takes it off the wire without loading it.
+    close_weight_group(group)
+    group = init_weight_group(dataclasses.replace(address, generation=1), 0)
+    broadcast_weights(group, new, buckets)
 
 
 def test_weight_update_mid_generation(engine, model_dir, tmp_path):
@@ -209,6 +217,13 @@ def test_weight_update_mid_generation(engine, model_dir, tmp_path):
         paused_s = engine.update_weights(1, [(0, b) for b in buckets])
         assert engine.num_running() == 5  # all five resubmitted
         stats = meta_queue.get(timeout=120)
+        early += engine.step()
+        # version 1 again over the group's next generation: received and dropped, the model
+        # and the requests untouched (each sample is interrupted once, below)
+        address = WeightGroupAddress("127.0.0.1", port, 2, "gloo", generation=1)
+        assert engine.init_weight_group(address, 1) == [1]
+        engine.drain_weights([(0, b) for b in buckets])
+        assert engine.version == 1 and engine.num_running() == 5
         done = run_to_completion(engine)
     finally:
         trainer.join(timeout=60)
@@ -311,7 +326,7 @@ def test_generator_stops_a_stale_group_and_sends_it(engine):
     whose oldest token predates the version is stopped and sent at once as far as it got
     (finish_reason "abort", reward 0); a group that started later and an evaluation group are
     left running to their end."""
-    from areal_hpc.rollout.generator import Generator, _Group, _request_id
+    from areal_hpc.rollout.generator import Generator, _Group, request_id
     from areal_hpc.topology import CONTROLLER_RANK
     from areal_hpc.transport import messages as msgs
     from areal_hpc.transport.mpi import Tag
@@ -322,7 +337,7 @@ def test_generator_stops_a_stale_group_and_sends_it(engine):
 
     def submit(kind, pid, n):
         gen.groups[(kind, pid)] = _Group(msgs.Prompt(pid, prompt, n, "math", "1"))
-        engine.submit_group([_request_id(kind, pid, i) for i in range(n)], prompt, max_new,
+        engine.submit_group([request_id(kind, pid, i) for i in range(n)], prompt, max_new,
                             temperature=1.0, ignore_eos=True)
 
     try:

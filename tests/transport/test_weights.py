@@ -486,6 +486,27 @@ def test_ack_tracker_names_generators():
         acks.check(5, 1.0, cause=TimeoutError("gloo timed out\nmore"))
 
 
+def test_ack_tracker_awaiting_answers_only_the_notice_after_it():
+    """A generator whose engine was replaced (or whose load failed) says it waits for the
+    version: the update is settled (to be sent again over a re-formed group) once every other
+    generator runs it, but an "awaiting" from before the last notice answers nothing."""
+    acks = AckTracker({2: "n1", 3: "n2"})
+    acks.sent()
+    acks.record(2, WeightsAck(5, "started"))
+    acks.record(2, WeightsAck(5, "loaded"))
+    acks.record(3, WeightsAck(5, "started"))
+    assert not acks.settled(5) and not acks.complete(5)
+    acks.record(3, WeightsAck(5, "awaiting"))
+    assert acks.settled(5) and not acks.complete(5)
+    with pytest.raises(WeightSyncError, match="rank 3 .host n2. waits for weights v5 again"):
+        acks.check(5, 1.0)
+    acks.sent()                                         # sent again: the old reply is stale
+    assert not acks.settled(5) and not acks.complete(5)
+    acks.record(3, WeightsAck(5, "started"))
+    acks.record(3, WeightsAck(5, "loaded"))
+    assert acks.complete(5) and not acks.settled(5) and not acks.awaiting
+
+
 def _stage_sender(port, world, stage, plan, sd, out_queue):
     from areal_hpc.transport.weights import broadcast_stage, init_weight_group
 

@@ -34,14 +34,15 @@ The trainer side of one update (who sends, who only gathers, who waits for ackno
 
 from .acks import AckTracker, WeightSyncError
 from .broadcast import (BroadcastStats, WeightGroupAddress, broadcast_stage, broadcast_weights,
-                        init_sender_group, init_weight_group)
+                        close_weight_group, init_sender_group, init_weight_group)
 from .disk import prune_versions, version_dir, write_stage
 from .plan import (Bucket, Plan, TensorSpec, bucket_dtype, bucket_numel, dtype_from_str,
                    dtype_to_str, plan_buckets, plan_bytes, plan_stages, spec_numel)
 
 __all__ = [
     "AckTracker", "WeightSyncError",
-    "BroadcastStats", "broadcast_stage", "broadcast_weights", "init_sender_group",
+    "BroadcastStats", "broadcast_stage", "broadcast_weights", "close_weight_group",
+    "init_sender_group",
     "init_weight_group", "WeightGroupAddress",
     "prune_versions", "version_dir", "write_stage",
     "Bucket", "Plan", "TensorSpec", "bucket_dtype", "bucket_numel", "dtype_from_str",

@@ -34,6 +34,9 @@ class WeightGroupAddress:
     backend: str                # "nccl" or "gloo"
     timeout_s: float | None = None
     join_timeout_s: float | None = None
+    # The group's generation: 0 at the job's start, one more each time the group is re-formed
+    # (a member's engine was replaced, or a broadcast failed): every member joins the same one.
+    generation: int = 0
 
 
 def init_weight_group(address: WeightGroupAddress, rank: int) -> torch.distributed.ProcessGroup:
@@ -54,13 +57,51 @@ def init_weight_group(address: WeightGroupAddress, rank: int) -> torch.distribut
     default = torch.distributed.distributed_c10d._get_default_timeout(backend)
     timeout = default if a.timeout_s is None else timedelta(seconds=a.timeout_s)
     join = timeout if a.join_timeout_s is None else timedelta(seconds=a.join_timeout_s)
-    store = rendezvous_store(a.host, a.port, world_size, rank == 0, join)
+    store = _store(a, rank, join)
     store.set_timeout(timeout)
-    prefix = PrefixStore("areal_weights", store)
+    # Each generation meets under its own prefix in the one store: a re-formed group's keys
+    # never meet the failed one's.
+    prefix = PrefixStore("areal_weights" if a.generation == 0 else f"areal_weights.g{a.generation}",
+                         store)
     if backend == "gloo":
         return init_gloo_process_group(prefix, rank, world_size, timeout)
     with unpinned_nccl_env():
         return _join_nccl(prefix, rank, world_size, timeout)
+
+
+# The weight group's store on rank 0, kept for the groups of later generations (rank 0 serves it
+# from the job's start to its end; a re-formed group meets in it again).
+_MASTER_STORES: dict[tuple[str, int], object] = {}
+
+
+def _store(a: WeightGroupAddress, rank: int, join):
+    """The rendezvous store: at generation 0 every member joins it together (rank 0 serves it);
+    a later generation's members connect to the store rank 0 still serves (a restarted engine's
+    workers as well as the members that were up)."""
+    key = (a.host, a.port)
+    if rank == 0 and key in _MASTER_STORES:
+        return _MASTER_STORES[key]
+    if a.generation == 0 or rank == 0:
+        store = rendezvous_store(a.host, a.port, a.world_size, rank == 0, join)
+        if rank == 0:
+            _MASTER_STORES[key] = store
+        return store
+    from torch.distributed import TCPStore
+    return TCPStore(a.host, a.port, is_master=False, timeout=join, wait_for_workers=False)
+
+
+def close_weight_group(group) -> None:
+    """Tear down a weight group before its next generation is formed: NCCL's communicator
+    aborted (a collective stuck on a dead member is given up), gloo's pairs closed. Never
+    raises: the group is being given up because something already failed."""
+    if group is None:
+        return
+    for name in ("abort", "shutdown"):
+        fn = getattr(group, name, None)
+        if fn is not None:
+            with contextlib.suppress(Exception):
+                fn()
+            return
 
 
 def _join_nccl(prefix, rank: int, world_size: int, timeout) -> torch.distributed.ProcessGroup:
