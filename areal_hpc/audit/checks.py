@@ -296,6 +296,9 @@ def _check_prompts(run: AuditedRun, groups: Groups, proj: Projection | None) -> 
              f"up: {cats['given up']} ({policy})",
              f"preempted mid-generation and continued from their partial rows: "
              f"{cats['continued']}",
+             f"vLLM engines restarted after a fault, as the steps' metrics recorded: "
+             f"{_engine_restarts(run)} (their samples continued in the new engine from their "
+             f"tokens: no prompt issued again for them)",
              f"rolled back and issued again: {cats['rolled back, issued again']}"
              + (f"; issued after the checkpoint (a resume rolls them back and issues them "
                 f"again): {cats['after the checkpoint']}" if cats["after the checkpoint"] else "")]
@@ -304,7 +307,8 @@ def _check_prompts(run: AuditedRun, groups: Groups, proj: Projection | None) -> 
         if ctrl.lost_stale is None:
             lines.append("the checkpoint predates its lost_stale counter: given-up prompts not "
                          "compared with it")
-        return Check(name, not bad, lines + bad, {"lost": len(lost) + n_norows})
+        return Check(name, not bad, lines + bad, {"lost": len(lost) + n_norows,
+                                                  "engine_restarts": _engine_restarts(run)})
     why = "no valid checkpoint" if run.ckpt is None else "the checkpoint holds no controller state"
     count = len(unknown) + n_norows
     lines.append(f"not checkable: {why}, so the prompts in flight (or queued for reissue) when "
@@ -312,6 +316,19 @@ def _check_prompts(run: AuditedRun, groups: Groups, proj: Projection | None) -> 
                      f"; {count} prompt id(s) are neither trained, pending nor given up for good: "
                      + _listing((unknown + norows)[:EXAMPLES], count) if count else ""))
     return Check(name, False if bad else None, lines + bad)
+
+
+def _engine_restarts(run: AuditedRun) -> int:
+    """Engine restarts over every attempt, from metrics.jsonl's per-attempt running count (a
+    requeued attempt's generators count from 0 again)."""
+    total = prev = 0
+    for _, rec in run.metrics or []:
+        cur = rec.get("engine_restarts")
+        if not isinstance(cur, int):
+            continue
+        total += cur - prev if cur >= prev else cur
+        prev = cur
+    return total
 
 
 def _check_pending(run: AuditedRun, groups: Groups, proj: Projection | None) -> Check:

@@ -70,6 +70,12 @@ class EngineRecovery:
         for a member that rejoined) is taken off the wire without loading. The trainer fails
         the job if an acknowledgement does not arrive in time."""
         version = msg.version
+        if self.awaiting is not None and msg.path is None and msg.generation is None:
+            # Sent before this rank waited (its engine is in no group, or its group failed):
+            # the version comes again with the group's next generation.
+            log.info("%s: weights v%d notice from before the weight group was re-formed: "
+                     "skipped", self.me, version)
+            return
         drain = msg.path is None and self.awaiting is None and version == self.engine.version
         msgs.post(self.chan, msgs.WeightsAck(version, "started"), CONTROLLER_RANK)
         t0 = time.monotonic()

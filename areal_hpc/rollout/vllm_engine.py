@@ -59,6 +59,7 @@ import numpy as np
 from areal_hpc.cpus import split_cpus
 from areal_hpc.reaper import MPI_ENV_PREFIXES   # vLLM's children drop them
 from areal_hpc.rollout.seeds import SEED_BITS, continuation_seed
+from areal_hpc.rollout.vllm_ext import reported
 from areal_hpc.transport.weights import Bucket, WeightGroupAddress
 
 logger = logging.getLogger(__name__)
@@ -532,8 +533,17 @@ class VLLMEngine:
         joins as rank + i. Returns the workers' ranks."""
         # vLLM's RPC encodes its arguments with msgspec, which turns a dataclass into a dict:
         # send the dict, and the extension rebuilds the address.
-        return self._engine.collective_rpc("init_weight_group",
-                                           args=(dataclasses.asdict(address), rank))
+        return self._rpc("init_weight_group", dataclasses.asdict(address), rank)
+
+    def _rpc(self, method: str, *args) -> list:
+        """`method` of the worker extension on every worker (`vllm_ext.reported`): every
+        worker's reply is read; a failure on any raises `RuntimeError` naming each."""
+        out = self._engine.collective_rpc(reported, args=(method, *args))
+        errors = [r["areal_worker_error"] for r in out
+                  if isinstance(r, dict) and "areal_worker_error" in r]
+        if errors:
+            raise RuntimeError(f"{method} failed: " + "; ".join(errors))
+        return out
 
     def update_weights(self, version: int, plan: Sequence[tuple[int, Bucket]]) -> float:
         """Interrupt, receive the trainer's broadcast (`broadcast_stage` on every stage sender
@@ -546,8 +556,7 @@ class VLLMEngine:
         for a member that rejoined the weight group) without loading it: the workers receive
         every bucket and drop it; requests are not interrupted. Returns the seconds."""
         t0 = time.perf_counter()
-        self._engine.collective_rpc("recv_weights",
-                                    args=([(int(root), list(b)) for root, b in plan], False))
+        self._rpc("recv_weights", [(int(root), list(b)) for root, b in plan], False)
         return time.perf_counter() - t0
 
     def update_weights_from_file(self, version: int, path: str) -> float:
@@ -569,7 +578,7 @@ class VLLMEngine:
         # next load resumes them; an engine that died with the load takes them to its
         # replacement (`abort_all`).
         try:
-            self._engine.collective_rpc(method, args=(arg,))
+            self._rpc(method, arg)
         except BaseException:
             now = time.time()
             for req in interrupted:

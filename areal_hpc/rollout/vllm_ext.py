@@ -119,6 +119,20 @@ def _reload(worker, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
                 layer.quant_method.process_weights_after_loading(layer)
 
 
+def reported(worker, method: str, *args):
+    """`worker.<method>(*args)` for `VLLMEngine`'s RPCs, a failure returned as a value
+    ({"areal_worker_error": text}) instead of raised. vLLM's multiprocess executor stops reading
+    the workers' replies at the first failed one, so with TP > 1 the other workers' replies to
+    a failed call stay queued and are taken as the replies to the next call (a weight group
+    joined, but reported failed). A recovered failure (a broadcast a dead peer broke) must
+    leave the engine usable: every worker replies, and the engine raises for them."""
+    try:
+        return getattr(worker, method)(*args)
+    except Exception as exc:        # noqa: BLE001 - returned to the engine, which raises it
+        return {"areal_worker_error": f"worker {getattr(worker, 'rank', '?')}: "
+                                      f"{type(exc).__name__}: {exc}"}
+
+
 class WeightSyncExtension:
     def init_weight_group(self, address: WeightGroupAddress | dict, rank: int) -> int:
         """Join the weight group; blocks until the trainer's stage senders and all receivers join.

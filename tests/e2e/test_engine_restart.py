@@ -176,6 +176,7 @@ def test_a_faulted_engine_is_restarted_and_the_run_finishes(jobs, tiny_model, tm
     from areal_hpc.audit import audit
     report = audit(run_dir)
     assert report.ok, report.text()
+    assert report.figure("engine_restarts") == 1 and report.figure("lost") == 0, report.text()
     print(report.text())
     assert old is None or not psutil.pid_exists(old) \
         or psutil.Process(old).status() == psutil.STATUS_ZOMBIE

@@ -279,6 +279,33 @@ def test_under_broadcast_a_new_engine_waits_for_the_weights_over_a_reformed_grou
     assert _acks(gen)[-2:] == [(3, "started"), (3, "loaded")]
 
 
+def test_a_notice_from_before_the_group_was_reformed_is_skipped():
+    """Sent before this rank waited for weights (its new engine is in no group): receiving it
+    would fail; the version comes again with the group's next generation."""
+    gen, engines = _generator(mode="broadcast")
+    gen.awaiting = 3
+    gen._update_weights(msgs.WeightsNotice(3, plan=[(0, [])]))
+    assert _acks(gen) == [] and engines[0].loaded == [] and gen.awaiting == 3
+
+
+def test_a_worker_failure_is_a_reply_so_every_worker_replies():
+    """vLLM's executor stops reading replies at the first failed worker (the rest would answer
+    the next call): the engine's calls go through `reported`, which returns the failure."""
+    from areal_hpc.rollout.vllm_ext import reported
+
+    class Worker:
+        rank = 1
+
+        def recv_weights(self, plan):
+            raise RuntimeError("[gloo] Connection closed by peer")
+
+        def init_weight_group(self, address, rank):
+            return rank + self.rank
+    assert reported(Worker(), "init_weight_group", {}, 2) == 3
+    assert reported(Worker(), "recv_weights", []) == {
+        "areal_worker_error": "worker 1: RuntimeError: [gloo] Connection closed by peer"}
+
+
 def test_a_version_already_running_is_taken_off_the_wire_without_loading():
     gen, engines = _generator(mode="broadcast")
     engines[0].version = 2
