@@ -59,7 +59,6 @@ import numpy as np
 from areal_hpc.cpus import split_cpus
 from areal_hpc.reaper import MPI_ENV_PREFIXES   # vLLM's children drop them
 from areal_hpc.rollout.seeds import SEED_BITS, continuation_seed
-from areal_hpc.rollout.vllm_ext import reported
 from areal_hpc.transport.weights import Bucket, WeightGroupAddress
 
 logger = logging.getLogger(__name__)
@@ -536,9 +535,9 @@ class VLLMEngine:
         return self._rpc("init_weight_group", dataclasses.asdict(address), rank)
 
     def _rpc(self, method: str, *args) -> list:
-        """`method` of the worker extension on every worker (`vllm_ext.reported`): every
+        """`method` of the worker extension on every worker, through its `reported`: every
         worker's reply is read; a failure on any raises `RuntimeError` naming each."""
-        out = self._engine.collective_rpc(reported, args=(method, *args))
+        out = self._engine.collective_rpc("reported", args=(method, *args))
         errors = [r["areal_worker_error"] for r in out
                   if isinstance(r, dict) and "areal_worker_error" in r]
         if errors:

@@ -134,6 +134,11 @@ def reported(worker, method: str, *args):
 
 
 class WeightSyncExtension:
+    def reported(self, method: str, *args):
+        """`reported(self, method, *args)`: how `VLLMEngine` calls the methods below (by name,
+        as vLLM's RPC takes a method without pickling code)."""
+        return reported(self, method, *args)
+
     def init_weight_group(self, address: WeightGroupAddress | dict, rank: int) -> int:
         """Join the weight group; blocks until the trainer's stage senders and all receivers join.
 
