@@ -367,12 +367,19 @@ class Controller:
         runs `version` or waits for it: the update is to be sent again over a re-formed group."""
         t0 = time.monotonic()
         deadline = [t0 + (min(timeout_s, 5.0) if cause is not None else timeout_s)]
+        # A generator's receive is bounded by timeout_s + rollout.engine_stall_s on its side
+        # (recovery.py): one that started loading and stalls is found by its watch within that.
+        loading_s = timeout_s + self.cfg.rollout.engine_stall_s
         restart_s = self.cfg.weights.join_timeout_s + timeout_s
 
         def ready() -> bool:
             acks, now = self.weight_acks, time.monotonic()
             if acks.complete(version) or acks.settled(version):
                 return True
+            if self.cfg.weights.mode == "broadcast" and any(
+                    acks.started.get(g, -1) >= version and acks.loaded.get(g, -1) < version
+                    and g not in acks.awaiting for g in acks.expected):
+                deadline[0] = max(deadline[0], t0 + loading_s)    # may yet stall and restart
             if acks.awaiting or any(getattr(self.watch.last_report.get(g), "engine_down", False)
                                     for g in acks.expected):
                 deadline[0] = max(deadline[0], t0 + restart_s)     # a new engine is starting
