@@ -60,6 +60,9 @@ def reward_extras(trajs: list[dict]) -> dict[str, float]:
 # poll, an HDF5 append and a few non-blocking sends (well under a second); a thread still running
 # after this is stuck (reported with its stack) rather than slow.
 SERVICE_JOIN_S = 60.0
+# Beyond a generator's own bound on a weight receive: its watch's poll, the kill of the stalled
+# engine's processes (up to 10 s) and the heartbeat that says its engine is down.
+LOADING_MARGIN_S = 30.0
 
 
 class Controller:
@@ -368,8 +371,9 @@ class Controller:
         t0 = time.monotonic()
         deadline = [t0 + (min(timeout_s, 5.0) if cause is not None else timeout_s)]
         # A generator's receive is bounded by timeout_s + rollout.engine_stall_s on its side
-        # (recovery.py): one that started loading and stalls is found by its watch within that.
-        loading_s = timeout_s + self.cfg.rollout.engine_stall_s
+        # (recovery.py): one that started loading and stalls is found by its watch within that,
+        # and says so (its engine killed, a heartbeat) within LOADING_MARGIN_S more.
+        loading_s = timeout_s + self.cfg.rollout.engine_stall_s + LOADING_MARGIN_S
         restart_s = self.cfg.weights.join_timeout_s + timeout_s
 
         def ready() -> bool:
