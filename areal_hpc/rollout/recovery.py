@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import replace
@@ -43,12 +44,17 @@ KILL_AT_UPDATE_ENV = "AREAL_TEST_KILL_ENGINE_AT_UPDATE"
 
 
 def _test_kill(engine, version: int, restarts: int) -> None:
-    if os.environ.get(KILL_AT_UPDATE_ENV) == str(version) and restarts == 0:
-        log.warning("test hook %s: killing the engine's processes at the update to v%d",
-                    KILL_AT_UPDATE_ENV, version)
-        for p in engine_procs(engine):
-            with contextlib.suppress(Exception):
-                p.kill()
+    """The hook: "<version>" kills every process of the engine, "stop:<version>" stops its
+    EngineCore (SIGSTOP: a stall, as tools/chaos.py's stop_engine)."""
+    how, _, at = os.environ.get(KILL_AT_UPDATE_ENV, "").rpartition(":")
+    if at != str(version) or restarts != 0:
+        return
+    log.warning("test hook %s: %s the engine at the update to v%d", KILL_AT_UPDATE_ENV,
+                "stopping" if how == "stop" else "killing", version)
+    procs = engine_procs(engine)
+    for p in procs[:1] if how == "stop" else procs:
+        with contextlib.suppress(Exception):
+            p.send_signal(signal.SIGSTOP) if how == "stop" else p.kill()
 
 
 def request_id(kind: str, prompt_id: int, sample_idx: int) -> str:
@@ -84,8 +90,9 @@ class EngineRecovery:
             # A load with no result for rollout.engine_stall_s is a stall; a receive over the
             # weight group waits on its peers too, and its collective's timeout (weights.timeout_s)
             # bounds it first: a peer that died mid-broadcast is not this engine's stall.
-            bound = None if msg.path is not None else \
-                self.cfg.weights.timeout_s + self.cfg.rollout.engine_stall_s
+            w = self.cfg.weights
+            bound = None if msg.path is not None else w.timeout_s + self.cfg.rollout.engine_stall_s \
+                + (w.join_timeout_s if msg.generation is not None else 0.0)   # the join waits too
             with self._busy(bound):
                 _test_kill(self.engine, version, self.restarts.total)
                 if msg.generation is not None:
@@ -134,6 +141,7 @@ class EngineRecovery:
         any, torn down)."""
         address = replace(self.topo.weight_group_address(self.cfg.weights), generation=generation)
         t0 = time.monotonic()
+        log.info("%s: joining the weight group's generation %d", self.me, generation)
         self.engine.init_weight_group(address, self.topo.weight_group_rank)
         log.info("%s: joined the weight group's generation %d in %.1f s", self.me, generation,
                  time.monotonic() - t0)

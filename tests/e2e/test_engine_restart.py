@@ -7,8 +7,10 @@ disk) goes on to its last step with nothing lost.
 - stop: the EngineCore is stopped (SIGSTOP): no output for rollout.engine_stall_s inside a step
   is a stall; the watch kills the stopped engine;
 - kill_tp_worker: with rollout.engine_tp=2, one of the engine's two TP workers is killed;
-- kill_in_broadcast: the engine is killed as the update to v3 begins (a test hook), so the
-  trainer's broadcast meets a dead member: the update is sent again to the group re-formed.
+- kill_in_broadcast / stop_in_broadcast: the engine is killed, or its EngineCore stopped, as
+  the update to v3 begins (a test hook), so the trainer's broadcast meets a dead or a silent
+  member: the update is sent again to the group re-formed (a stopped one is found by the watch
+  after its receive's bound, weights.timeout_s + engine_stall_s, which rank 0 waits out).
 Either way the generator starts a new engine on its CPUs with the current weights (the files the
 trainer published last; or, under broadcast, the version sent again once the weight group is
 re-formed with the new engine's workers) and continues its in-flight samples from their tokens; the run trains all its
@@ -40,8 +42,9 @@ ARGS = ["train.total_steps=10", "train.batch_prompts=3", "rollout.group_size=2",
         "weights.timeout_s=60"]
 # How the new engine gets the current weights: the trainer's published files (disk), or sent
 # again over the weight group re-formed with the new engine's workers (broadcast, the default)
-MODE = {"kill": "broadcast", "stop": "disk", "kill_tp_worker": "broadcast",
-        "kill_in_broadcast": "broadcast"}
+MODE = {"kill": "broadcast", "stop": "disk", "kill_tp_worker": "disk",
+        "kill_in_broadcast": "broadcast", "stop_in_broadcast": "broadcast"}
+HOOK = {"kill_in_broadcast": "3", "stop_in_broadcast": "stop:3"}     # KILL_AT_UPDATE_ENV
 
 
 class _Job:
@@ -119,17 +122,18 @@ def _restarted(out: str) -> list[tuple[int, int]]:
         r"(\d+) started again", out)]
 
 
-@pytest.mark.parametrize("how", ["kill", "stop", "kill_tp_worker", "kill_in_broadcast"])
+@pytest.mark.parametrize("how", ["kill", "stop", "kill_tp_worker", "kill_in_broadcast",
+                                 "stop_in_broadcast"])
 def test_a_faulted_engine_is_restarted_and_the_run_finishes(jobs, tiny_model, tmp_path, how,
                                                             monkeypatch):
     run_dir = tmp_path / how
     tp = ["rollout.engine_tp=2"] if how == "kill_tp_worker" else []
-    if how == "kill_in_broadcast":      # the engine dies as the update to v3 begins (a hook)
-        monkeypatch.setenv(KILL_AT_UPDATE_ENV, "3")
+    if how in HOOK:         # the engine is killed or stopped as the update to v3 begins
+        monkeypatch.setenv(KILL_AT_UPDATE_ENV, HOOK[how])
     job = _Job(jobs, jobs.args(tiny_model, tmp_path, how, *ARGS, *tp, f"weights.mode={MODE[how]}"),
                run_dir)
     try:
-        if how == "kill_in_broadcast":
+        if how in HOOK:
             job.until("the engine restarted", lambda: "vLLM engine restarted in" in job.text())
             old = None
         else:
@@ -141,10 +145,10 @@ def test_a_faulted_engine_is_restarted_and_the_run_finishes(jobs, tiny_model, tm
             job.proc.kill()
     out = job.text()
     assert code == 0, out[-6000:]
-    cause = "engine stalled: no output for" if how == "stop" else "is gone"
+    cause = "engine stalled: no output for" if how.startswith("stop") else "is gone"
     assert cause in out, out[-6000:]
-    if how == "kill_in_broadcast":      # the update it broke was sent again, to the group re-formed
-        assert "is gone (during the update to weights v3)" in out, out[-6000:]
+    if how in HOOK:         # the update it broke was sent again, to the group re-formed
+        assert "(during the update to weights v3)" in out, out[-6000:]
         assert "weight update to version 3: a generator's engine failed in it; sending it " \
                "again over a re-formed weight group (attempt 2 of 3)" in out, out[-6000:]
     restarted = [line for line in out.splitlines() if "vLLM engine restarted in" in line]

@@ -58,11 +58,13 @@ def init_weight_group(address: WeightGroupAddress, rank: int) -> torch.distribut
     timeout = default if a.timeout_s is None else timedelta(seconds=a.timeout_s)
     join = timeout if a.join_timeout_s is None else timedelta(seconds=a.join_timeout_s)
     store = _store(a, rank, join)
-    store.set_timeout(timeout)
     # Each generation meets under its own prefix in the one store: a re-formed group's keys
     # never meet the failed one's.
-    prefix = PrefixStore("areal_weights" if a.generation == 0 else f"areal_weights.g{a.generation}",
-                         store)
+    name = "areal_weights" if a.generation == 0 else f"areal_weights.g{a.generation}"
+    if a.generation > 0:
+        _arrive(store, name, world_size, join)
+    store.set_timeout(timeout)
+    prefix = PrefixStore(name, store)
     if backend == "gloo":
         return init_gloo_process_group(prefix, rank, world_size, timeout)
     with unpinned_nccl_env():
@@ -88,6 +90,16 @@ def _store(a: WeightGroupAddress, rank: int, join):
         return store
     from torch.distributed import TCPStore
     return TCPStore(a.host, a.port, is_master=False, timeout=join, wait_for_workers=False)
+
+
+def _arrive(store, name: str, world_size: int, join) -> None:
+    """Wait, at most `join`, until every member of a re-formed group has reached its store (a
+    generation's start-up barrier: the store's own wait for workers serves generation 0 only).
+    The group's rendezvous that follows is then bounded by the collective timeout, as at 0."""
+    store.set_timeout(join)
+    if store.add(f"{name}/arrived", 1) == world_size:
+        store.set(f"{name}/all", "1")
+    store.wait([f"{name}/all"])
 
 
 def close_weight_group(group) -> None:
