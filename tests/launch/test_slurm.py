@@ -159,7 +159,11 @@ FAKE_RANK = """#!/usr/bin/env bash
 if [ "$2" = areal_hpc.launch.env ]; then exec {python} "$@"; fi
 echo "rank $SLURM_PROCID attempt ${{SLURM_RESTART_COUNT:-0}} on $SLURMD_NODENAME"
 [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ] || exit 0
-trap 'echo "rank $SLURM_PROCID got USR1"; exit 3' USR1
+# as the real ranks leave together (a collective checkpoint), a fake waits up to 10 s for the other
+# to get the signal too: exit 3 is a bad exit to srun, which would end the other at once
+trap 'echo "rank $SLURM_PROCID got USR1"; touch {flags}/got.$SLURM_PROCID
+      for i in $(seq 100); do [ -e {flags}/got.0 ] && [ -e {flags}/got.1 ] && break; sleep 0.1; done
+      exit 3' USR1
 touch {flags}/started.$SLURM_PROCID
 while :; do sleep 0.2; done
 """

@@ -250,6 +250,7 @@ class _Worker:
         self._weight_group = wire
         self.fail_at, self.stop_early = fail_at, stop_early
         self.received = {}
+        self.views = []     # held, as vLLM's layerwise reload holds them until a layer is whole
 
     def reload_weights(self, weights_iterator):
         for i, (name, t) in enumerate(weights_iterator, 1):
@@ -259,6 +260,7 @@ class _Worker:
                 raise KeyError("no such parameter")
             self._weight_group.events.append(("load", name))
             self.received[name] = t.clone()
+            self.views.append(t)    # so no bucket's buffer is freed and its address reused
 
 
 def _receiver_on(wire, plan, **kw):
