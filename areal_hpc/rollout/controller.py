@@ -373,7 +373,10 @@ class Controller:
         # A generator's receive is bounded by timeout_s + rollout.engine_stall_s on its side
         # (recovery.py): one that started loading and stalls is found by its watch within that,
         # and says so (its engine killed, a heartbeat) within LOADING_MARGIN_S more.
-        loading_s = timeout_s + self.cfg.rollout.engine_stall_s + LOADING_MARGIN_S
+        # Never past rollout.generator_timeout_s: a config whose generators are lost sooner
+        # than their engines' watch fires ends the job at that bound, as it says.
+        loading_s = min(timeout_s + self.cfg.rollout.engine_stall_s + LOADING_MARGIN_S,
+                        max(timeout_s, self.cfg.rollout.generator_timeout_s))
         restart_s = self.cfg.weights.join_timeout_s + timeout_s
 
         def ready() -> bool:
