@@ -156,16 +156,32 @@ def test_local_slurm_status(slurm_env):
 FAKE_RANK = """#!/usr/bin/env bash
 # Stands in for python in slurm/job.sh: the launch.env step runs for real, the ranks are fakes that
 # follow the contract of areal_hpc.main: on USR1, exit 3 ("checkpointed"); a later attempt finishes.
+# A fake rank is one python process with no children, as a real rank is: a bash loop around
+# `sleep` would let proctrack/linuxproc's walk of the task's processes signal the sleep alone.
 if [ "$2" = areal_hpc.launch.env ]; then exec {python} "$@"; fi
-echo "rank $SLURM_PROCID attempt ${{SLURM_RESTART_COUNT:-0}} on $SLURMD_NODENAME"
-[ "${{SLURM_RESTART_COUNT:-0}}" = 0 ] || exit 0
-# as the real ranks leave together (a collective checkpoint), a fake waits up to 10 s for the other
-# to get the signal too: exit 3 is a bad exit to srun, which would end the other at once
-trap 'echo "rank $SLURM_PROCID got USR1"; touch {flags}/got.$SLURM_PROCID
-      for i in $(seq 100); do [ -e {flags}/got.0 ] && [ -e {flags}/got.1 ] && break; sleep 0.1; done
-      exit 3' USR1
-touch {flags}/started.$SLURM_PROCID
-while :; do sleep 0.2; done
+exec {python} -c '
+import os, pathlib, signal, sys, time
+rank, attempt = os.environ["SLURM_PROCID"], os.environ.get("SLURM_RESTART_COUNT", "0")
+node = os.environ["SLURMD_NODENAME"]
+print(f"rank {{rank}} attempt {{attempt}} on {{node}}", flush=True)
+if attempt != "0":
+    sys.exit(0)
+flags = pathlib.Path("{flags}")
+got = []
+signal.signal(signal.SIGUSR1, lambda *_: got.append(1))
+(flags / f"started.{{rank}}").touch()
+while not got:
+    time.sleep(0.1)
+print(f"rank {{rank}} got USR1", flush=True)
+(flags / f"got.{{rank}}").touch()
+# as the real ranks leave together (a collective checkpoint), a fake waits up to 60 s for the
+# other to get the signal too: exit 3 is a bad exit to srun, which would end the other at once
+for _ in range(600):
+    if all((flags / f"got.{{r}}").exists() for r in "01"):
+        break
+    time.sleep(0.1)
+sys.exit(3)
+'
 """
 
 
