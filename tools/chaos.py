@@ -82,7 +82,7 @@ OVERRIDES = ["train.total_steps=100000", "train.batch_prompts=4", "rollout.group
              "rollout.temperature=2.0", "rollout.max_new_tokens=64", "data.eval_every_steps=0",
              "data.eval_limit=4", "data.eval_samples=1", "checkpoint.every_steps=5",
              "rollout.heartbeat_s=2", "rollout.generator_timeout_s=30", "weights.timeout_s=30",
-             "weights.join_timeout_s=180"]
+             "weights.join_timeout_s=180", "rollout.engine_restarts=0"]
 ENGINE_EVENTS = ("kill_engine", "stop_engine", "kill_at_update")
 STALL_S = 15
 ENGINE_OVERRIDES = ["rollout.engine_restarts=1000",

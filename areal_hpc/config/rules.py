@@ -15,6 +15,18 @@ from ..data.answers import EXTRACTORS   # a pure module (floor 1): the extractor
 from .schema import ConfigError, RunConfig
 
 
+# Beyond a generator's own bound on a weight receive: its watch's poll, the kill of the stalled
+# engine's processes (up to 10 s) and the heartbeat that says its engine is down.
+LOADING_MARGIN_S = 30.0
+
+
+def receive_bound_s(cfg: RunConfig) -> float:
+    """A generator's bound on one weight receive over the weight group: the group's collective
+    timeout (weights.timeout_s, a peer that died mid-broadcast) and then one engine stall
+    (rollout.engine_stall_s). Its watch finds a stalled engine there, kills it and restarts it."""
+    return cfg.weights.timeout_s + cfg.rollout.engine_stall_s
+
+
 def require(cond: bool, key: str, msg: str) -> None:
     """One config rule: `cond` must hold, else a ConfigError naming `key` (one line)."""
     if not cond:
@@ -307,6 +319,15 @@ def validate(cfg: RunConfig) -> None:
            f"must be a folder name inside output_dir (not absolute, no '..'), got {cfg.name!r}")
     require(r.generator_timeout_s > 2 * r.heartbeat_s, "rollout.generator_timeout_s",
            f"must exceed two heartbeats (2 * rollout.heartbeat_s = {2 * r.heartbeat_s})")
+    if cfg.weights.mode == "broadcast" and r.engine_restarts > 0:
+        # A generator is silent while it receives weights; rank 0 waits for it no longer than
+        # generator_timeout_s, so a shorter one gives up on an engine stalled mid-update (and
+        # ends the job) before the generator's own watch would have restarted it.
+        least = receive_bound_s(cfg) + LOADING_MARGIN_S
+        require(r.generator_timeout_s >= least, "rollout.generator_timeout_s",
+               f"must be >= weights.timeout_s + rollout.engine_stall_s + {LOADING_MARGIN_S:g} = "
+               f"{least:g} s (a generator whose engine stalls in a weight update finds it only "
+               f"then), or lower those, or set rollout.engine_restarts=0, got {r.generator_timeout_s:g}")
     require(1 <= cfg.reward.workers <= MAX_REWARD_WORKERS, "reward.workers",
            f"must be in [1, {MAX_REWARD_WORKERS}] (processes per generator), got {cfg.reward.workers}")
     for key in ("math_timeout_s", "fn_timeout_s"):

@@ -115,7 +115,7 @@ class RolloutConfig:
     # generator's first report (starting vLLM) is weights.join_timeout_s. Weight updates are
     # bounded by weights.timeout_s instead. Keep it above the longest single engine step.
     heartbeat_s: float = 5.0
-    generator_timeout_s: float = 600.0
+    generator_timeout_s: float = 1200.0
     # The other way round: the controller sends each generator a heartbeat at least every
     # heartbeat_s; a generator that hears nothing from it for generator_timeout_s (before the
     # first message: from trainer rank 0's beacon, or weights.join_timeout_s without a beat)
@@ -139,8 +139,9 @@ class RolloutConfig:
     # in-flight samples continued from their tokens. More than
     # engine_restarts faults of one generator within engine_restart_window_s end the job, one
     # line naming it and the causes (0: the first fault ends it). Keep engine_stall_s well
-    # above the longest single engine step and weight load, and below generator_timeout_s and
-    # weights.timeout_s (the trainer gives up on a generator silent or unacknowledged that long).
+    # above the longest single engine step and weight load. Under broadcast a generator's receive
+    # is bounded by weights.timeout_s + engine_stall_s, and generator_timeout_s must exceed that
+    # by 30 s (config/rules.py: rank 0 gives up on a silent generator there).
     engine_restarts: int = 3
     engine_restart_window_s: float = 3600.0
     engine_stall_s: float = 300.0

@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 from ..config import RunConfig, to_yaml
+from ..config.rules import LOADING_MARGIN_S, receive_bound_s
 from ..data.prompts import prompt_ids
 from ..storage.rollout_log import DROPPED_STALE, NOT_CONSUMED, PARTIAL, RolloutReader, RolloutWriter
 from ..storage.run_dir import RunDir
@@ -60,9 +61,6 @@ def reward_extras(trajs: list[dict]) -> dict[str, float]:
 # poll, an HDF5 append and a few non-blocking sends (well under a second); a thread still running
 # after this is stuck (reported with its stack) rather than slow.
 SERVICE_JOIN_S = 60.0
-# Beyond a generator's own bound on a weight receive: its watch's poll, the kill of the stalled
-# engine's processes (up to 10 s) and the heartbeat that says its engine is down.
-LOADING_MARGIN_S = 30.0
 
 
 class Controller:
@@ -370,12 +368,12 @@ class Controller:
         runs `version` or waits for it: the update is to be sent again over a re-formed group."""
         t0 = time.monotonic()
         deadline = [t0 + (min(timeout_s, 5.0) if cause is not None else timeout_s)]
-        # A generator's receive is bounded by timeout_s + rollout.engine_stall_s on its side
-        # (recovery.py): one that started loading and stalls is found by its watch within that,
-        # and says so (its engine killed, a heartbeat) within LOADING_MARGIN_S more.
-        # Never past rollout.generator_timeout_s: a config whose generators are lost sooner
-        # than their engines' watch fires ends the job at that bound, as it says.
-        loading_s = min(timeout_s + self.cfg.rollout.engine_stall_s + LOADING_MARGIN_S,
+        # A generator's receive is bounded by receive_bound_s on its side (recovery.py): one
+        # that started loading and stalls is found by its watch within that, and says so (its
+        # engine killed, a heartbeat) within LOADING_MARGIN_S more. Never past
+        # rollout.generator_timeout_s (config/rules.py keeps it above that sum where engines
+        # restart): a config whose generators are lost sooner ends the job at that bound.
+        loading_s = min(receive_bound_s(self.cfg) + LOADING_MARGIN_S,
                         max(timeout_s, self.cfg.rollout.generator_timeout_s))
         restart_s = self.cfg.weights.join_timeout_s + timeout_s
 

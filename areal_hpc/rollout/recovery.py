@@ -30,6 +30,7 @@ from contextlib import nullcontext
 from dataclasses import replace
 
 from .. import preemption
+from ..config.rules import receive_bound_s
 from ..topology import CONTROLLER_RANK
 from ..transport import messages as msgs
 from .engine_guard import (EngineRestartsError, EngineWatch, engine_procs, is_engine_dead,
@@ -90,9 +91,8 @@ class EngineRecovery:
             # A load with no result for rollout.engine_stall_s is a stall; a receive over the
             # weight group waits on its peers too, and its collective's timeout (weights.timeout_s)
             # bounds it first: a peer that died mid-broadcast is not this engine's stall.
-            w = self.cfg.weights
-            bound = None if msg.path is not None else w.timeout_s + self.cfg.rollout.engine_stall_s \
-                + (w.join_timeout_s if msg.generation is not None else 0.0)   # the join waits too
+            bound = None if msg.path is not None else receive_bound_s(self.cfg) \
+                + (self.cfg.weights.join_timeout_s if msg.generation is not None else 0.0)  # the join too
             with self._busy(bound):
                 _test_kill(self.engine, version, self.restarts.total)
                 if msg.generation is not None:

@@ -54,6 +54,21 @@ def test_missing_required_and_semantic_checks(tmp_path):
         load(_yaml(tmp_path, BASE), ["rollout.heartbeat_s=10", "rollout.generator_timeout_s=15"])
 
 
+
+def test_rank_0_waits_out_a_generator_stalled_in_a_weight_receive(tmp_path):
+    """Under broadcast with engine restarts on, rank 0 gives up on a generator silent for
+    rollout.generator_timeout_s; the generator finds its own engine stalled in a weight receive
+    only after weights.timeout_s + rollout.engine_stall_s (+ 30 s to say so). A shorter
+    generator_timeout_s would end the job where the engine would have been restarted."""
+    cfg = load(_yaml(tmp_path, BASE))
+    assert cfg.rollout.generator_timeout_s >= cfg.weights.timeout_s + cfg.rollout.engine_stall_s + 30
+    with pytest.raises(ConfigError, match=r"rollout\.generator_timeout_s': must be >= weights"
+                                          r"\.timeout_s \+ rollout\.engine_stall_s \+ 30 = 930 s"):
+        load(_yaml(tmp_path, BASE), ["rollout.generator_timeout_s=900"])
+    for fine in (["rollout.engine_restarts=0"], ["weights.mode=disk"],
+                 ["weights.timeout_s=500", "rollout.engine_stall_s=370"]):
+        load(_yaml(tmp_path, BASE), ["rollout.generator_timeout_s=900", *fine])
+
 def test_roundtrip_yaml(tmp_path):
     cfg = load(_yaml(tmp_path, BASE), ["name=x"])
     again = load(_yaml(tmp_path, to_yaml(cfg)))

@@ -29,7 +29,7 @@ BOUND_S = 20
 ARGS = ["train.total_steps=400", "train.batch_prompts=3", "rollout.group_size=2",
         "rollout.max_new_tokens=24", "data.eval_limit=4", "data.eval_samples=1",
         "checkpoint.every_steps=100", f"rollout.generator_timeout_s={BOUND_S}",
-        "rollout.heartbeat_s=2", f"weights.timeout_s={BOUND_S}"]
+        "rollout.heartbeat_s=2", f"weights.timeout_s={BOUND_S}", "rollout.engine_restarts=0"]
 
 
 def _trainer_rank(jobs) -> psutil.Process:
