@@ -48,6 +48,13 @@ class Tag(IntEnum):
     PARTIAL = 26        # generator → controller
 
 
+def _pkl5_info():
+    """The datatype of a pkl5 message's header (its parts' sizes, int64): the header's element
+    count is the number of parts that follow it."""
+    from mpi4py import MPI
+    return MPI.Datatype.fromcode("q")
+
+
 class Channel:
     """Non-blocking point-to-point messages on one communicator."""
 
@@ -55,6 +62,10 @@ class Channel:
         from mpi4py.util import pkl5
         self.comm = pkl5.Intracomm(comm)
         self._pending: list = []
+        # source -> [tag, matched MPI messages, parts expected, monotonic t]: a message whose
+        # header is matched and not yet all its parts (pkl5 sends a header, then the pickle and
+        # each out-of-band buffer as messages of their own under the same tag)
+        self._matching: dict[int, list] = {}
         self._incoming: list = []       # (source, tag, pkl5 request, monotonic t) still arriving
         self._ready: list = []          # (source, tag, payload) received, not yet yielded
 
@@ -82,17 +93,8 @@ class Channel:
         (`irecv`): the rest of a large message still on its way (its sender busy, or gone) never
         holds the caller; `incomplete()` lists such messages and their age. Messages from one
         source are yielded in the order they were sent."""
-        from mpi4py import MPI
-        src = MPI.ANY_SOURCE if source is None else source
-        tg = MPI.ANY_TAG if tag is None else int(tag)
         self._reap()
-        while True:
-            status = MPI.Status()
-            msg = self.comm.improbe(source=src, tag=tg, status=status)
-            if msg is None:
-                break
-            self._incoming.append((status.Get_source(), Tag(status.Get_tag()), msg.irecv(),
-                                   time.monotonic()))
+        self._match(source, tag)
         blocked, keep = set(), []
         for item in self._incoming:         # complete ones move to _ready, in order per source
             s = item[0]
@@ -111,10 +113,55 @@ class Channel:
                 return
             yield self._ready.pop(hit)
 
+    def _match(self, source: int | None, tag: Tag | None) -> None:
+        """Match every message that has arrived, header and parts, never waiting for a part
+        (mpi4py's pkl5 `improbe` waits for the parts with a blocking `Mprobe`, which never
+        returns if they do not come). A header whose parts have not all arrived waits in
+        `_matching`; its source is not probed for new headers meanwhile (its parts, under the
+        same tag, would match as headers), so messages from one source stay in order."""
+        from mpi4py import MPI
+        from mpi4py.util import pkl5
+        for s, (t, parts, need, t0) in list(self._matching.items()):
+            if self._take_parts(s, t, parts, need):
+                del self._matching[s]
+                self._incoming.append((s, Tag(t), pkl5.Message(parts).irecv(), t0))
+        any_source = source is None
+        tg = MPI.ANY_TAG if tag is None else int(tag)
+        while True:
+            if not any_source:
+                sources = [] if source in self._matching else [source]
+            elif not self._matching:
+                sources = [MPI.ANY_SOURCE]
+            else:
+                sources = [r for r in range(self.comm.Get_size()) if r not in self._matching]
+            status = MPI.Status()
+            header = next((m for m in (MPI.Comm.Improbe(self.comm, r, tg, status) for r in sources)
+                           if m is not None), None)
+            if header is None:
+                return
+            s, t, t0 = status.Get_source(), status.Get_tag(), time.monotonic()
+            parts, need = [header], 1 + status.Get_elements(_pkl5_info())
+            if self._take_parts(s, t, parts, need):
+                self._incoming.append((s, Tag(t), pkl5.Message(parts).irecv(), t0))
+            else:
+                self._matching[s] = [t, parts, need, t0]
+
+    def _take_parts(self, source: int, tag: int, parts: list, need: int) -> bool:
+        """Match the parts of `source`'s message that have arrived into `parts`; True once all
+        `need` (header included) are there."""
+        from mpi4py import MPI
+        while len(parts) < need:
+            part = MPI.Comm.Improbe(self.comm, source, tag)
+            if part is None:
+                return False
+            parts.append(part)
+        return True
+
     def incomplete(self) -> list[tuple[int, Tag, float]]:
         """(source, tag, seconds since its first part arrived) of each message still arriving."""
         now = time.monotonic()
-        return [(s, t, now - t0) for s, t, _, t0 in self._incoming]
+        return [(s, Tag(t), now - t0) for s, (t, _, _, t0) in self._matching.items()] + \
+            [(s, t, now - t0) for s, t, _, t0 in self._incoming]
 
     def idle(self, source: int | None = None, timeout: float = 0.05) -> bool:
         """Sleep until a message is waiting (not received) or the timeout passes."""

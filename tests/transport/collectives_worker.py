@@ -32,6 +32,7 @@ def main(scenario: str) -> None:
         coll.barrier(comm, BOUND)
         assert coll.bcast(comm, None, root=0, timeout_s=BOUND) is None
         _channel_order(comm)
+        _channel_half_message(comm.Dup())
         print(f"rank {me} OK", flush=True)
         comm.Free()
         return
@@ -80,6 +81,37 @@ def _channel_order(comm) -> None:
         assert got[0][0] == coll.Tag.TRAJECTORIES and chan.incomplete() == []
         print(f"rank 0 channel: longest poll {longest * 1000:.1f} ms", flush=True)
     comm.Barrier()
+
+
+def _channel_half_message(comm) -> None:
+    """Rank 1 sends rank 0 the header of a message whose part never follows (a sender that
+    died between them): rank 0's polls still return at once, name it in `incomplete()`, and
+    take rank 2's message. (mpi4py's pkl5 `improbe` would wait in a blocking Mprobe forever.)"""
+    chan = coll.Channel(comm)
+    if comm.Get_rank() == 1:
+        comm.Send([np.array([5], np.int64), MPI.LONG_LONG], dest=0, tag=int(coll.Tag.PARTIAL))
+    elif comm.Get_rank() == 2:
+        comm.Barrier()                  # after rank 1's header has been matched
+        chan.send({"i": 2}, 0, coll.Tag.HEARTBEAT)
+        assert chan.flush(timeout=30)
+    if comm.Get_rank() == 0:
+        got, longest, deadline = [], 0.0, time.monotonic() + 30
+        while not chan.incomplete() and time.monotonic() < deadline:
+            list(chan.poll())
+            chan.idle(timeout=0.01)
+        comm.Barrier()
+        while not got and time.monotonic() < deadline:
+            t = time.monotonic()
+            got += [(src, msg["i"]) for src, _, msg in chan.poll()]
+            longest = max(longest, time.monotonic() - t)
+            chan.idle(timeout=0.01)
+        assert got == [(2, 2)], got
+        stuck = chan.incomplete()
+        assert [(s, t) for s, t, _ in stuck] == [(1, coll.Tag.PARTIAL)], stuck
+        print(f"rank 0 half message: longest poll {longest * 1000:.1f} ms, stuck {stuck[0][2]:.1f} s",
+              flush=True)
+    elif comm.Get_rank() == 1:
+        comm.Barrier()
 
 
 if __name__ == "__main__":

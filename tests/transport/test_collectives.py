@@ -20,7 +20,7 @@ def run(run_distributed):
 def test_bounded_collectives_and_channel_work(run):
     out = run("ok")
     assert sorted(re.findall(r"rank (\d) OK", out)) == ["0", "1", "2"], out[-3000:]
-    assert "channel: longest poll" in out, out[-3000:]
+    assert "channel: longest poll" in out and "rank 0 half message: longest poll" in out, out[-3000:]
 
 
 @pytest.mark.parametrize("op", ["barrier", "bcast", "gather"])
