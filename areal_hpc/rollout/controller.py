@@ -413,7 +413,9 @@ class Controller:
             self._wait(lambda: len(self._eval_results) >= len(self.topo.generator_ranks))
             parts, self._eval_results = self._eval_results, []
         rewards = np.array([r for p in parts for res in p.results for r in res["rewards"]])
-        return {"version": parts[0].version, "accuracy": float((rewards > 0.5).mean()),
+        # no samples: every generator's engine was restarting (its prompts were left out)
+        return {"version": parts[0].version,
+                "accuracy": float((rewards > 0.5).mean()) if rewards.size else None,
                 "samples": int(rewards.size), "seconds": max(p.seconds for p in parts)}
 
     # -- the end ----------------------------------------------------------------------------------

@@ -145,6 +145,10 @@ class Lead(Follower):
         res = self.controller.eval_result()
         self._eval_s += time.monotonic() - t0
         res["label"], res["step"], res["time"] = label, version, time.time()
+        if res["accuracy"] is None:
+            log.warning("held-out evaluation (%s, version %d): no samples, the generators' engines "
+                        "were restarting; not recorded", label, res["version"])
+            return
         log.info("held-out accuracy (%s, version %d): %.3f over %d samples in %.1fs",
                  label, res["version"], res["accuracy"], res["samples"], res["seconds"])
         if self.tb is not None:

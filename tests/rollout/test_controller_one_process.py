@@ -285,6 +285,10 @@ def test_before_the_first_batch_the_waiting_thread_receives(setup):
     chan.deliver(msgs.EvalResult(0, [{"prompt_id": p.prompt_id, "rewards": [1.0, 0.0]}
                                      for p in request.prompts], 0.5))
     assert ctrl.eval_result() == {"version": 0, "accuracy": 0.5, "samples": 6, "seconds": 0.5}
+    # an evaluation whose every prompt was left out (the engines restarting) has no accuracy
+    ctrl.request_eval(setup.rows[:3], 2)
+    chan.deliver(msgs.EvalResult(0, [], 0.1))
+    assert ctrl.eval_result() == {"version": 0, "accuracy": None, "samples": 0, "seconds": 0.1}
     assert not ctrl.service.running and [b.version for b in chan.of(msgs.ControllerBeat)] == [0]
     ctrl.send_weights_notice(1, path="weights/v00000001")
     assert [n.version for n in chan.of(msgs.WeightsNotice)] == [1]
