@@ -55,6 +55,35 @@ def _pkl5_info():
     return MPI.Datatype.fromcode("q")
 
 
+class _Arriving:
+    """The receives of one message's parts (`Channel._match`); `test()` is (done, the object)."""
+
+    def __init__(self, comm, parts: list, source: int, tag: int):
+        from mpi4py import MPI
+        self.parts, self._types = parts, []
+        self.reqs = [MPI.Comm.Irecv(comm, self._spec(p), source, tag) for p in parts]
+
+    def _spec(self, buf):
+        """`buf` as a receive buffer: bytes, or one element of a contiguous type above the
+        largest count this MPI takes (as pkl5 sends it: the type signatures match)."""
+        from mpi4py import MPI
+        count = len(buf)
+        # the largest count of one call: 2**63 - 1 with MPI-4's large counts, else 2**31 - 1
+        if count <= (1 << (63 if MPI.Get_version() >= (4, 0) else 31)) - 1:
+            return [buf, count, MPI.BYTE]
+        dtype = MPI.BYTE.Create_contiguous(count).Commit()
+        self._types.append(dtype)
+        return [buf, 1, dtype]
+
+    def test(self) -> tuple[bool, Any]:
+        from mpi4py import MPI
+        if not MPI.Request.Testall(self.reqs):
+            return False, None
+        for dtype in self._types:
+            dtype.Free()
+        return True, MPI.pickle.loads_oob(self.parts[0], self.parts[1:])
+
+
 class Channel:
     """Non-blocking point-to-point messages on one communicator."""
 
@@ -62,11 +91,7 @@ class Channel:
         from mpi4py.util import pkl5
         self.comm = pkl5.Intracomm(comm)
         self._pending: list = []
-        # source -> [tag, matched MPI messages, parts expected, monotonic t]: a message whose
-        # header is matched and not yet all its parts (pkl5 sends a header, then the pickle and
-        # each out-of-band buffer as messages of their own under the same tag)
-        self._matching: dict[int, list] = {}
-        self._incoming: list = []       # (source, tag, pkl5 request, monotonic t) still arriving
+        self._incoming: list = []       # (source, tag, _Arriving, monotonic t) still arriving
         self._ready: list = []          # (source, tag, payload) received, not yet yielded
 
     def send(self, obj: Any, dest: int, tag: Tag) -> None:
@@ -114,54 +139,36 @@ class Channel:
             yield self._ready.pop(hit)
 
     def _match(self, source: int | None, tag: Tag | None) -> None:
-        """Match every message that has arrived, header and parts, never waiting for a part
-        (mpi4py's pkl5 `improbe` waits for the parts with a blocking `Mprobe`, which never
-        returns if they do not come). A header whose parts have not all arrived waits in
-        `_matching`; its source is not probed for new headers meanwhile (its parts, under the
-        same tag, would match as headers), so messages from one source stay in order."""
-        from mpi4py import MPI
-        from mpi4py.util import pkl5
-        for s, (t, parts, need, t0) in list(self._matching.items()):
-            if self._take_parts(s, t, parts, need):
-                del self._matching[s]
-                self._incoming.append((s, Tag(t), pkl5.Message(parts).irecv(), t0))
-        any_source = source is None
-        tg = MPI.ANY_TAG if tag is None else int(tag)
-        while True:
-            if not any_source:
-                sources = [] if source in self._matching else [source]
-            elif not self._matching:
-                sources = [MPI.ANY_SOURCE]
-            else:
-                sources = [r for r in range(self.comm.Get_size()) if r not in self._matching]
-            status = MPI.Status()
-            header = next((m for m in (MPI.Comm.Improbe(self.comm, r, tg, status) for r in sources)
-                           if m is not None), None)
-            if header is None:
-                return
-            s, t, t0 = status.Get_source(), status.Get_tag(), time.monotonic()
-            parts, need = [header], 1 + status.Get_elements(_pkl5_info())
-            if self._take_parts(s, t, parts, need):
-                self._incoming.append((s, Tag(t), pkl5.Message(parts).irecv(), t0))
-            else:
-                self._matching[s] = [t, parts, need, t0]
+        """Take the header of every message that has arrived and post the receives of its parts
+        (pkl5's format: a header of int64 sizes, then the pickle and each out-of-band buffer as
+        messages of their own under the same tag), never waiting for a part.
 
-    def _take_parts(self, source: int, tag: int, parts: list, need: int) -> bool:
-        """Match the parts of `source`'s message that have arrived into `parts`; True once all
-        `need` (header included) are there."""
+        Not with matched probes (`Improbe`/`Mprobe`, as mpi4py's pkl5 `improbe` does): over
+        MPICH's OFI netmod with the tcp provider (the Slurm scripts' default), a receiver that
+        made no MPI call while a few hundred messages arrived then matched a header whose part
+        never came, and pkl5's blocking `Mprobe` for it never returned
+        (tests/transport/test_collectives.py; BENCHMARKS.md). A plain probe then a receive of
+        the probed source and tag takes the same message: only this thread receives here, and
+        messages of one source and tag arrive in order."""
+        import struct
+
         from mpi4py import MPI
-        while len(parts) < need:
-            part = MPI.Comm.Improbe(self.comm, source, tag)
-            if part is None:
-                return False
-            parts.append(part)
-        return True
+        src = MPI.ANY_SOURCE if source is None else source
+        tg = MPI.ANY_TAG if tag is None else int(tag)
+        status = MPI.Status()
+        while MPI.Comm.Iprobe(self.comm, src, tg, status):
+            s, t = status.Get_source(), status.Get_tag()
+            n = status.Get_elements(_pkl5_info())
+            header = bytearray(8 * n)
+            MPI.Comm.Recv(self.comm, [header, _pkl5_info()], s, t)   # arrived: returns at once
+            parts = [MPI.buffer.allocate(k) for k in struct.unpack(f"{n}q", header)]
+            # posted before the next probe: the parts (arrived or not) match these, in order
+            self._incoming.append((s, Tag(t), _Arriving(self.comm, parts, s, t), time.monotonic()))
 
     def incomplete(self) -> list[tuple[int, Tag, float]]:
         """(source, tag, seconds since its first part arrived) of each message still arriving."""
         now = time.monotonic()
-        return [(s, Tag(t), now - t0) for s, (t, _, _, t0) in self._matching.items()] + \
-            [(s, t, now - t0) for s, t, _, t0 in self._incoming]
+        return [(s, t, now - t0) for s, t, _, t0 in self._incoming]
 
     def idle(self, source: int | None = None, timeout: float = 0.05) -> bool:
         """Sleep until a message is waiting (not received) or the timeout passes."""

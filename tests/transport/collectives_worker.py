@@ -36,6 +36,10 @@ def main(scenario: str) -> None:
         print(f"rank {me} OK", flush=True)
         comm.Free()
         return
+    if scenario == "burst":
+        _channel_burst(comm)
+        print(f"rank {me} OK", flush=True)
+        return
     # a rank that does not arrive: `late` (the last rank, or the root for bcast) sleeps past BOUND
     op = scenario
     late = 0 if op == "bcast" else n - 1
@@ -112,6 +116,30 @@ def _channel_half_message(comm) -> None:
               flush=True)
     elif comm.Get_rank() == 1:
         comm.Barrier()
+
+
+BURST = 300
+
+
+def _channel_burst(comm) -> None:
+    """Rank 0 sends rank 1 BURST messages (with an out-of-band array every tenth) while rank 1
+    makes no MPI call for 5 s: rank 1 then receives every one, in order."""
+    chan = coll.Channel(comm)
+    if comm.Get_rank() == 0:
+        for i in range(BURST):
+            chan.send({"i": i, "a": np.full(70_000 if i % 10 == 0 else 1, i, np.float32)}, 1,
+                      coll.Tag.CONTROLLER_HEARTBEAT)
+            time.sleep(4.0 / BURST)
+        assert chan.flush(timeout=60)
+    elif comm.Get_rank() == 1:
+        time.sleep(5.0)
+        got, deadline = [], time.monotonic() + 60
+        while len(got) < BURST and time.monotonic() < deadline:
+            got += [(msg["i"], float(msg["a"][-1])) for _, _, msg in chan.poll(source=0)]
+            chan.idle(source=0, timeout=0.01)
+        assert got == [(i, float(i)) for i in range(BURST)], (len(got), got[-3:], chan.incomplete())
+        print(f"rank 1 burst: {len(got)} of {BURST} in order", flush=True)
+    comm.Barrier()
 
 
 if __name__ == "__main__":

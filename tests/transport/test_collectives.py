@@ -23,6 +23,18 @@ def test_bounded_collectives_and_channel_work(run):
     assert "channel: longest poll" in out and "rank 0 half message: longest poll" in out, out[-3000:]
 
 
+def test_the_channel_takes_a_burst_over_the_ofi_tcp_netmod(run_distributed):
+    """The Slurm scripts' MPI path (MPICH over OFI's tcp provider; NOLOCAL keeps it between
+    ranks on one node): 300 messages arrive while the receiver makes no MPI call. With mpi4py's
+    pkl5 `improbe` (matched probes) the receiver then matched a header whose part never came
+    and hung in `Mprobe`; the channel's plain probes take every message, in order."""
+    out = run_distributed(WORKER, 2, "burst", timeout=180, check=False,
+                          env={"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp",
+                               "MPIR_CVAR_NOLOCAL": "1"})
+    assert "rank 1 burst: 300 of 300 in order" in out, out[-3000:]
+    assert sorted(re.findall(r"rank (\d) OK", out)) == ["0", "1"], out[-3000:]
+
+
 @pytest.mark.parametrize("op", ["barrier", "bcast", "gather"])
 def test_a_missing_rank_times_out_with_a_message(op, run):
     out = run(op)
