@@ -225,7 +225,7 @@ class EngineRecovery:
         now = time.time()
         samples = {s.request_id: s for s in (old._finish(r, "abort", now) for r in held)}
         samples.update((s.request_id, s) for s in old.abort_all())
-        kill_engine(old)
+        kill_engine(old, self.guard.segments if self.guard is not None else ())
         self._heartbeat(force=True, down=True)
         with preemption.shield_children():
             self.engine = self.engine_factory(version=version)

@@ -1,6 +1,7 @@
 """An engine fault found and bounded (rollout/engine_guard.py), and the generator's recovery from
 one (Generator._recover), on stand-ins: real child processes for the engine's, a fake engine
 for the generator's bookkeeping. The real vLLM engine: tests/e2e/test_engine_restart.py."""
+import contextlib
 import queue
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import psutil
 import pytest
 
 from areal_hpc.config import RunConfig
-from areal_hpc.rollout.engine_guard import EngineRestartsError, EngineWatch, RestartBudget
+from areal_hpc.rollout.engine_guard import EngineRestartsError, EngineWatch, RestartBudget, kill_engine
 from areal_hpc.rollout.generator import Generator
 from areal_hpc.rollout.vllm_engine import FinishedSample
 from areal_hpc.transport import messages as msgs
@@ -81,6 +82,43 @@ def test_a_stopped_engine_is_a_stall_past_the_bound_and_is_killed(engine):
     assert not psutil.pid_exists(engine.proc.pid) or \
         psutil.Process(engine.proc.pid).status() == psutil.STATUS_ZOMBIE    # killed, stopped as it was
     watch.close()
+
+
+def test_a_killed_engines_shared_memory_files_are_removed(tmp_path):
+    """vLLM's EngineCore and TP workers share queues in /dev/shm files, which a killed process
+    cannot remove: the kill removes the files the engine's processes mapped (read when the watch
+    started, and at the kill), and no other."""
+    import os
+    import uuid
+    path = f"/dev/shm/areal_test_{uuid.uuid4().hex}"
+    other = f"/dev/shm/areal_test_{uuid.uuid4().hex}"
+    open(other, "wb").close()           # not the engine's: stays
+    ready = tmp_path / "ready"
+    code = (f"import mmap, pathlib, time\nf = open({path!r}, 'w+b'); f.truncate(4096)\n"
+            f"m = mmap.mmap(f.fileno(), 4096)\npathlib.Path({str(ready)!r}).touch()\ntime.sleep(600)")
+    e = _ProcEngine.__new__(_ProcEngine)
+    e.proc = subprocess.Popen([sys.executable, "-c", code])
+    e._children, e._closed = [psutil.Process(e.proc.pid)], False
+    e._engine = type("E", (), {"engine_core": _Core()})()
+    try:
+        for _ in range(600):
+            if ready.exists():
+                break
+            threading.Event().wait(0.05)
+        watch = EngineWatch(e, stall_s=60)
+        try:
+            assert watch.segments == {path}
+            e.proc.send_signal(signal.SIGSTOP)          # a stopped engine's mapping too
+            assert kill_engine(e, watch.segments) == 1
+        finally:
+            watch.close()
+        assert e.proc.poll() is not None          # killed (psutil reaped it)
+        assert not os.path.exists(path) and os.path.exists(other)
+    finally:
+        e.proc.kill()
+        for f in (path, other):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f)
 
 
 def test_no_fault_while_the_engine_is_up_and_idle(engine):
