@@ -152,7 +152,7 @@ class Generator(EngineRecovery):
             self._recover_idle_fault()
             self._tick()
             self._heartbeat()
-            self.watch.check()
+            self.watch.check(incomplete=self.chan.incomplete())
             for _, tag, msg in self.chan.poll(source=CONTROLLER_RANK):
                 self.watch.heard()
                 running = self._handle(msgs.check(tag, msg))

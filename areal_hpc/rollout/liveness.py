@@ -146,10 +146,12 @@ class ControllerWatch:
     def heard(self, now: float | None = None) -> None:
         self.last_heard = time.monotonic() if now is None else now
 
-    def check(self, now: float | None = None) -> None:
+    def check(self, now: float | None = None, incomplete: Iterable = ()) -> None:
         """Raise `ControllerLostError` when the controller has sent nothing for
         rollout.generator_timeout_s; before its first message, when its beacon has fallen
-        silent that long, or (no beat yet) after weights.join_timeout_s."""
+        silent that long, or (no beat yet) after weights.join_timeout_s. `incomplete` (the
+        channel's (source, tag, age s)): a message from it still arriving is named too (its
+        later messages wait behind it)."""
         now = time.monotonic() if now is None else now
         # polled on every check, so that its beats never pile up in MPI's unexpected-message
         # queue, which every receive of this rank searches
@@ -166,9 +168,11 @@ class ControllerWatch:
         if silent > bound:
             what = ("" if self.last_heard is not None else "since its beacon's last beat "
                     if beat is not None else "since this generator started ")
+            stuck = [f"; a {tag.name} message from it has been arriving for {age:.0f} s"
+                     for src, tag, age in incomplete if src == CONTROLLER_RANK]
             msg = (f"{self.me}: controller (rank {CONTROLLER_RANK}, host "
                    f"{self.hosts[CONTROLLER_RANK]}) silent for {silent:.0f} s {what}({key} = "
-                   f"{bound:g}): the trainer is gone; exiting")
+                   f"{bound:g}){''.join(stuck)}: the trainer is gone; exiting")
             log.error(msg)
             raise ControllerLostError(msg)
 

@@ -71,6 +71,12 @@ def test_generator_ends_when_the_controller_falls_silent():
     msg = str(e.value)
     assert msg.startswith("generator rank 1 (host gen-node): controller (rank 0, host "
                           "trainer-node) silent for 21 s (rollout.generator_timeout_s = 20)")
+    # a message from it half arrived (its later ones wait behind it) is named
+    from areal_hpc.transport.mpi import Tag
+    with pytest.raises(ControllerLostError) as e:
+        watch.check(now=2021.0, incomplete=[(0, Tag.CONTROLLER_HEARTBEAT, 19.6), (2, Tag.PROMPTS, 3.0)])
+    assert "(rollout.generator_timeout_s = 20); a CONTROLLER_HEARTBEAT message from it has been " \
+           "arriving for 20 s: the trainer is gone" in str(e.value)
 
 
 def test_a_weight_broadcast_that_stops_arriving_means_the_trainer_is_gone():
