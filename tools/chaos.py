@@ -435,6 +435,7 @@ def main(argv=None) -> int:
            f"data.eval_path={model}/heldout.jsonl", f"output_dir={run_dir.parent}",
            f"name={run_dir.name}", *args.overrides]
     os.chdir(ROOT)
+    shm_before = set(Path("/dev/shm").glob("*"))    # what the run leaves there is counted
     job = sh(*cmd).stdout.strip().split(";")[0]
     print(f"[chaos] job {job}, run dir {run_dir}, batch output {out_file}", flush=True)
     records, ok, t0 = [], True, time.monotonic()
@@ -499,7 +500,9 @@ def main(argv=None) -> int:
                "lost": records[-1]["lost"] if records else None,
                "trained_twice": records[-1]["twice"] if records else None,
                "by_event": {e: sum(r["event"] == e for r in records) for e in EVENTS},
-               "seconds": time.monotonic() - t0, "command": " ".join(sys.argv)}
+               "seconds": time.monotonic() - t0, "command": " ".join(sys.argv),
+               # shared-memory files the run's processes left behind (killed engines' queues)
+               "shm_left": len(set(Path("/dev/shm").glob("*")) - shm_before)}
     if args.engine_faults:
         times = step_times(run_dir)
         for r in engine:
