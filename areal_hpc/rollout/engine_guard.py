@@ -90,7 +90,8 @@ def kill_engine(engine, segments=()) -> int:
 
     import psutil
     procs = [p for p in engine_procs(engine) if not _gone(p)]
-    segments = set(segments) | shm_segments(procs)
+    # not what this process maps too (shared with the engine, not the engine's own)
+    segments = (set(segments) | shm_segments(procs)) - shm_segments([psutil.Process()])
     for p in procs:
         with contextlib.suppress(psutil.Error):
             p.kill()

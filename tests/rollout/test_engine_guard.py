@@ -88,14 +88,20 @@ def test_a_killed_engines_shared_memory_files_are_removed(tmp_path):
     """vLLM's EngineCore and TP workers share queues in /dev/shm files, which a killed process
     cannot remove: the kill removes the files the engine's processes mapped (read when the watch
     started, and at the kill), and no other."""
+    import mmap
     import os
     import uuid
     path = f"/dev/shm/areal_test_{uuid.uuid4().hex}"
     other = f"/dev/shm/areal_test_{uuid.uuid4().hex}"
     open(other, "wb").close()           # not the engine's: stays
+    shared = f"/dev/shm/areal_test_{uuid.uuid4().hex}"
+    with open(shared, "w+b") as f:      # mapped by this process too (the generator's): stays
+        f.truncate(4096)
+        mine = mmap.mmap(f.fileno(), 4096)
     ready = tmp_path / "ready"
     code = (f"import mmap, pathlib, time\nf = open({path!r}, 'w+b'); f.truncate(4096)\n"
-            f"m = mmap.mmap(f.fileno(), 4096)\npathlib.Path({str(ready)!r}).touch()\ntime.sleep(600)")
+            f"m = mmap.mmap(f.fileno(), 4096)\ng = open({shared!r}, 'r+b')\n"
+            f"n = mmap.mmap(g.fileno(), 4096)\npathlib.Path({str(ready)!r}).touch()\ntime.sleep(600)")
     e = _ProcEngine.__new__(_ProcEngine)
     e.proc = subprocess.Popen([sys.executable, "-c", code])
     e._children, e._closed = [psutil.Process(e.proc.pid)], False
@@ -107,16 +113,17 @@ def test_a_killed_engines_shared_memory_files_are_removed(tmp_path):
             threading.Event().wait(0.05)
         watch = EngineWatch(e, stall_s=60)
         try:
-            assert watch.segments == {path}
+            assert watch.segments == {path, shared}
             e.proc.send_signal(signal.SIGSTOP)          # a stopped engine's mapping too
             assert kill_engine(e, watch.segments) == 1
         finally:
             watch.close()
         assert e.proc.poll() is not None          # killed (psutil reaped it)
-        assert not os.path.exists(path) and os.path.exists(other)
+        assert not os.path.exists(path) and os.path.exists(other) and os.path.exists(shared)
     finally:
         e.proc.kill()
-        for f in (path, other):
+        mine.close()
+        for f in (path, other, shared):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f)
 
