@@ -168,9 +168,8 @@ def print_trajectories(console: Console, run: RunData, rows: list[int], tokenize
         for i in rows:
             info = t.iloc[i]
             row = reader[int(info.row)]         # the file's row (--skip-bad-rows leaves gaps)
-            v = row["versions"]
-            versions = f"{v.min()}" if v.size and v.min() == v.max() else \
-                (f"{v.min()}→{v.max()} (interrupted)" if v.size else "–")
+            v = row["versions"][row["versions"] >= 0]      # an observation token has none (-1)
+            versions = _span(v) + (" (interrupted)" if v.size and v.min() != v.max() else "")
             c = row["consumed_step"]
             step = f"step {c}" if c >= 0 else STATUS_NAMES.get(c, f"not trained ({c})")
             head = (f"[bold]{escape(run.label)} row {info.row}[/bold]  prompt {row['prompt_id']} "
@@ -181,4 +180,36 @@ def print_trajectories(console: Console, run: RunData, rows: list[int], tokenize
                 head += f"  [red]reward error: {escape(row['reward_error'])}[/red]"
             console.print(head)
             console.print(f"  [cyan]prompt[/cyan] {escape(decode(row['prompt_tokens']))}")
-            console.print(f"  [green]answer[/green] {escape(decode(row['output_tokens']))}")
+            if (row.get("turn_is_sample") is None or len(row["turn_is_sample"]) <= 1) \
+                    and not row.get("tool_calls"):
+                console.print(f"  [green]answer[/green] {escape(decode(row['output_tokens']))}")
+            else:
+                _print_turns(console, row, decode)
+
+
+def _span(v) -> str:
+    """Versions as the viewer writes them: "3", "3→5", or "–" for none."""
+    if not v.size:
+        return "–"
+    return f"{v.min()}" if v.min() == v.max() else f"{v.min()}→{v.max()}"
+
+
+def _print_turns(console: Console, row: dict, decode) -> None:
+    """A multi-turn episode, turn by turn: each model turn with its versions and how many of
+    its tokens are trained (loss mask 1), each observation with how many are masked (0), then
+    its tool calls."""
+    start = 0
+    for k, (end, sampled) in enumerate(zip(row["turn_ends"], row["turn_is_sample"]), 1):
+        end = int(end)
+        ids, mask = row["output_tokens"][start:end], row["loss_mask"][start:end]
+        if sampled:
+            what = (f"[green]turn {k}, model[/green] ({len(ids)} tokens, versions "
+                    f"{_span(row['versions'][start:end])}, {int(mask.sum())} trained)")
+        else:
+            what = f"[magenta]turn {k}, observation[/magenta] ({len(ids)} tokens, {int((mask == 0).sum())} masked)"
+        console.print(f"  {what} {escape(decode(ids))}")
+        start = end
+    for c in row.get("tool_calls") or []:
+        done = f"[red]error: {escape(c['error'])}[/red]" if c["error"] else "ran"
+        console.print(f"  [yellow]tool[/yellow] {escape(c['name'])}({escape(c['args'])}): "
+                      f"{c['output_bytes']} B in {c['seconds']:.2f} s, {done}")

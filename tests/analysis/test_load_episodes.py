@@ -23,3 +23,23 @@ def test_episode_columns_and_staleness_of_sampled_tokens(tmp_path):
     assert traj["staleness"].tolist()[:2] == [6 - 2, 6 - 3]     # the episode's oldest: 3
     # per-token staleness: the single-turn sample's 4 tokens at 4, the episode's 5 sampled ones
     assert t.token_staleness == {1: 1, 2: 2, 3: 2, 4: 4}
+
+
+def test_show_prints_an_episode_turn_by_turn(tmp_path, capsys):
+    """The viewer (`--show`): an episode's turns in order, each model turn with its versions and
+    trained tokens, each observation with its masked tokens, then its tool calls; a single-turn
+    sample as one answer."""
+    from areal_hpc.analysis.cli import main
+    path = tmp_path / "rollouts.h5"
+    w = RolloutWriter(path)
+    w.append([episode_traj(0, 0), single_traj(1, 0)])
+    w.close()
+    assert main([str(path), "--no-plots", "--show", "2"]) == 0
+    out = " ".join(capsys.readouterr().out.split())        # the console wraps at its width
+    assert "versions 3→5 (interrupted)" in out          # sampled tokens only (observations: -1)
+    assert "turn 1, model (3 tokens, versions 3→4, 3 trained) 11 12 13" in out
+    assert "turn 2, observation (2 tokens, 2 masked) 40 41" in out
+    assert "turn 3, model (2 tokens, versions 4→5, 2 trained) 14 15" in out
+    assert "tool calculator(2*21): 2 B in 0.25 s, ran" in out
+    assert "tool python(print(1/0)): 0 B in 1.50 s, error: ZeroDivisionError" in out
+    assert "answer 20 21 22 23" in out and out.index("turn 3") < out.index("answer 20")
