@@ -50,6 +50,10 @@ OVERVIEW_FIELDS = (
     ("tokens_per_s", "generation tokens/s (all generators)", "{:,.1f}"),
     ("reward_errors", "reward-service errors (scored 0)", "{:,}"),
     ("reward_timeouts", "  of which timeouts", "{:,}"),
+    ("turns_mean", "model turns per trajectory: mean", "{:.2f}"),
+    ("tool_calls", "tool calls", "{:,}"),
+    ("tool_errors", "  failed", "{:,}"),
+    ("tool_seconds", "  seconds in all", "{:,.1f}"),
 )
 
 
@@ -115,6 +119,11 @@ def overview(run: RunData) -> dict[str, float]:
         "tokens_per_s": out_tokens / wall if wall > 0 else math.nan,
         "reward_errors": int((errors != "").sum()),
         "reward_timeouts": int(errors.str.startswith(TIMEOUT_PREFIX).sum()),
+        # multi-turn episodes (a single-turn sample: one turn, no tool call)
+        "turns_mean": float(t["turns"].mean()) if len(t) else math.nan,
+        "tool_calls": int(t["tool_calls"].sum()),
+        "tool_errors": int(t["tool_errors"].sum()),
+        "tool_seconds": float(t["tool_seconds"].sum()),
     }
 
 

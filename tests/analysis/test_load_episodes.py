@@ -23,6 +23,10 @@ def test_episode_columns_and_staleness_of_sampled_tokens(tmp_path):
     assert traj["staleness"].tolist()[:2] == [6 - 2, 6 - 3]     # the episode's oldest: 3
     # per-token staleness: the single-turn sample's 4 tokens at 4, the episode's 5 sampled ones
     assert t.token_staleness == {1: 1, 2: 2, 3: 2, 4: 4}
+    from areal_hpc.analysis.summary import overview
+    got = overview(t)
+    assert (got["turns_mean"], got["tool_calls"], got["tool_errors"]) == (1.0, 2, 1)   # (1+2+0)/3
+    assert got["tool_seconds"] == 1.75
 
 
 def test_show_prints_an_episode_turn_by_turn(tmp_path, capsys):
