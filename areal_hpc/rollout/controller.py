@@ -33,6 +33,7 @@ import numpy as np
 from ..config import RunConfig, to_yaml
 from ..config.rules import LOADING_MARGIN_S, receive_bound_s
 from ..data.prompts import prompt_ids
+from ..env.episode import CUT_TURNS
 from ..storage.rollout_log import DROPPED_STALE, NOT_CONSUMED, PARTIAL, RolloutReader, RolloutWriter
 from ..storage.run_dir import RunDir
 from ..storage.run_state import ControllerState
@@ -55,6 +56,22 @@ def reward_extras(trajs: list[dict]) -> dict[str, float]:
         for k, v in (t.get("reward_extra") or {}).items():
             values.setdefault(k, []).append(v)
     return {f"reward/{k}": float(np.mean(v)) for k, v in sorted(values.items())}
+
+
+def episode_stats(trajs: list[dict]) -> dict[str, float]:
+    """Per-step figures of multi-turn episodes (none for single-turn samples): model turns per
+    episode, tool calls, failed ones, their seconds, and the share cut at env.max_turns."""
+    if not any(t.get("turn_is_sample") is not None for t in trajs):
+        return {}
+    calls = [c if isinstance(c, dict) else vars(c)
+             for t in trajs for c in t.get("tool_calls") or ()]
+    turns = [int(np.sum(t["turn_is_sample"])) if t.get("turn_is_sample") is not None else 1
+             for t in trajs]
+    return {"episode/turns_mean": float(np.mean(turns)), "episode/tool_calls": len(calls),
+            "episode/tool_errors": sum(1 for c in calls if c.get("error")),
+            "episode/tool_seconds": float(sum(c.get("seconds", 0.0) for c in calls)),
+            "episode/cut_max_turns": float(np.mean([t.get("finish_reason") == CUT_TURNS
+                                                    for t in trajs]))}
 
 
 # How long `stop` waits for the service thread to end: one of its iterations is a non-blocking
@@ -313,7 +330,7 @@ class Controller:
                  "reward_errors": sum(1 for t in trajs if t.get("reward_error")),
                  "response_len": float(np.mean([len(t["output_tokens"]) for t in trajs])),
                  **dict(zip(("engine_restarts", "generators_live"), self.watch.engines())),
-                 **reward_extras(trajs)}
+                 **reward_extras(trajs), **episode_stats(trajs)}
         return Batch.of(groups, stats)
 
     def on_trained(self, rows: list[int], step: int, new_version: int) -> None:

@@ -320,3 +320,15 @@ def test_start_makes_the_channel_and_opens_or_reopens_the_log(setup):
     setup.made.append(again)
     assert len(again.buffer) == 1 and again.ledger.partial == {0: (0, N), 1: (N, N)}
     assert again.writer.n_rows == state.rollout_rows
+
+
+def test_a_steps_episode_figures():
+    """Per-step figures of multi-turn episodes in the batch's stats; none for single-turn ones."""
+    from areal_hpc.rollout.controller import episode_stats
+    from tests.storage.test_rollout_episodes import episode_traj, single_traj
+    assert episode_stats([single_traj(0, 0), single_traj(0, 1)]) == {}
+    cut = dict(episode_traj(1, 0), finish_reason="max_turns")
+    got = episode_stats([episode_traj(0, 0), cut, single_traj(2, 0)])
+    assert got == {"episode/turns_mean": (2 + 2 + 1) / 3, "episode/tool_calls": 4,
+                   "episode/tool_errors": 2, "episode/tool_seconds": 3.5,
+                   "episode/cut_max_turns": 1 / 3}
