@@ -158,10 +158,45 @@ def plot_learning(runs: list[RunData], path: Path) -> Path:
     return _save(fig, path)
 
 
+def has_episodes(run: RunData) -> bool:
+    """Whether `run` logged multi-turn episodes (a trajectory with several turns or a tool call)."""
+    t = run.generated
+    return bool(len(t)) and bool((t["turns"] > 1).any() or (t["tool_calls"] > 0).any())
+
+
+def plot_episodes(runs: list[RunData], path: Path) -> Path:
+    """Multi-turn episodes: the share of trajectories by model turns, and per training step the
+    tool calls per trajectory and the share of them that failed."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for run in runs:
+        t = run.generated
+        if not len(t):
+            continue
+        turns = t["turns"].value_counts(normalize=True).sort_index()
+        left.plot(turns.index, turns.to_numpy(), marker="o", label=run.label)
+        trained = t[t["consumed_step"] >= 0]
+        if len(trained):
+            by = trained.groupby("consumed_step")
+            calls = by["tool_calls"].sum()
+            right.plot(calls.index, calls / by.size(), marker=".", label=f"{run.label} calls")
+            failed = by["tool_errors"].sum() / calls.where(calls > 0)
+            right.plot(failed.index, failed, linestyle="--", label=f"{run.label} failed share")
+    left.set_xlabel("model turns per trajectory")
+    left.set_ylabel("share of trajectories")
+    left.xaxis.get_major_locator().set_params(integer=True)
+    right.set_xlabel("training step")
+    right.set_ylabel("tool calls per trajectory; failed share")
+    for ax in (left, right):
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    return _save(fig, path)
+
+
 def write_plots(runs: list[RunData], out_dir: Path, bin_s: float | None = None) -> list[Path]:
     """All plots into `out_dir` (created): reward.png, staleness.png, lengths.png,
-    throughput.png, and learning.png where a run directory holds metrics.jsonl or eval.json.
-    Returns their paths."""
+    throughput.png, learning.png where a run directory holds metrics.jsonl or eval.json, and
+    episodes.png where a run logged multi-turn episodes. Returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [plot_reward(runs, out_dir / "reward.png"),
              plot_staleness(runs, out_dir / "staleness.png"),
@@ -169,4 +204,6 @@ def write_plots(runs: list[RunData], out_dir: Path, bin_s: float | None = None) 
              plot_throughput(runs, out_dir / "throughput.png", bin_s)]
     if any(r.metrics or r.evals for r in runs):
         paths.append(plot_learning(runs, out_dir / "learning.png"))
+    if any(has_episodes(r) for r in runs):
+        paths.append(plot_episodes(runs, out_dir / "episodes.png"))
     return paths

@@ -47,3 +47,20 @@ def test_show_prints_an_episode_turn_by_turn(tmp_path, capsys):
     assert "tool calculator(2*21): 2 B in 0.25 s, ran" in out
     assert "tool python(print(1/0)): 0 B in 1.50 s, error: ZeroDivisionError" in out
     assert "answer 20 21 22 23" in out and out.index("turn 3") < out.index("answer 20")
+
+
+def test_episodes_plot_only_for_a_run_with_episodes(tmp_path):
+    from areal_hpc.analysis.plots import write_plots
+    path = tmp_path / "rollouts.h5"
+    w = RolloutWriter(path)
+    w.append([episode_traj(0, 0), episode_traj(0, 1), single_traj(1, 0)])
+    w.mark_consumed([0, 1, 2], step=0)
+    w.close()
+    made = write_plots([load_run(path, progress=False)], tmp_path / "plots")
+    assert [p.name for p in made][-1] == "episodes.png" and made[-1].stat().st_size > 0
+    single = tmp_path / "single.h5"
+    w = RolloutWriter(single)
+    w.append([single_traj(0, 0)])
+    w.close()
+    made = write_plots([load_run(single, progress=False)], tmp_path / "plots1")
+    assert "episodes.png" not in [p.name for p in made]
