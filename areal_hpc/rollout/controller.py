@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 from ..config import RunConfig, to_yaml
-from ..config.rules import LOADING_MARGIN_S, receive_bound_s
+from ..config.rules import LOADING_MARGIN_S
 from ..data.prompts import prompt_ids
 from ..env.episode import CUT_TURNS
 from ..storage.rollout_log import DROPPED_STALE, NOT_CONSUMED, PARTIAL, RolloutReader, RolloutWriter
@@ -385,12 +385,13 @@ class Controller:
         runs `version` or waits for it: the update is to be sent again over a re-formed group."""
         t0 = time.monotonic()
         deadline = [t0 + (min(timeout_s, 5.0) if cause is not None else timeout_s)]
-        # A generator's receive is bounded by receive_bound_s on its side (recovery.py): one
-        # that started loading and stalls is found by its watch within that, and says so (its
-        # engine killed, a heartbeat) within LOADING_MARGIN_S more. Never past
-        # rollout.generator_timeout_s (config/rules.py keeps it above that sum where engines
-        # restart): a config whose generators are lost sooner ends the job at that bound.
-        loading_s = min(receive_bound_s(self.cfg) + LOADING_MARGIN_S,
+        # A generator's receive is bounded by weights.timeout_s + rollout.engine_stall_s on its
+        # side (config/rules.py receive_bound_s): one that started loading and stalls is found
+        # by its watch within that, and says so (its engine killed, a heartbeat) within
+        # LOADING_MARGIN_S more; `timeout_s` (0 at a preemption) stands for weights.timeout_s
+        # here. Never past rollout.generator_timeout_s (config/rules.py keeps it above that sum
+        # where engines restart): a config whose generators are lost sooner ends the job there.
+        loading_s = min(timeout_s + self.cfg.rollout.engine_stall_s + LOADING_MARGIN_S,
                         max(timeout_s, self.cfg.rollout.generator_timeout_s))
         restart_s = self.cfg.weights.join_timeout_s + timeout_s
 

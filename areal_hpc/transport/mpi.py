@@ -155,12 +155,12 @@ class Channel:
         from mpi4py import MPI
         src = MPI.ANY_SOURCE if source is None else source
         tg = MPI.ANY_TAG if tag is None else int(tag)
-        status = MPI.Status()
+        status, info = MPI.Status(), _pkl5_info()
         while MPI.Comm.Iprobe(self.comm, src, tg, status):
             s, t = status.Get_source(), status.Get_tag()
-            n = status.Get_elements(_pkl5_info())
+            n = status.Get_elements(info)
             header = bytearray(8 * n)
-            MPI.Comm.Recv(self.comm, [header, _pkl5_info()], s, t)   # arrived: returns at once
+            MPI.Comm.Recv(self.comm, [header, info], s, t)   # arrived: returns at once
             parts = [MPI.buffer.allocate(k) for k in struct.unpack(f"{n}q", header)]
             # posted before the next probe: the parts (arrived or not) match these, in order
             self._incoming.append((s, Tag(t), _Arriving(self.comm, parts, s, t), time.monotonic()))
