@@ -330,7 +330,10 @@ class Controller:
                  "reward_errors": sum(1 for t in trajs if t.get("reward_error")),
                  "response_len": float(np.mean([len(t["output_tokens"]) for t in trajs])),
                  **dict(zip(("engine_restarts", "generators_live"), self.watch.engines())),
-                 **reward_extras(trajs), **episode_stats(trajs)}
+                 **reward_extras(trajs),
+                 # a run without an environment has single-turn samples only, though those continued
+                 # from the log carry one model turn each (storage/episode_log.py's row_episode)
+                 **(episode_stats(trajs) if self.cfg.env.fn else {})}
         return Batch.of(groups, stats)
 
     def on_trained(self, rows: list[int], step: int, new_version: int) -> None:

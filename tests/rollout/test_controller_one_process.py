@@ -260,6 +260,15 @@ def test_a_resume_continues_the_partial_groups(setup):
     with RolloutReader(setup.log) as r:                     # the buffered group pending again
         status = r.column("consumed_step")
     assert (status[:2 * N] == PARTIAL).all() and (status[2 * N:] == NOT_CONSUMED).all()
+    # the continued samples come back with the one model turn the log gave them; a run without
+    # an environment still has no episode figures (a resumed run's metrics equal an unbroken one's)
+    assert all(c.turn_is_sample is not None for c in again[0].continued)
+    done = [_trajectory(again[0], k, 0) for k in range(N)]
+    chan.deliver(msgs.Group([dict(t, turn_ends=np.asarray([len(t["output_tokens"])]),
+                                  turn_is_sample=np.ones(1, np.uint8)) for t in done]))
+    b = ctrl.next_batch()
+    assert sorted({t["prompt_id"] for t in b.trajectories}) == [0, 2]
+    assert not [k for k in b.stats if k.startswith("episode/")], b.stats
 
 
 def test_a_partial_group_that_is_not_its_prompts_rows_is_refused(setup):
