@@ -59,7 +59,8 @@ from .versions import check_versions
 TINY_MODEL = Path("models/tiny")
 # The models the project builds itself when a config names them and they are not there yet:
 # path -> areal_hpc/tiny_model.py arguments.
-BUILT_MODELS = {TINY_MODEL: [], Path("models/tiny_answer"): ["--format", "answer"]}
+BUILT_MODELS = {TINY_MODEL: [], Path("models/tiny_answer"): ["--format", "answer"],
+                Path("models/tiny_tool"): ["--format", "tool"]}
 
 
 def ensure_tiny_model(cfg: RunConfig) -> None:
@@ -210,16 +211,12 @@ def check_inputs(cfg: RunConfig) -> None:
 
 def check_env(cfg: RunConfig) -> None:
     """The env section (multi-turn episodes): its keys, and its environment imported in a child
-    of its own, bounded. The generator does not run episodes yet: a set env.fn is refused, in one
-    line, rather than ignored."""
+    of its own, bounded."""
     try:
         env_base.validate(cfg.env)
         env_runner.check(cfg.env)
     except env_base.EnvConfigError as exc:
         raise ConfigError(str(exc)) from None
-    if cfg.env.fn is not None:
-        raise ConfigError(f"config key 'env.fn': {cfg.env.fn!r} imports and starts, but the generator "
-                          f"does not run multi-turn episodes yet (docs/environments.md): unset env.fn")
 
 
 def _one_line(exc: BaseException) -> str:

@@ -221,13 +221,10 @@ def test_a_template_that_fails_on_a_later_row_names_the_row(inputs, tmp_path):
     ("env.max_turns=0", "config key 'env.max_turns': must be >= 1, got 0"),
     ('env.turn_stop=[""]', "config key 'env.turn_stop[0]': expected a non-empty string or a token id"),
     ("env.fn=nofile.py:X", "config key 'env.fn': "),
-    ("env.fn=calculator", "config key 'env.fn': 'calculator' imports and starts, but the generator "
-                          "does not run multi-turn episodes yet"),
 ])
 def test_the_env_section_is_checked_before_any_rank_starts(override, message):
     """The env section's keys (config ranges, then env/base.py's syntax), its environment imported
-    in a child; a set env.fn refused in one line while the generator cannot run episodes, never
-    ignored."""
+    in a child, in one line."""
     with pytest.raises(ConfigError) as err:
         preflight.check_env(load("configs/tiny_cpu.yaml", [override]))
     assert str(err.value).startswith(message) and "\n" not in str(err.value), err.value
@@ -235,3 +232,11 @@ def test_the_env_section_is_checked_before_any_rank_starts(override, message):
 
 def test_no_env_section_is_single_turn():
     preflight.check_env(load("configs/tiny_cpu.yaml"))      # nothing to check, nothing refused
+
+
+def test_an_environment_that_starts_is_taken_and_its_episodes_must_fit_the_engine():
+    preflight.check_env(load("configs/tiny_cpu.yaml", ["env.fn=calculator"]))
+    with pytest.raises(ConfigError) as err:
+        load("configs/tiny_cpu.yaml", ["env.fn=calculator", "env.max_episode_tokens=100000"])
+    assert str(err.value).startswith("config key 'env.max_episode_tokens': 100000 is past "
+                                     "rollout.max_model_len"), err.value

@@ -6,8 +6,8 @@ import collections
 import numpy as np
 
 from ..storage import run_dir as run_files
-from ..storage.rollout_log import (DROPPED_STALE, NO_SEED, NOT_CONSUMED, PARTIAL, ROLLED_BACK,
-                                  RolloutReader)
+from ..storage.rollout_log import (ABORTED, DROPPED_STALE, NO_SEED, NOT_CONSUMED, PARTIAL,
+                                  ROLLED_BACK, RolloutReader)
 from ..train.shares import guard_decisions
 
 from .run import (EXAMPLES, AuditedRun, Check, Groups, Projection, any_trained, some,
@@ -489,11 +489,13 @@ def _check_continued(run: AuditedRun, groups: Groups) -> Check:
                 continue
             a, b = r[i], r[nxt]
             k = len(a["output_tokens"])
-            whole = a["finish_reason"] != "abort"
+            whole = a["finish_reason"] not in ABORTED
             same = (len(b["output_tokens"]) >= k and (not whole or len(b["output_tokens"]) == k)
                     and all(np.array_equal(a[f], b[f][:k])
                             for f in ("output_tokens", "behav_logprobs", "versions"))
-                    and np.array_equal(a["prompt_tokens"], b["prompt_tokens"]))
+                    # one with no token yet starts afresh (an episode: from its environment's
+                    # prompt, which a fresh reset gives again)
+                    and (k == 0 or np.array_equal(a["prompt_tokens"], b["prompt_tokens"])))
             v = a["versions"]
             regenerated = (not whole and k > 0 and a["seed"] != NO_SEED and b["seed"] == a["seed"]
                            and (v == v[0]).all() and len(b["versions"]) > 0

@@ -89,6 +89,7 @@ RANGES: dict[str, Range] = {
     "env.start_timeout_s": Range(1, 3600, why=" (seconds)"),
     "env.memory_mb": Range(64, 1 << 20),
     "env.output_bytes": Range(0, 1 << 30),
+    "env.max_episodes": Range(1, 4096),
     "data.eval_limit": Range(0, INT_MAX, why=" (0 = all)"),
     "data.eval_samples": Range(1, 65536),
     "data.eval_every_steps": _NONNEG,
@@ -313,6 +314,9 @@ def validate(cfg: RunConfig) -> None:
     require(r.max_new_tokens < r.max_model_len, "rollout.max_new_tokens",
            f"{r.max_new_tokens} leaves no room for a prompt in rollout.max_model_len = "
            f"{r.max_model_len}")
+    require(cfg.env.fn is None or (cfg.env.max_episode_tokens or 0) <= r.max_model_len,
+            "env.max_episode_tokens", f"{cfg.env.max_episode_tokens} is past rollout.max_model_len "
+            f"= {r.max_model_len}, the longest sequence the engine takes")
     name = PurePosixPath(cfg.name)
     require(bool(cfg.name) and not name.is_absolute() and ".." not in name.parts
            and "\0" not in cfg.name, "name",

@@ -324,7 +324,8 @@ class EnvConfig:
     fn: Optional[str] = None            # "path/to/file.py:Class", "package.module:Class", or a built-in
     args: dict[str, Any] = field(default_factory=dict)   # keyword arguments of the class
     max_turns: int = 4                  # model turns per episode; an episode not done by then is cut
-    max_episode_tokens: int = 1024      # prompt + turns + observations; past it the episode is cut
+    # prompt + turns + observations; past it the episode is cut (None: rollout.max_model_len)
+    max_episode_tokens: Optional[int] = None
     # what ends a model's turn: strings (a closing code fence, "</calc>") or token ids
     turn_stop: list[Any] = field(default_factory=list)
     observation_template: str = "{observation}"   # how an observation's text is wrapped
@@ -332,6 +333,8 @@ class EnvConfig:
     start_timeout_s: float = 60.0       # starting the environment's process (its imports)
     memory_mb: int = 4096               # address space of the environment's process
     output_bytes: int = 1 << 20         # what the environment's process may print, in all
+    max_episodes: int = 32              # episodes running at once on a generator rank (a process
+    #                                     each); more wait for a place
 
 
 @dataclass

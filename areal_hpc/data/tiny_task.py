@@ -11,6 +11,12 @@ reward is checked by the same math_verify path as real math datasets. The ``answ
 ends ``Answer: 17`` instead (the example of a user reward function, examples/answer_n/). The
 text is kept short because the tiny model reads it one character at a time.
 
+The ``tool`` format teaches a calculator call to a share of the problems (``tool_share``): their
+solution is ``<calc>3+5+9</calc>17,\\boxed{17}``, the call, then its result as the calculator
+environment (``env.fn=calculator``, observation template ``{observation},``) appends it, then the
+answer; the others are written out as in ``boxed``. A model pre-trained on it half-knows the tool
+(examples/calculator/).
+
 The number of terms k is long-tailed: P(k) ∝ (k - 1) ** -tail_exponent on [min_terms, max_terms].
 With the defaults (2..10, exponent 1) 35% of the problems have k = 2 (20 characters, question
 and solution) and 4% have k = 10 (about 99 characters); those are the stragglers that
@@ -26,9 +32,11 @@ import random
 
 # Every character a question or solution can contain. The tiny model's tokenizer is built from it.
 ALPHABET = "0123456789+=,\\boxed{}"
-# The final answer's form (answer_format): "boxed" writes \boxed{17}, "answer" writes "Answer: 17".
-FORMATS = ("boxed", "answer")
-_EXTRA_CHARS = {"boxed": "", "answer": "Answr: "}
+# The final answer's form (answer_format): "boxed" writes \boxed{17}, "answer" writes "Answer: 17",
+# "tool" is "boxed" with a calculator call in a share of the solutions.
+FORMATS = ("boxed", "answer", "tool")
+_EXTRA_CHARS = {"boxed": "", "answer": "Answr: ", "tool": "<calc>/"}
+OPEN_TAG, CLOSE_TAG = "<calc>", "</calc>"
 
 
 def alphabet(answer_format: str = "boxed") -> str:
@@ -53,8 +61,11 @@ def format_question(terms: list[int]) -> str:
     return "+".join(str(t) for t in terms) + "="
 
 
-def format_solution(terms: list[int], answer_format: str = "boxed") -> str:
-    """``[12, 7, 30]`` → ``"12+7=19,19+30=49,\\boxed{49}"`` (``answer``: ``"...,Answer: 49"``)."""
+def format_solution(terms: list[int], answer_format: str = "boxed", tool: bool = False) -> str:
+    """``[12, 7, 30]`` → ``"12+7=19,19+30=49,\\boxed{49}"`` (``answer``: ``"...,Answer: 49"``;
+    ``tool``: ``"<calc>12+7+30</calc>49,\\boxed{49}"``)."""
+    if tool:
+        return f"{OPEN_TAG}{'+'.join(map(str, terms))}{CLOSE_TAG}{sum(terms)},\\boxed{{{sum(terms)}}}"
     steps = []
     partial = terms[0]
     for term in terms[1:]:
@@ -66,12 +77,13 @@ def format_solution(terms: list[int], answer_format: str = "boxed") -> str:
 
 def make_problems(n: int, seed: int, *, min_terms: int = 2, max_terms: int = 10,
                   max_value: int = 9, tail_exponent: float = 1.0,
-                  answer_format: str = "boxed") -> list[dict]:
+                  answer_format: str = "boxed", tool_share: float = 0.15) -> list[dict]:
     """``n`` problems ``{"question", "answer", "solution"}``, the same ones for the same arguments.
 
     Terms are uniform on [0, max_value]. Single digits by default: a small model learns the
     bookkeeping (which term is next, when to stop) and the adding within a few hundred steps on a
-    CPU; with two-digit terms it stays near 0% for thousands of steps.
+    CPU; with two-digit terms it stays near 0% for thousands of steps. ``tool_share``: the share
+    of a ``tool`` format's solutions that call the calculator.
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
@@ -85,9 +97,10 @@ def make_problems(n: int, seed: int, *, min_terms: int = 2, max_terms: int = 10,
     for _ in range(n):
         k = rng.choices(ks, weights=ps)[0]
         terms = [rng.randint(0, max_value) for _ in range(k)]
+        tool = answer_format == "tool" and rng.random() < tool_share
         problems.append({
             "question": format_question(terms),
             "answer": str(sum(terms)),
-            "solution": format_solution(terms, answer_format),
+            "solution": format_solution(terms, answer_format, tool),
         })
     return problems

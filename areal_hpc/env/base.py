@@ -117,7 +117,9 @@ def validate(cfg: EnvConfig, key: str = "env") -> None:
         raise _bad(f"{key}.args", "expected a mapping of keyword-argument names to values")
     for name in (k.removeprefix("env.") for k in CONFIG_RANGES if k.startswith("env.")):
         v = getattr(cfg, name)
-        typ = int if isinstance(EnvConfig.__dataclass_fields__[name].default, int) else float
+        if v is None and name == "max_episode_tokens":     # rollout.max_model_len
+            continue
+        typ = float if name.endswith("_s") else int         # seconds, else counts
         if isinstance(v, bool) or not isinstance(v, (int, float)) or (typ is int and not isinstance(v, int)):
             raise _bad(f"{key}.{name}", f"expected {typ.__name__}, got {v!r}")
         problem = CONFIG_RANGES[f"env.{name}"].problem(v)

@@ -274,18 +274,27 @@ class EnvRunner:
         self._closed = False
 
     def reset(self, key: Hashable, row: dict) -> Future:
+        return self._pool.submit(self._take(key).reset, row)
+
+    def _take(self, key: Hashable) -> EnvProcess:
+        """A process for a new episode: an idle one, or a new one (started by its first call)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("EnvRunner is closed")
             if key in self._running:
                 raise ValueError(f"episode {key!r} is running already")
             proc = self._running[key] = self._idle.pop() if self._idle else EnvProcess(self.cfg)
-        return self._pool.submit(proc.reset, row)
+        return proc
 
     def step(self, key: Hashable, turn_text: str, turn_ids: list[int]) -> Future:
         with self._lock:
             proc = self._running[key]
         return self._pool.submit(proc.step, turn_text, turn_ids)
+
+    def restore(self, key: Hashable, row: dict, turns: list[tuple[str, list[int]]]) -> Future:
+        """A resumed episode (its process went with a preemption): a future of the Steps of
+        `replay_steps` (reset, then one per model turn in `turns`), never failing."""
+        return self._pool.submit(replay_steps, self._take(key), row, turns)
 
     def finish(self, key: Hashable) -> None:
         """The episode is over (call it once its last future is done): its child waits for the
@@ -317,19 +326,23 @@ class EnvRunner:
         self.close()
 
 
+def replay_steps(proc: EnvProcess, row: dict, turns: list[tuple[str, list[int]]]) -> list[Step]:
+    """Step `proc` from a reset with `row` through every model turn of `turns` (their text, their
+    ids): the Steps it answered, the reset's first, up to and with the first error."""
+    steps = [proc.reset(row)]
+    for text, ids in turns:
+        if steps[-1].error is not None:
+            break
+        steps.append(proc.step(text, ids))
+    return steps
+
+
 def replay(proc: EnvProcess, row: dict, turns: list[tuple[str, list[int]]]) -> Step | None:
     """Bring a fresh environment to where a resumed episode was (a preemption took its process):
     reset with the row, then step through the episode's model turns (their text, their ids) but
     the last one, which the caller steps itself. The observations it answers are not appended:
     the episode's saved tokens are the ones trained. Returns the first error, else None."""
-    first = proc.reset(row)
-    if first.error is not None:
-        return first
-    for text, ids in turns[:-1]:
-        step = proc.step(text, ids)
-        if step.error is not None:
-            return step
-    return None
+    return next((s for s in replay_steps(proc, row, turns[:-1]) if s.error is not None), None)
 
 
 def check(cfg: EnvConfig, key: str = "env") -> None:

@@ -203,9 +203,13 @@ class Controller:
     def encode(self, prompt_id: int, row: dict, n: int,
                continued: tuple[msgs.Continuation, ...] = ()) -> msgs.Prompt:
         ids = prompt_ids(self.tokenizer, self.cfg.data, row["question"])
-        # reward functions of the user's own see the whole row
+        # reward functions of the user's own see the whole row; so does an environment (a
+        # dataset read without one: its question and answer)
+        whole = row.get("row")
+        if whole is None and self.cfg.env.fn:
+            whole = {"question": row["question"], "answer": row["reference"]}
         return msgs.Prompt(prompt_id, ids, n, row["reward_kind"], row["reference"],
-                           row=row.get("row"), continued=continued)
+                           row=whole, continued=continued)
 
     def submit(self) -> int:
         """Hand out as many prompts as the staleness bound allows; returns how many."""
@@ -264,7 +268,7 @@ class Controller:
         return msgs.Continuation(**{k: t[k] for k in (
             "sample_idx", "output_tokens", "behav_logprobs", "versions", "finish_reason",
             "t_submit", "t_first_token", "t_end", "loss_mask", "turn_ends", "turn_is_sample",
-            "tool_calls")})
+            "tool_calls", "prompt_tokens")})
 
     def _drop_stale(self) -> int:
         """Groups whose oldest token is more than η versions behind the policy, by

@@ -44,12 +44,14 @@ import numpy as np
 from .. import preemption
 from ..config import RunConfig
 from ..determinism import seeded
+from ..env.runner import EnvRunner
 from ..reward import custom
 from ..reward.pool import RewardPool
 from ..topology import CONTROLLER_RANK, Topology
 from ..transport import messages as msgs
 from ..transport.mpi import Channel
 from .engine_guard import EngineWatch, RestartBudget
+from .episodes import EpisodeLoop
 from .gen_clock import GenClock
 from .liveness import ControllerWatch, Pacer
 from .recovery import EngineRecovery, request_id
@@ -66,6 +68,7 @@ class _Group:
     rewards: dict = field(default_factory=dict)   # sample_idx → reward
     errors: dict = field(default_factory=dict)    # sample_idx → reward-service error, if any
     extras: dict = field(default_factory=dict)    # sample_idx → a reward function's logged fields
+    episodes: dict = field(default_factory=dict)  # sample_idx → its env.episode.Episode (env.fn)
 
     @property
     def generated(self) -> bool:
@@ -81,12 +84,13 @@ def _parse_request_id(rid: str) -> tuple[str, int, int]:
     return kind, int(pid), int(idx)
 
 
-class Generator(EngineRecovery):
-    """A generator rank's loop around its children: the vLLM engine, the reward pool and the
-    channel to the controller. `start` makes the children on a rank; a test passes its own."""
+class Generator(EngineRecovery, EpisodeLoop):
+    """A generator rank's loop around its children: the vLLM engine, the reward pool, the
+    environments of multi-turn episodes (env.fn; episodes.py) and the channel to the controller.
+    `start` makes the children on a rank; a test passes its own."""
 
     def __init__(self, cfg: RunConfig, topo: Topology, *, engine=None, rewards=None, chan=None,
-                 tokenizer=None, clock: GenClock | None = None, engine_factory=None):
+                 tokenizer=None, clock: GenClock | None = None, engine_factory=None, envs=None):
         self.cfg, self.topo = cfg, topo
         # `engine_factory(version=...)` starts an engine like the first: a faulted one is
         # replaced by it (None: a fault ends the rank, as for a test's own engine)
@@ -100,6 +104,9 @@ class Generator(EngineRecovery):
         self.per_request_seeds = seeded(cfg)     # rollout.per_request_seeds or deterministic
         self.groups: dict[tuple[str, int], _Group] = {}
         self._kept: dict[tuple[str, int, int], int] = {}   # a continued sample's earlier tokens
+        # env.fn: the episodes' environments (env.runner.EnvRunner), the episodes in flight
+        # (episodes.py) and those waiting for one of env.max_episodes places
+        self.envs, self.episodes, self._queued = envs, {}, []
         # rollout.mode sync: training groups are sent in the order their prompts came
         # (`_send`): the prompt ids still to send, and the scored groups waiting for earlier ones
         self._in_order = cfg.rollout.mode == "sync"
@@ -138,8 +145,9 @@ class Generator(EngineRecovery):
             rewards = RewardPool(rw.workers, math_timeout_s=rw.math_timeout_s,
                                  unsafe_no_sandbox=rw.unsafe_no_sandbox, extractor=rw.extractor,
                                  functions=custom.specs_of(cfg), fn_timeout_s=rw.fn_timeout_s)
+            envs = EnvRunner(cfg.env, cfg.env.max_episodes) if cfg.env.fn else None
         return cls(cfg, topo, engine=engine, rewards=rewards, chan=chan, tokenizer=tokenizer,
-                   engine_factory=factory)
+                   engine_factory=factory, envs=envs)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
@@ -170,7 +178,7 @@ class Generator(EngineRecovery):
                 with self.clock.timed("busy"):
                     self._generate()
             else:       # nothing to generate: waiting on scores of finished samples, or on prompts
-                scoring = bool(self.rewards.unfinished)
+                scoring = bool(self.rewards.unfinished) or self._env_waiting()
                 with self.clock.timed("idle_scoring" if scoring else "idle"):
                     self.chan.idle(source=CONTROLLER_RANK, timeout=0.005 if scoring else 0.05)
         self._finish()
@@ -229,6 +237,8 @@ class Generator(EngineRecovery):
             CONTROLLER_RANK)
         self.chan.flush(timeout=60)
         self.rewards.close()
+        if self.envs is not None:
+            self.envs.close()
         if self.guard is not None:
             self.guard.close()
         try:
@@ -278,6 +288,9 @@ class Generator(EngineRecovery):
         if kind == "train" and self._in_order:
             self._send_order.append(pid)
         seeds = self._seeds(kind, pid, prompt.n)
+        if self.envs is not None:
+            self._start_episodes(kind, prompt, seeds)
+            return
         # A preempted job's partial outputs: each goes on from its prefix (a finished one is
         # scored again); the samples that had no token yet start afresh below, and so, with
         # per-request seeds, does an unfinished one whose tokens all came from the weights this
@@ -317,7 +330,10 @@ class Generator(EngineRecovery):
                 return self.engine.step()
         for smp in self._guarded(step) or ():
             kind, pid, idx = _parse_request_id(smp.request_id)
-            self._finished(kind, pid, idx, smp)
+            if (kind, pid, idx) in self.episodes:
+                self._turn_done(kind, pid, idx, smp)
+            else:
+                self._finished(kind, pid, idx, smp)
 
     def _record(self, kind: str, pid: int, idx: int, smp: FinishedSample) -> _Group:
         """A sample ends (finished or stopped): into its group, the tokens generated here counted."""
@@ -334,8 +350,9 @@ class Generator(EngineRecovery):
                             group.prompt.reference, group.prompt.row)
 
     def _collect_rewards(self, timeout: float = 0.0) -> list[tuple[str, _Group]]:
-        """Scores that arrived; returns the groups now fully generated and scored."""
-        complete = []
+        """Scores that arrived (and episodes that ended); returns the groups now fully generated
+        and scored."""
+        complete = self._poll_episodes() if self.envs is not None else []
         for res in self.rewards.done(timeout):
             kind, pid, idx = res.key
             group = self.groups.get((kind, pid))
@@ -364,7 +381,18 @@ class Generator(EngineRecovery):
             "t_submit": s.t_submit, "t_first_token": s.t_first_token, "t_end": s.t_end,
             "reward_error": group.errors.get(idx, ""), "reward_extra": group.extras.get(idx, {}),
             "seed": -1 if s.seed is None else int(s.seed),
+            **self._episode_fields(group.episodes.get(idx)),
         } for idx, s in sorted(group.samples.items())]
+
+    @staticmethod
+    def _episode_fields(episode) -> dict:
+        """A multi-turn episode's own prompt (its environment's), mask, turns and tool calls
+        (nothing for a single-turn sample)."""
+        if episode is None:
+            return {}
+        a = episode.arrays()
+        return {"prompt_tokens": a["prompt"], "loss_mask": a["loss_mask"], "turn_ends": a["turn_ends"],
+                "turn_is_sample": a["turn_is_sample"], "tool_calls": list(episode.tool_calls)}
 
     def _send(self, group: _Group) -> None:
         """A scored training group to the controller; in sync mode once every group whose
@@ -388,8 +416,8 @@ class Generator(EngineRecovery):
         samples end with finish_reason "abort" and reward 0, unscored; its finished ones keep
         their scores (a group still being scored is sent when they arrive)."""
         for (kind, pid), group in list(self.groups.items()):
-            if kind != "train" or group.generated:
-                continue
+            if kind != "train" or group.generated or self.envs is not None:
+                continue        # (an episode's group is dropped on arrival instead)
             running = [request_id(kind, pid, i) for i in range(group.prompt.n)
                        if i not in group.samples]
             firsts = [v for v in (self.engine.oldest_version(r) for r in running) if v is not None]
@@ -413,9 +441,15 @@ class Generator(EngineRecovery):
         signal window, also when the engine's processes were already killed. Eval groups are
         dropped (an evaluation is rerun whole)."""
         self._send_held(every=True)     # scored groups held for order: complete, sent as such
+        turns = {}
         for smp in self.engine.abort_all():
             kind, pid, idx = _parse_request_id(smp.request_id)
-            self.groups[(kind, pid)].samples[idx] = smp
+            if (kind, pid, idx) in self.episodes:
+                turns[smp.request_id] = smp
+            elif (kind, pid) in self.groups:
+                self.groups[(kind, pid)].samples[idx] = smp
+        if self.envs is not None:
+            self._partial_episodes(turns)
         train = [g for (kind, _), g in sorted(self.groups.items()) if kind == "train"]
         partial = [self._trajectories(g) for g in train if g.generated]
         if len(partial) < len(train):   # every submitted sample is in the engine's outputs

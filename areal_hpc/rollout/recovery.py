@@ -251,6 +251,8 @@ class EngineRecovery:
         """Every unfinished sample of every group here, on the new engine: continued from its
         tokens, returned at once if it had finished, or started again if the old engine had no
         record of it. Returns (tokens kept per continued sample, samples started again)."""
+        if self.envs is not None:
+            return self._continue_episodes(samples)
         r, kept, fresh = self.cfg.rollout, [], 0
         for (kind, pid), group in list(self.groups.items()):
             seeds = self._seeds(kind, pid, group.prompt.n)

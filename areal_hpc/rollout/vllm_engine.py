@@ -99,6 +99,10 @@ class _Request:
     t_first_token: float | None = None
     attempt: int = 0  # resubmissions so far; part of the vLLM request id
     seed: int | None = None  # the sample's seed (its continuations': `continuation_seed`)
+    # what ends it besides EOS and its length: strings (kept in its output) and token ids
+    # (a multi-turn episode's turn stops, env.turn_stop)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
 
 
 def engine_options(r) -> dict:
@@ -270,11 +274,16 @@ class VLLMEngine:
         top_k: int = -1,
         ignore_eos: bool = False,
         seed: int | None = None,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
     ) -> None:
-        """Queue one sample. `request_id` must be unique among this engine's unfinished ones."""
+        """Queue one sample. `request_id` must be unique among this engine's unfinished ones.
+        `stop` / `stop_token_ids`: it also ends (finish_reason "stop") at one of these strings,
+        kept in its output, or at one of these token ids."""
         self.submit_group([request_id], prompt_tokens, max_new_tokens, temperature, top_p,
                           top_k=top_k, ignore_eos=ignore_eos,
-                          seeds=None if seed is None else [seed])
+                          seeds=None if seed is None else [seed], stop=stop,
+                          stop_token_ids=stop_token_ids)
 
     def submit_group(
         self,
@@ -287,6 +296,8 @@ class VLLMEngine:
         top_k: int = -1,
         ignore_eos: bool = False,
         seeds: Sequence[int] | None = None,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
     ) -> None:
         """Queue len(request_ids) samples of one prompt as one vLLM request; each sample is
         returned by `step()` on its own, under its own request id, as it finishes. The ids must
@@ -316,7 +327,8 @@ class VLLMEngine:
         reqs = [_Request(request_id=rid, prompt_tokens=prompt, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_p=top_p, top_k=top_k,
                          ignore_eos=ignore_eos, t_submit=now,
-                         seed=None if seeds is None else seeds[i])
+                         seed=None if seeds is None else seeds[i], stop=tuple(stop),
+                         stop_token_ids=tuple(int(t) for t in stop_token_ids))
                 for i, rid in enumerate(request_ids)]
         runs, start = [], 0     # runs of consecutive seeds (all of them without seeds)
         for i in range(1, len(reqs) + 1):
@@ -344,7 +356,11 @@ class VLLMEngine:
             # child i of this request is seeded seed + i (vLLM's ParentRequest)
             seed=None if req.seed is None else continuation_seed(req.seed, len(req.tokens)),
             logprobs=0,  # the sampled token's logprob only
-            detokenize=False,
+            # stop strings are matched on the detokenised text; the token ids stay as sampled
+            stop=list(req.stop) or None,
+            stop_token_ids=list(req.stop_token_ids) or None,
+            include_stop_str_in_output=True,
+            detokenize=bool(req.stop),
             output_kind=RequestOutputKind.DELTA,
         )
         # An already rendered engine input: a TokensPrompt would go through the renderer again
@@ -364,6 +380,8 @@ class VLLMEngine:
         *,
         top_k: int = -1,
         ignore_eos: bool = False,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
     ) -> None:
         """Queue a sample an earlier engine started (`abort_all` at a preemption, read back from
         the rollout log). One that had finished is returned by the next `step()` as it is; an
@@ -389,7 +407,8 @@ class VLLMEngine:
                        t_first_token=sample.t_first_token if n else None,
                        attempt=sample.num_interrupts,
                        # an engine without seeds continues it from its shared stream
-                       seed=sample.seed if self.per_request_seeds else None)
+                       seed=sample.seed if self.per_request_seeds else None,
+                       stop=tuple(stop), stop_token_ids=tuple(int(t) for t in stop_token_ids))
         self._resubmit(req, time.time())
 
     def _resubmit(self, req: _Request, now: float) -> None:

@@ -58,7 +58,11 @@ READABLE_SCHEMAS = (1, 2, 3)            # 1: before reward_error; 2: before PART
 NOT_CONSUMED, DROPPED_STALE, ROLLED_BACK, PARTIAL = -1, -2, -3, -4
 STATUS_NAMES = {NOT_CONSUMED: "pending", DROPPED_STALE: "dropped as stale",
                 ROLLED_BACK: "rolled back", PARTIAL: "partial (preempted mid-generation)"}
-FINISH_REASONS = ("stop", "length", "abort")
+# (then a multi-turn episode's: cut at env.max_turns or env.max_episode_tokens, and one in flight
+# at a preemption whose environment had answered its last model turn or was answering it:
+# rollout/episodes.py; "abort" is one cut in the middle of a model turn)
+FINISH_REASONS = ("stop", "length", "abort", "max_turns", "max_episode_tokens", "abort_env")
+ABORTED = ("abort", "abort_env")         # a PARTIAL row's samples still to be continued
 NO_SEED = -1                            # seed of a sample drawn from the engine's shared stream
 
 

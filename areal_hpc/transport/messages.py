@@ -67,6 +67,7 @@ class Continuation:
     turn_ends: np.ndarray | None = None
     turn_is_sample: np.ndarray | None = None
     tool_calls: tuple = ()
+    prompt_tokens: np.ndarray | None = None     # an episode's own prompt (its environment's)
 
 
 @dataclass(frozen=True, slots=True)

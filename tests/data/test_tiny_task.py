@@ -70,3 +70,21 @@ def test_the_answer_format_ends_answer_n_within_its_alphabet():
     assert alphabet("boxed") == ALPHABET and alphabet("answer").startswith(ALPHABET)
     with pytest.raises(ValueError, match="unknown answer format 'x'"):
         make_problems(1, seed=0, answer_format="x")
+
+
+def test_the_tool_format_calls_the_calculator_in_a_share_of_the_solutions():
+    """The calculator's own parse of a tool solution's call gives the result written after it,
+    as the environment appends it (observation template "{observation},")."""
+    from areal_hpc.data.tiny_task import alphabet
+    from areal_hpc.env.calculator import evaluate, last_call, show
+
+    assert format_solution([12, 7, 30], "tool", tool=True) == "<calc>12+7+30</calc>49,\\boxed{49}"
+    assert format_solution([12, 7, 30], "tool") == format_solution([12, 7, 30])
+    problems = make_problems(2000, seed=5, answer_format="tool")
+    calls = [p for p in problems if "<calc>" in p["solution"]]
+    assert 0.12 < len(calls) / len(problems) < 0.18        # tool_share 0.15
+    assert all(set(p["question"] + p["solution"]) <= set(alphabet("tool")) for p in problems)
+    for p in calls:
+        turn, rest = p["solution"].split("</calc>")
+        assert rest == show(evaluate(last_call(turn + "</calc>", "<calc>", "</calc>"))) + "," \
+            + f"\\boxed{{{p['answer']}}}"

@@ -76,13 +76,6 @@ def run_to_completion(engine):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_qwen2")
-    make_tiny_model(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def engine(model_dir, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp_env:
         mp_env.setenv("VLLM_CPU_KVCACHE_SPACE", "1")

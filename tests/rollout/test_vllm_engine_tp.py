@@ -17,7 +17,7 @@ from areal_hpc.rollout import vllm_engine
 from areal_hpc.transport.rendezvous import free_port
 from areal_hpc.transport.weights import WeightGroupAddress
 
-from .test_vllm_engine import hf_logprobs, hf_model, make_tiny_model, run_to_completion
+from .test_vllm_engine import hf_logprobs, hf_model, run_to_completion
 
 TP = 2
 ATOL = 1e-4
@@ -49,13 +49,6 @@ def test_cpu_worker_binding_window(monkeypatch):
 
 
 # ------------------------------------------------------------ with a TP2 engine
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_qwen2_tp")
-    make_tiny_model(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

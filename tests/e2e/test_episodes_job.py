@@ -1,0 +1,85 @@
+"""A job with multi-turn episodes (env.fn: a user's environment in one file) on the real stack
+(mpiexec, vLLM, Megatron, HDF5), preempted (USR1) while episodes are in flight and resumed: the
+episodes in flight go back as far as they got and the resumed job continues them; the audit
+(every trained token sampled, every observation token masked, every partial row continued by a
+row that starts with it, nothing lost or trained twice) holds."""
+import signal
+
+import psutil
+
+from areal_hpc.audit import audit
+from areal_hpc.storage import checkpoint as ck
+from areal_hpc.storage.rollout_log import PARTIAL, RolloutReader
+from tests.e2e.test_preempt_resume import _steps_done, _wait_for
+
+STEPS, B, N = 4, 3, 2
+
+# Turn 1 gets a hint back ("check:" and the answer's digit count); turn 2 is scored and ends the
+# episode. The hint takes a while (as a tool does), so that a preemption finds episodes waiting
+# for it as well as episodes in a model turn.
+ENV = '''
+import time
+from areal_hpc.env.base import Step, ToolCall
+
+
+class Hint:
+    def __init__(self, delay_s=0.2):
+        self.delay_s = delay_s
+
+    def reset(self, row):
+        self.turn, self.answer = 0, str(row["answer"])
+        return row["question"]
+
+    def step(self, text, ids):
+        self.turn += 1
+        if self.turn == 1:
+            time.sleep(self.delay_s)
+            out = f"check:{len(self.answer)}"
+            return Step(observation=out, tool=ToolCall("hint", "", len(out), self.delay_s, None))
+        return Step(done=True, reward=float(self.answer in text))
+'''
+
+
+def test_episodes_preempted_mid_episode_resume_with_the_audit_clean(jobs, tiny_model, tmp_path):
+    env = tmp_path / "hint_env.py"
+    env.write_text(ENV)
+    args = jobs.args(tiny_model, tmp_path, "ep", f"train.total_steps={STEPS}",
+                     f"train.batch_prompts={B}", f"rollout.group_size={N}",
+                     "rollout.max_new_tokens=24", "data.eval_limit=4", "data.eval_samples=1",
+                     "checkpoint.every_steps=0", f"env.fn={env}:Hint", "env.max_turns=3")
+    run_dir = tmp_path / "ep"
+    proc = jobs.start(args)
+    _wait_for(lambda: _steps_done(run_dir) >= 1, proc)
+    for p in jobs.processes(ranks_only=True):       # Slurm's time-limit warning
+        try:
+            p.send_signal(signal.SIGUSR1)
+        except psutil.Error:
+            pass
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 3, out[-4000:]
+    done = _steps_done(run_dir)
+    assert ck.find_latest(run_dir)[1]["step"] == done < STEPS
+
+    out, _ = jobs.start(args).communicate(timeout=900)
+    assert "resuming from" in out, out[-4000:]
+    with RolloutReader(run_dir / "rollouts.h5") as r:
+        rows = [r[i] for i in range(len(r))]
+        consumed = r.column("consumed_step")
+    trained = [x for x, c in zip(rows, consumed) if c >= 0]
+    assert len(trained) == STEPS * B * N
+    # every trained episode: two model turns around the hint's observation (or fewer, cut or
+    # ended early), observation tokens masked with version -1, the hint's tool record
+    two = [x for x in trained if x["turn_is_sample"].tolist() == [1, 0, 1]]
+    assert len(two) >= len(trained) // 2, [x["turn_is_sample"].tolist() for x in trained]
+    for x in two:
+        a, b = x["turn_ends"][:2]
+        assert (x["loss_mask"][a:b] == 0).all() and (x["versions"][a:b] == -1).all()
+        assert [c["name"] for c in x["tool_calls"]] == ["hint"]
+    partial = [x for x, c in zip(rows, consumed) if c == PARTIAL]
+    reasons = {x["finish_reason"] for x in partial}
+    print(f"\n{len(partial)} partial rows at the preemption, finish reasons {sorted(reasons)}; "
+          f"{len(two)} of {len(trained)} trained episodes with two model turns")
+    assert reasons & {"abort", "abort_env"} and any(len(x["output_tokens"]) for x in partial)
+    report = audit(run_dir)
+    assert report.exit_code == 0, report.text()
+    assert not jobs.leftovers(), "processes of the job are still running"
