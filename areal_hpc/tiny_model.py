@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eval-samples", type=int, default=4, help="T=1 samples per held-out problem")
     ap.add_argument("--format", choices=FORMATS, default="boxed",
                     help='how solutions end: "\\boxed{17}" or "Answer: 17"; "tool": boxed, with a '
-                         'calculator call ("<calc>3+5</calc>8,") in 15%% of them')
+                         'calculator call ("[3+5]8,") in 40%% of them')
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -12,10 +12,12 @@ ends ``Answer: 17`` instead (the example of a user reward function, examples/ans
 text is kept short because the tiny model reads it one character at a time.
 
 The ``tool`` format teaches a calculator call to a share of the problems (``tool_share``): their
-solution is ``<calc>3+5+9</calc>17,\\boxed{17}``, the call, then its result as the calculator
-environment (``env.fn=calculator``, observation template ``{observation},``) appends it, then the
-answer; the others are written out as in ``boxed``. A model pre-trained on it half-knows the tool
-(examples/calculator/).
+solution is ``[3+5+9]17,\\boxed{17}``, the call, then its result as the calculator environment
+(``env.fn=calculator`` with tags ``[`` and ``]``, observation template ``{observation},``)
+appends it, then the answer; the others are written out as in ``boxed``. The tags are one
+character each: the tiny model samples every character at temperature 1 with some noise, and a
+longer tag (``<calc>``) came out garbled in most calls. A model pre-trained on it half-knows the
+tool (examples/calculator/).
 
 The number of terms k is long-tailed: P(k) ∝ (k - 1) ** -tail_exponent on [min_terms, max_terms].
 With the defaults (2..10, exponent 1) 35% of the problems have k = 2 (20 characters, question
@@ -35,8 +37,8 @@ ALPHABET = "0123456789+=,\\boxed{}"
 # The final answer's form (answer_format): "boxed" writes \boxed{17}, "answer" writes "Answer: 17",
 # "tool" is "boxed" with a calculator call in a share of the solutions.
 FORMATS = ("boxed", "answer", "tool")
-_EXTRA_CHARS = {"boxed": "", "answer": "Answr: ", "tool": "<calc>/"}
-OPEN_TAG, CLOSE_TAG = "<calc>", "</calc>"
+_EXTRA_CHARS = {"boxed": "", "answer": "Answr: ", "tool": "[]"}
+OPEN_TAG, CLOSE_TAG = "[", "]"                      # the tool format's calculator call
 
 
 def alphabet(answer_format: str = "boxed") -> str:
@@ -63,7 +65,7 @@ def format_question(terms: list[int]) -> str:
 
 def format_solution(terms: list[int], answer_format: str = "boxed", tool: bool = False) -> str:
     """``[12, 7, 30]`` → ``"12+7=19,19+30=49,\\boxed{49}"`` (``answer``: ``"...,Answer: 49"``;
-    ``tool``: ``"<calc>12+7+30</calc>49,\\boxed{49}"``)."""
+    ``tool``: ``"[12+7+30]49,\\boxed{49}"``)."""
     if tool:
         return f"{OPEN_TAG}{'+'.join(map(str, terms))}{CLOSE_TAG}{sum(terms)},\\boxed{{{sum(terms)}}}"
     steps = []
@@ -77,7 +79,7 @@ def format_solution(terms: list[int], answer_format: str = "boxed", tool: bool =
 
 def make_problems(n: int, seed: int, *, min_terms: int = 2, max_terms: int = 10,
                   max_value: int = 9, tail_exponent: float = 1.0,
-                  answer_format: str = "boxed", tool_share: float = 0.15) -> list[dict]:
+                  answer_format: str = "boxed", tool_share: float = 0.4) -> list[dict]:
     """``n`` problems ``{"question", "answer", "solution"}``, the same ones for the same arguments.
 
     Terms are uniform on [0, max_value]. Single digits by default: a small model learns the

@@ -82,7 +82,8 @@ def test_check_inputs_missing_model(tmp_path):
 
 
 def test_shipped_recipes_load():
-    for name in ("tiny_cpu", "qwen2_5_1_5b_math", "qwen2_5_7b_math", "qwen2_5_32b_math"):
+    for name in ("tiny_cpu", "qwen2_5_1_5b_math", "qwen2_5_7b_math", "qwen2_5_32b_math",
+                 "qwen2_5_7b_tool"):
         cfg = load(f"configs/{name}.yaml")
         assert cfg.train.total_steps >= 1
 

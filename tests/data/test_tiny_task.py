@@ -78,13 +78,13 @@ def test_the_tool_format_calls_the_calculator_in_a_share_of_the_solutions():
     from areal_hpc.data.tiny_task import alphabet
     from areal_hpc.env.calculator import evaluate, last_call, show
 
-    assert format_solution([12, 7, 30], "tool", tool=True) == "<calc>12+7+30</calc>49,\\boxed{49}"
+    assert format_solution([12, 7, 30], "tool", tool=True) == "[12+7+30]49,\\boxed{49}"
     assert format_solution([12, 7, 30], "tool") == format_solution([12, 7, 30])
     problems = make_problems(2000, seed=5, answer_format="tool")
-    calls = [p for p in problems if "<calc>" in p["solution"]]
-    assert 0.12 < len(calls) / len(problems) < 0.18        # tool_share 0.15
+    calls = [p for p in problems if "[" in p["solution"]]
+    assert 0.37 < len(calls) / len(problems) < 0.43        # tool_share 0.4
     assert all(set(p["question"] + p["solution"]) <= set(alphabet("tool")) for p in problems)
     for p in calls:
-        turn, rest = p["solution"].split("</calc>")
-        assert rest == show(evaluate(last_call(turn + "</calc>", "<calc>", "</calc>"))) + "," \
+        turn, rest = p["solution"].split("]")
+        assert rest == show(evaluate(last_call(turn + "]", "[", "]"))) + "," \
             + f"\\boxed{{{p['answer']}}}"

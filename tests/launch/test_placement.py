@@ -115,6 +115,7 @@ def test_check_refuses_a_loopback_rendezvous_across_hosts():
 
 RECIPE_SCRIPTS = {"configs/qwen2_5_1_5b_math.yaml": "slurm/areal_1_5b.sh",
                   "configs/qwen2_5_7b_math.yaml": "slurm/areal_7b.sh",
+                  "configs/qwen2_5_7b_tool.yaml": "slurm/areal_7b.sh",
                   "configs/qwen2_5_32b_math.yaml": "slurm/areal_32b.sh"}
 
 
