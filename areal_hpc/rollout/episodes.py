@@ -159,7 +159,14 @@ class EpisodeLoop:
         ep.future, ep.phase = None, "turn"
         # a continued turn's tokens before this request are in the episode already
         before = eps.turns[-1].end - eps.turns[-1].start if ep.continues else 0
-        limit = max(1, min(r.max_new_tokens - before, eps.budget_left))
+        limit = min(r.max_new_tokens - before, eps.budget_left)
+        if ep.continues and limit <= 0 and (continued is None or not len(continued.output_tokens)):
+            # a cut turn that already has all its tokens (its end was still in flight): it ends
+            self._turn_done(ep.kind, ep.pid, ep.idx, self._empty_turn(ep))
+            return
+        # (a request with tokens from an old engine and none left ends at once: the engine's
+        # resubmission finishes it as "length")
+        limit = max(1, limit)
         if continued is None and ep.continues:
             continued = self._empty_turn(ep)
         if continued is not None:       # `limit` counts its tokens from the old engine too

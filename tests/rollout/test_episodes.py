@@ -357,3 +357,25 @@ def test_turn_stops_end_a_model_turn(engine, model_dir, tmp_path):
             ended["id"] += int(ids[-1]) == stop_id
     print(f"\nmodel turns ended by a stop string: {ended['string']}, by a stop id: {ended['id']}")
     assert ended["string"] > 0
+
+
+def test_a_resumed_turn_that_had_all_its_tokens_ends_without_another(engine, model_dir, tmp_path):
+    """A preempted model turn saved with all of its rollout.max_new_tokens (its end was still in
+    flight): the resumed episode ends that turn as it is (no token past its length) and asks the
+    environment, instead of sampling one more token."""
+    gen = _generator(_cfg(tmp_path, turns=2), engine, model_dir)
+    prompt = gen.tokenizer("abc", add_special_tokens=False)["input_ids"]
+    turn = np.arange(10, 10 + TURN, dtype=np.int32)
+    saved = msgs.Continuation(0, turn, np.full(TURN, -1.0, np.float32),
+                              np.full(TURN, engine.version, np.int32), "abort", 1.0, 1.5, 2.0,
+                              np.ones(TURN, np.uint8), np.asarray([TURN]), np.ones(1, np.uint8),
+                              (), np.asarray(prompt, np.int32))
+    try:
+        gen._handle(msgs.Prompts([_prompt(0, "abc", n=1, continued=(saved,))]))
+        _turn(gen)
+    finally:
+        gen.envs.close()
+    t = _sent(gen)[(0, 0)]
+    assert t["output_tokens"][:TURN].tolist() == turn.tolist()
+    sampled = _check_episode(t, gen.tokenizer, 2)
+    assert len(sampled[0]) == TURN
