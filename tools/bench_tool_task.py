@@ -57,18 +57,19 @@ def measure(run_dir: Path) -> dict:
     from transformers import AutoTokenizer
 
     from areal_hpc.storage.rollout_log import RolloutReader
+    from areal_hpc.storage.run_dir import RunDir
 
-    cfg_model = ROOT / "models/tiny_tool"
-    tok = AutoTokenizer.from_pretrained(cfg_model)
-    evals = {e["label"]: e["accuracy"] for e in json.loads((run_dir / "eval.json").read_text())}
-    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    tok = AutoTokenizer.from_pretrained(ROOT / "models/tiny_tool")
+    files = RunDir(run_dir)
+    evals = {e["label"]: e["accuracy"] for e in files.read_all_evals()}
+    steps = files.read_metrics()
     last = len(steps) - WINDOW
     out = {"heldout_initial": evals.get("initial"), "heldout_final": evals.get("final"),
            "train_acc_first": float(np.mean([s["accuracy"] for s in steps[:WINDOW]])),
            "train_acc_last": float(np.mean([s["accuracy"] for s in steps[last:]]))}
     rows = {"first": [], "last": []}
     failed = 0
-    with RolloutReader(run_dir / "rollouts.h5") as r:
+    with RolloutReader(files.rollouts) as r:
         consumed = r.column("consumed_step")
         for i in np.flatnonzero(consumed >= 0):
             x = r[int(i)]
