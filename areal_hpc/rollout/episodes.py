@@ -29,7 +29,7 @@ import numpy as np
 
 from ..data.prompts import prompt_ids
 from ..env.base import Step, turn_stops
-from ..env.episode import CUT_TOKENS, CUT_TURNS, OBSERVATION, SAMPLE, Episode
+from ..env.episode import OBSERVATION, SAMPLE, Episode
 from ..transport import messages as msgs
 from .recovery import request_id
 from .seeds import continuation_seed
@@ -291,7 +291,9 @@ class EpisodeLoop:
 
     @staticmethod
     def _end_reason(episode: Episode) -> str:
-        return {CUT_TURNS: CUT_TURNS, CUT_TOKENS: CUT_TOKENS}.get(episode.cut, "stop")
+        """The finish reason of an ended episode: its cut (env.episode's CUT_TURNS or
+        CUT_TOKENS), else "stop"."""
+        return episode.cut or "stop"
 
     def _episode_sample(self, ep: _Ep, reason: str) -> FinishedSample:
         a, now = ep.episode.arrays(), time.time()
