@@ -28,11 +28,11 @@ from omegaconf.errors import OmegaConfBaseException
 from .schema import (CheckpointConfig, ConfigError, DataConfig, ModelConfig, RewardConfig,
                      RewardFnConfig, RolloutConfig, RunConfig, TopologyConfig, TrainConfig,
                      WeightSyncConfig)
-from .rules import CHOICES, OFF_POLICY_OBJECTIVES, RANGES, validate
+from .rules import OFF_POLICY_OBJECTIVES, RANGES, validate
 
 __all__ = ["load", "to_yaml", "to_dict", "validate", "ConfigError", "RunConfig", "ModelConfig",
            "DataConfig", "TopologyConfig", "RolloutConfig", "RewardConfig", "RewardFnConfig",
-           "TrainConfig", "WeightSyncConfig", "CheckpointConfig", "RANGES", "CHOICES",
+           "TrainConfig", "WeightSyncConfig", "CheckpointConfig", "RANGES",
            "OFF_POLICY_OBJECTIVES"]
 
 

@@ -1,6 +1,6 @@
-"""What a configuration's values must satisfy: every numeric key's range (`RANGES`), every
-enumeration's choices (`CHOICES`), and the cross-field rules (`validate`); one `ConfigError`
-line naming the key."""
+"""What a configuration's values must satisfy: every numeric key's range (`RANGES`) and the
+cross-field rules (`validate`); one `ConfigError` line naming the key. An enumeration's choices
+are its field's `Literal` type in schema.py, which the schema itself checks on loading."""
 from __future__ import annotations
 
 import math
@@ -9,10 +9,11 @@ import signal as _signal
 import string
 from dataclasses import dataclass
 from pathlib import PurePosixPath
+from typing import get_args
 
 from ..cpus import parse_cpus
 from ..data.answers import EXTRACTORS   # a pure module (floor 1): the extractors' names, once
-from .schema import ConfigError, RunConfig
+from .schema import ConfigError, OffPolicy, RunConfig
 
 
 # Beyond a generator's own bound on a weight receive: its watch's poll, the kill of the stalled
@@ -162,34 +163,7 @@ RANGES: dict[str, Range] = {
 }
 
 # train.off_policy's choices (algo/ppo.py OffPolicy says what each does).
-OFF_POLICY_OBJECTIVES = ("decoupled", "trust_region", "token_mask", "seq_mask", "naive")
-
-# Every key whose value is one of a few names (None: null), checked once by `check_choices`.
-CHOICES: dict[str, tuple] = {
-    "model.dtype": ("float32", "bfloat16", "float16"),
-    "data.kind": ("math", "code"),
-    "topology.device": ("cpu", "cuda"),
-    "topology.trainer_backend": ("gloo", "nccl"),
-    "topology.weight_backend": ("gloo", "nccl"),
-    "rollout.mode": ("async", "sync"),
-    "rollout.stale_policy": ("reissue", "drop", "keep"),
-    "train.prox": ("recompute", "loglinear", "behaviour"),
-    "train.off_policy": OFF_POLICY_OBJECTIVES,
-    "train.overlong": ("keep", "filter", "shape"),
-    "train.attention": ("auto", "varlen", "mask"),
-    "train.recompute_granularity": (None, "selective", "full"),
-    "train.lr_decay_style": ("constant", "linear", "cosine"),
-    "train.reward_norm": ("group", "none"),
-    "train.adv_norm": ("batch", "none"),
-    "weights.mode": ("broadcast", "disk"),
-    "checkpoint.resume": ("auto", "never"),
-}
-
-
-def _names(choices: tuple) -> str:
-    """("a", "b", None) -> "a, b or null"."""
-    words = ["null" if c is None else str(c) for c in choices]
-    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+OFF_POLICY_OBJECTIVES = get_args(OffPolicy)
 
 # Preemption signals must be catchable (KILL, STOP are not), not synchronous faults (a handler
 # that returns re-runs the faulting instruction) and not CHLD (every child process exit sends it).
@@ -211,12 +185,6 @@ def check_ranges(cfg: RunConfig) -> None:
         problem = rng.problem(value)
         if problem:
             raise ConfigError(f"config key '{key}': {problem}")
-
-
-def check_choices(cfg: RunConfig) -> None:
-    for key, choices in CHOICES.items():
-        value = _get(cfg, key)
-        require(value in choices, key, f"must be {_names(choices)}, got {value!r}")
 
 
 def check_signals(names: list) -> None:
@@ -303,7 +271,6 @@ def validate(cfg: RunConfig) -> None:
     """Semantic checks that types alone cannot express."""
     t, r, tr = cfg.topology, cfg.rollout, cfg.train
     check_ranges(cfg)       # first: the checks below may divide by these
-    check_choices(cfg)
     require(t.n_trainers % (t.tp * t.pp) == 0, "topology.n_trainers",
            f"{t.n_trainers} trainer ranks are not a multiple of tp*pp = {t.tp * t.pp}")
     for key in ("trainer_cpus", "generator_cpus"):

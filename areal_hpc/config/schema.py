@@ -4,9 +4,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from omegaconf import MISSING
+
+
+# The enumerations: a key whose value is one of a few names is typed with one of these, and the
+# schema (OmegaConf's merge in `load`) refuses any other value, naming the key and the choices.
+Dtype = Literal["float32", "bfloat16", "float16"]
+DataKind = Literal["math", "code"]
+Device = Literal["cpu", "cuda"]
+Backend = Literal["gloo", "nccl"]
+RolloutMode = Literal["async", "sync"]
+StalePolicy = Literal["reissue", "drop", "keep"]
+Prox = Literal["recompute", "loglinear", "behaviour"]
+OffPolicy = Literal["decoupled", "trust_region", "token_mask", "seq_mask", "naive"]  # algo/ppo.py
+Overlong = Literal["keep", "filter", "shape"]
+Attention = Literal["auto", "varlen", "mask"]
+Recompute = Literal["selective", "full"]
+RecomputeMethod = Literal["uniform", "block"]
+DecayStyle = Literal["constant", "linear", "cosine"]
+RewardNorm = Literal["group", "none"]
+AdvNorm = Literal["batch", "none"]
+WeightMode = Literal["broadcast", "disk"]
+Resume = Literal["auto", "never"]
 
 
 
@@ -17,7 +38,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     path: str = MISSING                 # HF directory: config.json, *.safetensors, tokenizer.json
-    dtype: str = "float32"              # params / vLLM dtype: float32 | bfloat16 | float16
+    dtype: Dtype = "float32"            # params / vLLM dtype
 
 
 @dataclass
@@ -26,7 +47,7 @@ class DataConfig:
     # directory (one split's); the keys below may be dotted (reward_model.ground_truth)
     train_path: str = MISSING
     eval_path: Optional[str] = None     # held-out set, same formats; evaluated at step 0 and at the end
-    kind: str = "math"                  # math: {"question","answer"}; code: prompt + stdin/stdout tests
+    kind: DataKind = "math"             # math: {"question","answer"}; code: prompt + stdin/stdout tests
     question_key: str = "question"
     answer_key: str = "answer"
     prompt_template: str = "{question}"  # how a question becomes the prompt text
@@ -51,9 +72,9 @@ class TopologyConfig:
     tp: int = 1
     pp: int = 1
     # torch.distributed backends: "gloo" on CPU, "nccl" on GPUs.
-    trainer_backend: str = "gloo"
-    weight_backend: str = "gloo"
-    device: str = "cpu"                 # "cpu" | "cuda"
+    trainer_backend: Backend = "gloo"
+    weight_backend: Backend = "gloo"
+    device: Device = "cpu"
     # Memory of one GPU, for the preflight (`python -m areal_hpc.plan memory`): every launcher
     # refuses a config whose per-GPU estimate exceeds it before any rank starts. 0 = no check.
     gpu_mem_gib: float = 80.0
@@ -73,7 +94,7 @@ class RolloutConfig:
     # "async": generators run ahead of the trainer by up to η versions (AReaL).
     # "sync": the baseline the paper compares against: generate a batch with the current weights,
     # wait for its longest sample, train, update; the same code with η forced to 0.
-    mode: str = "async"
+    mode: RolloutMode = "async"
     group_size: int = 4                 # n samples per prompt (GRPO group)
     max_new_tokens: int = 128
     temperature: float = 1.0
@@ -95,7 +116,7 @@ class RolloutConfig:
     # first, at most `max_reissues` times, then dropped for good (counted); "drop" dropped at
     # once; "keep" trained anyway (η then bounds submission only). Dropped groups stay in the
     # rollout log, marked dropped-stale.
-    stale_policy: str = "reissue"
+    stale_policy: StalePolicy = "reissue"
     max_reissues: int = 2
     # Under "reissue" and "drop": a group still being generated whose oldest token is already too
     # old for the next batch is stopped where it is (its tokens would only be dropped) and its
@@ -189,7 +210,7 @@ class TrainConfig:
     # (null = the run's last optimizer step).
     lr: float = 1e-4
     lr_warmup_steps: int = 0
-    lr_decay_style: str = "constant"
+    lr_decay_style: DecayStyle = "constant"
     lr_decay_steps: Optional[int] = None
     min_lr: float = 0.0
     weight_decay: float = 0.0
@@ -200,7 +221,7 @@ class TrainConfig:
     # Decoupled PPO. π_prox: "recompute" (a forward pass with the weights at the start of the
     # step), "loglinear" (AReaL's approximation from per-token versions, no forward pass) or
     # "behaviour" (π_prox = π_behav: naive PPO against the sampling policy).
-    prox: str = "recompute"
+    prox: Prox = "recompute"
     ppo_minibatches: int = 1            # optimizer steps per training step (π_prox fixed for all)
     eps_clip: float = 0.2
     eps_clip_high: Optional[float] = None   # DAPO clip-higher; None = eps_clip
@@ -214,7 +235,7 @@ class TrainConfig:
     # The default, trust_region (BENCHMARKS.md "Paired, on the current code"): on the tiny task
     # at η = 2 and 8 decoupled is behind it with 95% intervals that exclude 0; naive PPO is not
     # told apart from it (intervals contain 0, trust_region ahead on every point estimate).
-    off_policy: str = "trust_region"
+    off_policy: OffPolicy = "trust_region"
     behav_clip: float = 0.2
     behav_imp_weight_floor: float = 0.5
     seq_imp_weight_low: float = 0.5
@@ -227,7 +248,7 @@ class TrainConfig:
     # before the limit, and the cut ones -1). A step with no learning signal left never moves
     # the weights.
     filter_zero_variance: bool = False
-    overlong: str = "keep"
+    overlong: Overlong = "keep"
     overlong_buffer: int = 64
     # Advantages: r <- clip((r + reward_bias) * reward_scaling, ±reward_clip); reward_norm
     # "group" (GRPO z-score per prompt) | "none"; adv_norm "batch" (z-score over all output
@@ -235,22 +256,22 @@ class TrainConfig:
     reward_bias: float = 0.0
     reward_scaling: float = 1.0
     reward_clip: float = 20.0
-    reward_norm: str = "group"
-    adv_norm: str = "none"
+    reward_norm: RewardNorm = "group"
+    adv_norm: AdvNorm = "none"
     max_tokens_per_mb: int = 4096       # tokens (prompt + output) per packed micro-batch
     # Core attention over a packed micro-batch. varlen: each sequence attends only within itself
     # (cumulative sequence lengths; cost sum(len_i^2), memory linear in the pack): TransformerEngine
     # THD where installed, else PyTorch's fused kernels. mask: one dense [S, S] block-diagonal
     # mask through Megatron's local attention (the exact reference; cost S^2). auto = varlen.
-    attention: str = "auto"
+    attention: Attention = "auto"
     # Log-probs are computed from the last hidden states in chunks of this many tokens, the
     # output projection and the [chunk, vocab / tp] float32 softmax recomputed in backward, so
     # no [tokens, vocab] tensor exists.
     logprob_chunk_tokens: int = 2048
     # Megatron activation recompute: granularity null | selective (core attention) | full
     # (whole layers); with full, method uniform | block and num_layers (per chunk / per stage).
-    recompute_granularity: Optional[str] = None
-    recompute_method: Optional[str] = None
+    recompute_granularity: Optional[Recompute] = None
+    recompute_method: Optional[RecomputeMethod] = None
     recompute_num_layers: Optional[int] = None
     sequence_parallel: bool = False     # Megatron sequence parallelism (needs topology.tp > 1)
     # Megatron's distributed optimizer: Adam state and fp32 main weights sharded over the
@@ -275,7 +296,7 @@ class WeightSyncConfig:
     # broadcast: buckets over the weight group (NCCL on GPU, gloo on CPU) straight into the
     # running engines. disk: versioned safetensors directories under `disk_dir`, loaded by the
     # generators, for clusters where generator nodes cannot join a NCCL group with the trainers.
-    mode: str = "broadcast"
+    mode: WeightMode = "broadcast"
     bucket_mb: int = 256                # bucket size (broadcast unit; file size on disk); two are
                                         # in flight per side (~2x this beside vLLM's KV budget)
     # Bounds every collective on the weight group and the wait for the generators'
@@ -293,7 +314,7 @@ class CheckpointConfig:
     keep: int = 2                       # newest valid checkpoints kept
     # auto: a rerun (requeue) in an existing run dir resumes from its newest valid checkpoint;
     # never: an existing run dir is an error.
-    resume: str = "auto"
+    resume: Resume = "auto"
     # Signals that ask the job to checkpoint at the next step boundary and exit with code 3
     # (EXIT_PREEMPTED) for the batch script to requeue. Slurm: --signal=B:USR1@<seconds>.
     signals: list = field(default_factory=lambda: ["USR1", "TERM"])

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import get_args
 
 import numpy as np
 
-from ..config.rules import CHOICES
+from ..config.schema import StalePolicy
 
 
 class StalenessManager:
@@ -142,7 +143,7 @@ class StaleGroups:
     the stale ones); reissuing keeps them in the training distribution."""
 
     def __init__(self, policy: str, max_reissues: int):
-        if policy not in CHOICES["rollout.stale_policy"] or max_reissues < 0:
+        if policy not in get_args(StalePolicy) or max_reissues < 0:
             raise ValueError(f"stale policy {policy!r}, max_reissues {max_reissues}")
         self.policy, self.max_reissues = policy, max_reissues
         self.times: dict[int, int] = {}     # prompt id → times issued again (until trained)

@@ -142,19 +142,50 @@ def test_a_removed_key_of_an_old_run_config_is_ignored_with_a_warning(tmp_path, 
     assert "config key 'log_every' is no longer used" in caplog.text
 
 
-def test_every_enumeration_is_checked_from_one_table(tmp_path):
-    """Each key of CHOICES: its default is one of its choices, and any other value is refused in
-    one line naming the key and every choice."""
+def _enumerations(cls=None, prefix=""):
+    """(key, choices) of every schema field typed with a Literal (None among the choices of an
+    Optional one)."""
+    import dataclasses
+    import typing
+
+    from areal_hpc.config import RunConfig
+    cls = cls or RunConfig
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint, key = hints[f.name], prefix + f.name
+        if dataclasses.is_dataclass(hint):
+            yield from _enumerations(hint, key + ".")
+            continue
+        args = typing.get_args(hint)
+        if typing.get_origin(hint) is typing.Union and type(None) in args:
+            inner = [a for a in args if a is not type(None)]
+            if len(inner) == 1 and typing.get_origin(inner[0]) is typing.Literal:
+                yield key, (None, *typing.get_args(inner[0]))
+        elif typing.get_origin(hint) is typing.Literal:
+            yield key, args
+
+
+def test_every_enumeration_is_checked_by_the_schema(tmp_path):
+    """Each key typed with a Literal: its default is one of its choices, any choice loads, and
+    any other value is refused in one line naming the key and every choice."""
     import re
 
-    from areal_hpc.config.rules import CHOICES, _get, _names
+    from areal_hpc.config.rules import _get
+    found = dict(_enumerations())
+    assert {"model.dtype", "train.prox", "train.off_policy", "rollout.stale_policy", "weights.mode",
+            "train.recompute_granularity", "checkpoint.resume"} <= set(found)
+    assert len(found) >= 17
     base = load(_yaml(tmp_path, BASE))
-    for key, choices in CHOICES.items():
+    for key, choices in found.items():
         assert _get(base, key) in choices, key
-        with pytest.raises(ConfigError, match=rf"'{re.escape(key)}': must be {re.escape(_names(choices))}, "
-                                              r"got 'bogus'$"):
+        names = ", ".join(repr(c) for c in choices if c is not None)
+        with pytest.raises(ConfigError) as err:
             load(_yaml(tmp_path, BASE), [f"{key}=bogus"])
-    assert _names((None, "selective", "full")) == "null, selective or full"
+        assert re.fullmatch(rf"config key '{re.escape(key)}': Invalid value 'bogus', expected one of "
+                            rf"\[{re.escape(names)}\]", str(err.value)), str(err.value)
+    ok = load(_yaml(tmp_path, BASE), ["train.prox=loglinear", "rollout.stale_policy=drop"])
+    assert (ok.train.prox, ok.rollout.stale_policy) == ("loglinear", "drop")
+    assert type(ok.train.prox) is str
 
 
 # -- the interpolation rule, on the resolved config ----------------------------------------------
