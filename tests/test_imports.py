@@ -119,10 +119,6 @@ MAX_LINES = 600
 LONG = {
     "rollout/vllm_engine.py": "everything the project asks of vLLM's engine (requests, seeds, "
                               "aborts, weight loads, its child processes) behind one class",
-    "storage/checkpoint.py": "the checkpoint format in one file: staging, sealing and swapping a "
-                             "save (synchronous or asynchronous), the manifest and its CRC-32s, "
-                             "and the choice of the newest valid one, which read each other's "
-                             "private names (not split yet: its tests reach those names)",
 }
 
 

@@ -1,17 +1,8 @@
-"""The files of the checkpoints a preempted or killed job resumes from: folders, manifests with
-CRC-32 checksums, the run state (state.h5), validation, finding the newest, pruning.
-
-Layout, one folder per training step, under `<run_dir>/checkpoints/`:
-
-  step_00000012/
-    megatron/       model + optimizer shards, written and read by areal_hpc/train/checkpoint.py
-                    (Megatron dist-checkpointing); this module only makes the folder and lists,
-                    sizes and checksums its files.
-    state.h5        the run state (run_state.py): step, the optimizer layout, the LR
-                    scheduler, every trainer rank's RNG states, the config, and the
-                    controller's state (`ControllerState`)
-    manifest.json   written last, atomically (write, fsync, rename): every file with its size and
-                    CRC-32. A folder without a valid manifest is not a checkpoint.
+"""Saving and finding the checkpoints a preempted or killed job resumes from: the collective
+saves over the trainer ranks (the run state, the manifest with its CRC-32s split over the ranks,
+the swap of a replaced checkpoint, pruning) and the collective search for the newest valid one.
+What a checkpoint folder is, its manifest and the one-process checks are in
+storage/manifest.py; this module's callers find that module's names here too.
 
 The rollout log is flushed before the checkpoint is written (`RolloutWriter` flushes per batch),
 so every row the state refers to is on disk. Only the newest `keep` checkpoints are kept.
@@ -30,199 +21,22 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import shutil
 import time
-import zlib
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Callable
 
-
 from ..transport import mpi as coll
+from .manifest import (MANIFEST, REPLACED, SHARDS, STAGED, STATE, STEP_PREFIX,  # noqa: F401
+                       check_plain_data, check_state, crc32_file, fsync_dir, list_checkpoints,
+                       listed_files, step_dir, step_of, take_sums, validate, validate_listing,
+                       verify_crc, write_atomic, write_sums)
 from .run_dir import CHECKPOINTS
 from .run_state import (DISTRIBUTED, FORMAT, PLAIN, CheckpointError, ControllerState,  # noqa: F401
-                        is_int, no_constant, read_state, rng_state, set_rng_state, write_state)
-from .safe_pickle import UnsafeCheckpoint, check_checkpoint
+                        is_int, read_state, rng_state, set_rng_state, write_state)
 
 log = logging.getLogger(__name__)
-
-MANIFEST = "manifest.json"
-STATE = "state.h5"
-SHARDS = "megatron"
-_PREFIX = "step_"
-# A save of a step that already has a complete checkpoint is written into `step_N.next` and
-# swapped in when sealed (the old one renamed `step_N.old`, then deleted); neither name is listed.
-STAGED, REPLACED = ".next", ".old"
-# The CRC-32s of the shard files a rank's writer wrote, read back by the writer itself (an
-# asynchronous save's writer process), for the manifest: `<folder>/.sums.<rank>.tmp` (a .tmp file
-# is never part of a checkpoint), taken at the seal.
-_SUMS = ".sums.{rank}.tmp"
-
-
-def step_dir(run_dir: str | os.PathLike, step: int) -> Path:
-    return Path(run_dir) / CHECKPOINTS / f"{_PREFIX}{step:08d}"
-
-
-def step_of(path: Path) -> int | None:
-    name = path.name
-    if not name.startswith(_PREFIX) or not name[len(_PREFIX):].isdigit():
-        return None
-    return int(name[len(_PREFIX):])
-
-
-def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    """Checkpoint folders (valid or not), newest step first."""
-    root = Path(run_dir) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    found = [(s, p) for p in root.iterdir() if p.is_dir() and (s := step_of(p)) is not None]
-    return [p for _, p in sorted(found, reverse=True)]
-
-
-# ---------------------------------------------------------------------------- checksums
-
-def crc32_file(path: Path, chunk: int = 1 << 24) -> int:
-    return _crc32_counted(path, chunk)[0]
-
-
-def write_sums(folder: Path, rank: int, files: list[Path], seconds: float) -> None:
-    """Record the size and CRC-32 of `files` (written by this rank, inside `folder`) and the
-    seconds the write took, for `take_sums`. A file that cannot be read is left out: the seal
-    reads it (and a failed write fails the save before that)."""
-    sums = {}
-    for path in files:
-        try:
-            crc, n = _crc32_counted(Path(path))
-        except OSError:
-            continue
-        sums[str(Path(path).relative_to(folder))] = {"size": n, "crc32": crc}
-    (folder / _SUMS.format(rank=rank)).write_text(json.dumps({"files": sums,
-                                                               "seconds": seconds}))
-
-
-def take_sums(folder: Path, rank: int) -> tuple[dict, float | None]:
-    """({relative path: {size, crc32}}, the write's seconds) that `write_sums` recorded for
-    `rank`, the record deleted; ({}, None) when there is none (nothing written by this rank)."""
-    path = folder / _SUMS.format(rank=rank)
-    try:
-        record = json.loads(path.read_text())
-        path.unlink()
-    except (OSError, ValueError):
-        return {}, None
-    return record["files"], record["seconds"]
-
-
-def _crc32_counted(path: Path, chunk: int = 1 << 24) -> tuple[int, int]:
-    """The CRC-32 of the file at `path` and how many bytes were read for it."""
-    crc, n = 0, 0
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            crc = zlib.crc32(block, crc)
-            n += len(block)
-    return crc, n
-
-
-def _files(ckpt: Path) -> list[str]:
-    return sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*")
-                  if p.is_file() and p.name != MANIFEST and not p.name.endswith(".tmp"))
-
-
-def _check_manifest(ckpt: Path, manifest) -> None:
-    """CheckpointError unless `manifest` has the schema `write_manifest` writes: format, step (the
-    folder's), created, files {relative path inside the folder: {size, crc32}}, bytes."""
-    bad = lambda why: CheckpointError(f"{ckpt}: malformed {MANIFEST} ({why})")
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{ckpt}: {MANIFEST} is not an areal_hpc checkpoint manifest")
-    step = manifest.get("step")
-    if not is_int(step) or step < 0 or step != step_of(ckpt):
-        raise bad(f"step {step!r}, the folder is step {step_of(ckpt)}")
-    created = manifest.get("created")
-    if not isinstance(created, (int, float)) or isinstance(created, bool) \
-            or not math.isfinite(created):
-        raise bad(f"created {created!r} is not a time")
-    files = manifest.get("files")
-    if not isinstance(files, dict) or STATE not in files:
-        raise bad(f"files is not a table of files with {STATE} in it")
-    root = ckpt.resolve()
-    for rel, meta in files.items():
-        pure = PurePosixPath(rel) if isinstance(rel, str) else None
-        if pure is None or not rel or "\0" in rel or "\\" in rel or pure.is_absolute() \
-                or str(pure) != rel or any(part in ("..", ".") for part in pure.parts) \
-                or rel == MANIFEST:
-            raise bad(f"file name {rel!r} is not a path inside the checkpoint folder")
-        if not (ckpt / rel).resolve().is_relative_to(root):
-            raise bad(f"{rel} leads out of the checkpoint folder")
-        if not isinstance(meta, dict) or set(meta) != {"size", "crc32"} \
-                or not is_int(meta["size"]) or meta["size"] < 0 \
-                or not is_int(meta["crc32"]) or not 0 <= meta["crc32"] < 1 << 32:
-            raise bad(f"{rel}: {meta!r} is not {{size, crc32}} as non-negative ints")
-    total = manifest.get("bytes")
-    if not is_int(total) or total != sum(m["size"] for m in files.values()):
-        raise bad(f"bytes {total!r} is not the sum of the file sizes")
-
-
-def validate(ckpt: Path, check_crc: bool = True) -> dict:
-    """The manifest of a complete checkpoint; CheckpointError naming what is wrong otherwise
-    (no manifest, a manifest that is not JSON or not of the schema `write_manifest` writes, a file
-    name that leads out of the folder, a file missing, of another size or CRC-32, a file on
-    disk that the manifest does not list). One process reads every file for the CRC-32s;
-    `find_latest` with a communicator splits them over the ranks."""
-    manifest = _validate_listing(ckpt)
-    if check_crc:
-        bad = _verify_crc(ckpt, [(rel, meta["crc32"]) for rel, meta in manifest["files"].items()])
-        if bad["error"] is not None:
-            raise CheckpointError(bad["error"])
-    check_plain_data(ckpt)
-    return manifest
-
-
-def _validate_listing(ckpt: Path) -> dict:
-    """`validate` without the CRC-32s: the manifest, and every file it lists there with its size,
-    nothing else (metadata only, no file is read but the manifest)."""
-    mpath = ckpt / MANIFEST
-    if not mpath.is_file():
-        raise CheckpointError(f"{ckpt}: no {MANIFEST} (the save did not finish)")
-    try:
-        manifest = json.loads(mpath.read_text(), parse_constant=no_constant)
-    except (OSError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{ckpt}: unreadable {MANIFEST} ({exc})") from None
-    _check_manifest(ckpt, manifest)
-    try:
-        for rel, meta in manifest["files"].items():
-            p = ckpt / rel
-            if not p.is_file():
-                raise CheckpointError(f"{ckpt}: {rel} is missing")
-            size = p.stat().st_size
-            if size != meta["size"]:
-                raise CheckpointError(f"{ckpt}: {rel} has {size} bytes, the manifest says "
-                                      f"{meta['size']}")
-        extra = sorted(set(_files(ckpt)) - set(manifest["files"]))
-    except OSError as exc:
-        raise CheckpointError(f"{ckpt}: unreadable ({exc})") from None
-    if extra:
-        raise CheckpointError(f"{ckpt}: {extra[0]} is not in the {MANIFEST} "
-                              f"({len(extra)} unlisted file(s))")
-    return manifest
-
-
-def _verify_crc(ckpt: Path, files: list[tuple[str, int]]) -> dict:
-    """Check the CRC-32 of `files` ([(relative path, expected CRC-32)], in the manifest's order),
-    stopping at the first that fails. Returns {"error": the message naming it or None, "file": its
-    path or None, "bytes": how many bytes were read, "files": how many files were checked}."""
-    read = checked = 0
-    for rel, want in files:
-        try:
-            crc, n = _crc32_counted(ckpt / rel)
-        except OSError as exc:
-            return {"error": f"{ckpt}: unreadable ({exc})", "file": rel, "bytes": read,
-                    "files": checked}
-        read, checked = read + n, checked + 1
-        if crc != want:
-            return {"error": f"{ckpt}: {rel} fails its CRC-32 check (corrupted)", "file": rel,
-                    "bytes": read, "files": checked}
-    return {"error": None, "file": None, "bytes": read, "files": checked}
-
 
 def find_latest(run_dir: str | os.PathLike, check_crc: bool = True, comm=None, *,
                 owner: Callable[[str], int | None] | None = None, timeout_s: float | None = None,
@@ -314,25 +128,6 @@ def _skip(ckpt: Path, exc: Exception, rejected: list[str]) -> None:
     rejected.append(why)
 
 
-def check_plain_data(ckpt: Path) -> None:
-    """CheckpointError unless every pickle of `ckpt` holds plain data only and the files every
-    load reads are there (safe_pickle.py): before anything of it is unpickled, by every loader."""
-    try:
-        check_checkpoint(ckpt, SHARDS)
-    except UnsafeCheckpoint as exc:
-        raise CheckpointError(str(exc)) from None
-
-
-def _check_state(ckpt: Path, manifest: dict) -> None:
-    """The run state matches the manifest, and the shards' pickles are plain data
-    (storage/safe_pickle.py: nothing in a crafted checkpoint runs when it is loaded)."""
-    state = read_state(ckpt / STATE)
-    if state["step"] != manifest["step"]:
-        raise CheckpointError(f"{ckpt}: {STATE} is of step {state['step']}, the "
-                              f"{MANIFEST} of step {manifest['step']}")
-    check_plain_data(ckpt)
-
-
 def _count(stats: dict | None, verdict: dict) -> None:
     if stats is not None:
         stats["bytes"] += verdict["bytes"]
@@ -340,9 +135,9 @@ def _count(stats: dict | None, verdict: dict) -> None:
 
 
 def _verify_part(ckpt: Path, files: list[tuple[str, int]]) -> dict:
-    """`_verify_crc`, never raising: a verdict for the gather."""
+    """`verify_crc`, never raising: a verdict for the gather."""
     try:
-        return _verify_crc(ckpt, files)
+        return verify_crc(ckpt, files)
     except Exception as exc:        # noqa: BLE001 -- the verdict of this rank, not a crash
         return {"error": f"{ckpt}: {type(exc).__name__}: {exc}", "file": None, "bytes": 0,
                 "files": 0}
@@ -352,14 +147,14 @@ def _find_latest_here(run_dir, check_crc: bool, stats: dict | None):
     rejected = stats["rejected"] if stats is not None else []
     for ckpt in _folders(run_dir):
         try:
-            manifest = _validate_listing(ckpt)
+            manifest = validate_listing(ckpt)
             if check_crc:
-                verdict = _verify_crc(ckpt, [(rel, m["crc32"])
+                verdict = verify_crc(ckpt, [(rel, m["crc32"])
                                              for rel, m in manifest["files"].items()])
                 _count(stats, verdict)
                 if verdict["error"] is not None:
                     raise CheckpointError(verdict["error"])
-            _check_state(ckpt, manifest)
+            check_state(ckpt, manifest)
             return ckpt, manifest
         except Exception as exc:        # noqa: BLE001 -- a bad checkpoint must not stop a resume
             _skip(ckpt, exc, rejected)
@@ -379,7 +174,7 @@ def _find_latest_root(run_dir, check_crc: bool, comm, owner, timeout_s, stats):
     found = None
     for ckpt in _folders(run_dir):
         try:
-            manifest = _validate_listing(ckpt)
+            manifest = validate_listing(ckpt)
         except Exception as exc:        # noqa: BLE001 -- a bad checkpoint must not stop a resume
             _skip(ckpt, exc, rejected)
             continue
@@ -401,7 +196,7 @@ def _find_latest_root(run_dir, check_crc: bool, comm, owner, timeout_s, stats):
                 _skip(ckpt, CheckpointError(first["error"]), rejected)
                 continue
         try:
-            _check_state(ckpt, manifest)
+            check_state(ckpt, manifest)
         except Exception as exc:        # noqa: BLE001 -- a bad checkpoint must not stop a resume
             _skip(ckpt, exc, rejected)
             continue
@@ -440,27 +235,6 @@ def _find_latest_other(comm, timeout_s, stats):
     return (Path(found[0]), found[1]) if found else None
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a synced temporary file and a rename: a reader finds the
-    old file or the whole new one, never a part."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make the renames in `folder` durable."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # ---------------------------------------------------------------------------- writing one
 
 def _rank(comm) -> int:
@@ -481,7 +255,7 @@ def begin_save(run_dir: str | os.PathLike, step: int, comm=None) -> Path:
             shutil.rmtree(leftover, ignore_errors=True)
         if final.exists():
             try:
-                _validate_listing(final)
+                validate_listing(final)
                 folder = _sibling(final, STAGED)    # complete: keep it until the new one is
             except CheckpointError:
                 shutil.rmtree(final)                # a save of the same step that did not finish
@@ -503,7 +277,7 @@ def link_shards(run_dir: str | os.PathLike, step: int, comm=None) -> tuple[Path,
     linked: dict | None = None
     if _rank(comm) == 0 and folder != final:
         try:
-            files = _validate_listing(final)["files"]
+            files = validate_listing(final)["files"]
             linked = {rel: meta for rel, meta in files.items() if rel.startswith(SHARDS + "/")}
             for rel in linked:
                 (folder / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -586,7 +360,7 @@ def _swap(ckpt: Path, staged: Path) -> None:
     if ckpt.exists():
         os.rename(ckpt, old)
     os.rename(staged, ckpt)
-    _fsync_dir(ckpt.parent)
+    fsync_dir(ckpt.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -602,7 +376,7 @@ def write_manifest(ckpt: Path, step: int, comm=None, known: dict | None = None) 
                          f"CRC-32s") if comm is not None else [known or {}])
     have, todo = {}, None
     if rank == 0:
-        files = _files(ckpt)
+        files = listed_files(ckpt)
         for part in parts:
             have.update({rel: m for rel, m in part.items() if rel in files})
         have = {rel: m for rel, m in have.items() if (ckpt / rel).stat().st_size == m["size"]}
@@ -647,7 +421,7 @@ def _prune(run_dir, keep: int, newest: int | None = None) -> None:
         shutil.rmtree(ckpt, ignore_errors=True)
     root = Path(run_dir) / CHECKPOINTS
     for suffix in (STAGED, REPLACED):
-        for leftover in root.glob(f"{_PREFIX}*{suffix}"):
+        for leftover in root.glob(f"{STEP_PREFIX}*{suffix}"):
             step = step_of(leftover.with_name(leftover.name[:-len(suffix)]))
             if step is not None and (newest is None or step <= newest):
                 shutil.rmtree(leftover, ignore_errors=True)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from areal_hpc.storage import checkpoint as ck
+from areal_hpc.storage import manifest as mf
 from areal_hpc.train import checkpoint as train_ck
 from tests.storage.test_safe_pickle import NO_WO, Payload
 from tests.train.test_checkpoint import _batch, _weights, actor_factory  # noqa: F401
@@ -76,8 +77,8 @@ def _spoiled(pristine, tmp_path, kind):
     marker = tmp_path / "ran"
     SPOIL[kind][0](newest / ck.SHARDS, marker)
     ck.write_manifest(newest, 2)                    # resealed: sizes and CRC-32s match
-    manifest = ck._validate_listing(newest)
-    assert ck._verify_crc(newest, [(r, m["crc32"]) for r, m in manifest["files"].items()])[
+    manifest = mf.validate_listing(newest)
+    assert mf.verify_crc(newest, [(r, m["crc32"]) for r, m in manifest["files"].items()])[
         "error"] is None
     return run, newest, marker
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from areal_hpc.storage import checkpoint as ck
+from areal_hpc.storage import manifest as mf
 from areal_hpc.storage.rollout_log import RolloutLogError, RolloutReader, RolloutWriter
 from areal_hpc.storage import run_state
 from areal_hpc.storage.run_state import ControllerState
@@ -267,7 +268,7 @@ CONTROLLER = ControllerState(
 
 def _manifest(ckpt: Path, step: int) -> dict:
     files = {rel: {"size": (ckpt / rel).stat().st_size, "crc32": ck.crc32_file(ckpt / rel)}
-             for rel in ck._files(ckpt)}
+             for rel in mf.listed_files(ckpt)}
     return {"format": ck.FORMAT, "step": step, "created": time.time(), "files": files,
             "bytes": sum(v["size"] for v in files.values())}
 
