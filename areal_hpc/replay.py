@@ -376,13 +376,11 @@ def _train(args, cfg, batches: Batches, metrics: dict[int, dict], S: int) -> int
     t0 = time.monotonic()
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)  # one process
     try:
-        from .train.actor import Actor      # torch, Megatron: only for a replay
-        from .train.megatron_model import init_megatron_parallel
+        from .train.megatron_model import init_megatron_parallel   # torch, Megatron: only for a replay
+        from .train.trainer import make_actor
         # as the trainer's Actor does it (seed train.seed); see "Randomness" in the docstring
         init_megatron_parallel(tp=1, pp=1, seed=cfg.train.seed, backend=backend)
-        actor = Actor(cfg.train, cfg.model.path, group_size=cfg.rollout.group_size,
-                      temperature=cfg.rollout.temperature, device=device, dtype=cfg.model.dtype,
-                      deterministic=cfg.deterministic)
+        actor = make_actor(cfg, None, device=device)
         print(f"replaying steps 0-{S - 1} of {args.run_dir} from {cfg.model.path} "
               f"({cfg.model.dtype}, {device}, {threads} thread(s); built in "
               f"{time.monotonic() - t0:.1f}s)", flush=True)

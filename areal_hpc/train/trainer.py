@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 class Trainer:
     def __init__(self, cfg: RunConfig, topo: Topology):
         self.cfg, self.topo, self.run_dir = cfg, topo, RunDir(cfg.run_dir)
+        # the bound of every collective wait among the trainer ranks that no beacon bounds
+        self.timeout_s = cfg.rollout.collective_timeout_s
         self.actor = make_actor(cfg, trainer_layout(topo, cfg.train.seed))
         self.version = 0
         # what the mid-step decision knows of the time things take (this attempt; rank 0's clock)
@@ -61,7 +63,7 @@ class Trainer:
                      "generators' engines)", alive=topo.controller_alive)
         # each batch: rank 0 -> one rank per data-parallel rank -> its TP/PP peers
         self.shares = coll.GroupScatter(topo.role_comm, group=self.actor.layout.dp_rank,
-                                        timeout_s=cfg.rollout.collective_timeout_s,
+                                        timeout_s=self.timeout_s,
                                         what="the trainer's batch route")
 
     # -- checkpoints ------------------------------------------------------------------------------
@@ -71,11 +73,11 @@ class Trainer:
         started afresh, its old files kept under an attempt name."""
         cfg, comm = self.cfg, self.topo.role_comm
         # collective: every trainer rank checks the CRC-32s of its share of the files
-        hit = checkpoint.find_resume(cfg.run_dir, comm, timeout_s=cfg.rollout.collective_timeout_s)
+        hit = checkpoint.find_resume(cfg.run_dir, comm, timeout_s=self.timeout_s)
         if hit is None:
             if comm.Get_rank() == 0:
                 self.run_dir.set_aside_attempt()
-            coll.barrier(comm, timeout_s=cfg.rollout.collective_timeout_s,
+            coll.barrier(comm, timeout_s=self.timeout_s,
                          what="resume: the old run files set aside (trainer rank 0)")
             return None
         found = str(hit[0])
@@ -140,7 +142,7 @@ class Trainer:
         # The other ranks wait while rank 0 evaluates and the generators make the batch: as
         # long as rank 0 is alive (the beacon), not a number of seconds.
         share = self.shares.scatter(
-            parts, timeout_s=self.cfg.rollout.collective_timeout_s,
+            parts, timeout_s=self.timeout_s,
             what=f"the batch of step {self.version} (trainer rank 0 waits for it)",
             alive=self.topo.controller_alive)
         if isinstance(share, Exception):
@@ -206,7 +208,7 @@ class Trainer:
         of the step can end before the job's end (`preemption.mid_step_verdict`). First, an
         asynchronous checkpoint whose write has ended is completed (`_poll_checkpoint`)."""
         self._poll_checkpoint()
-        comm, t = self.topo.role_comm, self.cfg.rollout.collective_timeout_s
+        comm, t = self.topo.role_comm, self.timeout_s
         rank0 = comm.Get_rank() == 0
         if rank0 and self._hook == (self.version, done):    # test hook (preemption.TEST_HOOK_ENV)
             preemption.request()
@@ -256,11 +258,12 @@ class Trainer:
         return preemption.EXIT_PREEMPTED
 
 
-def make_actor(cfg: RunConfig, layout: ParallelLayout) -> Actor:
-    """The run's Actor on this rank's layout: the one place a job builds it from the config
-    (training and export-only alike)."""
+def make_actor(cfg: RunConfig, layout: ParallelLayout | None, device: str | None = None) -> Actor:
+    """The run's Actor on this rank's layout (None: one process, tp = pp = 1): the one place an
+    Actor is built from the config (training, export-only, and a replay, which may choose
+    another `device` than topology.device)."""
     return Actor(cfg.train, cfg.model.path, group_size=cfg.rollout.group_size,
-                 temperature=cfg.rollout.temperature, device=cfg.topology.device,
+                 temperature=cfg.rollout.temperature, device=device or cfg.topology.device,
                  dtype=cfg.model.dtype, layout=layout, deterministic=cfg.deterministic)
 
 
