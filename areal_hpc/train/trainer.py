@@ -43,8 +43,6 @@ log = logging.getLogger(__name__)
 class Trainer:
     def __init__(self, cfg: RunConfig, topo: Topology):
         self.cfg, self.topo, self.run_dir = cfg, topo, RunDir(cfg.run_dir)
-        # the bound of every collective wait among the trainer ranks that no beacon bounds
-        self.timeout_s = cfg.rollout.collective_timeout_s
         self.actor = make_actor(cfg, trainer_layout(topo, cfg.train.seed))
         self.version = 0
         # what the mid-step decision knows of the time things take (this attempt; rank 0's clock)
@@ -65,6 +63,11 @@ class Trainer:
         self.shares = coll.GroupScatter(topo.role_comm, group=self.actor.layout.dp_rank,
                                         timeout_s=self.timeout_s,
                                         what="the trainer's batch route")
+
+    @property
+    def timeout_s(self) -> float:
+        """The bound of every collective wait among the trainer ranks that no beacon bounds."""
+        return self.cfg.rollout.collective_timeout_s
 
     # -- checkpoints ------------------------------------------------------------------------------
     def _resume(self) -> dict | None:
