@@ -91,12 +91,14 @@ def _module(tmp_path, block: bool):
     return mod, lock
 
 
-def _launch_env(tmp_path, mod) -> list[str]:
+def _launch_env(tmp_path, mod, model) -> list[str]:
+    """The tiny CPU config on the session's tiny model (configs/tiny_cpu.yaml's own models/tiny
+    would be built first in a fresh clone: minutes of this test spent on something else)."""
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
     return [sys.executable, "-m", "areal_hpc.launch.env", str(root / "configs/tiny_cpu.yaml"),
-            f"reward.fn={mod}:f", f"output_dir={tmp_path / 'out'}"]
+            f"model.path={model}", f"reward.fn={mod}:f", f"output_dir={tmp_path / 'out'}"]
 
 
 def _lock_free(lock, timeout_s: float = 0.0) -> bool:
@@ -114,26 +116,26 @@ def _lock_free(lock, timeout_s: float = 0.0) -> bool:
                 time.sleep(0.05)
 
 
-def test_eval_of_launch_env_is_not_held_open_by_a_daemon_the_check_started(tmp_path):
+def test_eval_of_launch_env_is_not_held_open_by_a_daemon_the_check_started(tmp_path, tiny_model):
     """`eval "$(python -m areal_hpc.launch.env ...)"` reads the command's stdout to its end: a
     daemon the user's module starts at import (holding what it inherited) must not keep it open."""
     import shlex
     import subprocess
     mod, lock = _module(tmp_path, block=False)
-    cmd = " ".join(map(shlex.quote, _launch_env(tmp_path, mod)))
+    cmd = " ".join(map(shlex.quote, _launch_env(tmp_path, mod, tiny_model)))
     res = subprocess.run(["bash", "-c", f'eval "$({cmd})" && echo "run=$AREAL_RUN_DIR"'],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "run=" in res.stdout, res.stderr[-2000:]
     assert _lock_free(lock)           # the check's namespace is gone: no retry needed
 
 
-def test_killing_launch_env_kills_its_check_child_and_what_that_started(tmp_path):
+def test_killing_launch_env_kills_its_check_child_and_what_that_started(tmp_path, tiny_model):
     import os
     import signal
     import subprocess
     import time
     mod, lock = _module(tmp_path, block=True)
-    proc = subprocess.Popen(_launch_env(tmp_path, mod), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(_launch_env(tmp_path, mod, tiny_model), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 240
