@@ -53,10 +53,13 @@ _seq_lock = threading.Lock()
 
 
 class EnvProcess:
-    """One environment child; see the module docstring. Not thread-safe: one call at a time."""
+    """One environment child; see the module docstring. One call at a time; `kill` and `close`
+    may come from another thread meanwhile (the runner's close while a call finds the child
+    dead and closes it): they hold `_life`, so a pidfd is never used after it is closed."""
 
     def __init__(self, cfg: EnvConfig):
         self.cfg = cfg
+        self._life = threading.RLock()
         self.proc = None
         self.pidfd = None
         self.calls = self.results = self.output = None
@@ -82,18 +85,20 @@ class EnvProcess:
     def kill(self) -> None:
         """Kill the child and everything it started (bounded); a call waiting on it answers
         that the process died. Its pipes stay open until ``close``."""
-        proc = self.proc
-        if proc is not None:
-            contain.end(proc, self.pidfd)
+        with self._life:
+            if self.proc is not None:
+                contain.end(self.proc, self.pidfd)
 
     def close(self) -> None:
-        """``kill``, then close the pipes."""
-        self.kill()
-        for fd in (self.pidfd, self.calls, self.results):
-            if fd is not None:
-                os.close(fd)
-        self.proc = self.pidfd = self.calls = self.results = None
-        self._buf = b""
+        """``kill``, then close the pipes (once: a second close does nothing)."""
+        with self._life:
+            self.kill()
+            fds = (self.pidfd, self.calls, self.results)
+            self.proc = self.pidfd = self.calls = self.results = None
+            self._buf = b""
+            for fd in fds:
+                if fd is not None:
+                    os.close(fd)
 
     # ---- the child, seen from here ----
 
