@@ -15,11 +15,16 @@ from tests.e2e.test_preempt_resume import _steps_done, _wait_for
 STEPS, B, N = 4, 3, 2
 
 # Turn 1 gets a hint back ("check:" and the answer's digit count); turn 2 is scored and ends the
-# episode. The hint takes a while (as a tool does), so that a preemption finds episodes waiting
-# for it as well as episodes in a model turn.
+# episode. The hint takes a while (as a tool does). While the file `hold` exists beside the
+# environment's file, the hint waits for it to go (and says so in the file `holding`): the test
+# preempts once an episode waits there, so the preemption always finds one in flight (without
+# it, a preemption that came while the generator waited at the staleness bound found none).
 ENV = '''
+import os
 import time
 from areal_hpc.env.base import Step, ToolCall
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class Hint:
@@ -34,6 +39,9 @@ class Hint:
         self.turn += 1
         if self.turn == 1:
             time.sleep(self.delay_s)
+            while os.path.exists(os.path.join(HERE, "hold")):
+                open(os.path.join(HERE, "holding"), "w").close()
+                time.sleep(0.05)
             out = f"check:{len(self.answer)}"
             return Step(observation=out, tool=ToolCall("hint", "", len(out), self.delay_s, None))
         return Step(done=True, reward=float(self.answer in text))
@@ -46,10 +54,13 @@ def test_episodes_preempted_mid_episode_resume_with_the_audit_clean(jobs, tiny_m
     args = jobs.args(tiny_model, tmp_path, "ep", f"train.total_steps={STEPS}",
                      f"train.batch_prompts={B}", f"rollout.group_size={N}",
                      "rollout.max_new_tokens=24", "data.eval_limit=4", "data.eval_samples=1",
-                     "checkpoint.every_steps=0", f"env.fn={env}:Hint", "env.max_turns=3")
+                     "checkpoint.every_steps=0", f"env.fn={env}:Hint", "env.max_turns=3",
+                     "env.call_timeout_s=900")
     run_dir = tmp_path / "ep"
     proc = jobs.start(args)
     _wait_for(lambda: _steps_done(run_dir) >= 1, proc)
+    (tmp_path / "hold").touch()
+    _wait_for((tmp_path / "holding").exists, proc)
     for p in jobs.processes(ranks_only=True):       # Slurm's time-limit warning
         try:
             p.send_signal(signal.SIGUSR1)
@@ -57,6 +68,7 @@ def test_episodes_preempted_mid_episode_resume_with_the_audit_clean(jobs, tiny_m
             pass
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 3, out[-4000:]
+    (tmp_path / "hold").unlink()
     done = _steps_done(run_dir)
     assert ck.find_latest(run_dir)[1]["step"] == done < STEPS
 
