@@ -316,7 +316,7 @@ def validate(cfg: RunConfig) -> None:
     require(tr.overlong != "shape" or tr.overlong_buffer < r.max_new_tokens, "train.overlong_buffer",
            f"must be below rollout.max_new_tokens = {r.max_new_tokens} (the ramp ends there)")
     if tr.recompute_granularity == "full":
-        require(tr.recompute_method is not None, "train.recompute_method",  # its Literal: which
+        require(tr.recompute_method is not None, "train.recompute_method",  # which one: its Literal field
                f"full recompute needs uniform or block, got {tr.recompute_method!r}")
         require(tr.recompute_num_layers is not None and tr.recompute_num_layers >= 1,
                "train.recompute_num_layers", "full recompute needs a layer count >= 1")

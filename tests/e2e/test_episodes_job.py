@@ -39,9 +39,10 @@ class Hint:
         self.turn += 1
         if self.turn == 1:
             time.sleep(self.delay_s)
-            while os.path.exists(os.path.join(HERE, "hold")):
+            if os.path.exists(os.path.join(HERE, "hold")):
                 open(os.path.join(HERE, "holding"), "w").close()
-                time.sleep(0.05)
+                while os.path.exists(os.path.join(HERE, "hold")):
+                    time.sleep(0.05)
             out = f"check:{len(self.answer)}"
             return Step(observation=out, tool=ToolCall("hint", "", len(out), self.delay_s, None))
         return Step(done=True, reward=float(self.answer in text))
