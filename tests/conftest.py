@@ -1,13 +1,17 @@
 """Fixtures shared by the tests that run whole jobs (e2e, launch): the tiny model, built once, and
 `jobs`, which starts job commands and finds every process they left (by an environment marker)."""
+import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
+from collections import defaultdict
 from pathlib import Path
 
 import psutil
 import pytest
+from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,11 +25,33 @@ HEAVY_FIXTURES = {"tiny_model", "trained_tiny_model", "jobs", "reward_fn_run", "
                   "engine", "run_distributed"}
 
 
+# Parallel runs (pytest-xdist, `tools/test.sh`: --dist loadgroup): every module runs whole on one
+# worker (its module-scoped engines and worlds start once), and the modules that share the local
+# Slurm cluster or the namespaced one run on one worker together (one cluster up, no two jobs
+# queued against each other's bounds).
+GROUPS = {"launch/test_slurm.py": "slurm", "launch/test_slurm_netns.py": "slurm",
+          "launch/test_rehearse.py": "slurm"}
+# The groups handed out first, longest first (seconds of one quiet serial run, rounded), so that
+# no long group starts last and leaves the other worker idle; the rest follow in their order.
+LONGEST_FIRST = {
+    "slurm": 900, "e2e/test_engine_restart.py": 330, "e2e/test_repeat.py": 260,
+    "e2e/test_trainer_death.py": 260, "e2e/test_generator_failure.py": 240,
+    "e2e/test_preempt_resume.py": 230, "e2e/test_local_job.py": 220, "analysis/test_evaluate.py": 150,
+    "e2e/test_episodes_job.py": 140, "e2e/test_mid_step_stop.py": 120, "e2e/test_qwen_shapes.py": 100,
+}
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "e2e: runs a whole job through a launcher (mpiexec, Slurm)")
     config.addinivalue_line("markers", "slow: starts vLLM, Megatron, MPI worlds, sandboxes or jobs")
 
 
+def _group(item) -> str:
+    rel = Path(str(item.fspath)).resolve().relative_to(ROOT / "tests").as_posix()
+    return GROUPS.get(rel, rel)
+
+
+@pytest.hookimpl(tryfirst=True)     # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         rel = Path(str(item.fspath)).resolve().relative_to(ROOT / "tests")
@@ -34,6 +60,53 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         elif HEAVY_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
+    # stable: within a group, and among the groups not listed, the collection order stays
+    items.sort(key=lambda item: -LONGEST_FIRST.get(_group(item), 0))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The seconds each test module took (setup, call and teardown of its tests; under xdist,
+    on whichever worker ran it), the longest first, and the machine-dependent skips: under
+    AREAL_TEST_NO_SKIPS=1 (CI) a skip fails the run."""
+    per_module: dict[str, float] = defaultdict(float)
+    for reports in terminalreporter.stats.values():
+        for rep in reports:
+            if getattr(rep, "when", None) in ("setup", "call", "teardown") and hasattr(rep, "duration"):
+                per_module[rep.nodeid.split("::")[0]] += rep.duration
+    if per_module:
+        terminalreporter.section("seconds per test module (the 25 longest)")
+        for mod, s in sorted(per_module.items(), key=lambda kv: -kv[1])[:25]:
+            terminalreporter.write_line(f"{s:8.1f}  {mod}")
+    skipped = terminalreporter.stats.get("skipped", [])
+    if skipped and os.environ.get("AREAL_TEST_NO_SKIPS") == "1":
+        terminalreporter.write_line(f"AREAL_TEST_NO_SKIPS=1: {len(skipped)} test(s) skipped on this "
+                                    f"machine (see the skip reasons above): failing the run", red=True)
+        config._areal_skips_fail = True
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    if getattr(session.config, "_areal_skips_fail", False) and session.exitstatus == 0:
+        session.exitstatus = 1
+
+
+def built_once(tmp_path_factory, name: str, build, timeout_s: float = 1800):
+    """`build(folder)` once per test run, its JSON-able result kept: in one pytest process, or
+    shared by pytest-xdist's workers (the first to take the lock builds in the run's common
+    temp folder, the others wait for it, at most `timeout_s`, and reuse it). A build that fails
+    leaves nothing: the next one to ask tries again, and fails with its own message."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    out, done = base / f"shared-{name}", base / f"shared-{name}.json"
+    with FileLock(str(base / f"shared-{name}.lock"), timeout=timeout_s):
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            done.with_suffix(".tmp").write_text(json.dumps(build(out)))
+            done.with_suffix(".tmp").rename(done)
+    return json.loads(done.read_text())
 
 
 def _world_env(env: dict | None) -> dict:
@@ -190,12 +263,14 @@ def jobs() -> Jobs:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory, jobs):
     """The tiny model's recipe (tools/make_tiny_model.py) pre-trained 30 steps, built once a
-    session: enough for jobs to run, not to answer problems (tests/analysis's
-    `trained_tiny_model` does)."""
-    out = tmp_path_factory.mktemp("model") / "tiny"
-    r = jobs.run(["tools/make_tiny_model.py", "--out", str(out), "--steps", "30"], timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out
+    run (shared by xdist's workers): enough for jobs to run, not to answer problems
+    (tests/analysis's `trained_tiny_model` does)."""
+    def build(folder: Path) -> str:
+        out = folder / "tiny"
+        r = jobs.run(["tools/make_tiny_model.py", "--out", str(out), "--steps", "30"], timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return str(out)
+    return Path(built_once(tmp_path_factory, "tiny_model", build))
 
 
 # One finished job scored by a user reward function, shared by the e2e test of reward functions
@@ -210,21 +285,23 @@ REWARD_FN_RUN = {"steps": 3, "B": 2, "n": 2}
 
 @pytest.fixture(scope="session")
 def reward_fn_run(tmp_path_factory, jobs, tiny_model):
-    tmp = tmp_path_factory.mktemp("reward_fn_run")
-    fn = tmp / "my_reward.py"
-    fn.write_text("def by_length(completion, reference, row):\n"
-                  "    assert set(row) == {'question', 'answer'}  # the whole dataset row\n"
-                  "    return {'reward': (len(completion) % 7) / 8, 'chars': len(completion)}\n")
-    chat = tmp / "chat.jinja"
-    chat.write_text("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    k = REWARD_FN_RUN
-    r = jobs.run(jobs.args(tiny_model, tmp, "fn", f"reward.fn={fn}:by_length",
-                           "data.chat=true", f"data.chat_template={chat}",
-                           f"train.total_steps={k['steps']}", f"train.batch_prompts={k['B']}",
-                           f"rollout.group_size={k['n']}", "train.ppo_minibatches=2",
-                           "rollout.max_new_tokens=24", "data.eval_limit=4", "data.eval_samples=1"),
-                 timeout=900)
-    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
-    assert not jobs.leftovers(), "processes of the job are still running"
-    return {"run": tmp / "fn", "stderr": r.stderr, **k}
+    def build(tmp: Path) -> dict:
+        fn = tmp / "my_reward.py"
+        fn.write_text("def by_length(completion, reference, row):\n"
+                      "    assert set(row) == {'question', 'answer'}  # the whole dataset row\n"
+                      "    return {'reward': (len(completion) % 7) / 8, 'chars': len(completion)}\n")
+        chat = tmp / "chat.jinja"
+        chat.write_text("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+        k = REWARD_FN_RUN
+        r = jobs.run(jobs.args(tiny_model, tmp, "fn", f"reward.fn={fn}:by_length",
+                               "data.chat=true", f"data.chat_template={chat}",
+                               f"train.total_steps={k['steps']}", f"train.batch_prompts={k['B']}",
+                               f"rollout.group_size={k['n']}", "train.ppo_minibatches=2",
+                               "rollout.max_new_tokens=24", "data.eval_limit=4", "data.eval_samples=1"),
+                     timeout=900)
+        assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
+        assert not jobs.leftovers(), "processes of the job are still running"
+        return {"run": str(tmp / "fn"), "stderr": r.stderr}
+    built = built_once(tmp_path_factory, "reward_fn_run", build)
+    return {**built, "run": Path(built["run"]), **REWARD_FN_RUN}

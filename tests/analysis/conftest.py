@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from areal_hpc.storage.rollout_log import RolloutWriter
+from tests.conftest import built_once
 
 ROOT = Path(__file__).resolve().parents[2]
 T0 = 1.8e9      # a realistic time.time(); every number below is relative to it
@@ -82,8 +83,11 @@ def trained_tiny_model(tmp_path_factory):
     built = ROOT / "models" / "tiny"
     if (built / "config.json").is_file() and (built / "heldout.jsonl").is_file():
         return built
-    out = tmp_path_factory.mktemp("model") / "tiny"
-    r = subprocess.run([sys.executable, "tools/make_tiny_model.py", "--out", str(out), "--steps", "250",
-                        "--minutes", "1.5"], cwd=ROOT, capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out
+
+    def build(folder: Path) -> str:
+        out = folder / "tiny"
+        r = subprocess.run([sys.executable, "tools/make_tiny_model.py", "--out", str(out), "--steps", "250",
+                            "--minutes", "1.5"], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return str(out)
+    return Path(built_once(tmp_path_factory, "trained_tiny_model", build))
