@@ -1,5 +1,6 @@
 """Fixtures shared by the tests that run whole jobs (e2e, launch): the tiny model, built once, and
 `jobs`, which starts job commands and finds every process they left (by an environment marker)."""
+import importlib.util
 import json
 import os
 import shutil
@@ -25,10 +26,10 @@ HEAVY_FIXTURES = {"tiny_model", "trained_tiny_model", "jobs", "reward_fn_run", "
                   "engine", "run_distributed"}
 
 
-# Parallel runs (pytest-xdist, `tools/test.sh`: --dist loadgroup): every module runs whole on one
-# worker (its module-scoped engines and worlds start once), and the modules that share the local
-# Slurm cluster or the namespaced one run on one worker together (one cluster up, no two jobs
-# queued against each other's bounds).
+# Parallel runs (pytest-xdist, `tools/test.sh`; the scheduler below): every module runs whole on
+# one worker (its module-scoped engines and worlds start once), and the modules that share the
+# local Slurm cluster or the namespaced one run on one worker together (one cluster up, no two
+# jobs queued against each other's bounds).
 GROUPS = {"launch/test_slurm.py": "slurm", "launch/test_slurm_netns.py": "slurm",
           "launch/test_rehearse.py": "slurm"}
 # The groups handed out first, longest first (seconds of one quiet serial run, rounded), so that
@@ -46,12 +47,12 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts vLLM, Megatron, MPI worlds, sandboxes or jobs")
 
 
-def _group(item) -> str:
-    rel = Path(str(item.fspath)).resolve().relative_to(ROOT / "tests").as_posix()
+def _group(nodeid: str) -> str:
+    """The group a test runs in: its module's path below tests/, or its GROUPS name."""
+    rel = nodeid.split("::")[0].removeprefix("tests/")
     return GROUPS.get(rel, rel)
 
 
-@pytest.hookimpl(tryfirst=True)     # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         rel = Path(str(item.fspath)).resolve().relative_to(ROOT / "tests")
@@ -60,9 +61,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         elif HEAVY_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-        item.add_marker(pytest.mark.xdist_group(_group(item)))
     # stable: within a group, and among the groups not listed, the collection order stays
-    items.sort(key=lambda item: -LONGEST_FIRST.get(_group(item), 0))
+    items.sort(key=lambda item: -LONGEST_FIRST.get(_group(item.nodeid), 0))
+
+
+if importlib.util.find_spec("xdist") is not None:
+    def pytest_xdist_make_scheduler(config, log):
+        """xdist's scheduling by scope, each scope a `_group`, handed out in collection order
+        (run with --no-loadscope-reorder): a worker takes the next group when it has two tests
+        or fewer left. (xdist's own xdist_group marks need a node id pytest 9 no longer lets a
+        plugin rename.)"""
+        from xdist.scheduler import LoadScopeScheduling
+
+        class ByGroup(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return _group(nodeid)
+        return ByGroup(config, log)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -198,8 +212,8 @@ class Jobs:
         return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
                               timeout=timeout, env=self.env(env))
 
-    def start(self, args) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=self.env(), text=True,
+    def start(self, args, env=None) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=self.env(env), text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
     @staticmethod

@@ -14,7 +14,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$root/.cache/vllm}
 workers=${TEST_WORKERS:-2}
 xdist=()
-[ "$workers" -gt 0 ] && xdist=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
+[ "$workers" -gt 0 ] && xdist=(-n "$workers" --dist loadscope --no-loadscope-reorder)
 fast=()
 if [ "${1:-}" = "--fast" ]; then shift; fast=(-m "not slow"); fi
 if [ $# -gt 0 ] && [ ${#fast[@]} -eq 0 ]; then exec .venv/bin/python -m pytest "$@"; fi
