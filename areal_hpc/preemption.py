@@ -120,6 +120,22 @@ def test_hook() -> tuple[int, int] | None:
     return int(step), int(k)
 
 
+# Test hook, read here only: "VERSION:TOKENS:PATH" holds a generator rank once a sample it
+# generates with the weights of VERSION has TOKENS tokens: it writes PATH and generates nothing
+# more until the controller stops it (tests/e2e/test_repeat.py then sends the preemption signal:
+# a preemption that finds a sample mid-generation every time, whatever else the box runs).
+HOLD_HOOK_ENV = "AREAL_TEST_HOLD_MID_GENERATION"
+
+
+def hold_hook() -> tuple[int, int, str] | None:
+    """(version, tokens, path) of the `HOLD_HOOK_ENV` test hook, or None."""
+    value = os.environ.get(HOLD_HOOK_ENV, "")
+    if not value:
+        return None
+    version, tokens, path = value.split(":", 2)
+    return int(version), int(tokens), path
+
+
 def job_end(cfg, signal_at: float | None, env=None) -> tuple[float | None, str]:
     """(the job's end as time.time(), where from), or (None, "") when unknown: the earliest of
     SLURM_JOB_END_TIME, the attempt's start (SLURM_JOB_START_TIME, else this process's) +

@@ -38,6 +38,7 @@ import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -121,6 +122,7 @@ class Generator(EngineRecovery, EpisodeLoop):
         self._engine_lost = False
         self.awaiting: int | None = None    # weights version a new engine waits for (recovery.py)
         self.watch: ControllerWatch | None = None   # the controller's liveness, from the loop's start
+        self._hold, self._holding = preemption.hold_hook(), False     # a test's (HOLD_HOOK_ENV)
 
     @classmethod
     def start(cls, cfg: RunConfig, topo: Topology) -> "Generator":
@@ -174,7 +176,8 @@ class Generator(EngineRecovery, EpisodeLoop):
             with self.clock.timed("send"):
                 for _, group in self._collect_rewards():     # eval groups never reach this loop
                     self._send(group)
-            if self.engine.has_unfinished() and not self._engine_lost and self.awaiting is None:
+            if self.engine.has_unfinished() and not self._engine_lost and self.awaiting is None \
+                    and not self._held_by_test():
                 with self.clock.timed("busy"):
                     self._generate()
             else:       # nothing to generate: waiting on scores of finished samples, or on prompts
@@ -182,6 +185,18 @@ class Generator(EngineRecovery, EpisodeLoop):
                 with self.clock.timed("idle_scoring" if scoring else "idle"):
                     self.chan.idle(source=CONTROLLER_RANK, timeout=0.005 if scoring else 0.05)
         self._finish()
+
+    def _held_by_test(self) -> bool:
+        """preemption.HOLD_HOOK_ENV: once a sample of the hook's weights version has its tokens,
+        the mark is written and the engine steps no more; the loop still answers the
+        controller (its STOP ends the hold)."""
+        if self._hold is None or self._holding:
+            return self._holding
+        version, tokens, path = self._hold
+        if self.engine.version == version and self.engine.longest_unfinished() >= tokens:
+            self._holding = True
+            Path(path).write_text(f"{self.me}: held at {self.engine.longest_unfinished()} tokens\n")
+        return self._holding
 
     def _handle(self, msg) -> bool:
         """Act on one message from the controller; False once it says stop."""

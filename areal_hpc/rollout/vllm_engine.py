@@ -528,6 +528,10 @@ class VLLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._requests) or bool(self._pending)
 
+    def longest_unfinished(self) -> int:
+        """The most tokens an unfinished sample has so far (0: none)."""
+        return max((len(r.tokens) for r in self._requests.values()), default=0)
+
     def num_running(self) -> int:
         """Submitted and not yet finished (waiting or generating inside vLLM)."""
         return len(self._requests)

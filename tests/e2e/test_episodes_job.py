@@ -73,8 +73,10 @@ def test_episodes_preempted_mid_episode_resume_with_the_audit_clean(jobs, tiny_m
     done = _steps_done(run_dir)
     assert ck.find_latest(run_dir)[1]["step"] == done < STEPS
 
-    out, _ = jobs.start(args).communicate(timeout=900)
-    assert "resuming from" in out, out[-4000:]
+    resumed = jobs.start(args)
+    out, _ = resumed.communicate(timeout=900)
+    assert resumed.returncode == 0, out[-4000:]
+    assert f"resuming from {ck.step_dir(run_dir, done)}" in out, out[-4000:]
     with RolloutReader(run_dir / "rollouts.h5") as r:
         rows = [r[i] for i in range(len(r))]
         consumed = r.column("consumed_step")

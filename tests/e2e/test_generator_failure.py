@@ -6,11 +6,15 @@ configured bounds, with a message naming the generator, and leaves no process be
   trainer raises either `GeneratorLostError` (it was waiting for rollouts) or `WeightSyncError`
   (it was publishing weights), whichever bound it meets first; both name the generator.
 - kill: the generator rank itself is killed (SIGKILL, as when its node is lost); mpiexec ends the
-  job.
+  job, and the launcher or the rank's reaper names the generator rank that was lost.
 - kill_all: every process of the job except the ranks' reapers is killed at once (launcher,
   mpiexec, its proxy, all ranks: as when the launching session is lost). Nobody is left to tear
-  the job down; each rank's reaper (areal_hpc.reaper) kills its vLLM engine and other children,
-  which would otherwise run on (vLLM's EngineCore does not always notice its parent's death).
+  the job down, nor to read what a reaper says (its output went to the killed launcher); each
+  rank's reaper (areal_hpc.reaper) kills its vLLM engine and other children, which would
+  otherwise run on (vLLM's EngineCore does not always notice its parent's death): the proof is
+  that nothing is left.
+In every case the trainer trained no step after the fault beyond what it already held: at
+most the η window (rollout.max_staleness + 1 steps) past the step the fault came at.
 """
 import re
 import signal
@@ -20,7 +24,8 @@ import psutil
 import pytest
 
 BOUND_S = 20
-ARGS = ["train.total_steps=400", "train.batch_prompts=3", "rollout.group_size=2",
+ETA = 1         # configs/tiny_cpu.yaml's rollout.max_staleness
+ARGS = [f"rollout.max_staleness={ETA}", "train.total_steps=400", "train.batch_prompts=3", "rollout.group_size=2",
         "rollout.max_new_tokens=24", "data.eval_limit=4", "data.eval_samples=1",
         "checkpoint.every_steps=100", f"rollout.generator_timeout_s={BOUND_S}",
         "rollout.heartbeat_s=2", f"weights.timeout_s={BOUND_S}", "rollout.engine_restarts=0"]
@@ -66,6 +71,7 @@ def test_generator_failure_ends_the_job(jobs, tiny_model, tmp_path, how):
     proc = jobs.start(jobs.args(tiny_model, tmp_path, how, *ARGS))
     try:
         _run_until(jobs, proc, run_dir, 2)
+        at = _steps_done(run_dir)
         if how == "stall":
             victim = _find(jobs, "EngineCore")
             assert victim is not None, "no vLLM EngineCore process found"
@@ -95,7 +101,7 @@ def test_generator_failure_ends_the_job(jobs, tiny_model, tmp_path, how):
     print(f"\n{how}: job ended {ended_s:.1f} s after the {how} (exit {proc.returncode}, "
           f"{steps} steps done)")
     assert proc.returncode != 0, out[-4000:]
-    assert steps < 400
+    assert at <= steps <= at + ETA + 1, (at, steps)
     if how == "stall":
         errors = re.findall(r"(GeneratorLostError|WeightSyncError): (.*)", out)
         assert errors, out[-4000:]
@@ -104,5 +110,10 @@ def test_generator_failure_ends_the_job(jobs, tiny_model, tmp_path, how):
         assert re.search(r"generator rank 1 \(host \S+\)", message), message
         assert ended_s < BOUND_S + 120, ended_s
     else:
+        if how == "kill":
+            named = re.search(r"rank 1 \(generator, host \S+\) ended without a clean exit"
+                              r"|RANK 1 PID \d+ RUNNING AT \S+", out)
+            assert named, out[-4000:]
+            print(f"named: {named.group(0)}")
         assert ended_s < 120, ended_s
     _no_leftovers(jobs)

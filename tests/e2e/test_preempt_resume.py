@@ -7,12 +7,12 @@ B groups, no accepted trajectory lost (pending rows are exactly the final checkp
 metrics.jsonl and the TensorBoard event files must hold each step once."""
 import collections
 import json
+import os
 import random
 import signal
 import time
 
 import psutil
-import pytest
 
 from areal_hpc.audit import audit
 from areal_hpc.storage import checkpoint as ck
@@ -72,15 +72,16 @@ def _check_log(run_dir, steps=STEPS, rows_per_step=B * N):
     return consumed, keys
 
 
-# One seed (the kill step it draws): a second one cost two minutes of a suite near its 45-minute
-# budget; the hard-kill test below preempts at another step.
-@pytest.mark.parametrize("seed", [1])
-def test_preempt_at_a_random_step_then_resume(jobs, tiny_model, tmp_path, seed):
+def test_preempt_at_a_random_step_then_resume(jobs, tiny_model, tmp_path):
     """TERM to every process of the job, as Slurm's preemption sends it: vLLM's processes die
     with it, mid-generation or mid-update; the ranks still stop at the step boundary, write the
     checkpoint there and exit for a requeue. (USR1, the time-limit warning, spares vLLM: the
-    other tests here and tests/launch use it.)"""
+    other tests here and tests/launch use it.) The step is drawn afresh at every run, from 1 to
+    STEPS - 2 (one job a run: the hard-kill test below stops another); the draw is printed, and
+    AREAL_TEST_SEED=<seed> repeats it."""
+    seed = int(os.environ.get("AREAL_TEST_SEED") or random.SystemRandom().randrange(2**32))
     kill_after = random.Random(seed).randint(1, STEPS - 2)
+    print(f"\npreempted after step {kill_after} (AREAL_TEST_SEED={seed})")
     args = jobs.args(tiny_model, tmp_path, "p", *SMALL)
     run_dir = tmp_path / "p"
     proc = jobs.start(args)

@@ -12,11 +12,14 @@ log's rows) come in one order; a preempted sample whose tokens all came from the
 resumed generator holds is generated again from its own seed, drawing what the uninterrupted run
 drew; the trainer's side was exact already (tools/replay_run.py --check)."""
 import json
+import os
 import signal
+import subprocess
 
 import numpy as np
-import psutil
 from safetensors.numpy import load_file
+
+from areal_hpc.preemption import HOLD_HOOK_ENV
 
 from areal_hpc.storage import checkpoint as ck
 from areal_hpc.storage.rollout_log import NO_SEED, PARTIAL, RolloutReader
@@ -104,41 +107,17 @@ def _differences(a, b) -> list[str]:
     return out
 
 
-def _signal_mid_generation(jobs, run, proc, step: int) -> None:
-    """USR1 to every rank halfway through the generation of step `step`'s batch, timed by the
-    vLLM engine's CPU time, not the wall clock: in sync mode the engine works only while that
-    batch is generated (between step-1's and step's metrics lines), and it spends about the
-    same CPU time on every step's batch (B groups of LONG_TOKENS tokens each), so half of the
-    previous step's is the middle of this one's whatever else the box runs. (A wall-clock delay
-    after the metrics line missed on a busy box: a step's generation takes about 0.6 s here,
-    and the weight update before it varies by as much.)"""
-    def engine_cores() -> list:
-        found = []
-        for p in jobs.processes():
-            try:
-                if p.name().startswith("VLLM::EngineCore"):
-                    found.append(p)
-            except psutil.Error:        # a short-lived child ended between the scan and here
-                pass
-        return found
-
-    assert step >= 1
-    _wait_for(engine_cores, proc, poll=0.5)     # the engine and ranks are found before the clock
-    engines = engine_cores()                    # runs: the signal goes out without a scan
-    ranks = jobs.processes(ranks_only=True)
-
-    def cpu() -> float:
-        return sum(t.user + t.system for t in (p.cpu_times() for p in engines))
-
-    _wait_for(lambda: _steps_done(run) >= step - 1, proc, poll=0.02)
-    before = cpu()
-    _wait_for(lambda: _steps_done(run) >= step, proc, poll=0.02)
-    start = cpu()
-    half = (start - before) / 2
-    assert half > 0.05, f"the engine spent {2 * half:.2f} s of CPU on step {step - 1}'s batch"
-    _wait_for(lambda: cpu() - start >= half, proc, poll=0.01)
-    for p in ranks:
+def _preempt_mid_generation(jobs, run, args, step: int) -> subprocess.Popen:
+    """Start the job, held by the generator's test hook (preemption.HOLD_HOOK_ENV) once a
+    sample of step `step`'s batch (weights version `step` in sync mode) has a quarter of its
+    LONG_TOKENS; then USR1 to every rank, as Slurm's time-limit warning. The held generator
+    steps its engine no more, so the signal finds that sample mid-generation on any box."""
+    held = run.parent / f"{run.name}.held"
+    proc = jobs.start(args, env={**os.environ, HOLD_HOOK_ENV: f"{step}:{LONG_TOKENS // 4}:{held}"})
+    _wait_for(held.exists, proc, poll=0.05)
+    for p in jobs.processes(ranks_only=True):
         p.send_signal(signal.SIGUSR1)
+    return proc
 
 
 def test_sync_run_repeats_and_a_preempted_one_equals_it(jobs, tiny_model, tmp_path):
@@ -175,31 +154,17 @@ def test_sync_run_repeats_and_a_preempted_one_equals_it(jobs, tiny_model, tmp_pa
     r = jobs.run([*regen, str(later)], timeout=60)
     assert r.returncode == 2 and "--step 1" in r.stderr, r.stderr[-3000:]
 
-    # The same config preempted (USR1, as Slurm's time-limit warning) while step STEPS/2's batch
-    # is being generated: _signal_mid_generation. A step's generation lasts about a second here;
-    # on a loaded box the signal can still land outside it (CI: once in about ten runs). Such a
-    # try must say so in its log (no group in flight: nothing cut, nothing lost) and is run again
-    # in a fresh directory; a sample cut mid-generation is required by the third.
-    for attempt in range(3):
-        name = "b" if attempt == 0 else f"b{attempt}"
-        args = _args(jobs, tiny_model, tmp_path, name, "checkpoint.every_steps=0")
-        run = tmp_path / name
-        proc = jobs.start(args)
-        _signal_mid_generation(jobs, run, proc, STEPS // 2)
-        code, out = _finish(proc)
-        assert code == 3, out[-4000:]
-        done = _steps_done(run)
-        assert ck.find_latest(run)[1]["step"] == done
-        partial = _partial(run)
-        cut = [i for i, p in partial.items() if p[5] == "abort" and 0 < len(p[2]) < LONG_TOKENS]
-        if cut:
-            break
-        # a miss cut nothing: no group in flight, or only samples without a token yet or with
-        # all of theirs (the group's samples ended as the signal came: CI, once)
-        assert all(len(p[2]) in (0, LONG_TOKENS) for p in partial.values()), \
-            ({i: (p[0], p[1], len(p[2]), p[5]) for i, p in partial.items()}, out[-4000:])
-        assert partial or "preempted with 0 group(s) in flight" in out, out[-4000:]
-    assert cut, f"no sample was mid-generation at the preemption in {attempt + 1} tries"
+    # The same config preempted (USR1, as Slurm's time-limit warning) while step STEPS/2's
+    # batch is being generated (_preempt_mid_generation).
+    args = _args(jobs, tiny_model, tmp_path, "b", "checkpoint.every_steps=0")
+    run = tmp_path / "b"
+    code, out = _finish(_preempt_mid_generation(jobs, run, args, STEPS // 2))
+    assert code == 3, out[-4000:]
+    done = _steps_done(run)
+    assert done == STEPS // 2 and ck.find_latest(run)[1]["step"] == done
+    partial = _partial(run)
+    cut = [i for i, p in partial.items() if p[5] == "abort" and 0 < len(p[2]) < LONG_TOKENS]
+    assert cut, ({i: (p[0], p[1], len(p[2]), p[5]) for i, p in partial.items()}, out[-4000:])
     ctrl = ck.read_state(ck.find_latest(run)[0] / ck.STATE)["controller"]
     referenced = {r for first, n in zip(ctrl.partial_first_row, ctrl.partial_rows)
                   for r in range(first, first + n)}

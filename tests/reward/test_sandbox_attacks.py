@@ -368,6 +368,7 @@ def test_double_fork_setsid_daemon_dies_with_its_test_and_later_tests_are_unaffe
             if os.fork() == 0:
                 # The daemon: rewrite every stdout it can find, ours later, for 20 s.
                 code = ("import glob, os, time\\n"
+                        "open('/tmp/daemon-up', 'w').close()\\n"
                         "end = time.time() + 20\\n"
                         "while time.time() < end:\\n"
                         "    for p in glob.glob('/proc/*/fd/1') + glob.glob('/tmp/**', recursive=True):\\n"
@@ -377,11 +378,14 @@ def test_double_fork_setsid_daemon_dies_with_its_test_and_later_tests_are_unaffe
                         "    time.sleep(0.01)\\n")
                 os.execv(sys.executable, [sys.executable, "-c", code, {marker!r}])
             os._exit(0)
-        time.sleep(0.3)   # the daemon is running
-        print("first")
+        end = time.time() + 30    # until the daemon runs (its mark), at most 30 s
+        while not os.path.exists("/tmp/daemon-up") and time.time() < end:
+            time.sleep(0.01)
+        print("daemon up" if os.path.exists("/tmp/daemon-up") else "no daemon", flush=True)
     """
     first = run(daemon)
     assert first.sandbox_error is None
+    assert b"daemon up" in first.stdout, first.stdout[-300:]
     # Gone when run() returns: bwrap's pid 1 exited, the kernel killed its PID namespace.
     leftovers = [p for p in psutil.process_iter(["cmdline"])
                  if marker in " ".join(p.info["cmdline"] or [])
@@ -393,21 +397,31 @@ def test_double_fork_setsid_daemon_dies_with_its_test_and_later_tests_are_unaffe
 
 
 def test_daemon_through_the_pool_then_honest_code_scores():
-    daemon = ("import os, time\n"
+    """A program that leaves a daemon behind answers right only once its daemon runs (the
+    daemon's mark), so its 1.0 shows the daemon ran; the daemon then writes the answer into
+    every stdout it can open for as long as it lives: the honest program after it, in the same
+    worker, still prints exactly its own answer."""
+    daemon = ("import glob, os, time\n"
               "if os.fork() == 0:\n"
               "    os.setsid()\n"
               "    if os.fork() == 0:\n"
+              "        open('/tmp/daemon-up', 'w').close()\n"
               "        while True:\n"
-              "            os.write(1, b'3')\n"
+              "            for p in glob.glob('/proc/*/fd/1'):\n"
+              "                try: open(p, 'w').write('3')\n"
+              "                except OSError: pass\n"
               "            time.sleep(0.01)\n"
               "    os._exit(0)\n"
-              "time.sleep(0.2)\n"
-              "print(0)\n")
+              "end = time.time() + 30\n"
+              "while not os.path.exists('/tmp/daemon-up') and time.time() < end:\n"
+              "    time.sleep(0.01)\n"
+              "a, b = map(int, input().split())\n"
+              "print(a + b if os.path.exists('/tmp/daemon-up') else 'no daemon')\n")
     tests = [{"input": "1 2", "output": "3"}]
     with RewardPool(max_workers=1) as pool:
         pool.submit("daemon", "code", daemon, tests)
         pool.submit("honest", "code", "a, b = map(int, input().split())\nprint(a + b)", tests)
-        assert sorted(pool.drain(timeout=60)) == [RewardResult("daemon", 0.0, None),
+        assert sorted(pool.drain(timeout=60)) == [RewardResult("daemon", 1.0, None),
                                                   RewardResult("honest", 1.0, None)]
 
 
