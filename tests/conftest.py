@@ -16,14 +16,16 @@ from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The two markers (`tools/test.sh -m "not slow"`: the fast set alone, a few minutes):
-#   e2e   a whole job through a launcher (mpiexec, the local Slurm cluster): tests/e2e and the
-#         Slurm tests;
-#   slow  starts vLLM engines, Megatron, MPI or torch.distributed worlds, sandboxes or jobs: a
-#         test using one of HEAVY_FIXTURES, or in a module marked `pytestmark = pytest.mark.slow`.
+# The two markers (`tools/test.sh --fast` runs what is neither: the unit tests of the logic, a few
+# minutes; sandboxed programs, each a bubblewrap process of a second or less, are among them):
+#   e2e   a whole job through a launcher (mpiexec, the local Slurm clusters): tests/e2e, and any
+#         test using a Slurm cluster (CLUSTER_FIXTURES);
+#   slow  starts vLLM engines, Megatron, MPI or torch.distributed worlds, jobs or clusters: a test
+#         using one of HEAVY_FIXTURES, or in a module marked `pytestmark = pytest.mark.slow`.
 # Every e2e test is slow too.
-HEAVY_FIXTURES = {"tiny_model", "trained_tiny_model", "jobs", "reward_fn_run", "slurm_env", "megatron_ws1",
-                  "engine", "run_distributed"}
+CLUSTER_FIXTURES = {"slurm_env", "netns_cluster"}
+HEAVY_FIXTURES = {"tiny_model", "trained_tiny_model", "jobs", "reward_fn_run", "megatron_ws1",
+                  "engine", "run_distributed", *CLUSTER_FIXTURES}
 
 
 # Parallel runs (pytest-xdist, `tools/test.sh`; the scheduler below): every module runs whole on
@@ -56,10 +58,11 @@ def _group(nodeid: str) -> str:
 def pytest_collection_modifyitems(config, items):
     for item in items:
         rel = Path(str(item.fspath)).resolve().relative_to(ROOT / "tests")
-        if rel.parts[0] == "e2e" or rel.name.startswith("test_slurm"):
+        uses = set(getattr(item, "fixturenames", ()))
+        if rel.parts[0] == "e2e" or CLUSTER_FIXTURES & uses:
             item.add_marker(pytest.mark.e2e)
             item.add_marker(pytest.mark.slow)
-        elif HEAVY_FIXTURES & set(getattr(item, "fixturenames", ())):
+        elif HEAVY_FIXTURES & uses:
             item.add_marker(pytest.mark.slow)
     # stable: within a group, and among the groups not listed, the collection order stays
     items.sort(key=lambda item: -LONGEST_FIRST.get(_group(item.nodeid), 0))

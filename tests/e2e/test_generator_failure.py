@@ -71,10 +71,10 @@ def test_generator_failure_ends_the_job(jobs, tiny_model, tmp_path, how):
     proc = jobs.start(jobs.args(tiny_model, tmp_path, how, *ARGS))
     try:
         _run_until(jobs, proc, run_dir, 2)
-        at = _steps_done(run_dir)
         if how == "stall":
             victim = _find(jobs, "EngineCore")
             assert victim is not None, "no vLLM EngineCore process found"
+            at = _steps_done(run_dir)           # the steps done as the fault comes
             victim.send_signal(signal.SIGSTOP)
         else:
             engine = _find(jobs, "EngineCore")
@@ -83,11 +83,13 @@ def test_generator_failure_ends_the_job(jobs, tiny_model, tmp_path, how):
                           if engine in p.children(recursive=True))     # the generator rank
             everything = jobs.processes()        # notes the whole tree before the kill
             if how == "kill":
+                at = _steps_done(run_dir)
                 victim.kill()
             else:
                 victims = [p for p in everything if "areal_hpc.reaper" not in " ".join(p.cmdline())
                            and "VLLM::" not in " ".join(p.cmdline())]
                 assert len(victims) >= 5, victims     # launcher, mpiexec, proxy, 2 ranks
+                at = _steps_done(run_dir)
                 for p in victims:
                     p.kill()
         t0 = time.monotonic()
