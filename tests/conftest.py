@@ -290,9 +290,10 @@ def tiny_model(tmp_path_factory, jobs):
     return Path(built_once(tmp_path_factory, "tiny_model", build))
 
 
-# One finished job scored by a user reward function, shared by the e2e test of reward functions
-# and chat templates (tests/e2e/test_local_job.py) and the replay test (tests/train/test_replay.py):
-# a job costs about a minute of a suite near its budget. Async, η = 1, two minibatches per step
+# One finished job scored by a user reward function, shared by the e2e tests of a short async run
+# at η = 1 and of reward functions and chat templates (tests/e2e/test_local_job.py) and the replay
+# test (tests/train/test_replay.py): a job costs about a minute of a suite near its budget.
+# Async, η = 1, one generator, evaluated at the start, at step 2 and at the end, two minibatches per step
 # (the minibatch split depends on the batch order, which replay must rebuild), prompts through a
 # chat template from a file. The reward, from the completion's length, differs within most groups
 # (the barely pre-trained model answers nothing right: with 0/1 rewards every loss would be 0) and
@@ -315,10 +316,11 @@ def reward_fn_run(tmp_path_factory, jobs, tiny_model):
                                "data.chat=true", f"data.chat_template={chat}",
                                f"train.total_steps={k['steps']}", f"train.batch_prompts={k['B']}",
                                f"rollout.group_size={k['n']}", "train.ppo_minibatches=2",
-                               "rollout.max_new_tokens=24", "data.eval_limit=4", "data.eval_samples=1"),
+                               "rollout.max_new_tokens=24", "data.eval_limit=6", "data.eval_samples=1",
+                               "data.eval_every_steps=2"),
                      timeout=900)
         assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
         assert not jobs.leftovers(), "processes of the job are still running"
-        return {"run": str(tmp / "fn"), "stderr": r.stderr}
+        return {"run": str(tmp / "fn"), "stdout": r.stdout, "stderr": r.stderr}
     built = built_once(tmp_path_factory, "reward_fn_run", build)
     return {**built, "run": Path(built["run"]), **REWARD_FN_RUN}

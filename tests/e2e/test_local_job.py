@@ -12,29 +12,41 @@ import pytest
 from areal_hpc.storage.rollout_log import DROPPED_STALE, RolloutReader
 
 # (Sync mode's run, on-policy rows and all, is tests/e2e/test_repeat.py's.)
-@pytest.mark.parametrize("mode,eta,generators", [("async", 1, 1), ("async", 4, 2)])
-def test_short_run(jobs, tiny_model, tmp_path, mode, eta, generators):
+def test_short_run_eta_1(reward_fn_run):
+    """The session's `reward_fn_run` (tests/conftest.py: async, η = 1, one generator; its reward
+    function and chat template change nothing checked here), checked as a short run
+    (`_check_short_run`)."""
+    k = reward_fn_run
+    _check_short_run(k["run"], k["stdout"], k["steps"], k["B"], k["n"], "async", 1, 1)
+
+
+def test_short_run_eta_4_two_generators_guarded(jobs, tiny_model, tmp_path):
+    """η = 4 on two generators (mpiexec -n 3), with an off-policy correction and the collapse
+    guards on: their diagnostics are in metrics.jsonl and the groups they leave out are counted
+    and balanced by the audit; otherwise checked as a short run (`_check_short_run`)."""
+    steps, B, n, eta, generators = 3, 2, 2, 4, 2
+    r = jobs.run(jobs.args(tiny_model, tmp_path, "e2e", f"train.total_steps={steps}",
+                           f"train.batch_prompts={B}", f"rollout.group_size={n}",
+                           "rollout.max_new_tokens=24", "rollout.mode=async",
+                           f"rollout.max_staleness={eta}", f"topology.n_generators={generators}",
+                           "data.eval_limit=6", "data.eval_samples=1", "data.eval_every_steps=2",
+                           "train.off_policy=token_mask", "train.behav_kl_coef=0.01",
+                           "train.filter_zero_variance=true", "train.overlong=filter"),
+                 timeout=900)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
+    _check_short_run(tmp_path / "e2e", r.stdout, steps, B, n, "async", eta, generators)
+    assert not jobs.leftovers(), "processes of the job are still running"
+
+
+def _check_short_run(run, stdout, steps, B, n, mode, eta, generators):
     """A few steps; from rollouts.h5: every step took B groups, no trained token is older than η,
     weight updates reached the generators mid-run (at η = 1: at η = 4 the window may let every
     group come from the first weights; every update still reaches every generator by the end,
     generators.json), groups never span generators, and nothing was generated for a step the
-    run never takes. The η = 4 run also trains with an off-policy
-    correction and the collapse guards on: their diagnostics are in metrics.jsonl and the groups
-    they leave out are counted and balanced by the audit."""
-    steps, B, n = 3, 2, 2
+    run never takes; the evaluations at the start, at step 2 (data.eval_every_steps) and at the
+    end. At η = 4, with the guards on, their figures."""
     guarded = eta == 4
-    extra = ["train.off_policy=token_mask", "train.behav_kl_coef=0.01",
-             "train.filter_zero_variance=true", "train.overlong=filter"] if guarded else []
-    r = jobs.run(jobs.args(tiny_model, tmp_path, "e2e", f"train.total_steps={steps}",
-                       f"train.batch_prompts={B}", f"rollout.group_size={n}",
-                       "rollout.max_new_tokens=24", f"rollout.mode={mode}",
-                       f"rollout.max_staleness={eta}", f"topology.n_generators={generators}",
-                       "data.eval_limit=6", "data.eval_samples=1", "data.eval_every_steps=2",
-                       *extra),
-                 timeout=900)
-    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
-    assert "held-out accuracy" in r.stdout
-    run = tmp_path / "e2e"
+    assert "held-out accuracy" in stdout
     evals = json.loads((run / "eval.json").read_text())
     assert [(e["label"], e["step"]) for e in evals] == [("initial", 0), ("step 2", 2), ("final", steps)]
     assert evals[-1]["version"] == steps                    # the final policy was evaluated
@@ -108,7 +120,6 @@ def test_short_run(jobs, tiny_model, tmp_path, mode, eta, generators):
         # The engine had work at least while the loop was inside its step, at most the span.
         span = sum(v for k, v in sec.items() if k != "eval")
         assert sec["busy"] - 1e-6 <= g["engine_s"] <= span + 1e-6, g
-    assert not jobs.leftovers(), "processes of the job are still running"
 
 
 def test_code_dataset_is_scored_in_the_sandbox(jobs, tiny_model, tmp_path):
