@@ -34,13 +34,16 @@ HEAVY_FIXTURES = {"tiny_model", "trained_tiny_model", "jobs", "reward_fn_run", "
 # jobs queued against each other's bounds).
 GROUPS = {"launch/test_slurm.py": "slurm", "launch/test_slurm_netns.py": "slurm",
           "launch/test_rehearse.py": "slurm"}
-# The groups handed out first, longest first (seconds of one quiet serial run, rounded), so that
-# no long group starts last and leaves the other worker idle; the rest follow in their order.
+# The groups handed out first, longest first (seconds each took in a run on two workers, rounded),
+# so that no long group starts last and leaves the other worker idle; the rest follow in their order.
 LONGEST_FIRST = {
-    "slurm": 900, "e2e/test_engine_restart.py": 330, "e2e/test_repeat.py": 260,
-    "e2e/test_trainer_death.py": 260, "e2e/test_generator_failure.py": 240,
-    "e2e/test_preempt_resume.py": 230, "e2e/test_local_job.py": 220, "analysis/test_evaluate.py": 150,
-    "e2e/test_episodes_job.py": 140, "e2e/test_mid_step_stop.py": 120, "e2e/test_qwen_shapes.py": 100,
+    "slurm": 1180, "e2e/test_engine_restart.py": 550, "e2e/test_repeat.py": 300,
+    "e2e/test_preempt_resume.py": 280, "e2e/test_local_job.py": 260,
+    "e2e/test_generator_failure.py": 240, "analysis/test_evaluate.py": 210,
+    "e2e/test_trainer_death.py": 190, "e2e/test_mid_step_stop.py": 160, "rollout/test_vllm_engine.py": 140,
+    "e2e/test_episodes_job.py": 120, "transport/test_rank_death.py": 100, "e2e/test_qwen_shapes.py": 85,
+    "launch/test_gpu_check.py": 75, "rollout/test_episodes.py": 70, "transport/test_weights.py": 55,
+    "train/test_actor_parallel.py": 50,
 }
 
 
