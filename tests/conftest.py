@@ -37,10 +37,10 @@ GROUPS = {"launch/test_slurm.py": "slurm", "launch/test_slurm_netns.py": "slurm"
 # The groups handed out first, longest first (seconds each took in a run on two workers, rounded),
 # so that no long group starts last and leaves the other worker idle; the rest follow in their order.
 LONGEST_FIRST = {
-    "slurm": 1180, "e2e/test_engine_restart.py": 550, "e2e/test_repeat.py": 300,
-    "e2e/test_preempt_resume.py": 280, "e2e/test_local_job.py": 260,
+    "slurm": 1180, "e2e/test_engine_restart.py": 850, "e2e/test_repeat.py": 300,
+    "e2e/test_preempt_resume.py": 310, "e2e/test_local_job.py": 260,
     "e2e/test_generator_failure.py": 240, "analysis/test_evaluate.py": 210,
-    "e2e/test_trainer_death.py": 190, "e2e/test_mid_step_stop.py": 160, "rollout/test_vllm_engine.py": 140,
+    "e2e/test_trainer_death.py": 290, "e2e/test_mid_step_stop.py": 160, "rollout/test_vllm_engine.py": 140,
     "e2e/test_episodes_job.py": 120, "transport/test_rank_death.py": 100, "e2e/test_qwen_shapes.py": 85,
     "launch/test_gpu_check.py": 75, "rollout/test_episodes.py": 70, "transport/test_weights.py": 55,
     "train/test_actor_parallel.py": 50,

@@ -1,23 +1,10 @@
-"""Preemption and resume of the real job (mpiexec, vLLM, Megatron, HDF5), as one scenario job of
-four attempts in one run directory (a resumed run equal to an uninterrupted one, with a preemption
-mid-generation: tests/e2e/test_repeat.py):
+"""Preemption and resume of the real job (mpiexec, vLLM, Megatron, HDF5): a preemption signal at a
+random step and a hard kill between checkpoints (a resumed run equal to an uninterrupted one, with
+a preemption mid-generation: tests/e2e/test_repeat.py).
 
-1. USR1 before the first training step (while vLLM starts): exit 3, no checkpoint written, the
-   rollout log closed and readable;
-2. the same command starts afresh (the aborted attempt's files set aside as *.attempt-1.*); TERM
-   to every process of the job, as Slurm's preemption sends it, after a step drawn afresh each
-   run: vLLM's processes die with it, mid-generation or mid-update; the ranks still stop at the
-   step boundary, write the checkpoint there and exit 3 for a requeue;
-3. the same command resumes from that checkpoint; every process of the job but the ranks'
-   reapers is SIGKILLed one step past the next periodic checkpoint (a hard kill: no checkpoint at
-   the stop);
-4. the same command resumes from the last checkpoint and finishes.
-
-Each test below checks one of these claims on what the attempts left. At the end rollouts.h5 must
-show every trajectory consumed at most once, every step consumed exactly B groups, no accepted
-trajectory lost (pending rows are exactly the final checkpoint's buffer), groups that arrived after
-the last checkpoint before the hard kill kept but never trained, and metrics.jsonl and the
-TensorBoard event files must hold each step once."""
+Afterwards rollouts.h5 must show every trajectory consumed at most once, every step consumed exactly
+B groups, no accepted trajectory lost (pending rows are exactly the final checkpoint's buffer), and
+metrics.jsonl and the TensorBoard event files must hold each step once."""
 import collections
 import json
 import os
@@ -26,17 +13,16 @@ import signal
 import time
 
 import psutil
-import pytest
 
 from areal_hpc.audit import audit
 from areal_hpc.storage import checkpoint as ck
 from areal_hpc.storage.rollout_log import NOT_CONSUMED, ROLLED_BACK, RolloutReader
 from areal_hpc.storage.tensorboard import read_scalars
 
-STEPS, B, N, EVERY = 9, 3, 2, 3
+STEPS, B, N = 6, 3, 2
 SMALL = [f"train.total_steps={STEPS}", f"train.batch_prompts={B}", f"rollout.group_size={N}",
          "rollout.max_new_tokens=24", "data.eval_limit=4", "data.eval_samples=1",
-         f"checkpoint.every_steps={EVERY}"]
+         "checkpoint.every_steps=2"]
 
 
 def _steps_done(run_dir) -> int:
@@ -86,123 +72,63 @@ def _check_log(run_dir, steps=STEPS, rows_per_step=B * N):
     return consumed, keys
 
 
-def _signal_all(jobs, sig, spare=("mpiexec", "hydra", "areal_hpc.launch")) -> None:
-    """`sig` to every process of the job (as Slurm does to a step) but those named in `spare`."""
-    for p in jobs.processes(ranks_only=False):
+def test_preempt_at_a_random_step_then_resume(jobs, tiny_model, tmp_path):
+    """TERM to every process of the job, as Slurm's preemption sends it: vLLM's processes die
+    with it, mid-generation or mid-update; the ranks still stop at the step boundary, write the
+    checkpoint there and exit for a requeue. (USR1, the time-limit warning, spares vLLM: the
+    other tests here and tests/launch use it.) The step is drawn afresh at every run, from 1 to
+    STEPS - 2 (one job a run: the hard-kill test below stops another); the draw is printed, and
+    AREAL_TEST_SEED=<seed> repeats it."""
+    seed = int(os.environ.get("AREAL_TEST_SEED") or random.SystemRandom().randrange(2**32))
+    kill_after = random.Random(seed).randint(1, STEPS - 2)
+    print(f"\npreempted after step {kill_after} (AREAL_TEST_SEED={seed})")
+    args = jobs.args(tiny_model, tmp_path, "p", *SMALL)
+    run_dir = tmp_path / "p"
+    proc = jobs.start(args)
+    _wait_for(lambda: _steps_done(run_dir) >= kill_after, proc)
+    for p in jobs.processes(ranks_only=False):     # as Slurm does: every process of the step
         try:
-            if not any(x in " ".join(p.cmdline()) for x in spare):
-                p.send_signal(sig)
+            if not any(x in " ".join(p.cmdline()) for x in ("mpiexec", "hydra", "areal_hpc.launch")):
+                p.send_signal(signal.SIGTERM)
         except psutil.Error:                        # exited meanwhile
             pass
+    code, out = _finish(proc)
+    assert code == 3, out[-4000:]
+    assert "preempted" in out
+    done = _steps_done(run_dir)
+    assert kill_after <= done < STEPS, (kill_after, done)
+    assert ck.find_latest(run_dir)[1]["step"] == done     # the checkpoint is at the stop
+
+    code, out = _finish(jobs.start(args))
+    assert code == 0, out[-4000:]
+    assert f"resuming from {ck.step_dir(run_dir, done)}" in out
+    _check_log(run_dir)
+    assert not jobs.leftovers(), "processes of the job are still running"
 
 
-def _engine_up(jobs) -> bool:
-    for p in jobs.processes():
-        try:
-            if "EngineCore" in " ".join(p.cmdline()):
-                return True
+def test_hard_kill_resumes_from_last_checkpoint(jobs, tiny_model, tmp_path):
+    steps = 9
+    args = jobs.args(tiny_model, tmp_path, "k", *SMALL, f"train.total_steps={steps}",
+                     "checkpoint.every_steps=3")
+    run_dir = tmp_path / "k"
+    proc = jobs.start(args)
+    _wait_for(lambda: _steps_done(run_dir) >= 4, proc)         # past the checkpoint at step 3
+    for p in jobs.processes(ranks_only=False):
+        try:    # the ranks' reapers stay: they clean up vLLM's processes after the ranks die
+            if "areal_hpc.reaper" not in " ".join(p.cmdline()):
+                p.kill()
         except psutil.Error:
             pass
-    return False
+    done = _steps_done(run_dir)
+    proc.wait(timeout=60)
+    psutil.wait_procs(jobs.processes(ranks_only=False), timeout=30)
+    ckpt = ck.find_latest(run_dir)[1]["step"]
+    assert ckpt in (3, 6) and ckpt <= done < steps, (ckpt, done)
 
-
-@pytest.fixture(scope="module")
-def scenario(jobs, tiny_model, tmp_path_factory):
-    """The four attempts, each recorded (exit code, output, steps done, checkpoints) for the
-    tests to check; an attempt runs whatever the one before it did."""
-    tmp = tmp_path_factory.mktemp("preempt_resume")
-    args = jobs.args(tiny_model, tmp, "p", *SMALL)
-    run_dir = tmp / "p"
-    seed = int(os.environ.get("AREAL_TEST_SEED") or random.SystemRandom().randrange(2**32))
-    term_after = random.Random(seed).randint(1, EVERY)
-    print(f"\nTERM after step {term_after} (AREAL_TEST_SEED={seed})")
-    rec = {"run": run_dir, "term_after": term_after, "seed": seed}
-
-    def attempt(name, stop=None):
-        proc = jobs.start(args)
-        at = stop(proc) if stop is not None else None
-        code, out = _finish(proc)
-        rec[name] = {"code": code, "out": out, "steps": _steps_done(run_dir), "at": at,
-                     "checkpoints": [ck.step_of(p) for p in ck.list_checkpoints(run_dir)]}
-        if (run_dir / "rollouts.h5").exists():
-            with RolloutReader(run_dir / "rollouts.h5") as r:
-                rec[name]["rows"] = len(r.column("consumed_step"))
-        rec[name]["leftovers"] = jobs.leftovers()
-
-    def before_first_step(proc):
-        # As soon as the generator's vLLM engine exists, every rank has its signal handlers
-        # (installed before the trainer builds its model and before the generator starts
-        # vLLM); the trainer has not asked for its first batch yet (initial eval first).
-        _wait_for(lambda: _engine_up(jobs), proc)
-        steps = _steps_done(run_dir)
-        _signal_all(jobs, signal.SIGUSR1)
-        return steps
-
-    def term(proc):
-        _wait_for(lambda: _steps_done(run_dir) >= term_after, proc)
-        _signal_all(jobs, signal.SIGTERM)
-
-    def hard_kill(proc):
-        # one step past the next periodic checkpoint (or past the resumed step, when none is left)
-        start = ck.find_latest(run_dir)[1]["step"]
-        after = (start // EVERY + 1) * EVERY
-        after = after + 1 if after < STEPS - 1 else start + 1
-        _wait_for(lambda: _steps_done(run_dir) >= after, proc)
-        for p in jobs.processes(ranks_only=False):
-            try:    # the ranks' reapers stay: they clean up vLLM's processes after the ranks die
-                if "areal_hpc.reaper" not in " ".join(p.cmdline()):
-                    p.kill()
-            except psutil.Error:
-                pass
-        done = _steps_done(run_dir)
-        proc.wait(timeout=60)
-        psutil.wait_procs(jobs.processes(ranks_only=False), timeout=30)
-        return done
-
-    attempt("first", before_first_step)
-    attempt("afresh", term)
-    attempt("killed", hard_kill)
-    attempt("finished")
-    return rec
-
-
-def test_usr1_before_the_first_step_writes_nothing(scenario):
-    a = scenario["first"]
-    assert a["code"] == 3, a["out"][-4000:]
-    assert "preempted before this attempt's first training step" in a["out"], a["out"][-4000:]
-    assert a["at"] == 0 and a["steps"] == 0
-    assert a["checkpoints"] == [], a["checkpoints"]
-    assert a["rows"] >= 0                                       # closed properly, readable
-    assert not a["leftovers"], a["leftovers"]
-
-
-def test_the_next_attempt_starts_afresh_and_term_checkpoints_at_the_step(scenario):
-    a, run = scenario["afresh"], scenario["run"]
-    assert "has no usable checkpoint: starting afresh" in a["out"], a["out"][-4000:]
-    with RolloutReader(run / "rollouts.attempt-1.h5") as r:     # the first attempt's, set aside
-        assert len(r.column("consumed_step")) == scenario["first"]["rows"]
-    assert a["code"] == 3, a["out"][-4000:]
-    assert "preempted" in a["out"]
-    assert scenario["term_after"] <= a["steps"] < STEPS, (scenario["term_after"], a["steps"])
-    assert max(a["checkpoints"], default=None) == a["steps"], a["checkpoints"]  # the checkpoint is at the stop
-    assert not a["leftovers"], a["leftovers"]
-
-
-def test_a_hard_kill_resumes_from_the_last_checkpoint(scenario):
-    term, a, b = scenario["afresh"], scenario["killed"], scenario["finished"]
-    assert f"resuming from {ck.step_dir(scenario['run'], term['steps'])}" in a["out"], a["out"][-4000:]
-    assert a["code"] != 0
-    last = max(a["checkpoints"], default=-1)    # no checkpoint at a hard kill: the periodic one, or the resumed
-    assert last == term["steps"] or last % EVERY == 0, a["checkpoints"]
-    assert term["steps"] <= last <= a["at"] < STEPS, (term["steps"], last, a["at"])
-    assert b["code"] == 0, b["out"][-4000:]
-    assert f"resuming from {ck.step_dir(scenario['run'], last)}" in b["out"], b["out"][-4000:]
-    if a["at"] > last:      # groups arrived after the checkpoint: kept in the log, never trained
-        with RolloutReader(scenario["run"] / "rollouts.h5") as r:
-            assert (r.column("consumed_step") == ROLLED_BACK).any()
-    assert not b["leftovers"], b["leftovers"]
-
-
-def test_the_finished_run_lost_nothing_and_trained_nothing_twice(scenario):
-    assert scenario["finished"]["code"] == 0, scenario["finished"]["out"][-4000:]
-    _check_log(scenario["run"])
+    code, out = _finish(jobs.start(args))
+    assert code == 0, out[-4000:]
+    assert f"resuming from {ck.step_dir(run_dir, ckpt)}" in out
+    consumed, _ = _check_log(run_dir, steps)
+    if done > ckpt:     # groups arrived after the checkpoint: kept in the log, never trained
+        assert (consumed == ROLLED_BACK).any()
+    assert not jobs.leftovers(), "processes of the job are still running"

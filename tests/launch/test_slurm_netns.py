@@ -193,13 +193,29 @@ def test_a_requeued_jobs_mpi_start_is_not_broken_by_its_killed_attempts_segments
     script.write_text(REQUEUED_MPI.format(py=sys.executable))
     before = {str(p) for p in Path("/dev/shm").glob("mpich_*")}
     job = _sh("sbatch", "--parsable", f"--output={out}", str(script), env=env).stdout.strip()
+    holder = None
     try:
         until(lambda: job_info(job, env).get("Restarts") == "1", 300, "the requeue")
+        if not clean:
+            # Another test's job beside this one (tools/test.sh runs two workers) removes stale
+            # unmapped segments before its MPI starts, the killed attempt's among them: a
+            # process here maps them until the second start, as a rank of the killed attempt
+            # still alive would, so that only this job's own start meets them.
+            left = sorted(str(p) for p in Path("/dev/shm").glob("mpich_shm_*") if str(p) not in before)
+            holder = subprocess.Popen([sys.executable, "-c", (
+                "import mmap, os, sys, time\n"
+                "maps = [mmap.mmap(os.open(p, os.O_RDWR), 0) for p in sys.argv[1:]]\n"
+                "print('mapped', flush=True); time.sleep(600)"), *left],
+                stdout=subprocess.PIPE, text=True)
+            assert holder.stdout.readline().strip() == "mapped", left
         release(job, env)
         until(lambda: job_info(job, env).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"),
               300, "the second attempt")
     finally:
         _sh("scancel", job, env=env, check=False)
+        if holder is not None:
+            holder.kill()
+            holder.wait(timeout=60)
     text = out.read_text(errors="replace")
     left = re.search(r"^segments (.*)$", text, re.M)
     assert left and "mpich_shm_" in left[1], text
