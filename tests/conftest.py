@@ -37,13 +37,12 @@ GROUPS = {"launch/test_slurm.py": "slurm", "launch/test_slurm_netns.py": "slurm"
 # The groups handed out first, longest first (seconds each took in a run on two workers, rounded),
 # so that no long group starts last and leaves the other worker idle; the rest follow in their order.
 LONGEST_FIRST = {
-    "slurm": 1180, "e2e/test_engine_restart.py": 850, "e2e/test_repeat.py": 300,
-    "e2e/test_preempt_resume.py": 310, "e2e/test_local_job.py": 260,
-    "e2e/test_generator_failure.py": 240, "analysis/test_evaluate.py": 210,
-    "e2e/test_trainer_death.py": 290, "e2e/test_mid_step_stop.py": 160, "rollout/test_vllm_engine.py": 140,
-    "e2e/test_episodes_job.py": 120, "transport/test_rank_death.py": 100, "e2e/test_qwen_shapes.py": 85,
-    "launch/test_gpu_check.py": 75, "rollout/test_episodes.py": 70, "transport/test_weights.py": 55,
-    "train/test_actor_parallel.py": 50,
+    "slurm": 1180, "e2e/test_engine_restart.py": 850, "e2e/test_preempt_resume.py": 310,
+    "e2e/test_repeat.py": 300, "e2e/test_trainer_death.py": 290, "e2e/test_local_job.py": 260,
+    "e2e/test_generator_failure.py": 240, "analysis/test_evaluate.py": 210, "e2e/test_mid_step_stop.py": 160,
+    "rollout/test_vllm_engine.py": 140, "e2e/test_episodes_job.py": 120, "transport/test_rank_death.py": 100,
+    "e2e/test_qwen_shapes.py": 85, "launch/test_gpu_check.py": 75, "rollout/test_episodes.py": 70,
+    "transport/test_weights.py": 55, "train/test_actor_parallel.py": 50,
 }
 
 
@@ -85,10 +84,18 @@ if importlib.util.find_spec("xdist") is not None:
         return ByGroup(config, log)
 
 
+_SKIPPED: list[str] = []      # the tests skipped in this run (under xdist: on the controller)
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped:
+        _SKIPPED.append(report.nodeid)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """The seconds each test module took (setup, call and teardown of its tests; under xdist,
-    on whichever worker ran it), the longest first, and the machine-dependent skips: under
-    AREAL_TEST_NO_SKIPS=1 (CI) a skip fails the run."""
+    on whichever worker ran it), the longest first; and, under AREAL_TEST_NO_SKIPS=1 (CI), that
+    the run fails for its skips (`pytest_sessionfinish`)."""
     per_module: dict[str, float] = defaultdict(float)
     for reports in terminalreporter.stats.values():
         for rep in reports:
@@ -98,16 +105,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.section("seconds per test module (the 25 longest)")
         for mod, s in sorted(per_module.items(), key=lambda kv: -kv[1])[:25]:
             terminalreporter.write_line(f"{s:8.1f}  {mod}")
-    skipped = terminalreporter.stats.get("skipped", [])
-    if skipped and os.environ.get("AREAL_TEST_NO_SKIPS") == "1":
-        terminalreporter.write_line(f"AREAL_TEST_NO_SKIPS=1: {len(skipped)} test(s) skipped on this "
-                                    f"machine (see the skip reasons above): failing the run", red=True)
-        config._areal_skips_fail = True
+    if _SKIPPED and os.environ.get("AREAL_TEST_NO_SKIPS") == "1":
+        terminalreporter.write_line(f"AREAL_TEST_NO_SKIPS=1: {len(_SKIPPED)} test(s) skipped on this "
+                                    f"machine (their reasons above): the run fails", red=True)
 
 
-@pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
-    if getattr(session.config, "_areal_skips_fail", False) and session.exitstatus == 0:
+    """A machine-dependent skip fails the run under AREAL_TEST_NO_SKIPS=1 (CI). (The terminal
+    summary comes after this hook, so the skips are counted as their reports come.)"""
+    if _SKIPPED and os.environ.get("AREAL_TEST_NO_SKIPS") == "1" and session.exitstatus == 0:
         session.exitstatus = 1
 
 

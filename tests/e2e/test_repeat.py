@@ -20,7 +20,6 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from areal_hpc.preemption import HOLD_HOOK_ENV
-
 from areal_hpc.storage import checkpoint as ck
 from areal_hpc.storage.rollout_log import NO_SEED, PARTIAL, RolloutReader
 from tests.e2e.test_preempt_resume import _check_log, _finish, _steps_done, _wait_for
