@@ -141,11 +141,18 @@ def _kill(procs) -> list[int]:
     return killed
 
 
-def watch(parent_pid: int, interval: float, stream=None, grace_s: float = 5.0
-          ) -> tuple[list[int], bool]:
+# Test hook, read in `main` only: a file the watcher rewrites after each snapshot with the pids
+# and the segments it has noted so far (tests/launch/test_reaper.py waits for its children
+# there instead of sleeping an interval and hoping).
+SNAPSHOT_HOOK_ENV = "AREAL_TEST_REAPER_SNAPSHOTS"
+
+
+def watch(parent_pid: int, interval: float, stream=None, grace_s: float = 5.0,
+          noted=None) -> tuple[list[int], bool]:
     """Note `parent_pid`'s descendants until `stream` (default: stdin) reaches end-of-file or the
     parent is gone, then kill those still running (after a clean exit, those still running
-    `grace_s` later). Returns (pids killed, whether the parent announced a clean exit)."""
+    `grace_s` later). `noted(pids, segments)` after each snapshot. Returns (pids killed,
+    whether the parent announced a clean exit)."""
     import psutil
 
     stream = sys.stdin.buffer if stream is None else stream
@@ -170,6 +177,8 @@ def watch(parent_pid: int, interval: float, stream=None, grace_s: float = 5.0
         seen = {pid: p for pid, p in seen.items() if p.is_running()}   # exited on their own
         seen.update(_snapshot(parent, os.getpid()))
         segments |= shm_mapped(parent_pid)
+        if noted is not None:
+            noted(set(seen), segments)
     closed.wait(1.0)        # a clean exit's announcement may trail the parent's end slightly
     clean = CLEAN in said
     if clean:               # children on their way out (resource tracker, engine) may finish
@@ -254,7 +263,16 @@ def main(argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
     label = argv[2] if len(argv) > 2 else f"process {argv[0]}"
-    killed, clean = watch(int(argv[0]), float(argv[1]) if len(argv) > 1 else 1.0)
+    hook = os.environ.get(SNAPSHOT_HOOK_ENV)
+
+    def noted(pids, segments) -> None:
+        tmp = f"{hook}.tmp"
+        with open(tmp, "w") as f:
+            f.write(" ".join(map(str, sorted(pids))) + "\n" + " ".join(sorted(segments)) + "\n")
+        os.replace(tmp, hook)       # whole, never half written
+
+    killed, clean = watch(int(argv[0]), float(argv[1]) if len(argv) > 1 else 1.0,
+                          noted=noted if hook else None)
     try:
         if not clean:
             print(f"[areal_hpc.reaper] {label} ended without a clean exit (killed by a signal, "

@@ -101,7 +101,8 @@ class RewardResult(NamedTuple):
     key: Hashable
     reward: float
     error: str | None  # None when the reward was computed; else why the call yielded 0.0
-    extras: dict | None = None  # a custom function's logged fields (reward/custom.py)
+    extras: dict | None = None  # a custom function's logged fields (reward/custom.py); a code
+    #                              sample's code_tests_run, code_tests_passed
 
 
 @dataclass(slots=True)

@@ -42,7 +42,8 @@ def score(kind: str, completion: str, reference, cfg: dict, functions, row: dict
           ) -> tuple[float, str | None, dict | None]:
     """(reward, error, extras): error is None when the reward was computed (a wrong answer
     included), else why it could not be (a code test's sandbox failure or timeout, a custom
-    function that raised or returned no number; reward 0.0)."""
+    function that raised or returned no number; reward 0.0). extras: a custom function's logged
+    fields; a code sample's tests run and passed."""
     if kind == "math":
         return math_reward(completion, reference, cfg["extractor"]), None, None
     if kind == "custom":
@@ -62,7 +63,13 @@ def score(kind: str, completion: str, reference, cfg: dict, functions, row: dict
     res = run_tests(completion, reference, timeout_s=cfg["code_test_timeout_s"],
                     memory_mb=cfg["code_memory_mb"], stop_on_first_failure=True,
                     scratch_root=cfg["scratch"], unsafe_no_sandbox=cfg["unsafe_no_sandbox"])
-    return res["reward"], res["error"], None
+    if res["error"] is not None:
+        return res["reward"], res["error"], None
+    # what the sandbox judged, logged per step as reward/code_tests_run and _passed (means over
+    # the step's samples): the tests a program ran (up to its first failure) and passed
+    ran = sum(e != "skipped" for e in res["errors"])
+    return res["reward"], None, {"code_tests_run": float(ran),
+                                 "code_tests_passed": float(sum(res["passed"]))}
 
 
 def _read_exact(fd: int, n: int) -> bytes | None:

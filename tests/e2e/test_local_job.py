@@ -124,7 +124,10 @@ def _check_short_run(run, stdout, steps, B, n, mode, eta, generators):
 
 def test_code_dataset_is_scored_in_the_sandbox(jobs, tiny_model, tmp_path):
     """A code-kind dataset: every sample is run against its tests by the reward pool. The tiny
-    model writes sums, not programs, so every reward is 0; the path is what is checked."""
+    model writes sums, not programs, so every reward is 0: what shows that the sandbox judged
+    each one is the per-step mean of the tests run (one per sample) and passed (none), which
+    only a code call that ran its program reports (a math call on the same text, or a grader
+    error, logs neither)."""
     import json
     data = tmp_path / "code.jsonl"
     with open(data, "w") as f:
@@ -138,6 +141,8 @@ def test_code_dataset_is_scored_in_the_sandbox(jobs, tiny_model, tmp_path):
     assert "errors 0, timeouts 0" in r.stderr
     metrics = [json.loads(x) for x in (tmp_path / "code" / "metrics.jsonl").read_text().splitlines()]
     assert [m["reward_errors"] for m in metrics] == [0, 0]      # counted per step
+    assert [(m["reward/code_tests_run"], m["reward/code_tests_passed"]) for m in metrics] \
+        == [(1.0, 0.0)] * 2, metrics
     with RolloutReader(tmp_path / "code" / "rollouts.h5") as log:
         assert len(log) >= 8 and set(log.column("reward").tolist()) == {0.0}
 

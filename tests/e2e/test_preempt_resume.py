@@ -15,6 +15,7 @@ import time
 import psutil
 
 from areal_hpc.audit import audit
+from areal_hpc.preemption import HOLD_HOOK_ENV
 from areal_hpc.storage import checkpoint as ck
 from areal_hpc.storage.rollout_log import NOT_CONSUMED, ROLLED_BACK, RolloutReader
 from areal_hpc.storage.tensorboard import read_scalars
@@ -84,8 +85,12 @@ def test_preempt_at_a_random_step_then_resume(jobs, tiny_model, tmp_path):
     print(f"\npreempted after step {kill_after} (AREAL_TEST_SEED={seed})")
     args = jobs.args(tiny_model, tmp_path, "p", *SMALL)
     run_dir = tmp_path / "p"
-    proc = jobs.start(args)
-    _wait_for(lambda: _steps_done(run_dir) >= kill_after, proc)
+    # The generator holds (preemption.HOLD_HOOK_ENV) once a sample of weights version kill_after
+    # has a token: the job cannot finish before the signal comes, on a quiet box (six steps in
+    # 5 s ran out before the signal once) or a busy one.
+    held = tmp_path / "p.held"
+    proc = jobs.start(args, env={**os.environ, HOLD_HOOK_ENV: f"{kill_after}:1:{held}"})
+    _wait_for(held.exists, proc, poll=0.05)
     for p in jobs.processes(ranks_only=False):     # as Slurm does: every process of the step
         try:
             if not any(x in " ".join(p.cmdline()) for x in ("mpiexec", "hydra", "areal_hpc.launch")):
@@ -99,7 +104,7 @@ def test_preempt_at_a_random_step_then_resume(jobs, tiny_model, tmp_path):
     assert kill_after <= done < STEPS, (kill_after, done)
     assert ck.find_latest(run_dir)[1]["step"] == done     # the checkpoint is at the stop
 
-    code, out = _finish(jobs.start(args))
+    code, out = _finish(jobs.start(args))     # the hook is not set: nothing holds the resume
     assert code == 0, out[-4000:]
     assert f"resuming from {ck.step_dir(run_dir, done)}" in out
     _check_log(run_dir)

@@ -16,9 +16,29 @@ pytestmark = pytest.mark.slow     # starts MPI / torch.distributed worlds or pro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# What the stand-in ranks below wait for, instead of sleeping an interval: the watcher's own
+# record (reaper.SNAPSHOT_HOOK_ENV) holds every child's pid, or every segment the rank maps.
+NOTED = textwrap.dedent("""
+    import os, time
+    from areal_hpc import reaper
+
+    def wait_noted(pids=(), segments=(), timeout=120):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with open(os.environ[reaper.SNAPSHOT_HOOK_ENV]) as f:
+                    noted_pids, noted_segments = (f.readline().split() for _ in range(2))
+                if set(map(str, pids)) <= set(noted_pids) and set(segments) <= set(noted_segments):
+                    return
+            except (FileNotFoundError, ValueError):
+                pass
+            time.sleep(0.05)
+        raise SystemExit("the watcher noted nothing within the bound")
+""")
+
 # A stand-in for a rank: starts the reaper, then children like vLLM's (a child with its own
 # child, one of them stopped), prints their pids, and waits to be killed.
-RANK = textwrap.dedent("""
+RANK = NOTED + textwrap.dedent("""
     import os, signal, subprocess, sys, time
     from areal_hpc import reaper
     watcher = reaper.start("rank 7 (test)", interval=0.2)
@@ -35,7 +55,7 @@ RANK = textwrap.dedent("""
             time.sleep(300)
             os._exit(0)
         pids.append(pid)
-    time.sleep(1.0)                      # at least one snapshot
+    wait_noted(pids=pids)                # the watcher has noted every one of them
     print(watcher.pid, *pids, flush=True)
     if sys.argv[1] == "exit":
         for p in pids:
@@ -45,9 +65,13 @@ RANK = textwrap.dedent("""
 """)
 
 
-def _start(mode):
+def _hooked(tmp_path) -> dict:
+    return {**os.environ, reaper.SNAPSHOT_HOOK_ENV: str(tmp_path / "noted")}
+
+
+def _start(mode, tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", RANK, mode], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=_hooked(tmp_path))
     watcher, *children = map(int, proc.stdout.readline().split())
     return proc, _process(watcher), [c for c in map(_process, children) if c is not None]
 
@@ -82,8 +106,8 @@ def _alive(procs):
 
 
 @pytest.mark.parametrize("mode", ["plain", "fork"])
-def test_children_die_with_a_killed_rank(mode):
-    proc, watcher, children = _start(mode)
+def test_children_die_with_a_killed_rank(mode, tmp_path):
+    proc, watcher, children = _start(mode, tmp_path)
     try:
         assert len(_alive(children)) == len(children)
         proc.send_signal(signal.SIGKILL)
@@ -100,19 +124,25 @@ def test_children_die_with_a_killed_rank(mode):
         _cleanup(proc, watcher, children)
 
 
-def test_watcher_ends_with_a_clean_exit_and_ignores_termination_signals():
-    proc, watcher, children = _start("exit")
+def test_watcher_ends_with_a_clean_exit_and_ignores_termination_signals(tmp_path):
+    proc, watcher, children = _start("exit", tmp_path)
     assert proc.wait(timeout=30) == 0
     if watcher is not None:
         watcher.wait(timeout=20)
     assert "without a clean exit" not in proc.stderr.read()
 
 
-def test_watcher_survives_sigterm_until_the_rank_ends():
-    proc, watcher, children = _start("plain")
+def test_watcher_survives_sigterm_until_the_rank_ends(tmp_path):
+    proc, watcher, children = _start("plain", tmp_path)
     try:
+        noted = tmp_path / "noted"
+        before = noted.stat().st_ino
         watcher.send_signal(signal.SIGTERM)     # a signal to the whole job
-        time.sleep(0.5)
+        deadline = time.monotonic() + 60        # it goes on noting: a snapshot after the signal
+        while noted.stat().st_ino == before and time.monotonic() < deadline:
+            assert watcher.is_running() and watcher.status() != psutil.STATUS_ZOMBIE
+            time.sleep(0.05)
+        assert noted.stat().st_ino != before
         assert watcher.is_running() and watcher.status() != psutil.STATUS_ZOMBIE
         proc.kill()
         proc.wait()
@@ -122,7 +152,7 @@ def test_watcher_survives_sigterm_until_the_rank_ends():
         _cleanup(proc, watcher, children)
 
 
-SHM_RANK = textwrap.dedent("""
+SHM_RANK = NOTED + textwrap.dedent("""
     import mmap, os, sys, time
     from areal_hpc import reaper
     watcher = reaper.start("rank 7 (test)", interval=0.2)
@@ -131,13 +161,13 @@ SHM_RANK = textwrap.dedent("""
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         os.ftruncate(fd, 1 << 16)
         maps.append(mmap.mmap(fd, 1 << 16))
-    time.sleep(1.0)                      # at least one snapshot of what it maps
+    wait_noted(segments=sys.argv[1:])    # the watcher has noted what it maps
     print(watcher.pid, flush=True)
     time.sleep(300)
 """)
 
 
-def test_a_killed_ranks_mpich_segments_are_removed_unless_another_process_maps_them():
+def test_a_killed_ranks_mpich_segments_are_removed_unless_another_process_maps_them(tmp_path):
     """MPICH's /dev/shm segments outlive a killed rank; its watcher removes those it mapped, but
     not one that another rank of the job (here: this test) still maps."""
     import mmap
@@ -146,7 +176,7 @@ def test_a_killed_ranks_mpich_segments_are_removed_unless_another_process_maps_t
     tag = uuid.uuid4().hex[:12]
     own, shared = (f"/dev/shm/mpich_shm_test_{tag}_{k}" for k in ("own", "shared"))
     proc = subprocess.Popen([sys.executable, "-c", SHM_RANK, own, shared], cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True, env=_hooked(tmp_path))
     try:
         watcher = psutil.Process(int(proc.stdout.readline()))
         with open(shared, "r+b") as f, mmap.mmap(f.fileno(), 1 << 16) as still_mapped:

@@ -13,6 +13,7 @@ from areal_hpc.reward.pool import RewardPool, RewardResult
 HANGS = "\\boxed{9^{9^{9^{9}}}}"
 ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
 ADD_TESTS = [{"input": "1 2", "output": "3"}, {"input": "5 7", "output": "12"}]
+ONE_PASSED = {"code_tests_run": 1.0, "code_tests_passed": 1.0}     # a code call's logged fields
 
 
 def gone(proc: psutil.Process) -> bool:
@@ -49,12 +50,16 @@ def test_math_and_code_through_the_pool(pool):
         "code wrong": ("code", "input()\nprint(3)", ADD_TESTS, 0.0),
         "code error": ("code", "1/0", ADD_TESTS, 0.0),
     }
+    # a code sample's tests run (up to the first failure) and passed: what the sandbox judged
+    ran = {"code ok": (2, 2), "code wrong": (2, 1), "code error": (1, 0)}
     errors_before = pool.stats()["errors"]
     for key, (kind, completion, reference, _) in calls.items():
         pool.submit(key, kind, completion, reference)
     results = pool.drain(timeout=60)
-    assert sorted(results) == sorted(RewardResult(key, reward, None)
-                                     for key, (_, _, _, reward) in calls.items())
+    assert sorted(results) == sorted(
+        RewardResult(key, reward, None, {"code_tests_run": ran[key][0], "code_tests_passed":
+                                         ran[key][1]} if key in ran else None)
+        for key, (_, _, _, reward) in calls.items())
     assert pool.unfinished == 0
     assert pool.stats()["errors"] == errors_before
 
@@ -97,7 +102,7 @@ def test_a_stuck_math_call_times_out_and_the_pool_keeps_serving():
         # math_verify's own alarm (3 s) would answer 0.0 without an error; the pool's 1 s first.
         assert pool.done(timeout=30) == [RewardResult("stuck", 0.0, "timeout after 1 s")]
         assert time.monotonic() - start < 2.5
-        assert pool.drain(timeout=60) == [RewardResult("innocent", 1.0, None)]
+        assert pool.drain(timeout=60) == [RewardResult("innocent", 1.0, None, ONE_PASSED)]
         assert sorted(gone(w) for w in workers) == [False, True]
         pool.submit("next", "math", "\\boxed{3}", "3")
         assert pool.drain(timeout=60) == [RewardResult("next", 1.0, None)]
@@ -203,7 +208,7 @@ def test_without_a_pid_namespace_the_pool_still_scores_and_says_so(monkeypatch, 
     with RewardPool(max_workers=1) as pool:
         pool.submit("m", "math", "\\boxed{2}", "2")
         pool.submit("c", "code", "print(int(input()) + 1)", [{"input": "1", "output": "2"}])
-        assert sorted(pool.drain(timeout=120)) == [RewardResult("c", 1.0, None),
+        assert sorted(pool.drain(timeout=120)) == [RewardResult("c", 1.0, None, ONE_PASSED),
                                                    RewardResult("m", 1.0, None)]
         [pid] = pool.worker_pids()
         assert psutil.Process(pid).ppid() == os.getpid()     # the worker itself, no unshare

@@ -421,8 +421,9 @@ def test_daemon_through_the_pool_then_honest_code_scores():
     with RewardPool(max_workers=1) as pool:
         pool.submit("daemon", "code", daemon, tests)
         pool.submit("honest", "code", "a, b = map(int, input().split())\nprint(a + b)", tests)
-        assert sorted(pool.drain(timeout=60)) == [RewardResult("daemon", 1.0, None),
-                                                  RewardResult("honest", 1.0, None)]
+        passed = {"code_tests_run": 1.0, "code_tests_passed": 1.0}
+        assert sorted(pool.drain(timeout=60)) == [RewardResult("daemon", 1.0, None, passed),
+                                                  RewardResult("honest", 1.0, None, passed)]
 
 
 def test_fork_flood_is_bounded_and_dies_with_the_test():
@@ -559,7 +560,8 @@ def test_pool_reports_sandbox_failures_and_timeouts_as_errors():
         pool.submit("wrong", "code", "print(2)", tests)
         results = dict((r.key, r) for r in pool.drain(timeout=60))
         assert results["loop"] == RewardResult("loop", 0.0, "test 0: timeout after 0.5 s")
-        assert results["wrong"] == RewardResult("wrong", 0.0, None)
+        assert results["wrong"] == RewardResult("wrong", 0.0, None, {"code_tests_run": 1.0,
+                                                                     "code_tests_passed": 0.0})
         shutil.rmtree(pool._scratch_root)  # the sandbox cannot be set up any more
         pool.submit("broken", "code", "print(1)", tests)
         [broken] = pool.drain(timeout=60)
