@@ -123,17 +123,19 @@ def test_hook() -> tuple[int, int] | None:
 # Test hook, read here only: "VERSION:TOKENS:PATH" holds a generator rank once a sample it
 # generates with the weights of VERSION has TOKENS tokens: it writes PATH and generates nothing
 # more until the controller stops it (tests/e2e/test_repeat.py then sends the preemption signal:
-# a preemption that finds a sample mid-generation every time, whatever else the box runs).
+# a preemption that finds a sample mid-generation every time, whatever else the box runs). It
+# holds once: with PATH written, a later attempt (a requeued Slurm job keeps its environment)
+# runs free.
 HOLD_HOOK_ENV = "AREAL_TEST_HOLD_MID_GENERATION"
 
 
 def hold_hook() -> tuple[int, int, str] | None:
-    """(version, tokens, path) of the `HOLD_HOOK_ENV` test hook, or None."""
+    """(version, tokens, path) of the `HOLD_HOOK_ENV` test hook, or None (unset, or spent)."""
     value = os.environ.get(HOLD_HOOK_ENV, "")
     if not value:
         return None
     version, tokens, path = value.split(":", 2)
-    return int(version), int(tokens), path
+    return None if os.path.exists(path) else (int(version), int(tokens), path)
 
 
 def job_end(cfg, signal_at: float | None, env=None) -> tuple[float | None, str]:

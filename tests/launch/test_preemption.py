@@ -54,3 +54,15 @@ def test_unknown_signal_name_is_a_config_error():
     from areal_hpc.config import ConfigError, load
     with pytest.raises(ConfigError, match="checkpoint.signals"):
         load(None, ["model.path=x", "data.train_path=y", "checkpoint.signals=[USR9]"])
+
+
+def test_the_hold_hook_holds_once(tmp_path, monkeypatch):
+    """The generator's test hook (preemption.HOLD_HOOK_ENV): unset, nothing; set, its version,
+    tokens and mark; once the mark is written, spent (a requeued attempt keeps the environment)."""
+    mark = tmp_path / "held"
+    monkeypatch.delenv(preemption.HOLD_HOOK_ENV, raising=False)
+    assert preemption.hold_hook() is None
+    monkeypatch.setenv(preemption.HOLD_HOOK_ENV, f"3:8:{mark}")
+    assert preemption.hold_hook() == (3, 8, str(mark))
+    mark.write_text("rank 1: held\n")
+    assert preemption.hold_hook() is None

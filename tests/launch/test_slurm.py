@@ -14,6 +14,7 @@ import pytest
 from areal_hpc.config import load
 from areal_hpc.launch.placement import sbatch_components
 from areal_hpc.launch.submit import Component, hetjob_layout
+from areal_hpc.preemption import HOLD_HOOK_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted((ROOT / "slurm").glob("*.sh"))
@@ -216,20 +217,28 @@ def test_usr1_is_forwarded_and_the_job_requeued(slurm_env, jobs, tiny_model, tmp
     assert len(nodes) == 2 and nodes[0][1] != nodes[1][1], second   # one rank per het component
 
 
-PREEMPT_STEPS = 30     # enough that the signal lands well before the end (a tiny step is < 1 s)
+PREEMPT_STEPS = 6
+
+
+def _held(env: dict, run: Path) -> dict:
+    """`env` with the generator's test hook (preemption.HOLD_HOOK_ENV): the first attempt holds
+    once a sample of weights version 1 has a token, so the signal always finds the job before its
+    end (η = 1: at most 2 of PREEMPT_STEPS steps done); the requeued attempt runs free."""
+    return {**env, HOLD_HOOK_ENV: f"1:1:{run.parent / (run.name + '.held')}"}
 
 
 def _preempt_and_resume(env, run, job_id, signal_args, log) -> int:
-    """Once the run has a step: signal the job, wait for its requeue, release it, wait for the end.
-    `job_id()` finds the job's id, `log()` reads what explains a failure. Returns the number of
-    steps done when the job was requeued."""
+    """Once the generator holds (`_held`): signal the job, wait for its requeue, release it, wait
+    for the end. `job_id()` finds the job's id, `log()` reads what explains a failure. Returns
+    the number of steps done when the job was requeued."""
     def running(cond):      # cond, failing at once if the job ended
         def check():
             state = _job(env, job_id())["JobState"] if job_id() else "PENDING"
             assert state in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING"), (state, log())
             return cond()
         return check
-    _until(running(lambda: (run / "metrics.jsonl").exists() and _steps(run)), 600, "the first step")
+    held = run.parent / (run.name + ".held")
+    _until(running(held.exists), 600, "the generator held after a step")
     job = job_id()
     try:
         _sh("scancel", *signal_args, job, env=env)
@@ -255,7 +264,8 @@ def test_preempted_tiny_job_resumes_after_requeue(slurm_env, jobs, tiny_model, t
     out, run = tmp_path / "batch.out", tmp_path / "pre"
     small = [f"train.total_steps={PREEMPT_STEPS}", *SMALL[1:], "data.eval_limit=4"]
     job = _sh("sbatch", "--parsable", f"--output={out}", "slurm/areal_tiny.sh", *small,
-              *_model_args(tiny_model, tmp_path, "pre"), env=jobs.env(slurm_env)).stdout.strip()
+              *_model_args(tiny_model, tmp_path, "pre"),
+              env=_held(jobs.env(slurm_env), run)).stdout.strip()
     _preempt_and_resume(slurm_env, run, lambda: job, ["--batch", "--signal=USR1"], lambda: out.read_text(errors="replace"))
     log = out.read_text(errors="replace")
     assert "requeueing job" in log and f"job {job} attempt 1" in log, log
@@ -276,7 +286,7 @@ def test_preempted_submitit_job_resumes_after_requeue(slurm_env, jobs, tiny_mode
     small = [f"train.total_steps={PREEMPT_STEPS}", *SMALL[1:], "data.eval_limit=4"]
     proc = subprocess.Popen([sys.executable, "-m", "areal_hpc.launch.submit", "configs/tiny_cpu.yaml",
                              *small, *_model_args(tiny_model, tmp_path, "pre")],
-                            cwd=ROOT, env=jobs.env(slurm_env), text=True,
+                            cwd=ROOT, env=_held(jobs.env(slurm_env), run), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
     def job_id():
