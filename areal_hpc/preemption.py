@@ -120,8 +120,9 @@ def test_hook() -> tuple[int, int] | None:
     return int(step), int(k)
 
 
-# Test hook, read here only: "VERSION:TOKENS:PATH" holds a generator rank once a sample it
-# generates with the weights of VERSION has TOKENS tokens: it writes PATH and generates nothing
+# Test hook, read here only: "VERSION:TOKENS:PATH" holds a generator rank once it has the weights
+# of VERSION (or a later version, where none of its samples had tokens in between) and a sample
+# has TOKENS tokens: it writes PATH and generates nothing
 # more until the controller stops it (tests/e2e/test_repeat.py then sends the preemption signal:
 # a preemption that finds a sample mid-generation every time, whatever else the box runs). It
 # holds once: with PATH written, a later attempt (a requeued Slurm job keeps its environment)

@@ -180,6 +180,7 @@ class Generator(EngineRecovery, EpisodeLoop):
                     and not self._held_by_test():
                 with self.clock.timed("busy"):
                     self._generate()
+                self._held_by_test()    # before a weight notice can move the version on
             else:       # nothing to generate: waiting on scores of finished samples, or on prompts
                 scoring = bool(self.rewards.unfinished) or self._env_waiting()
                 with self.clock.timed("idle_scoring" if scoring else "idle"):
@@ -187,13 +188,14 @@ class Generator(EngineRecovery, EpisodeLoop):
         self._finish()
 
     def _held_by_test(self) -> bool:
-        """preemption.HOLD_HOOK_ENV: once a sample of the hook's weights version has its tokens,
-        the mark is written and the engine steps no more; the loop still answers the
-        controller (its STOP ends the hold)."""
+        """preemption.HOLD_HOOK_ENV: once the engine has the hook's weights version (or a later
+        one, where no sample had tokens in between) and a sample has its tokens, the mark is
+        written and the engine steps no more; the loop still answers the controller (its STOP
+        ends the hold). Checked before and after each engine step."""
         if self._hold is None or self._holding:
             return self._holding
         version, tokens, path = self._hold
-        if self.engine.version == version and self.engine.longest_unfinished() >= tokens:
+        if self.engine.version >= version and self.engine.longest_unfinished() >= tokens:
             self._holding = True
             Path(path).write_text(f"{self.me}: held at {self.engine.longest_unfinished()} tokens\n")
         return self._holding

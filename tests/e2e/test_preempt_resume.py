@@ -20,7 +20,7 @@ from areal_hpc.storage import checkpoint as ck
 from areal_hpc.storage.rollout_log import NOT_CONSUMED, ROLLED_BACK, RolloutReader
 from areal_hpc.storage.tensorboard import read_scalars
 
-STEPS, B, N = 6, 3, 2
+STEPS, B, N = 7, 3, 2
 SMALL = [f"train.total_steps={STEPS}", f"train.batch_prompts={B}", f"rollout.group_size={N}",
          "rollout.max_new_tokens=24", "data.eval_limit=4", "data.eval_samples=1",
          "checkpoint.every_steps=2"]
@@ -78,16 +78,18 @@ def test_preempt_at_a_random_step_then_resume(jobs, tiny_model, tmp_path):
     with it, mid-generation or mid-update; the ranks still stop at the step boundary, write the
     checkpoint there and exit for a requeue. (USR1, the time-limit warning, spares vLLM: the
     other tests here and tests/launch use it.) The step is drawn afresh at every run, from 1 to
-    STEPS - 2 (one job a run: the hard-kill test below stops another); the draw is printed, and
+    STEPS - 4 (one job a run: the hard-kill test below stops another); the draw is printed, and
     AREAL_TEST_SEED=<seed> repeats it."""
     seed = int(os.environ.get("AREAL_TEST_SEED") or random.SystemRandom().randrange(2**32))
-    kill_after = random.Random(seed).randint(1, STEPS - 2)
+    kill_after = random.Random(seed).randint(1, STEPS - 4)
     print(f"\npreempted after step {kill_after} (AREAL_TEST_SEED={seed})")
     args = jobs.args(tiny_model, tmp_path, "p", *SMALL)
     run_dir = tmp_path / "p"
-    # The generator holds (preemption.HOLD_HOOK_ENV) once a sample of weights version kill_after
-    # has a token: the job cannot finish before the signal comes, on a quiet box (six steps in
-    # 5 s ran out before the signal once) or a busy one.
+    # The generator holds (preemption.HOLD_HOOK_ENV) once it has weights version kill_after (or
+    # the next, where no sample had a token in between) and a sample has a token: the job cannot
+    # finish before the signal comes, on a quiet box (six steps in 5 s ran out before the signal
+    # once) or a busy one. Held at version v, the trainer ends at most at step v + 2 (the
+    # groups finished for η = 1), so v <= kill_after + 1 <= STEPS - 3 keeps it short of the end.
     held = tmp_path / "p.held"
     proc = jobs.start(args, env={**os.environ, HOLD_HOOK_ENV: f"{kill_after}:1:{held}"})
     _wait_for(held.exists, proc, poll=0.05)
