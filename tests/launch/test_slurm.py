@@ -220,11 +220,15 @@ def test_usr1_is_forwarded_and_the_job_requeued(slurm_env, jobs, tiny_model, tmp
 PREEMPT_STEPS = 6
 
 
+def _held_mark(run: Path) -> Path:
+    return run.parent / (run.name + ".held")
+
+
 def _held(env: dict, run: Path) -> dict:
     """`env` with the generator's test hook (preemption.HOLD_HOOK_ENV): the first attempt holds
     once a sample of weights version 1 has a token, so the signal always finds the job before its
     end (η = 1: at most 2 of PREEMPT_STEPS steps done); the requeued attempt runs free."""
-    return {**env, HOLD_HOOK_ENV: f"1:1:{run.parent / (run.name + '.held')}"}
+    return {**env, HOLD_HOOK_ENV: f"1:1:{_held_mark(run)}"}
 
 
 def _preempt_and_resume(env, run, job_id, signal_args, log) -> int:
@@ -237,8 +241,7 @@ def _preempt_and_resume(env, run, job_id, signal_args, log) -> int:
             assert state in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING"), (state, log())
             return cond()
         return check
-    held = run.parent / (run.name + ".held")
-    _until(running(held.exists), 600, "the generator held after a step")
+    _until(running(_held_mark(run).exists), 600, "the generator held after a step")
     job = job_id()
     try:
         _sh("scancel", *signal_args, job, env=env)
