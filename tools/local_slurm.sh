@@ -97,6 +97,11 @@ install_packages() {
   if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
     die "missing $(missing_commands | tr '\n' ' '); install as root: apt-get install ${packages[*]}"
   fi
+  # One apt-get at a time: the plain and the namespaced cluster may come up at once (the tests
+  # run them on two pytest workers), and dpkg's lock fails the second instead of waiting.
+  exec 8>"${TMPDIR:-/tmp}/areal-local-slurm-apt.lock"
+  flock -w 900 8 || die "another local_slurm.sh has been installing packages for 900 s"
+  if [ -z "$(missing_commands)" ]; then exec 8>&-; return 0; fi
   say "installing ${packages[*]} (once, about a minute)"
   # No init system here: keep the packages' postinst from starting system-wide munged/mariadb;
   # this script runs its own, under $dir.
@@ -106,6 +111,7 @@ install_packages() {
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
       "${packages[@]}"; } >"$dir/apt.log" 2>&1 || rc=$?
   [ -n "$ours" ] && rm -f $policy
+  exec 8>&-
   [ $rc = 0 ] || { tail -20 "$dir/apt.log" >&2; die "apt-get failed (full log: $dir/apt.log)"; }
 }
 

@@ -4,7 +4,7 @@
 #                          Megatron, mpiexec worlds, jobs and the local Slurm clusters (what CI runs)
 #   tools/test.sh --fast   only the tests that start no engine, world, job or cluster (-m "not slow")
 # Both run on TEST_WORKERS pytest-xdist workers (default 2; 0 = one process): each test module whole
-# on one worker, the Slurm cluster's modules together (tests/conftest.py). Other arguments go to
+# on one worker, each Slurm cluster's modules together (tests/conftest.py). Other arguments go to
 # pytest as they are (e.g. tools/test.sh -k staleness; tools/test.sh --fast tests/algo).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
