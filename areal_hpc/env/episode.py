@@ -30,6 +30,10 @@ SAMPLE, OBSERVATION = "sample", "observation"
 NO_VERSION = -1
 # why an episode ended before its environment said done
 CUT_TURNS, CUT_TOKENS = "max_turns", "max_episode_tokens"
+# A text observation is cut to this many characters per token the episode has left before it is
+# tokenised (a token covers fewer on any text a tokenizer meets): an observation of megabytes
+# costs the generator's loop a bounded tokenisation, and the episode ends cut, as it would have.
+MAX_CHARS_PER_TOKEN = 32
 
 
 @dataclass(frozen=True)
@@ -39,10 +43,12 @@ class Turn:
     end: int
 
 
-def _ids(ids, what: str) -> list[int]:
+def _ids(ids, what: str, vocab_size: int | None = None) -> list[int]:
     out = [int(i) for i in ids]
-    if any(not 0 <= i <= MAX_TOKEN_ID for i in out):
-        raise ValueError(f"{what}: a token id outside [0, {MAX_TOKEN_ID}]")
+    top = MAX_TOKEN_ID if vocab_size is None else vocab_size - 1
+    if any(not 0 <= i <= top for i in out):
+        bad = next(i for i in out if not 0 <= i <= top)
+        raise ValueError(f"{what}: token id {bad} is outside the vocabulary [0, {top}]")
     return out
 
 
@@ -51,8 +57,10 @@ class Episode:
 
     def __init__(self, prompt_ids: Sequence[int], *, max_tokens: int, max_turns: int,
                  encode: Optional[Callable[[str], list[int]]] = None,
-                 template: str = "{observation}"):
-        self.prompt_ids = _ids(prompt_ids, "prompt")
+                 template: str = "{observation}", vocab_size: Optional[int] = None):
+        # vocab_size: the engine's (an id at or past it is refused here, not by the engine)
+        self.vocab_size = vocab_size
+        self.prompt_ids = _ids(prompt_ids, "prompt", vocab_size)
         if len(self.prompt_ids) >= max_tokens:
             raise ValueError(f"the prompt's {len(self.prompt_ids)} tokens leave none of the "
                              f"episode's {max_tokens}")
@@ -122,10 +130,11 @@ class Episode:
                 "done": self.done, "cut": self.cut, "error": self.error}
 
     @classmethod
-    def from_state(cls, state: dict, encode: Optional[Callable[[str], list[int]]] = None) -> Episode:
+    def from_state(cls, state: dict, encode: Optional[Callable[[str], list[int]]] = None,
+                   vocab_size: Optional[int] = None) -> Episode:
         """The episode `state` saved, token for token, ready to go on."""
         ep = cls(state["prompt_ids"], max_tokens=state["max_tokens"], max_turns=state["max_turns"],
-                 encode=encode, template=state["template"])
+                 encode=encode, template=state["template"], vocab_size=vocab_size)
         for name in ("output", "loss_mask", "logprobs", "versions", "rewards", "done", "cut", "error"):
             setattr(ep, name, state[name])
         ep.turns = [Turn(*t) for t in state["turns"]]
@@ -141,7 +150,7 @@ class Episode:
         on a caller's mistake (lengths differ, past the budget, after the end)."""
         if self.done:
             raise ValueError("the episode has ended")
-        ids = _ids(ids, "sampled turn")
+        ids = _ids(ids, "sampled turn", self.vocab_size)
         logprobs, versions = [float(x) for x in logprobs], [int(v) for v in versions]
         if not len(ids) == len(logprobs) == len(versions):
             raise ValueError(f"sampled turn: {len(ids)} ids, {len(logprobs)} logprobs, "
@@ -172,12 +181,15 @@ class Episode:
             self.tool_calls.append(tool)
         if observation is None:
             return 0
+        over = False
         if isinstance(observation, str):
-            ids = self._encode(self.template.format(observation=observation))
+            room = max(0, self.budget_left) * MAX_CHARS_PER_TOKEN
+            over = len(observation) > room
+            ids = self._encode(self.template.format(observation=observation[:room]))
         else:
             head, tail = self._parts()
-            ids = head + _ids(observation, "observation") + tail
-        if len(ids) >= self.budget_left:    # no room left for a model turn after it
+            ids = head + _ids(observation, "observation", self.vocab_size) + tail
+        if over or len(ids) >= self.budget_left:    # no room left for a model turn after it
             ids = ids[:self.budget_left]
             self.finish(CUT_TOKENS)
         start = len(self.output)
@@ -229,7 +241,7 @@ class Episode:
     def _encode(self, text: str) -> list[int]:
         if self.encode is None:
             raise ValueError("a text observation needs the episode's encode (a tokenizer)")
-        return _ids(self.encode(text), "observation") if text else []
+        return _ids(self.encode(text), "observation", self.vocab_size) if text else []
 
     def _parts(self) -> tuple[list[int], list[int]]:
         if self._wrap is None:

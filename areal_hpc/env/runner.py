@@ -47,6 +47,7 @@ from .base import MAX_TOKEN_ID, EnvConfig, EnvConfigError, Step, ToolCall, full_
 MAX_RESULT_BYTES = 4 << 20      # one answer line (an observation of a few hundred thousand tokens)
 MAX_ERROR_CHARS = 200
 MAX_TOOL_TEXT = 4096            # a tool record's name and arguments, characters
+MAX_OUTPUT_BYTES = 1 << 62      # a tool record's output_bytes (the log's column is int64)
 CLEANUP_ROUNDS = 50             # kill-what-is-left passes at an episode's end (a re-spawning chain)
 _seq = iter(range(1 << 62))
 _seq_lock = threading.Lock()
@@ -200,20 +201,30 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not a finite number")
 
 
+def _utf8(text: str) -> str:
+    """`text` that encodes as UTF-8: a lone surrogate (what `os.fsdecode` makes of a file name
+    that is not UTF-8, and JSON can carry) written as its escape, not left to fail a
+    tokenizer or the log."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _step_of(line: bytes, call_id: int, op: str) -> Step:
-    """A Step from one answer line, checked as exact plain types and bounded values."""
+    """A Step from one answer line, checked as exact plain types and bounded values; its text
+    valid UTF-8."""
     msg = json.loads(line, parse_constant=_reject_constant)
     if type(msg) is not dict or type(msg.get("id")) is not int or msg["id"] != call_id:
         raise ValueError("not the answer to the call")
     if "error" in msg:
         if type(msg["error"]) is not str:
             raise ValueError("an error that is not a string")
-        return Step(done=True, error=msg["error"][:MAX_ERROR_CHARS])
+        return Step(done=True, error=_utf8(msg["error"][:MAX_ERROR_CHARS]))
     obs, done, reward, tool = (msg.get(k) for k in ("observation", "done", "reward", "tool"))
     if type(obs) is list:
         if not all(type(i) is int and 0 <= i <= MAX_TOKEN_ID for i in obs):
             raise ValueError("observation: a list with something not a token id")
-    elif obs is not None and type(obs) is not str:
+    elif type(obs) is str:
+        obs = _utf8(obs)
+    elif obs is not None:
         raise ValueError(f"observation is a {type(obs).__name__}")
     if op == "reset" and (obs is None or not obs):
         raise ValueError("reset returned no prompt")
@@ -229,9 +240,14 @@ def _step_of(line: bytes, call_id: int, op: str) -> Step:
                 or type(tool["output_bytes"]) is not int or type(tool["seconds"]) not in (int, float)
                 or not (tool["error"] is None or type(tool["error"]) is str)):
             raise ValueError("tool is not a tool record")
-        tool = ToolCall(tool["name"][:MAX_TOOL_TEXT], tool["args"][:MAX_TOOL_TEXT],
+        # (1e400 parses to inf; an int past int64 would fail the log's column on the controller)
+        if not math.isfinite(tool["seconds"]) or abs(tool["seconds"]) > MAX_ABS_VALUE:
+            raise ValueError(f"tool seconds is {tool['seconds']!r}, not a number within ±{MAX_ABS_VALUE:g}")
+        if abs(tool["output_bytes"]) > MAX_OUTPUT_BYTES:
+            raise ValueError(f"tool output_bytes is {tool['output_bytes']}, past {MAX_OUTPUT_BYTES}")
+        tool = ToolCall(_utf8(tool["name"][:MAX_TOOL_TEXT]), _utf8(tool["args"][:MAX_TOOL_TEXT]),
                         max(0, tool["output_bytes"]), max(0.0, float(tool["seconds"])),
-                        None if tool["error"] is None else tool["error"][:MAX_ERROR_CHARS])
+                        None if tool["error"] is None else _utf8(tool["error"][:MAX_ERROR_CHARS]))
     return Step(observation=obs, done=done, reward=reward, tool=tool)
 
 

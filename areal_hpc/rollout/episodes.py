@@ -20,9 +20,11 @@ records taken again), then goes on. An episode that had no token yet starts afre
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -124,7 +126,8 @@ class EpisodeLoop:
             "output": np.asarray(c.output_tokens).tolist(), "loss_mask": np.asarray(mask).tolist(),
             "logprobs": np.asarray(c.behav_logprobs, np.float64).tolist(),
             "versions": np.asarray(c.versions).tolist(), "turns": kinds, "tool_calls": [],
-            "rewards": [], "done": False, "cut": None, "error": None}, encode=self._encode)
+            "rewards": [], "done": False, "cut": None, "error": None}, encode=self._encode,
+            vocab_size=self._vocab_size())
 
     @staticmethod
     def _replayed_turns(ep: _Ep) -> int:
@@ -142,6 +145,18 @@ class EpisodeLoop:
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _vocab_size(self) -> int:
+        """The ids the engine takes: below the larger of the tokenizer's size and the model's
+        vocab_size (config.json), as vLLM checks a request's ids (an environment's id past it
+        ends its episode, not the generator)."""
+        if getattr(self, "_vocab", None) is None:
+            try:
+                model = json.loads((Path(self.cfg.model.path) / "config.json").read_text())["vocab_size"]
+            except (OSError, ValueError, KeyError, TypeError):
+                model = 0
+            self._vocab = max(len(self.tokenizer), int(model))
+        return self._vocab
 
     def _text(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -223,15 +238,19 @@ class EpisodeLoop:
         e = self.cfg.env
         try:
             ep.episode = Episode(ids, max_tokens=self._episode_tokens(), max_turns=e.max_turns,
-                                 encode=self._encode, template=e.observation_template)
-        except ValueError as exc:   # a prompt longer than the episode's bound
+                                 encode=self._encode, template=e.observation_template,
+                                 vocab_size=self._vocab_size())
+        except ValueError as exc:   # a prompt longer than the episode's bound, an id past the vocabulary
             ep.episode = Episode(prompt.prompt_tokens, max_tokens=1 << 30, max_turns=1)
             ep.episode.finish(error=f"reset: {exc}")
             return
         self._submit_turn(ep)
 
     def _after_step(self, ep: _Ep, step: Step) -> None:
-        ep.episode.apply(step)
+        try:
+            ep.episode.apply(step)
+        except ValueError as exc:   # an observation's id past the vocabulary: this episode ends
+            ep.episode.finish(error=f"step: {exc}")
         if not ep.episode.done:
             self._submit_turn(ep)
 

@@ -56,20 +56,26 @@ def _superblock(path: Path) -> tuple[int | None, int]:
 SWMR_READ_ATTEMPTS = 28
 
 
-@functools.lru_cache(maxsize=1)
-def _set_read_attempts():
-    """HDF5's H5Pset_metadata_read_attempts (h5py does not wrap it), from the very library h5py
-    has loaded (found in this process's memory map), or None where that cannot be done."""
+@functools.lru_cache(maxsize=4)
+def hdf5_function(name: str):
+    """A function of the HDF5 library h5py has loaded (found in this process's memory map; h5py
+    does not wrap every one), or None where that cannot be done."""
     try:
         with open("/proc/self/maps") as fh:
             libs = {line.split()[-1] for line in fh if "/libhdf5" in line}
         names = {p: os.path.basename(p) for p in libs}
         lib = next(p for p in sorted(libs)
                    if names[p].startswith("libhdf5") and "_hl" not in names[p])
-        fn = ctypes.CDLL(lib).H5Pset_metadata_read_attempts
+        return getattr(ctypes.CDLL(lib), name)
     except (OSError, StopIteration, AttributeError):
         return None
-    fn.argtypes, fn.restype = [ctypes.c_int64, ctypes.c_uint], ctypes.c_int
+
+
+def _set_read_attempts():
+    """HDF5's H5Pset_metadata_read_attempts, or None."""
+    fn = hdf5_function("H5Pset_metadata_read_attempts")
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_int64, ctypes.c_uint], ctypes.c_int
     return fn
 
 

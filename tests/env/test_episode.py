@@ -141,3 +141,40 @@ def test_a_saved_episode_goes_on_token_for_token():
     assert resumed.sampled_turns() == [[2, 3], [4]] and resumed.reward == 1.5
     for k, v in whole.arrays().items():
         assert np.array_equal(resumed.arrays()[k], v), k
+
+
+def test_an_id_past_the_vocabulary_is_refused_before_the_engine():
+    """The engine's vocabulary bounds every id an environment gives (vLLM would refuse the
+    next request, on the generator's loop): the prompt at reset, an observation given as ids."""
+    with pytest.raises(ValueError, match=r"prompt: token id 10 is outside the vocabulary \[0, 9\]"):
+        Episode([1, 10], max_tokens=16, max_turns=3, vocab_size=10)
+    ep = Episode([1], max_tokens=16, max_turns=3, vocab_size=10)
+    ep.add_sample([2], [0.0], [0])
+    with pytest.raises(ValueError, match="observation: token id 12 is outside"):
+        ep.add_observation([5, 12])
+    assert ep.output == [2]                 # nothing of the refused observation appended
+    saved = Episode.from_state(ep.state(), vocab_size=10)
+    with pytest.raises(ValueError, match="observation: token id 10"):
+        saved.add_observation([10])
+    Episode([1, 2**20], max_tokens=16, max_turns=3).add_observation([2**30])   # unbounded: 2^31
+
+
+def test_a_huge_text_observation_is_cut_before_it_is_tokenised():
+    """An observation of megabytes is tokenised no further than the episode could hold (at
+    most MAX_CHARS_PER_TOKEN characters per token left), and the episode ends cut."""
+    from areal_hpc.env.episode import MAX_CHARS_PER_TOKEN
+    seen = []
+
+    def encode(text):
+        seen.append(len(text))
+        return [1] * len(text)
+    ep = Episode([1], max_tokens=64, max_turns=3, encode=encode, template="[{observation}]")
+    ep.add_sample([2], [0.0], [0])
+    left = ep.budget_left
+    ep.add_observation("x" * (4 << 20))
+    assert seen == [left * MAX_CHARS_PER_TOKEN + 2]         # the cut text in the template
+    assert ep.done and ep.cut == CUT_TOKENS and ep.budget_left == 0
+    # a text that fits is appended whole, as before
+    ep = Episode([1], max_tokens=64, max_turns=3, encode=encode, template="[{observation}]")
+    ep.add_sample([2], [0.0], [0])
+    assert ep.add_observation("xyz") == 5 and not ep.done

@@ -1,5 +1,6 @@
 """User environments run in a contained child process (areal_hpc/env/runner.py): a hang, an
 output flood, a daemon, garbage on the answer pipe cost the episode, never the caller."""
+import json
 import time
 from pathlib import Path
 
@@ -254,3 +255,51 @@ def test_the_example_of_docs_environments_runs(tmp_path):
         assert (proc.step("it is 16", [1]).reward, proc.step("it is 15", [1]).reward) == (1.0, 0.0)
     finally:
         proc.close()
+
+
+def test_an_answer_with_an_infinite_or_overflowing_tool_figure_is_refused():
+    """1e400 parses to inf and an int past int64 fits JSON: either would make the rollout log's
+    writer raise on the controller; the runner refuses the answer (the episode ends), and a
+    lone surrogate in any text comes out as its escape, valid UTF-8 for the tokenizer and the
+    log (honest code makes one: a file name through os.fsdecode)."""
+    from areal_hpc.env.runner import _step_of
+
+    def line(**tool):
+        rec = {"name": "t", "args": "a", "output_bytes": 1, "seconds": 0.5, "error": None, **tool}
+        return json.dumps({"id": 1, "observation": "x", "done": False, "reward": None,
+                           "tool": rec}).replace('"SECS"', "1e400").encode()
+    assert _step_of(line(), 1, "step").tool.seconds == 0.5
+    with pytest.raises(ValueError, match="tool seconds is inf"):
+        _step_of(line(seconds="SECS"), 1, "step")
+    with pytest.raises(ValueError, match="tool output_bytes is 9223372036854775808"):
+        _step_of(line(output_bytes=2**63), 1, "step")
+    step = _step_of(json.dumps({"id": 1, "observation": "obs \udcff", "done": False, "reward": None,
+                                "tool": {"name": "n\ud800", "args": "a\udcfe", "output_bytes": 1,
+                                         "seconds": 0.5, "error": "e\udfff"}}).encode(), 1, "step")
+    assert step.observation == "obs \\udcff" and step.tool.name == "n\\ud800"
+    assert step.tool.args == "a\\udcfe" and step.tool.error == "e\\udfff"
+    err = _step_of(json.dumps({"id": 1, "error": "bad \udcff"}).encode(), 1, "step")
+    assert err.error == "bad \\udcff" and err.done
+    for text in (step.observation, step.tool.name, step.tool.args, step.tool.error, err.error):
+        text.encode("utf-8")
+
+
+def test_an_honest_tool_record_with_a_surrogate_reaches_the_log(envs, tmp_path):
+    """Through the child: a file name that is not UTF-8, through os.fsdecode, in the observation
+    and the tool record; the rollout log's episode columns take the record."""
+    envs.write_text(envs.read_text() + '''
+class FileNames(Echo):
+    def step(self, text, ids):
+        name = os.fsdecode(b"data-\\xff.csv")
+        return Step("wrote " + name, False, None, ToolCall("ls", name, 2**40, 0.25, "no " + name))
+''')
+    proc = EnvProcess(_cfg(envs, "FileNames"))
+    try:
+        proc.reset({"question": "q"})
+        step = proc.step("t", [1])
+    finally:
+        proc.close()
+    assert step.error is None and step.observation == "wrote data-\\udcff.csv", step
+    assert step.tool.args == "data-\\udcff.csv" and step.tool.output_bytes == 2**40
+    from areal_hpc.storage.episode_log import _text
+    assert _text(step.tool.error, "error") == b"no data-\\udcff.csv"
