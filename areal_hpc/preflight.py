@@ -51,7 +51,7 @@ from .launch.placement import gather_and_check
 from .plan import Arch, check_fits
 from .plan.budget import check_time
 from .reward import custom
-from .reward.sandbox import SandboxUnavailable, check_available
+from .reward.sandbox import Sandbox, SandboxUnavailable, check_available
 from .storage.checkpoint import find_latest
 from .storage.run_dir import RunDir, is_complete, place
 from .versions import check_versions
@@ -150,11 +150,18 @@ def placed(cfg: RunConfig, topo, world) -> list[int] | None:
 
 def generator_node(cfg: RunConfig) -> None:
     """On a generator's node, before its children start (areal_hpc.main, before the generator):
-    code rewards need the sandbox (or the unsafe opt-out)."""
+    code rewards need the sandbox (or the unsafe opt-out), and so does the Python tool
+    (env.fn=python, which has no opt-out: without it every episode's reset would fail, a
+    whole run of failed groups instead of one line at the start)."""
     try:
         check_available(cfg)
     except SandboxUnavailable as exc:
         raise ConfigError(f"config key 'data.kind': {exc}") from None
+    if cfg.env.fn and env_base.full_spec(cfg.env.fn) == env_base.BUILTINS["python"]:
+        ok, why = Sandbox.available()
+        if not ok:
+            raise ConfigError(f"config key 'env.fn': the Python tool runs model-written code in the "
+                              f"code sandbox, which cannot be set up on this node: {why}")
 
 
 def check_inputs(cfg: RunConfig) -> None:

@@ -37,6 +37,22 @@ def test_a_code_job_refuses_to_start_without_the_sandbox(no_bwrap):
 
 def test_a_math_job_does_not_need_the_sandbox(no_bwrap):
     check_available(cfg("math"))
+    generator_node(cfg("math"))
+
+
+def test_the_python_tool_needs_the_sandbox_at_start_too(no_bwrap):
+    """A math job whose episodes use the Python tool (env.fn=python) is refused on the generator's
+    node in one line, as a code job is (else every episode's reset would fail in its child);
+    the unsafe opt-out is the code reward's, not the tool's; another environment needs nothing."""
+    for unsafe in (False, True):
+        tool = load(None, ["model.path=m", "data.train_path=t", "env.fn=python",
+                           f"reward.unsafe_no_sandbox={str(unsafe).lower()}"])
+        with pytest.raises(ConfigError) as line:
+            generator_node(tool)
+        assert str(line.value) == ("config key 'env.fn': the Python tool runs model-written code in "
+                                   "the code sandbox, which cannot be set up on this node: bwrap "
+                                   "not found: apt-get install bubblewrap"), str(line.value)
+    generator_node(load(None, ["model.path=m", "data.train_path=t", "env.fn=calculator"]))
 
 
 def test_unsafe_no_sandbox_starts_and_warns_loudly(no_bwrap, capsys, caplog):
