@@ -385,19 +385,20 @@ def test_an_observation_past_the_vocabulary_ends_its_episode_not_the_generator(t
     """An environment's ids checked against the engine's vocabulary (the larger of the
     tokenizer's and config.json's vocab_size, as vLLM checks a request): one past it ends that
     episode with the reason; no turn goes to the engine, nothing raises on the generator."""
-    from types import SimpleNamespace
-
+    from areal_hpc.config import load
     from areal_hpc.env.base import Step
     from areal_hpc.env.episode import Episode
     from areal_hpc.rollout.episodes import EpisodeLoop, _Ep
-    (tmp_path / "config.json").write_text('{"vocab_size": 12}')
+    from tests.env.test_episode import _merging_tokenizer
+    (tmp_path / "config.json").write_text('{"vocab_size": 32}')
     loop = EpisodeLoop()
-    loop.cfg, loop.tokenizer = SimpleNamespace(model=SimpleNamespace(path=str(tmp_path))), [None] * 10
-    assert loop._vocab_size() == 12
+    loop.cfg = load(None, [f"model.path={tmp_path}", "data.train_path=t"])
+    loop.tokenizer = _merging_tokenizer()
+    assert len(loop.tokenizer) == 30 and loop._vocab_size() == 32
     loop._submit_turn = lambda ep: pytest.fail("a turn went to the engine after a refused answer")
     ep = _Ep("train", 0, 0, {}, None, 0.0,
              episode=Episode([1], max_tokens=16, max_turns=3, vocab_size=loop._vocab_size()))
     ep.episode.add_sample([2], [0.0], [0])
-    loop._after_step(ep, Step(observation=[3, 12], reward=0.5))
+    loop._after_step(ep, Step(observation=[3, 32], reward=0.5))
     assert ep.episode.done and ep.episode.output == [2]
-    assert ep.episode.error == "step: observation: token id 12 is outside the vocabulary [0, 11]"
+    assert ep.episode.error == "step: observation: token id 32 is outside the vocabulary [0, 31]"
