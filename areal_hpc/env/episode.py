@@ -46,8 +46,8 @@ class Turn:
 def _ids(ids, what: str, vocab_size: int | None = None) -> list[int]:
     out = [int(i) for i in ids]
     top = MAX_TOKEN_ID if vocab_size is None else vocab_size - 1
-    if any(not 0 <= i <= top for i in out):
-        bad = next(i for i in out if not 0 <= i <= top)
+    bad = next((i for i in out if not 0 <= i <= top), None)
+    if bad is not None:
         raise ValueError(f"{what}: token id {bad} is outside the vocabulary [0, {top}]")
     return out
 

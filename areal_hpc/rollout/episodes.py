@@ -24,6 +24,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Optional
 
@@ -127,7 +128,7 @@ class EpisodeLoop:
             "logprobs": np.asarray(c.behav_logprobs, np.float64).tolist(),
             "versions": np.asarray(c.versions).tolist(), "turns": kinds, "tool_calls": [],
             "rewards": [], "done": False, "cut": None, "error": None}, encode=self._encode,
-            vocab_size=self._vocab_size())
+            vocab_size=self._vocab_size)
 
     @staticmethod
     def _replayed_turns(ep: _Ep) -> int:
@@ -146,17 +147,16 @@ class EpisodeLoop:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    @cached_property
     def _vocab_size(self) -> int:
         """The ids the engine takes: below the larger of the tokenizer's size and the model's
         vocab_size (config.json), as vLLM checks a request's ids (an environment's id past it
         ends its episode, not the generator)."""
-        if getattr(self, "_vocab", None) is None:
-            try:
-                model = json.loads((Path(self.cfg.model.path) / "config.json").read_text())["vocab_size"]
-            except (OSError, ValueError, KeyError, TypeError):
-                model = 0
-            self._vocab = max(len(self.tokenizer), int(model))
-        return self._vocab
+        try:
+            model = json.loads((Path(self.cfg.model.path) / "config.json").read_text())["vocab_size"]
+        except (OSError, ValueError, KeyError, TypeError):
+            model = 0
+        return max(len(self.tokenizer), int(model))
 
     def _text(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -239,7 +239,7 @@ class EpisodeLoop:
         try:
             ep.episode = Episode(ids, max_tokens=self._episode_tokens(), max_turns=e.max_turns,
                                  encode=self._encode, template=e.observation_template,
-                                 vocab_size=self._vocab_size())
+                                 vocab_size=self._vocab_size)
         except ValueError as exc:   # a prompt longer than the episode's bound, an id past the vocabulary
             ep.episode = Episode(prompt.prompt_tokens, max_tokens=1 << 30, max_turns=1)
             ep.episode.finish(error=f"reset: {exc}")

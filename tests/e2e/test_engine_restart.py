@@ -130,6 +130,11 @@ def _fault(job, how, after_steps):
     return victim.pid
 
 
+def _restart_lines(out: str) -> list[str]:
+    """The generator's line of each engine restart, in order."""
+    return [line for line in out.splitlines() if "vLLM engine restarted in" in line]
+
+
 def _restarted(out: str) -> list[tuple[int, int]]:
     """Per restart line: (samples continued, samples started again)."""
     return [(int(a), int(b)) for a, b in re.findall(
@@ -142,7 +147,7 @@ def _finished_with_restarts(out: str, run_dir, t_fault: float, causes: list[str]
     line naming it), the new engine served (samples submitted after the last fault were
     trained), and the audit is clean."""
     restarts = len(causes)
-    restarted = [line for line in out.splitlines() if "vLLM engine restarted in" in line]
+    restarted = _restart_lines(out)
     assert len(restarted) == restarts, "\n".join(restarted) + "\n" + out[-6000:]
     print("\n" + "\n".join(restarted))
     for line, cause in zip(restarted, causes):
@@ -201,7 +206,7 @@ def broadcast_faults(jobs, tiny_model, tmp_path_factory):
 def test_an_engine_stalled_in_a_broadcast_is_restarted_and_the_update_sent_again(broadcast_faults):
     out = broadcast_faults["out"]
     assert broadcast_faults["code"] == 0, out[-6000:]
-    first = next(line for line in out.splitlines() if "vLLM engine restarted in" in line)
+    first = _restart_lines(out)[0]
     assert "engine stalled: no output for" in first, first
     # the update it broke was sent again, to the group re-formed with the new engine
     assert "(during the update to weights v3)" in out, out[-6000:]
@@ -214,7 +219,7 @@ def test_an_engine_stalled_in_a_broadcast_is_restarted_and_the_update_sent_again
 def test_a_killed_engine_is_restarted_and_the_weight_group_re_formed_again(broadcast_faults):
     out, old = broadcast_faults["out"], broadcast_faults["old"]
     assert broadcast_faults["code"] == 0, out[-6000:]
-    restarted = [line for line in out.splitlines() if "vLLM engine restarted in" in line]
+    restarted = _restart_lines(out)
     assert len(restarted) == 2 and "is gone" in restarted[1], restarted
     assert _gone(old)
     # the group re-formed once a restart, the new engine in it each time

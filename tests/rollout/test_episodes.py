@@ -394,10 +394,10 @@ def test_an_observation_past_the_vocabulary_ends_its_episode_not_the_generator(t
     loop = EpisodeLoop()
     loop.cfg = load(None, [f"model.path={tmp_path}", "data.train_path=t"])
     loop.tokenizer = _merging_tokenizer()
-    assert len(loop.tokenizer) == 30 and loop._vocab_size() == 32
+    assert len(loop.tokenizer) == 30 and loop._vocab_size == 32
     loop._submit_turn = lambda ep: pytest.fail("a turn went to the engine after a refused answer")
     ep = _Ep("train", 0, 0, {}, None, 0.0,
-             episode=Episode([1], max_tokens=16, max_turns=3, vocab_size=loop._vocab_size()))
+             episode=Episode([1], max_tokens=16, max_turns=3, vocab_size=loop._vocab_size))
     ep.episode.add_sample([2], [0.0], [0])
     loop._after_step(ep, Step(observation=[3, 32], reward=0.5))
     assert ep.episode.done and ep.episode.output == [2]
