@@ -116,3 +116,24 @@ def test_a_mask_of_ones_trains_exactly_as_no_mask(megatron_ws1, model_dir):
     for key, value in s1.items():
         if not key.endswith("seconds"):
             assert value == s2[key] or (np.isnan(value) and np.isnan(s2[key])), key
+
+
+def test_a_group_without_a_sampled_token_trains_as_the_batch_without_it(megatron_ws1, model_dir):
+    """A group whose every episode ended before the model's first turn (no output token; its
+    controller side: tests/rollout/test_controller_one_process.py) adds nothing to the step: the
+    same loss, gradient norm, token count and advantages as the batch without it (up to rounding:
+    the packed rows differ)."""
+    from tests.train.test_actor import GROUP_SIZE
+
+    with_failed = make_actor(model_dir, max_tokens_per_mb=10_000)
+    seqs = episode_batch(with_failed, np.asarray([9, 8, 7, 6]))
+    failed = [{"prompt_tokens": seqs[0]["prompt_tokens"], "output_tokens": np.zeros(0, np.int32),
+               "behav_logprobs": np.zeros(0, np.float32), "versions": np.zeros(0, np.int32),
+               "loss_mask": np.zeros(0, np.uint8), "reward": 0.0} for _ in range(GROUP_SIZE)]
+    a = with_failed.train_step([dict(s) for s in seqs] + failed)
+    without = make_actor(model_dir, max_tokens_per_mb=10_000)
+    b = without.train_step([dict(s) for s in seqs])
+    assert a["n_tokens"] == b["n_tokens"] > 0
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    assert a["entropy"] == pytest.approx(b["entropy"])
