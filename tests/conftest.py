@@ -39,7 +39,7 @@ GROUPS = {"launch/test_slurm.py": "slurm", "launch/test_slurm_netns.py": "netns"
 # so that no long group starts last and leaves the other worker idle; the rest follow in their order.
 LONGEST_FIRST = {
     "e2e/test_engine_restart.py": 900, "netns": 850, "slurm": 640, "e2e/test_repeat.py": 460,
-    "e2e/test_local_job.py": 370, "e2e/test_preempt_resume.py": 350, "e2e/test_trainer_death.py": 340,
+    "e2e/test_local_job.py": 370, "e2e/test_preempt_resume.py": 400, "e2e/test_trainer_death.py": 200,
     "analysis/test_evaluate.py": 280, "e2e/test_generator_failure.py": 260, "e2e/test_episodes_job.py": 200,
     "e2e/test_mid_step_stop.py": 195, "rollout/test_vllm_engine.py": 160, "launch/test_gpu_check.py": 115,
     "transport/test_rank_death.py": 95, "rollout/test_sample_seeds.py": 85, "e2e/test_qwen_shapes.py": 80,

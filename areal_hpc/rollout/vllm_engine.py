@@ -64,6 +64,7 @@ from areal_hpc.transport.weights import Bucket, WeightGroupAddress
 logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION_CLS = "areal_hpc.rollout.vllm_ext.WeightSyncExtension"
+FORKED_WORKERS = "areal_hpc.rollout.vllm_workers.ForkedWorkersExecutor"
 
 
 @dataclass(slots=True)
@@ -240,6 +241,10 @@ class VLLMEngine:
             logprobs_mode=logprobs_mode,
             worker_extension_cls=worker_extension_cls,
             disable_log_stats=True,
+            # a worker process per TP rank, and on CPU, where vLLM always starts one: forked
+            # from the engine process (vllm_workers); one GPU: vLLM runs it in that process
+            distributed_executor_backend=FORKED_WORKERS
+            if tensor_parallel_size > 1 or current_platform.is_cpu() else None,
         )
         self.version = version
         self.per_request_seeds = per_request_seeds

@@ -279,3 +279,5 @@ class WeightSyncExtension:
 
         _reload(self, tensors())
         return count
+
+

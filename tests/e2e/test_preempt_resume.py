@@ -1,10 +1,20 @@
-"""Preemption and resume of the real job (mpiexec, vLLM, Megatron, HDF5): a preemption signal at a
-random step and a hard kill between checkpoints (a resumed run equal to an uninterrupted one, with
-a preemption mid-generation: tests/e2e/test_repeat.py).
+"""Preemption and resume of the real job (mpiexec, vLLM, Megatron, HDF5), as one run through four
+attempts (the `stops` fixture), each stopped as a cluster stops a job (a resumed run equal to an
+uninterrupted one, with a preemption mid-generation: tests/e2e/test_repeat.py):
 
-Afterwards rollouts.h5 must show every trajectory consumed at most once, every step consumed exactly
-B groups, no accepted trajectory lost (pending rows are exactly the final checkpoint's buffer), and
-metrics.jsonl and the TensorBoard event files must hold each step once."""
+1. USR1 before the first training step (while vLLM starts): exit 3, no checkpoint written;
+2. the same command starts afresh (the aborted attempt's log set aside); TERM to every process
+   of the job, as Slurm's preemption sends it, at a step drawn afresh at every run: vLLM's
+   processes die with it, mid-generation or mid-update; the ranks still stop at the step
+   boundary, write the checkpoint there and exit 3;
+3. the same command resumes from that checkpoint; SIGKILL to every process but the reapers once
+   a later checkpoint is written: nothing is written at the stop;
+4. the same command resumes from the last checkpoint and finishes.
+
+Each test asserts one stop's claim on what the attempts left. Afterwards rollouts.h5 must show
+every trajectory consumed at most once, every step consumed exactly B groups, no accepted
+trajectory lost (pending rows are exactly the final checkpoint's buffer), and metrics.jsonl and
+the TensorBoard event files must hold each step once."""
 import collections
 import json
 import os
@@ -13,6 +23,7 @@ import signal
 import time
 
 import psutil
+import pytest
 
 from areal_hpc.audit import audit
 from areal_hpc.preemption import HOLD_HOOK_ENV
@@ -20,7 +31,7 @@ from areal_hpc.storage import checkpoint as ck
 from areal_hpc.storage.rollout_log import NOT_CONSUMED, ROLLED_BACK, RolloutReader
 from areal_hpc.storage.tensorboard import read_scalars
 
-STEPS, B, N = 7, 3, 2
+STEPS, B, N = 10, 3, 2
 SMALL = [f"train.total_steps={STEPS}", f"train.batch_prompts={B}", f"rollout.group_size={N}",
          "rollout.max_new_tokens=24", "data.eval_limit=4", "data.eval_samples=1",
          "checkpoint.every_steps=2"]
@@ -73,69 +84,133 @@ def _check_log(run_dir, steps=STEPS, rows_per_step=B * N):
     return consumed, keys
 
 
-def test_preempt_at_a_random_step_then_resume(jobs, tiny_model, tmp_path):
-    """TERM to every process of the job, as Slurm's preemption sends it: vLLM's processes die
-    with it, mid-generation or mid-update; the ranks still stop at the step boundary, write the
-    checkpoint there and exit for a requeue. (USR1, the time-limit warning, spares vLLM: the
-    other tests here and tests/launch use it.) The step is drawn afresh at every run, from 1 to
-    STEPS - 4 (one job a run: the hard-kill test below stops another); the draw is printed, and
-    AREAL_TEST_SEED=<seed> repeats it."""
-    seed = int(os.environ.get("AREAL_TEST_SEED") or random.SystemRandom().randrange(2**32))
-    kill_after = random.Random(seed).randint(1, STEPS - 4)
-    print(f"\npreempted after step {kill_after} (AREAL_TEST_SEED={seed})")
-    args = jobs.args(tiny_model, tmp_path, "p", *SMALL)
-    run_dir = tmp_path / "p"
-    # The generator holds (preemption.HOLD_HOOK_ENV) once it has weights version kill_after (or
-    # the next, where no sample had a token in between) and a sample has a token: the job cannot
-    # finish before the signal comes, on a quiet box (six steps in 5 s ran out before the signal
-    # once) or a busy one. Held at version v, the trainer ends at most at step v + 2 (the
-    # groups finished for η = 1), so v <= kill_after + 1 <= STEPS - 3 keeps it short of the end.
-    held = tmp_path / "p.held"
-    proc = jobs.start(args, env={**os.environ, HOLD_HOOK_ENV: f"{kill_after}:1:{held}"})
-    _wait_for(held.exists, proc, poll=0.05)
-    for p in jobs.processes(ranks_only=False):     # as Slurm does: every process of the step
+def _signal_all(jobs, sig) -> None:
+    """`sig` to every process of the job but the launchers, as Slurm signals a step's processes."""
+    for p in jobs.processes(ranks_only=False):
         try:
             if not any(x in " ".join(p.cmdline()) for x in ("mpiexec", "hydra", "areal_hpc.launch")):
-                p.send_signal(signal.SIGTERM)
+                p.send_signal(sig)
         except psutil.Error:                        # exited meanwhile
             pass
-    code, out = _finish(proc)
-    assert code == 3, out[-4000:]
-    assert "preempted" in out
-    done = _steps_done(run_dir)
-    assert kill_after <= done < STEPS, (kill_after, done)
-    assert ck.find_latest(run_dir)[1]["step"] == done     # the checkpoint is at the stop
-
-    code, out = _finish(jobs.start(args))     # the hook is not set: nothing holds the resume
-    assert code == 0, out[-4000:]
-    assert f"resuming from {ck.step_dir(run_dir, done)}" in out
-    _check_log(run_dir)
-    assert not jobs.leftovers(), "processes of the job are still running"
 
 
-def test_hard_kill_resumes_from_last_checkpoint(jobs, tiny_model, tmp_path):
-    steps = 9
-    args = jobs.args(tiny_model, tmp_path, "k", *SMALL, f"train.total_steps={steps}",
-                     "checkpoint.every_steps=3")
-    run_dir = tmp_path / "k"
+def _engine_started(jobs) -> bool:
+    for p in jobs.processes():
+        try:
+            if "EngineCore" in " ".join(p.cmdline()):
+                return True
+        except psutil.Error:
+            pass
+    return False
+
+
+@pytest.fixture(scope="module")
+def stops(jobs, tiny_model, tmp_path_factory):
+    """One run through its four attempts (the module's doc); what each left, by attempt. The
+    step of the TERM is drawn afresh at every run, from 1 to 2, printed, and AREAL_TEST_SEED=<seed>
+    repeats it. A stop is made certain by the generator's hold hook (preemption.HOLD_HOOK_ENV):
+    the generator holds once it has weights version v and a sample has a token, so the job cannot
+    finish before the signal comes (on a quiet box six steps in 5 s ran out before a signal once);
+    held at version v, the trainer ends at most at step v + 2 (the groups finished for η = 1)."""
+    seed = int(os.environ.get("AREAL_TEST_SEED") or random.SystemRandom().randrange(2**32))
+    term_at = random.Random(seed).randint(1, 2)
+    print(f"\npreempted after step {term_at} (AREAL_TEST_SEED={seed})")
+    tmp = tmp_path_factory.mktemp("stops")
+    args = jobs.args(tiny_model, tmp, "p", *SMALL)
+    run_dir = tmp / "p"
+    got = {"run_dir": run_dir, "term_at": term_at}
+
+    # 1. USR1 as soon as the generator's vLLM engine exists: every rank has its signal handlers
+    # (installed before the trainer builds its model and before the generator starts vLLM), and
+    # the trainer has not asked for its first batch yet (initial eval first).
     proc = jobs.start(args)
-    _wait_for(lambda: _steps_done(run_dir) >= 4, proc)         # past the checkpoint at step 3
+    _wait_for(lambda: _engine_started(jobs), proc)
+    got["steps_at_usr1"] = _steps_done(run_dir)
+    _signal_all(jobs, signal.SIGUSR1)
+    got["code1"], got["out1"] = _finish(proc)
+    got["steps1"], got["checkpoints1"] = _steps_done(run_dir), ck.list_checkpoints(run_dir)
+    with RolloutReader(run_dir / "rollouts.h5") as r:         # closed properly, readable
+        got["rows1"] = len(r.column("consumed_step"))
+    got["leftovers1"] = jobs.leftovers()
+
+    # 2. afresh; TERM once the generator holds at version term_at: steps term_at..term_at + 2
+    held = tmp / "held2"
+    proc = jobs.start(args, env={**os.environ, HOLD_HOOK_ENV: f"{term_at}:1:{held}"})
+    _wait_for(held.exists, proc, poll=0.05)
+    _signal_all(jobs, signal.SIGTERM)
+    got["code2"], got["out2"] = _finish(proc)
+    got["steps2"] = _steps_done(run_dir)
+    got["checkpoint2"] = ck.find_latest(run_dir)[1]["step"]
+    with RolloutReader(run_dir / "rollouts.attempt-1.h5") as r:
+        got["rows_set_aside"] = len(r.column("consumed_step"))
+
+    # 3. resumed; SIGKILL once the generator holds at version steps2 + 3: of steps steps2 + 1 and
+    # steps2 + 2 one is checkpointed (every 2), and complete before version steps2 + 3 is
+    # published; the trainer ends by step steps2 + 5 <= 9 < STEPS.
+    held = tmp / "held3"
+    proc = jobs.start(args, env={**os.environ, HOLD_HOOK_ENV: f"{got['steps2'] + 3}:1:{held}"})
+    _wait_for(held.exists, proc, poll=0.05)
     for p in jobs.processes(ranks_only=False):
         try:    # the ranks' reapers stay: they clean up vLLM's processes after the ranks die
             if "areal_hpc.reaper" not in " ".join(p.cmdline()):
                 p.kill()
         except psutil.Error:
             pass
-    done = _steps_done(run_dir)
-    proc.wait(timeout=60)
+    got["steps3"] = _steps_done(run_dir)
+    out, _ = proc.communicate(timeout=60)
+    got["out3"] = out
     psutil.wait_procs(jobs.processes(ranks_only=False), timeout=30)
-    ckpt = ck.find_latest(run_dir)[1]["step"]
-    assert ckpt in (3, 6) and ckpt <= done < steps, (ckpt, done)
+    got["checkpoint3"] = ck.find_latest(run_dir)[1]["step"]
 
-    code, out = _finish(jobs.start(args))
-    assert code == 0, out[-4000:]
-    assert f"resuming from {ck.step_dir(run_dir, ckpt)}" in out
-    consumed, _ = _check_log(run_dir, steps)
-    if done > ckpt:     # groups arrived after the checkpoint: kept in the log, never trained
-        assert (consumed == ROLLED_BACK).any()
-    assert not jobs.leftovers(), "processes of the job are still running"
+    # 4. resumed from the last checkpoint, to the end
+    got["code4"], got["out4"] = _finish(jobs.start(args))
+    got["leftovers4"] = jobs.leftovers()
+    return got
+
+
+def test_preempt_before_first_step_writes_nothing_and_reruns(stops):
+    """Attempt 1, USR1 before the first step: exit 3 and "preempted before this attempt's first
+    training step", no step, no checkpoint, the rollout log closed and readable, no process
+    left; attempt 2 starts afresh, the aborted attempt's log set aside whole."""
+    s = stops
+    assert s["steps_at_usr1"] == 0
+    assert s["code1"] == 3, s["out1"][-4000:]
+    assert "preempted before this attempt's first training step" in s["out1"], s["out1"][-4000:]
+    assert s["steps1"] == 0 and s["checkpoints1"] == [], (s["steps1"], s["checkpoints1"])
+    assert not s["leftovers1"], f"processes of the job are still running: {s['leftovers1']}"
+    assert "has no usable checkpoint: starting afresh" in s["out2"], s["out2"][-4000:]
+    assert s["rows_set_aside"] == s["rows1"]
+
+
+def test_preempt_at_a_random_step_then_resume(stops):
+    """Attempt 2, TERM to every process at the drawn step: exit 3, "preempted", the steps done
+    from the drawn one on and short of the end, the checkpoint at the stop; attempt 3 resumes
+    from it."""
+    s = stops
+    assert s["code2"] == 3, s["out2"][-4000:]
+    assert "preempted" in s["out2"]
+    assert s["term_at"] <= s["steps2"] < STEPS, (s["term_at"], s["steps2"])
+    assert s["checkpoint2"] == s["steps2"]     # the checkpoint is at the stop
+    assert f"resuming from {ck.step_dir(s['run_dir'], s['steps2'])}" in s["out3"], s["out3"][-4000:]
+
+
+def test_hard_kill_resumes_from_last_checkpoint(stops):
+    """Attempt 3, SIGKILL to every process but the reapers: nothing written at the stop; attempt
+    4 resumes from the last checkpoint before it (one of this attempt's), and groups that
+    arrived after it stay in the log, never trained."""
+    s = stops
+    assert s["steps2"] < s["checkpoint3"] <= s["steps3"] < STEPS, (s["steps2"], s["checkpoint3"], s["steps3"])
+    assert s["checkpoint3"] % 2 == 0                       # checkpoint.every_steps=2
+    assert f"resuming from {ck.step_dir(s['run_dir'], s['checkpoint3'])}" in s["out4"], s["out4"][-4000:]
+    if s["steps3"] > s["checkpoint3"]:    # groups arrived after the checkpoint: kept, never trained
+        with RolloutReader(s["run_dir"] / "rollouts.h5") as r:
+            assert (r.column("consumed_step") == ROLLED_BACK).any()
+
+
+def test_the_run_finishes_with_nothing_lost_or_trained_twice(stops):
+    """Attempt 4 ends the run (exit 0); the log, metrics, TensorBoard files and audit of the whole
+    run hold each step's B groups once (`_check_log`); no process is left."""
+    s = stops
+    assert s["code4"] == 0, s["out4"][-4000:]
+    _check_log(s["run_dir"])
+    assert not s["leftovers4"], f"processes of the job are still running: {s['leftovers4']}"

@@ -1,5 +1,6 @@
 """The trainer side fails and the real job (mpiexec, vLLM, Megatron) still ends within its bounds,
-leaving no process behind; and a preemption before the first training step requeues cleanly.
+leaving no process behind (a preemption before the first training step: the first attempt of
+tests/e2e/test_preempt_resume.py).
 
 - kill: the trainer rank (rank 0, the controller's host) is SIGKILLed after 2 steps, as when its
   node is lost. mpiexec (hydra) tears the job down itself (under Slurm: srun
@@ -9,9 +10,6 @@ leaving no process behind; and a preemption before the first training step reque
   hears nothing from the controller for rollout.generator_timeout_s (or, stopped mid-broadcast,
   receives no weights for weights.timeout_s), ends itself naming the controller, and its reaper
   kills its vLLM engine and reward workers.
-- preempt_first_step: SIGUSR1 before the first training step (while vLLM starts): exit 3, no
-  checkpoint written; the same command again starts afresh (the aborted attempt's files set
-  aside) and completes.
 """
 import re
 import signal
@@ -20,10 +18,7 @@ import time
 import psutil
 import pytest
 
-from areal_hpc.storage import checkpoint as ck
-from areal_hpc.storage.rollout_log import RolloutReader
-from tests.e2e.test_generator_failure import _find, _no_leftovers, _run_until, _steps_done
-from tests.e2e.test_preempt_resume import _check_log, _finish, _wait_for
+from tests.e2e.test_generator_failure import _no_leftovers, _run_until, _steps_done
 
 BOUND_S = 20
 ARGS = ["train.total_steps=400", "train.batch_prompts=3", "rollout.group_size=2",
@@ -92,39 +87,3 @@ def test_trainer_loss_ends_the_job(jobs, tiny_model, tmp_path, how):
         print(f"named: {named.group(0)}")
         assert ended_s < 60, ended_s
     _no_leftovers(jobs)
-
-
-def test_preempt_before_first_step_writes_nothing_and_reruns(jobs, tiny_model, tmp_path):
-    steps = 2
-    args = jobs.args(tiny_model, tmp_path, "p0", *ARGS[1:6], f"train.total_steps={steps}",
-                     "checkpoint.every_steps=1")
-    run_dir = tmp_path / "p0"
-    proc = jobs.start(args)
-    # As soon as the generator's vLLM engine exists, every rank has its signal handlers
-    # (installed before the trainer builds its model and before the generator starts vLLM);
-    # the trainer has not asked for its first batch yet (initial eval first).
-    _wait_for(lambda: _find(jobs, "EngineCore") is not None, proc)
-    assert _steps_done(run_dir) == 0
-    for p in jobs.processes(ranks_only=False):     # as Slurm does: every process of the step
-        try:
-            if not any(x in " ".join(p.cmdline()) for x in ("mpiexec", "hydra", "areal_hpc.launch")):
-                p.send_signal(signal.SIGUSR1)
-        except psutil.Error:
-            pass
-    code, out = _finish(proc)
-    assert code == 3, out[-4000:]
-    assert "preempted before this attempt's first training step" in out, out[-4000:]
-    assert _steps_done(run_dir) == 0
-    assert ck.list_checkpoints(run_dir) == [], ck.list_checkpoints(run_dir)
-    with RolloutReader(run_dir / "rollouts.h5") as r:         # closed properly, readable
-        first_rows = len(r.column("consumed_step"))
-    assert not jobs.leftovers(), "processes of the job are still running"
-
-    code, out = _finish(jobs.start(args))
-    assert code == 0, out[-4000:]
-    assert "has no usable checkpoint: starting afresh" in out, out[-4000:]
-    assert (run_dir / "rollouts.attempt-1.h5").exists()
-    with RolloutReader(run_dir / "rollouts.attempt-1.h5") as r:
-        assert len(r.column("consumed_step")) == first_rows
-    _check_log(run_dir, steps)     # each step B groups once, metrics once per step
-    assert not jobs.leftovers(), "processes of the job are still running"

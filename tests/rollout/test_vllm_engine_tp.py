@@ -101,8 +101,13 @@ def test_workers_each_hold_one_shard(engine, model_dir):
     def worker_view(worker):    # local, so cloudpickle sends it by value (no `tests` package there)
         import os
 
+        import torch
+
         attn = worker.model_runner.model.model.layers[0].self_attn
         return {"rank": worker.rank, "bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+                "pid": os.getpid(), "parent": os.getppid(), "threads": torch.get_num_threads(),
+                "cpus": sorted(os.sched_getaffinity(0)),
+                "start": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"),
                 "heads": (attn.num_heads, attn.num_kv_heads),
                 "qkv_rows": attn.qkv_proj.output_size_per_partition}
 
@@ -111,6 +116,14 @@ def test_workers_each_hold_one_shard(engine, model_dir):
     bind = vllm_engine.omp_threads_bind(os.sched_getaffinity(0), TP)
     assert all(v["bind"] == bind for v in views)     # set while they started...
     assert BIND not in os.environ                     # ...and only then
+    # forked from the engine process (vllm_ext.ForkedWorkersExecutor), not spawned from it, and
+    # each still bound to its own share of the CPUs, one OpenMP thread per CPU
+    engine_core = {p.pid for p in engine._children} - {v["pid"] for v in views}
+    assert len(engine_core) == 1 and all(v["parent"] in engine_core for v in views), views
+    assert all(v["start"] == "fork" for v in views), views
+    for v, part in zip(views, bind.split("|")):
+        cpus = sorted(map(int, part.split(",")))
+        assert v["cpus"] == cpus and v["threads"] == len(cpus), (v, part)
     cfg = hf_model(model_dir).config
     heads = (cfg.num_attention_heads // TP, cfg.num_key_value_heads // TP)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
