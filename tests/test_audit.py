@@ -17,7 +17,7 @@ from areal_hpc import audit as au
 from areal_hpc.config import load, to_yaml
 from areal_hpc.storage import checkpoint as ck
 from areal_hpc.storage.run_state import ControllerState
-from areal_hpc.storage.rollout_log import (DROPPED_STALE, NOT_CONSUMED, PARTIAL, ROLLED_BACK,
+from areal_hpc.storage.rollout_log import (DROPPED_STALE, FAILED, NOT_CONSUMED, PARTIAL, ROLLED_BACK,
                                            RolloutReader, RolloutWriter)
 from tests.storage.test_safe_pickle import stand_in_shards
 
@@ -104,6 +104,14 @@ class Sim:
         self.buffer.append((pid, rows, min(versions)))
         self.accepted += 1
         self.tokens += N * len(versions)
+
+    def fail(self, pid: int) -> None:
+        """A group with no sampled token (every episode ended before the model's first turn):
+        logged, marked FAILED, never buffered, its prompt given up (Ledger.arrived)."""
+        del self.inflight[pid]
+        self.partial.pop(pid, None)
+        rows = self.writer.append(self._trajs(pid, []))
+        self.writer.mark_consumed(rows, FAILED)
 
     def step(self) -> None:
         self.drop_stale()
@@ -271,6 +279,18 @@ def test_given_up_prompt_is_accounted(tmp_path):
     report = au.audit(build_run(tmp_path / "r", max_reissues=0))
     assert report.ok, report.text()
     assert "dropped and given up: 1" in report.text()
+
+
+def test_a_failed_prompt_is_accounted(tmp_path):
+    """A group without a sampled token, marked FAILED, its prompt given up: the audit passes and
+    counts it apart; the same prompt trained later would be one issued again."""
+    def fail_one(s):
+        (pid,) = s.issue(1)
+        s.fail(pid)
+
+    report = au.audit(build_run(tmp_path / "r", before_final=fail_one))
+    assert report.ok, report.text()
+    assert "never trained, given up: 1" in report.text()
 
 
 def test_trajectory_trained_twice(clean):

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from ..storage.rollout_log import PARTIAL
+from ..storage.rollout_log import DROPPED_STALE, FAILED, PARTIAL
 from .load import RunData
 
 # reward/pool.py reports a call killed at its deadline as "timeout after <s> s".
@@ -29,6 +29,7 @@ OVERVIEW_FIELDS = (
     ("trained", "trajectories trained on", "{:,}"),
     ("pending", "pending (not yet trained on)", "{:,}"),
     ("dropped_stale", "dropped as too stale", "{:,}"),
+    ("failed", "failed: no sampled token (the environment), never trained", "{:,}"),
     ("partial", "partial rows (preempted mid-generation, continued later; not counted here)",
      "{:,}"),
     ("reward_mean", "reward mean", "{:+.4f}"),
@@ -98,7 +99,8 @@ def overview(run: RunData) -> dict[str, float]:
         "steps": int(trained["consumed_step"].nunique()),
         "trained": len(trained),
         "pending": int((consumed == -1).sum()),
-        "dropped_stale": int((consumed == -2).sum()),
+        "dropped_stale": int((consumed == DROPPED_STALE).sum()),
+        "failed": int((consumed == FAILED).sum()),
         "partial": int((run.traj["consumed_step"] == PARTIAL).sum()),
         "reward_mean": float(t["reward"].mean()) if len(t) else math.nan,
         "accuracy": float(t["correct"].mean()) if len(t) else math.nan,

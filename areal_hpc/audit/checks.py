@@ -6,7 +6,7 @@ import collections
 import numpy as np
 
 from ..storage import run_dir as run_files
-from ..storage.rollout_log import (ABORTED, DROPPED_STALE, NO_SEED, NOT_CONSUMED, PARTIAL,
+from ..storage.rollout_log import (ABORTED, DROPPED_STALE, FAILED, NO_SEED, NOT_CONSUMED, PARTIAL,
                                   ROLLED_BACK, RolloutReader)
 from ..train.shares import guard_decisions
 
@@ -208,11 +208,13 @@ def _check_prompts(run: AuditedRun, groups: Groups, proj: Projection | None) -> 
         trained = [g for g in live if status[g] >= 0]
         pending = [g for g in live if status[g] == NOT_CONSUMED]
         dropped = [g for g in live if status[g] == DROPPED_STALE]
+        failed = [g for g in live if status[g] == FAILED]
         rolled = len(live) < len(gs)
         if trained:
             cat = "trained"
-            # once trained, a prompt is never issued again; a dropped group may only precede it
-            again = pending + [g for g in dropped if g > trained[0]]
+            # once trained, a prompt is never issued again; a dropped group may only precede it;
+            # a failed one is never issued again either
+            again = pending + [g for g in dropped if g > trained[0]] + failed
             if again or p in inflight:
                 bad.append(f"prompt {p} trained at step {status[trained[0]]} was issued again ("
                            + (f"{groups.rows(again[0])}: {status_name(int(status[again[0]]))}"
@@ -234,6 +236,8 @@ def _check_prompts(run: AuditedRun, groups: Groups, proj: Projection | None) -> 
                 else:
                     early.append(f"prompt {p} (dropped {len(dropped)} time(s), last "
                                  f"{groups.rows(dropped[-1])})")
+        elif failed:
+            cat = "failed"      # no sampled token: given up at once (Ledger.arrived)
         elif rolled and p >= bound and ctrl is not None:
             cat = "after the checkpoint"
         elif ctrl is None:
@@ -299,6 +303,8 @@ def _check_prompts(run: AuditedRun, groups: Groups, proj: Projection | None) -> 
              f"vLLM engines restarted after a fault, as the steps' metrics recorded: "
              f"{_engine_restarts(run)} (their samples continued in the new engine from their "
              f"tokens: no prompt issued again for them)",
+             f"failed (no sampled token: every episode ended before the model's first turn), "
+             f"never trained, given up: {cats['failed']}",
              f"rolled back and issued again: {cats['rolled back, issued again']}"
              + (f"; issued after the checkpoint (a resume rolls them back and issues them "
                 f"again): {cats['after the checkpoint']}" if cats["after the checkpoint"] else "")]

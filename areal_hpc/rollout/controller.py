@@ -34,7 +34,8 @@ from ..config import RunConfig, to_yaml
 from ..config.rules import LOADING_MARGIN_S
 from ..data.prompts import prompt_ids
 from ..env.episode import CUT_TURNS
-from ..storage.rollout_log import DROPPED_STALE, NOT_CONSUMED, PARTIAL, RolloutReader, RolloutWriter
+from ..storage.rollout_log import (DROPPED_STALE, FAILED, NOT_CONSUMED, PARTIAL, RolloutReader,
+                                   RolloutWriter)
 from ..storage.run_dir import RunDir
 from ..storage.run_state import ControllerState
 from ..topology import Topology
@@ -104,6 +105,7 @@ class Controller:
         self.gen_stats: dict[int, msgs.GeneratorStats] = {}
         self._eval_results: list[msgs.EvalResult] = []
         self._dropped_since_batch = 0       # groups dropped as stale since the last batch was taken
+        self._failed_since_batch = 0        # groups without a sampled token since then
         self._stale_sent = 0                # the last StaleBefore version sent to the generators
         self._taken = None                  # the groups of the batch in training
         self._cond = threading.Condition(threading.RLock())
@@ -236,7 +238,9 @@ class Controller:
                     self._engine_report(src, msg)
                     self.watch.report(src, msg)
                 case msgs.Group(trajectories=group):
-                    self.ledger.arrived(src, group, self.writer.append(group))
+                    rows = self.writer.append(group)
+                    if not self.ledger.arrived(src, group, rows):
+                        self._failed(src, group, rows)
                     got += 1
                 case msgs.Partial(groups=groups):   # preempted: the prompts stay in flight
                     for group in groups:
@@ -249,6 +253,16 @@ class Controller:
                 case msgs.WeightsAck():
                     self.weight_acks.record(src, msg)
         return got
+
+    def _failed(self, src: int, group: list[dict], rows: list[int]) -> None:
+        """A group without a sampled token (Ledger.arrived): its rows marked FAILED, one line
+        with the first episode's error; the step it would have joined waits for another."""
+        self.writer.mark_consumed(rows, FAILED)
+        self._failed_since_batch += 1
+        why = next((t.get("reward_error") for t in group if t.get("reward_error")), "") or "no error given"
+        log.warning("generator rank %d: every sample of prompt %d ended before a sampled token "
+                    "(%s): the group is not trained, the prompt given up (%d such group(s) so "
+                    "far)", src, int(group[0]["prompt_id"]), why, self.ledger.failed_groups)
 
     def _engine_report(self, src: int, beat: msgs.Heartbeat) -> None:
         """One line per engine restart a generator reports (rollout/engine_guard.py)."""
@@ -318,6 +332,7 @@ class Controller:
             groups = self.ledger.take(B)                  # oldest first
             self._taken = groups                          # until trained (or put back)
             dropped, self._dropped_since_batch = self._dropped_since_batch, 0
+            failed, self._failed_since_batch = self._failed_since_batch, 0
             self._send_stale_before()
             if self.version + 1 >= self.cfg.train.total_steps:
                 # the run's last batch: nothing more to generate for training (the η window
@@ -331,6 +346,7 @@ class Controller:
                  "accuracy": float((rewards > 0.5).mean()),
                  "staleness_max": max(stale), "staleness_mean": float(np.mean(stale)),
                  "dropped_stale": dropped, "lost_stale": self.ledger.stale_groups.lost,
+                 "failed_groups": failed,
                  "reward_errors": sum(1 for t in trajs if t.get("reward_error")),
                  "response_len": float(np.mean([len(t["output_tokens"]) for t in trajs])),
                  **dict(zip(("engine_restarts", "generators_live"), self.watch.engines())),

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..storage.run_state import ControllerState
-from .staleness import ReadyBuffer, ReadyGroup, StaleGroups, StalenessManager
+from .staleness import ReadyBuffer, ReadyGroup, StaleGroups, StalenessManager, any_sampled
 
 
 class PromptCursor:
@@ -81,6 +81,7 @@ class Ledger:
         # preemption, continued from when the prompt is issued again
         self.partial: dict[int, tuple[int, int]] = {}
         self.dropped_stale = 0          # groups dropped for exceeding η, over the run
+        self.failed_groups = 0          # groups without a sampled token, in this attempt
         self.stale_groups = StaleGroups(stale_policy, max_reissues)   # dropped: again or lost
         self.generated_tokens = 0
 
@@ -103,15 +104,23 @@ class Ledger:
         return out
 
     # -- in -------------------------------------------------------------------------------------
-    def arrived(self, rank: int, trajectories: list[dict], rows: list[int]) -> None:
-        """Generator `rank` sent a scored group (logged as `rows`): it waits for a step."""
+    def arrived(self, rank: int, trajectories: list[dict], rows: list[int]) -> bool:
+        """Generator `rank` sent a scored group (logged as `rows`): it waits for a step. Returns
+        False for a group with no sampled token (every episode of it ended before the model's
+        first turn): it is not buffered and never trained, its prompt given up (issued again it
+        would most likely fail again, also after a requeue); the caller marks its rows FAILED."""
         pid = int(trajectories[0]["prompt_id"])
         self.in_flight[rank] -= 1
         self.prompts_in_flight.pop(pid, None)
         self.partial.pop(pid, None)
+        self.generated_tokens += sum(len(t["output_tokens"]) for t in trajectories)
+        if not any_sampled(trajectories):
+            self.staleness.on_rollout_rejected()       # its slot in the η budget is freed
+            self.failed_groups += 1
+            return False
         self.staleness.on_rollout_accepted()
         self.buffer.add(trajectories, rows)
-        self.generated_tokens += sum(len(t["output_tokens"]) for t in trajectories)
+        return True
 
     def partial_arrived(self, prompt_id: int, first_row: int, num_rows: int) -> None:
         """At a preemption: the prompt's samples as far as they got (PARTIAL rows); it stays in

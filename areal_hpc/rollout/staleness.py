@@ -75,15 +75,9 @@ class StalenessManager:
             self.rejected += 1
 
 
-# The oldest version of a group without a sampled token (every episode of it ended before the
-# model's first turn: a `reset` that raised or timed out, a sandbox missing): it can never be too
-# stale, and is trained as a group that teaches nothing (the step's other groups are the signal).
-NO_SAMPLED_TOKEN = float("inf")
-
-
 @dataclass
 class ReadyGroup:
-    oldest_version: int | float  # policy version of its oldest sampled token (NO_SAMPLED_TOKEN)
+    oldest_version: int         # policy version of the group's oldest token
     trajectories: list          # the group's samples (docs/architecture.md#data-contract)
     rows: list                  # their rows in the rollout log
 
@@ -119,9 +113,9 @@ class ReadyBuffer:
 
     def add(self, trajectories: list, rows: list) -> None:
         # (a sample stopped before its first token has none; an episode's observation tokens,
-        # version -1, were not sampled: `oldest_sampled`; a group may have none at all)
-        oldest = min((o for t in trajectories if (o := oldest_sampled(t["versions"])) is not None),
-                     default=NO_SAMPLED_TOKEN)
+        # version -1, were not sampled: `oldest_sampled`; a group with none at all is never
+        # buffered: `any_sampled`, Ledger.arrived)
+        oldest = min(o for t in trajectories if (o := oldest_sampled(t["versions"])) is not None)
         self._groups.append(ReadyGroup(oldest, trajectories, rows))
 
     def groups(self) -> list[ReadyGroup]:
@@ -135,8 +129,7 @@ class ReadyBuffer:
         return stale
 
     def take(self, n: int) -> list[ReadyGroup]:
-        """The n groups with the oldest tokens (arrival order among equals; groups without a
-        sampled token last)."""
+        """The n groups with the oldest tokens (arrival order among equals)."""
         self._groups.sort(key=lambda g: g.oldest_version)
         taken, self._groups = self._groups[:n], self._groups[n:]
         return taken
@@ -181,6 +174,12 @@ def oldest_sampled(token_versions) -> int | None:
     v = np.asarray(token_versions)
     v = v[v >= 0]
     return int(v.min()) if len(v) else None
+
+
+def any_sampled(trajectories) -> bool:
+    """Whether any trajectory of a group has a sampled token (every episode of a group can end
+    before the model's first turn: a `reset` that raised or timed out)."""
+    return any(oldest_sampled(t["versions"]) is not None for t in trajectories)
 
 
 def staleness_of(consume_version: int, token_versions) -> int:

@@ -25,7 +25,7 @@ from .run_dir import TENSORBOARD as SUBDIR
 log = logging.getLogger(__name__)
 
 _ROLLOUT = {"reward", "accuracy", "reward_mean", "reward_errors", "response_len", "n_tokens", "n_seqs",
-            "staleness_max", "staleness_mean", "dropped_stale", "adv_abs_mean", "reissued",
+            "staleness_max", "staleness_mean", "dropped_stale", "failed_groups", "adv_abs_mean", "reissued",
             "given_up", "lost_stale", "truncated_frac", "zero_var_groups", "filtered_seqs", "entropy",
             "engine_restarts", "generators_live"}
 _SKIP = {"step", "time"}

@@ -16,7 +16,7 @@ from areal_hpc.storage.rollout_log import PARTIAL, RolloutWriter
 # row 3: 000, row 4: 210, row 5: 11 → 14 zeros, 5 ones, 1 two (20 tokens).
 EXPECTED_OVERVIEW = {
     "trajectories": 10, "prompts": 5, "output_tokens": 32, "prompt_tokens": 34, "steps": 3,
-    "trained": 6, "pending": 2, "dropped_stale": 2, "partial": 0,
+    "trained": 6, "pending": 2, "dropped_stale": 2, "failed": 0, "partial": 0,
     "reward_mean": 5.5 / 10, "accuracy": 5 / 10,           # 0.5 is not > 0.5
     "interrupted_share": 2 / 10,                            # rows 2 and 4
     "staleness_mean": 7 / 20, "staleness_p50": 0, "staleness_p95": 1, "staleness_max": 2,
@@ -137,7 +137,7 @@ def test_printed_tables(run):
     overview = _rows(report.overview_table([run]))
     assert [r[0] for r in overview] == [label.strip() for _, label, _ in S.OVERVIEW_FIELDS]
     assert [r[1] for r in overview] == [
-        "10", "5", "32", "34", "3", "6", "2", "2", "0", "+0.5500", "0.5000", "20.00%",
+        "10", "5", "32", "34", "3", "6", "2", "2", "0", "0", "+0.5500", "0.5000", "20.00%",
         "0.350", "0", "1", "2", "0.667", "2", "3.2", "3", "5", "6", "6", "20.00%", "9.0",
         "3.6", "2", "1", "1.00", "0", "0", "0.0"]
     assert _rows(report.step_table(run, 20)) == [

@@ -16,7 +16,7 @@ from areal_hpc.config import RunConfig, load, to_yaml
 from areal_hpc.random_models import qwen_byte_tokenizer
 from areal_hpc.rollout.controller import SERVICE_JOIN_S, Controller
 from areal_hpc.rollout.gen_clock import BUCKETS
-from areal_hpc.storage.rollout_log import (DROPPED_STALE, NOT_CONSUMED, PARTIAL, RolloutReader,
+from areal_hpc.storage.rollout_log import (DROPPED_STALE, FAILED, NOT_CONSUMED, PARTIAL, RolloutReader,
                                            RolloutWriter)
 from areal_hpc.storage.run_dir import RunDir
 from areal_hpc.storage.run_state import CheckpointError, ControllerState
@@ -223,32 +223,35 @@ def test_groups_in_batches_out_within_eta(setup):
     assert sorted(trained) == list(range(8))                # every prompt once, none lost
 
 
-def test_a_group_without_a_sampled_token_is_trained_and_ends_nothing(setup):
+def test_a_group_without_a_sampled_token_is_recorded_never_trained_and_ends_nothing(setup):
     """Every episode of a group ended before the model's first turn (its environment's `reset`
-    raised or timed out): no sampled token, no policy version. It is buffered as never too stale
-    (staleness.NO_SAMPLED_TOKEN), taken after the groups with tokens, and trained as a group
-    that teaches nothing; the controller serves on (such a group once took `min()` of nothing
-    in the buffer, killed the controller's thread and so the job, again after every requeue)."""
+    raised or timed out): no sampled token, no policy version. Its rows are marked FAILED as it
+    arrives, its prompt given up (never issued again: a resume does not see it in flight
+    either), its slot in the η budget freed, the step's metrics count it; the controller
+    serves on (such a group once took `min()` of nothing in the buffer, killed the
+    controller's thread and so the job, again after every requeue)."""
     ctrl, chan = setup.controller()
     assert ctrl.submit() == 4
     p = {q.prompt_id: q for q in chan.prompts()}
-    failed = [dict(_trajectory(p[0], k, 0, reason="abort_env"), reward=0.0,
+    failed = [dict(_trajectory(p[0], k, 0, reason="stop"), reward=0.0,
                    output_tokens=np.zeros(0, np.int32), behav_logprobs=np.zeros(0, np.float32),
-                   versions=np.zeros(0, np.int32)) for k in range(N)]
+                   versions=np.zeros(0, np.int32), reward_error="reset: ConnectionError")
+              for k in range(N)]
     chan.deliver(msgs.Group(failed), _group(p[1], 0), _group(p[2], 0))
-    b0 = ctrl.next_batch()          # received by the service thread, which lives on
-    assert [t["prompt_id"] for t in b0.trajectories[::N]] == [1, 2]   # tokens first
+    b0 = ctrl.next_batch()
+    assert [t["prompt_id"] for t in b0.trajectories[::N]] == [1, 2]
+    assert b0.stats["failed_groups"] == 1 and b0.stats["dropped_stale"] == 0
     ctrl.on_trained(b0.rows, 0, 1)
-    assert chan.wait_for(lambda: len(chan.prompts()) >= 6) and ctrl.service.running
-    chan.deliver(_group(p[3], 1))
-    b1 = ctrl.next_batch()
-    assert [t["prompt_id"] for t in b1.trajectories[::N]] == [3, 0]
-    assert b1.stats["staleness_max"] == 0 and b1.stats["dropped_stale"] == 0
-    ctrl.on_trained(b1.rows, 1, 2)
+    # the service thread refills, the failed group's slot freed: 4 + 1 slots of η, 2 trained
+    assert chan.wait_for(lambda: len(chan.prompts()) >= 7) and ctrl.service.running
+    state = ctrl.state()
+    assert 0 not in state.inflight_prompt_ids.tolist() and state.accepted == 2
+    ctrl.close()
     with RolloutReader(setup.log) as r:
         consumed, pids = r.column("consumed_step"), r.column("prompt_id")
-    assert (consumed[pids == 0] == 1).all() and (consumed[b0.rows] == 0).all()
-    ctrl.close()
+    assert (consumed[pids == 0] == FAILED).all() and (pids == 0).sum() == N
+    assert (consumed[b0.rows] == 0).all()
+    assert [q.prompt_id for q in chan.prompts()].count(0) == 1     # never issued again
 
 
 def _preempted(setup: Setup) -> ControllerState:

@@ -118,11 +118,11 @@ def test_a_mask_of_ones_trains_exactly_as_no_mask(megatron_ws1, model_dir):
             assert value == s2[key] or (np.isnan(value) and np.isnan(s2[key])), key
 
 
-def test_a_group_without_a_sampled_token_trains_as_the_batch_without_it(megatron_ws1, model_dir):
-    """A group whose every episode ended before the model's first turn (no output token; its
-    controller side: tests/rollout/test_controller_one_process.py) adds nothing to the step: the
-    same loss, gradient norm, token count and advantages as the batch without it (up to rounding:
-    the packed rows differ)."""
+def test_sequences_without_an_output_token_add_nothing_to_the_step(megatron_ws1, model_dir):
+    """Sequences with no output token (an episode that ended before the model's first turn; a
+    whole group of them never reaches a step: tests/rollout/test_controller_one_process.py)
+    add nothing: the same loss, gradient norm and token count as the batch without them (up to
+    rounding: the packed rows differ)."""
     from tests.train.test_actor import GROUP_SIZE
 
     with_failed = make_actor(model_dir, max_tokens_per_mb=10_000)
