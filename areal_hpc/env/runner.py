@@ -6,7 +6,8 @@ started as pid 1 of a PID namespace of its own (reward/contain.py ``wrap``; wher
 made, the subreaper fallback that contain.py names). It imports the environment's class once,
 says ``{"ready": true}`` (or why it cannot), then serves one episode after another: ``reset``
 builds a fresh instance, kills what the previous episode left, and returns the first prompt;
-``step`` hands a turn over. Calls go down as pickles (the parent is the trusted side); answers
+``step`` hands a turn over; ``close``, at the episode's end (after its error too), calls the
+instance's ``close()`` and kills what the episode started. Calls go down as pickles (the parent is the trusted side); answers
 come back as one line of JSON each, which the parent checks as plain data of bounded size
 (``_step_of``): the environment's code can write anything on that pipe.
 
@@ -82,6 +83,13 @@ class EnvProcess:
         if self.proc is None:
             return Step(done=True, error="the environment's process is gone (no reset?)")
         return self._call("step", turn_text, list(turn_ids))
+
+    def end(self) -> Step:
+        """The episode is over: the environment's ``close()`` (bounded as a call), then what
+        the episode started is killed; ``error`` if close raised or the child broke (killed)."""
+        if self.proc is None:
+            return Step(done=True, error="the environment's process is gone")
+        return self._call("close")
 
     def kill(self) -> None:
         """Kill the child and everything it started (bounded); a call waiting on it answers
@@ -287,7 +295,7 @@ class EnvRunner:
     ``finish(key)`` ends an episode. Thread-safe."""
 
     def __init__(self, cfg: EnvConfig, max_episodes: int):
-        self.cfg = cfg
+        self.cfg, self.max_episodes = cfg, max_episodes
         self._pool = ThreadPoolExecutor(max_workers=max_episodes, thread_name_prefix="env")
         self._lock = threading.Lock()
         self._running: dict[Hashable, EnvProcess] = {}
@@ -317,15 +325,30 @@ class EnvRunner:
         `replay_steps` (reset, then one per model turn in `turns`), never failing."""
         return self._pool.submit(replay_steps, self._take(key), row, turns)
 
-    def finish(self, key: Hashable) -> None:
-        """The episode is over (call it once its last future is done): its child waits for the
-        next episode, whose reset kills what this one left."""
+    def finish(self, key: Hashable) -> Future | None:
+        """The episode is over (call it once its last future is done; also after its error):
+        on the pool, the environment's ``close()`` and a kill of what the episode started
+        (`EnvProcess.end`), then its child waits for the next episode (or ends, past
+        ``max_episodes`` idle ones). Returns the future of the end's Step (None: the child was
+        gone already)."""
         with self._lock:
             proc = self._running.pop(key)
-            if not self._closed and proc.proc is not None:
+            live = not self._closed and proc.proc is not None
+        if not live:
+            proc.close()
+            return None
+        return self._pool.submit(self._end, proc)
+
+    def _end(self, proc: EnvProcess) -> Step:
+        step = proc.end()
+        with self._lock:
+            keep = (not self._closed and proc.proc is not None
+                    and len(self._idle) + len(self._running) < self.max_episodes)
+            if keep:
                 self._idle.append(proc)
-                return
-        proc.close()
+        if not keep:
+            proc.close()
+        return step
 
     def close(self) -> None:
         """Kill every child (and what it started); unfinished calls end with an error."""
@@ -416,6 +439,12 @@ def _send_line(fd: int, msg: dict) -> None:
         data = data[os.write(fd, data):]
 
 
+def _kill_what_is_left() -> None:
+    for _ in range(CLEANUP_ROUNDS):       # what the last episode left
+        if not kill_descendants():
+            break
+
+
 def main(argv: list[str]) -> int:
     calls, result_fd, setup = os.fdopen(int(argv[0]), "rb"), int(argv[1]), json.loads(argv[2])
     become_subreaper()          # (pid 1 of a namespace already is; the fallback is not)
@@ -430,12 +459,16 @@ def main(argv: list[str]) -> int:
     while (head := calls.read(8)) and len(head) == 8:
         call_id, op, args = pickle.loads(calls.read(struct.unpack(">Q", head)[0]))
         try:
-            if op == "reset":
+            if op == "close":       # the episode is over: its close(), then what it started
+                ending, env = env, None
+                if ending is not None and hasattr(ending, "close"):
+                    ending.close()
+                _kill_what_is_left()
+                out = {"done": True}
+            elif op == "reset":
                 if env is not None and hasattr(env, "close"):
-                    env.close()
-                for _ in range(CLEANUP_ROUNDS):       # what the last episode left
-                    if not kill_descendants():
-                        break
+                    env.close()         # (an episode whose end was not sent: a replay)
+                _kill_what_is_left()
                 env = cls(**setup["args"])
                 out = _plain(env.reset(*args), op)
             else:

@@ -66,6 +66,20 @@ class Waits(Echo):
             time.sleep(0.01)
         return Step("waited")
 
+class Closes(Echo):
+    """Writes its episode's question to the file `row["log"]` when closed; raises in step when
+    asked to (the episode's error)."""
+    def reset(self, row):
+        self.row = row
+        return super().reset(row)
+    def step(self, text, ids):
+        if text == "raise":
+            raise RuntimeError("the tool broke")
+        return super().step(text, ids)
+    def close(self):
+        with open(self.row["log"], "a") as f:
+            f.write(self.row["question"] + "\\n")
+
 class Leaks(Echo):
     def step(self, text, ids):
         _daemon(text)
@@ -102,6 +116,27 @@ def test_a_user_environment_serves_episodes_with_its_args(envs):
         proc.close()
 
 
+def test_close_is_called_at_every_episodes_end_its_error_too(envs, tmp_path):
+    """`finish` calls the environment's close() as the episode ends (not only when the next one
+    starts), after an error too, and kills what the episode started; the child serves the next
+    episode."""
+    log = tmp_path / "closed"
+    with EnvRunner(_cfg(envs, "Closes"), max_episodes=2) as runner:
+        assert runner.reset("a", {"question": "q1", "log": str(log)}).result().error is None
+        assert runner.step("a", "t", [1]).result().error is None
+        assert runner.step("a", "t", [1]).result().done
+        assert runner.finish("a").result().error is None
+        assert log.read_text() == "q1\n"                # closed at its end, before any reset
+        assert runner.reset("b", {"question": "q2", "log": str(log)}).result().error is None
+        failed = runner.step("b", "raise", [1]).result()
+        assert failed.done and "the tool broke" in failed.error
+        assert runner.finish("b").result().error is None
+        assert log.read_text() == "q1\nq2\n"
+        assert runner.reset("c", {"question": "q3", "log": str(log)}).result().error is None
+        runner.finish("c").result()
+    assert log.read_text() == "q1\nq2\nq3\n"
+
+
 def test_a_hanging_step_is_the_episodes_error_and_the_next_episode_starts_fresh(envs):
     proc = EnvProcess(_cfg(envs, "Hangs", call_timeout_s=1.0))
     try:
@@ -125,20 +160,20 @@ def test_an_output_flood_is_capped_and_the_call_answers(envs, capfd):
 
 
 def test_what_an_episode_starts_dies_with_it(envs, tmp_path):
+    """A daemon an episode leaves is killed at the episode's end (`finish`), and one left by an
+    episode still running when the runner closes dies with the child's namespace."""
     with EnvRunner(_cfg(envs, "Leaks"), max_episodes=1) as runner:
         for i in range(2):
             pidfile = tmp_path / f"daemon{i}.pid"
             assert runner.reset("e", {"question": "q"}).result().error is None
             assert runner.step("e", str(pidfile), [1]).result().observation == "leaked"
-            runner.finish("e")
             deadline = time.monotonic() + 60
-            while not pidfile.exists():     # the daemon is up (then killed, not before)
+            while not pidfile.exists():     # the daemon is up
                 assert time.monotonic() < deadline, "the daemon never started"
                 time.sleep(0.02)
-            if i == 0:      # the next episode's reset kills what this one left
-                runner.reset("e", {"question": "q"}).result()
+            if i == 0:      # the episode's end kills what it started
+                assert runner.finish("e").result().error is None
                 assert _gone(pidfile)
-                runner.finish("e")
     assert _gone(pidfile)   # close kills the child's namespace whole
 
 
