@@ -2,16 +2,24 @@
 (mpiexec, vLLM, Megatron, HDF5), preempted (USR1) while episodes are in flight and resumed: the
 episodes in flight go back as far as they got and the resumed job continues them; the audit
 (every trained token sampled, every observation token masked, every partial row continued by a
-row that starts with it, nothing lost or trained twice) holds."""
+row that starts with it, nothing lost or trained twice) holds. The environment fails every
+`reset` of the first training prompt: that group, without a sampled token, is recorded FAILED and
+never trained, and neither attempt ends for it."""
+import json
 import signal
+from pathlib import Path
 
 import psutil
 
 from areal_hpc.audit import audit
 from areal_hpc.storage import checkpoint as ck
-from areal_hpc.storage.rollout_log import PARTIAL, RolloutReader
+from areal_hpc.config import load
+from areal_hpc.data.prompts import load_prompts_of
+from areal_hpc.rollout.ledger import PromptCursor
+from areal_hpc.storage.rollout_log import FAILED, PARTIAL, RolloutReader
 from tests.e2e.test_preempt_resume import _steps_done, _wait_for
 
+ROOT = Path(__file__).resolve().parents[2]
 STEPS, B, N = 4, 3, 2
 
 # Turn 1 gets a hint back ("check:" and the answer's digit count); turn 2 is scored and ends the
@@ -19,6 +27,8 @@ STEPS, B, N = 4, 3, 2
 # environment's file, the hint waits for it to go (and says so in the file `holding`): the test
 # preempts once an episode waits there, so the preemption always finds one in flight (without
 # it, a preemption that came while the generator waited at the staleness bound found none).
+# Its `reset` raises for the question in the file `fail_question` (the first training prompt's):
+# every episode of that group ends before the model's first turn.
 ENV = '''
 import os
 import time
@@ -32,6 +42,9 @@ class Hint:
         self.delay_s = delay_s
 
     def reset(self, row):
+        fail = os.path.join(HERE, "fail_question")
+        if os.path.exists(fail) and open(fail).read() == row["question"]:
+            raise ConnectionError("the tool server is down")
         self.turn, self.answer = 0, str(row["answer"])
         return row["question"]
 
@@ -52,6 +65,10 @@ class Hint:
 def test_episodes_preempted_mid_episode_resume_with_the_audit_clean(jobs, tiny_model, tmp_path):
     env = tmp_path / "hint_env.py"
     env.write_text(ENV)
+    cfg = load(ROOT / "configs/tiny_cpu.yaml", [f"data.train_path={tiny_model}/train.jsonl"])
+    rows = load_prompts_of(cfg, cfg.data.train_path)
+    first = rows[PromptCursor(len(rows), cfg.data.seed).next()]     # prompt id 0's row
+    (tmp_path / "fail_question").write_text(first["question"])
     args = jobs.args(tiny_model, tmp_path, "ep", f"train.total_steps={STEPS}",
                      f"train.batch_prompts={B}", f"rollout.group_size={N}",
                      "rollout.max_new_tokens=24", "data.eval_limit=4", "data.eval_samples=1",
@@ -69,6 +86,8 @@ def test_episodes_preempted_mid_episode_resume_with_the_audit_clean(jobs, tiny_m
             pass
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 3, out[-4000:]
+    assert "every sample of prompt 0 ended before a sampled token" in out, out[-4000:]
+    assert "the tool server is down" in out
     (tmp_path / "hold").unlink()
     done = _steps_done(run_dir)
     assert ck.find_latest(run_dir)[1]["step"] == done < STEPS
@@ -82,6 +101,11 @@ def test_episodes_preempted_mid_episode_resume_with_the_audit_clean(jobs, tiny_m
         consumed = r.column("consumed_step")
     trained = [x for x, c in zip(rows, consumed) if c >= 0]
     assert len(trained) == STEPS * B * N
+    # the failed prompt: its one group FAILED, no token, never trained, never issued again
+    of_0 = [(c, len(x["output_tokens"])) for x, c in zip(rows, consumed) if x["prompt_id"] == 0]
+    assert of_0 == [(FAILED, 0)] * N, of_0
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sum(m["failed_groups"] for m in metrics) == 1
     # every trained episode: two model turns around the hint's observation (or fewer, cut or
     # ended early), observation tokens masked with version -1, the hint's tool record
     two = [x for x in trained if x["turn_is_sample"].tolist() == [1, 0, 1]]
