@@ -8,8 +8,7 @@ Layout (flat token arrays + end offsets; vlen data is not SWMR-safe):
                            that used it; -1 = not yet, DROPPED_STALE = dropped as too stale,
                            ROLLED_BACK, PARTIAL = a sample as far as it got when its job was
                            preempted: continued by a later row of the same prompt and sample
-                           after the resume; schema 3 on; FAILED = a group without a sampled
-                           token, never trained; schema 4 on),
+                           after the resume, schema 3 on; FAILED, schema 4 on),
                            prompt_end i8, output_end i8 (end offsets into the token arrays),
                            reward_error S96 (why the reward service scored 0 without computing
                            a reward, UTF-8, cut to REWARD_ERROR_BYTES; empty = no error;
@@ -50,18 +49,15 @@ log = logging.getLogger(__name__)
 
 FORMAT = "areal_hpc rollout log"        # attrs["format"] from schema 2 on
 SCHEMA_VERSION = 4
-READABLE_SCHEMAS = (1, 2, 3, 4)         # 1: before reward_error; 2: before PARTIAL rows; 3: FAILED
+READABLE_SCHEMAS = (1, 2, 3, 4)     # 1: before reward_error; 2: before PARTIAL; 3: before FAILED rows
 # consumed_step values that are not a step: pending; dropped as too stale; appended after the
-# checkpoint a resumed job continued from (its training never happened; the prompt was issued
-# again); a partial generation saved at a preemption (its group was in flight: the samples as
-# far as they got, finish_reason "abort" for the unfinished ones, reward 0 where not scored yet),
-# which the resumed job continues from its prefix; a group with no sampled token (every episode
-# of it ended before the model's first turn: its environment failed), never trained, its prompt
-# given up
+# checkpoint a resumed job continued from (never trained; the prompt issued again); a partial
+# generation saved at a preemption (the samples as far as they got, finish_reason "abort" for the
+# unfinished ones, reward 0 where not scored yet), continued by the resumed job; a group without a
+# sampled token (its environment failed before the model's first turn), never trained, given up
 NOT_CONSUMED, DROPPED_STALE, ROLLED_BACK, PARTIAL, FAILED = -1, -2, -3, -4, -5
-STATUS_NAMES = {NOT_CONSUMED: "pending", DROPPED_STALE: "dropped as stale",
-                ROLLED_BACK: "rolled back", PARTIAL: "partial (preempted mid-generation)",
-                FAILED: "failed (no sampled token)"}
+STATUS_NAMES = {NOT_CONSUMED: "pending", DROPPED_STALE: "dropped as stale", ROLLED_BACK: "rolled back",
+                PARTIAL: "partial (preempted mid-generation)", FAILED: "failed (no sampled token)"}
 # (then a multi-turn episode's: cut at env.max_turns or env.max_episode_tokens, and one in flight
 # at a preemption whose environment had answered its last model turn or was answering it:
 # rollout/episodes.py; "abort" is one cut in the middle of a model turn)
