@@ -7,9 +7,10 @@ made, the subreaper fallback that contain.py names). It imports the environment'
 says ``{"ready": true}`` (or why it cannot), then serves one episode after another: ``reset``
 builds a fresh instance, kills what the previous episode left, and returns the first prompt;
 ``step`` hands a turn over; ``close``, at the episode's end (after its error too), calls the
-instance's ``close()`` and kills what the episode started. Calls go down as pickles (the parent is the trusted side); answers
-come back as one line of JSON each, which the parent checks as plain data of bounded size
-(``_step_of``): the environment's code can write anything on that pipe.
+instance's ``close()`` and kills what the episode started. Calls go down as pickles (the parent
+is the trusted side); answers come back as one line of JSON each, which the parent checks as
+plain data of bounded size (``_step_of``): the environment's code can write anything on that
+pipe.
 
 Bounds. Each call waits at most ``env.call_timeout_s``; past it, or when the child dies or
 breaks the protocol, the child is killed whole (its namespace with it: a daemon, a double fork,

@@ -259,7 +259,7 @@ class Controller:
         with the first episode's error; the step it would have joined waits for another."""
         self.writer.mark_consumed(rows, FAILED)
         self._failed_since_batch += 1
-        why = next((t.get("reward_error") for t in group if t.get("reward_error")), "") or "no error given"
+        why = next((t["reward_error"] for t in group if t.get("reward_error")), "no error given")
         log.warning("generator rank %d: every sample of prompt %d ended before a sampled token "
                     "(%s): the group is not trained, the prompt given up (%d such group(s) so "
                     "far)", src, int(group[0]["prompt_id"]), why, self.ledger.failed_groups)

@@ -279,5 +279,3 @@ class WeightSyncExtension:
 
         _reload(self, tensors())
         return count
-
-
