@@ -69,7 +69,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from areal_hpc.launch.rehearse import until  # noqa: E402  (one bounded wait for Slurm states)
+from areal_hpc.launch.rehearse import step_sockets, until  # noqa: E402  (Slurm's states, bounded)
 from areal_hpc.audit import audit  # noqa: E402
 from areal_hpc.storage.run_dir import RunDir  # noqa: E402
 from areal_hpc.storage.rollout_log import PARTIAL, RolloutReader  # noqa: E402
@@ -141,12 +141,7 @@ def ranks(job: str) -> dict[int, psutil.Process]:
 def settled(job: str) -> bool:
     """No process of the job's previous attempt is left (its step daemons included): a job
     released before that is killed at once ("Job credential revoked")."""
-    ids = {f"[{int(job) + c}." for c in (0, 1)} | {f"[{int(job) + c}]" for c in (0, 1)}
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if cmd.startswith("slurmstepd:") and any(i in cmd for i in ids):
-            return False
-    return not ranks(job)
+    return not step_sockets(job) and not ranks(job)
 
 
 def steps_done(run_dir: Path) -> int:

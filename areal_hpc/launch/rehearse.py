@@ -178,20 +178,32 @@ def until(cond, timeout: float, what: str, poll: float = 0.5) -> None:
         time.sleep(poll)
 
 
+def step_sockets(job: str, env=None) -> list[Path]:
+    """The sockets the step daemons of `job`'s attempts hold open in this cluster's slurmd spool
+    folders (`<node>_<job>.<step>`, made at a step's start, removed at its end), for both
+    components of a hetjob (job, job + 1). By name only: another cluster on this host numbers
+    its jobs from 1 too, so its `slurmstepd: [1.0]` says nothing about this one's job 1."""
+    conf = _sh("scontrol", "show", "config", env=env).stdout
+    spool = re.search(r"^SlurmdSpoolDir\s*=\s*(\S+)", conf, re.M)
+    if spool is None:
+        raise RuntimeError(f"no SlurmdSpoolDir in `scontrol show config`:\n{conf[-2000:]}")
+    pattern = spool[1].replace("%n", "*").replace("%h", "*")
+    return [s for c in (0, 1) for s in Path("/").glob(f"{pattern.lstrip('/')}/*_{int(job) + c}.*")
+            if s.is_socket()]
+
+
 def release(job: str, env=None, timeout: float = 180) -> None:
     """Start a requeued job now instead of after Slurm's BeginTime hold (~120 s), once its
     previous attempt's step daemons are gone (released earlier, the new attempt is killed with
-    "Job credential revoked")."""
-    import psutil
-    ids = {f"[{int(job) + c}." for c in (0, 1)}        # a hetjob's components: job, job + 1
+    "Job credential revoked"). A job that started by itself meanwhile is left as it is."""
+    started = ("RUNNING", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
 
     def settled():
-        if job_info(job, env).get("JobState") != "PENDING":
-            return False
-        return not any((p.info["cmdline"] or [""])[0].startswith("slurmstepd:")
-                       and any(i in " ".join(p.info["cmdline"]) for i in ids)
-                       for p in psutil.process_iter(["cmdline"]))
+        state = job_info(job, env).get("JobState")
+        return state in started or (state == "PENDING" and not step_sockets(job, env))
     until(settled, timeout, f"job {job} back in the queue")
+    if job_info(job, env).get("JobState") != "PENDING":
+        return
     # slurmd revokes the ended attempt's credential with a time stamp in whole seconds, and
     # refuses a launch whose credential is not newer: a start within that second is killed
     time.sleep(2.0)

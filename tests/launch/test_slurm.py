@@ -13,6 +13,7 @@ import pytest
 
 from areal_hpc.config import load
 from areal_hpc.launch.placement import sbatch_components
+from areal_hpc.launch.rehearse import step_sockets
 from areal_hpc.launch.submit import Component, hetjob_layout
 from areal_hpc.preemption import HOLD_HOOK_ENV
 
@@ -191,7 +192,8 @@ def test_usr1_is_forwarded_and_the_job_requeued(slurm_env, jobs, tiny_model, tmp
     """The batch shell's USR1 (what --signal=B:USR1@... sends before the time limit) or TERM reaches
     every rank as USR1 (srun would cancel the step on a TERM); ranks exiting with EXIT_PREEMPTED
     (3) make slurm/job.sh requeue the job, and the next attempt (SLURM_RESTART_COUNT=1) runs the
-    same command with its own log folder."""
+    same command with its own log folder. The release is not misled by another cluster's step
+    daemon of the same job id (two local clusters run side by side in the suite)."""
     fake = tmp_path / "fake_python"
     fake.write_text(FAKE_RANK.format(python=sys.executable, flags=tmp_path))
     fake.chmod(0o755)
@@ -199,13 +201,18 @@ def test_usr1_is_forwarded_and_the_job_requeued(slurm_env, jobs, tiny_model, tmp
     env = {**jobs.env(slurm_env), "AREAL_PYTHON": str(fake)}
     job = _sh("sbatch", "--parsable", f"--output={out}", "slurm/areal_tiny.sh",
               *_model_args(tiny_model, tmp_path, "rq"), env=env).stdout.strip().split(";")[0]
+    other = subprocess.Popen(["bash", "-c", f'exec -a "slurmstepd: [{job}.0]" sleep 600'])
     try:
         _until(lambda: all((tmp_path / f"started.{i}").exists() for i in (0, 1)), 120, "both ranks")
+        assert step_sockets(job, slurm_env), "no step socket of the running job"
         _sh("scancel", "--batch", f"--signal={sig}", job, env=slurm_env)
         _until(lambda: _job(slurm_env, job).get("Restarts") == "1", 120, "the requeue")
         _release(slurm_env, job)
         _until(lambda: _job(slurm_env, job)["JobState"] == "COMPLETED", 120, "the second attempt")
+        _until(lambda: not step_sockets(job, slurm_env), 60, "the step daemons' end")
     finally:
+        other.kill()
+        other.wait()
         subprocess.run(["scancel", job], env=slurm_env, capture_output=True)
     log = out.read_text(errors="replace")
     assert f"SIG{sig}: asking the ranks to checkpoint" in log and "requeueing job" in log, log
