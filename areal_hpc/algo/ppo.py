@@ -38,27 +38,36 @@ from areal_hpc.config import OFF_POLICY_OBJECTIVES
 STORED_REWARD_DTYPE = np.float32
 
 
-def equal_reward_groups(rewards, group_size: int) -> np.ndarray:
+def equal_reward_groups(rewards, group_size: int, valid=None) -> np.ndarray:
     """`[num_groups]` bool: the group's rewards are all equal once rounded to the log's dtype
     (`STORED_REWARD_DTYPE`): such a group has no learning signal. `rewards` (tensor or array,
-    `[num_seqs]`, group-contiguous) are the ones advantages are computed from. The one decision
-    of zero variance: `grpo_advantages`, the trainer's guards and the audit all call it."""
+    `[num_seqs]`, group-contiguous) are the ones advantages are computed from; `valid` (bool,
+    `[num_seqs]`, None: all) the ones that count (a group with none counts as not equal: it is
+    left out for another reason). The one decision of zero variance: `grpo_advantages`, the
+    trainer's guards and the audit all call it."""
     if isinstance(rewards, Tensor):
         rewards = rewards.detach().cpu().numpy()
     r = np.asarray(rewards).astype(STORED_REWARD_DTYPE)
     if r.ndim != 1 or r.size % group_size:
         raise ValueError(f"{r.size} rewards do not split into groups of {group_size}")
     r = r.reshape(-1, group_size)
-    return (r == r[:, :1]).all(axis=1)
+    if valid is None:
+        return (r == r[:, :1]).all(axis=1)
+    v = np.asarray(valid, dtype=bool).reshape(-1, group_size)
+    lo = np.where(v, r, np.inf).min(axis=1)
+    hi = np.where(v, r, -np.inf).max(axis=1)
+    return v.any(axis=1) & (lo == hi)
 
 
-def grpo_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
+def grpo_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6, valid=None) -> Tensor:
     """Per-group z-score of sequence rewards.
 
     Args:
         rewards: `[num_seqs]`, laid out group-contiguous (`group_size` samples of one prompt, then
             the next prompt's).
         group_size: samples per prompt; `num_seqs % group_size == 0`.
+        valid: `[num_seqs]` bool (None: all): the sequences a group's mean and std are taken
+            over (a discarded episode is not the model's outcome); the others get 0.
     Returns:
         `[num_seqs]` float32: `(r - mean_group) / (std_group + eps)`, population std. A group whose
         rewards are all equal gets exactly 0 (it carries no learning signal).
@@ -66,11 +75,20 @@ def grpo_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tens
     if rewards.numel() % group_size != 0:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     r = rewards.detach().float().view(-1, group_size)
-    centred = r - r.mean(dim=1, keepdim=True)
-    adv = centred / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
+    if valid is None:
+        centred = r - r.mean(dim=1, keepdim=True)
+        adv = centred / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
+        equal = torch.from_numpy(equal_reward_groups(rewards, group_size)).to(adv.device)
+    else:
+        v = torch.as_tensor(np.asarray(valid, dtype=bool)).to(r.device).view(-1, group_size)
+        n = v.sum(dim=1, keepdim=True).clamp(min=1)
+        mean = torch.where(v, r, 0.0).sum(dim=1, keepdim=True) / n
+        centred = torch.where(v, r - mean, 0.0)
+        adv = centred / ((centred.square().sum(dim=1, keepdim=True) / n).sqrt() + eps)
+        equal = torch.from_numpy(equal_reward_groups(rewards, group_size, valid)
+                                 | ~np.asarray(valid, bool).reshape(-1, group_size).any(1))
     # Equal rewards: centred is 0 up to rounding; make it exact.
-    equal = torch.from_numpy(equal_reward_groups(rewards, group_size)).to(adv.device)
-    adv = torch.where(equal.view(-1, 1), torch.zeros_like(adv), adv)
+    adv = torch.where(equal.to(adv.device).view(-1, 1), torch.zeros_like(adv), adv)
     return adv.view(-1)
 
 
@@ -106,6 +124,7 @@ def compute_advantages(
     reward_clip: float = 20.0,
     reward_norm: str = "group",
     adv_norm: str = "none",
+    valid=None,
 ) -> Tensor:
     """Per-sequence advantages of a whole batch, AReaL's order: shape, normalise per group,
     then (optionally) normalise over all tokens of the batch.
@@ -115,12 +134,14 @@ def compute_advantages(
         n_tokens: `[num_seqs]` output tokens per sequence (weights of the token-level norm).
         reward_norm: "group" (GRPO z-score per prompt) or "none".
         adv_norm: "batch" (token-level z-score over the batch) or "none".
+        valid: `[num_seqs]` bool (None: all), the sequences each group's statistics are over
+            (`grpo_advantages`).
     Returns:
         `[num_seqs]` float32.
     """
     r = shape_rewards(rewards, reward_bias, reward_scaling, reward_clip)
     if reward_norm == "group":
-        r = grpo_advantages(r, group_size)
+        r = grpo_advantages(r, group_size, valid=valid)
     elif reward_norm != "none":
         raise ValueError(f"reward_norm must be group or none, got {reward_norm!r}")
     if adv_norm == "batch":

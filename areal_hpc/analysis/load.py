@@ -26,7 +26,7 @@ import pandas as pd
 import yaml
 from tqdm import tqdm
 
-from ..storage.episode_log import mask_between
+from ..storage.episode_log import DISCARD_CAUSES, mask_between
 from ..storage.run_dir import RunDir
 from ..storage.rollout_log import (FINISH_REASONS, PARTIAL, RolloutLogError, RolloutReader,
                                    damage_is_an_error)
@@ -41,6 +41,7 @@ COLUMNS = (
     "reward_error", "finish_reason", "prompt_len", "output_len", "version_first", "version_last",
     "version_changes", "interrupted", "consumed_step", "staleness", "t_submit", "t_first_token",
     "t_end", "latency_s", "sampled_len", "turns", "tool_calls", "tool_errors", "tool_seconds",
+    "discard",
 )
 
 
@@ -209,7 +210,7 @@ def load_run(path: str | Path, label: str | None = None, *, block_tokens: int = 
         consumed = col("consumed_step").astype(np.int64)
         c = {name: col(name) for name in ("prompt_id", "sample_idx", "generator_rank", "reward",
                                           "finish_reason", "t_submit", "t_first_token", "t_end",
-                                          "reward_error")}
+                                          "reward_error", "discard")}
         # the fields first, so that the staleness histogram leaves out every bad row (skip_bad)
         first, last, oldest, changes, sampled, hist = _reduce_versions(
             r, ends, consumed, block_tokens, progress)
@@ -241,6 +242,8 @@ def load_run(path: str | Path, label: str | None = None, *, block_tokens: int = 
             "latency_s": t_end - t_submit,
             "sampled_len": sampled,
             **episodes,
+            "discard": pd.Categorical.from_codes(
+                np.where(c["discard"] < len(DISCARD_CAUSES), c["discard"], 0), DISCARD_CAUSES),
         }, columns=list(COLUMNS))
         skipped = dict(sorted(r.bad.items()))
     if skipped:

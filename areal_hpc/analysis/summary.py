@@ -13,6 +13,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from ..storage.episode_log import DISCARD_CAUSES
 from ..storage.rollout_log import DROPPED_STALE, FAILED, PARTIAL
 from .load import RunData
 
@@ -51,6 +52,8 @@ OVERVIEW_FIELDS = (
     ("tokens_per_s", "generation tokens/s (all generators)", "{:,.1f}"),
     ("reward_errors", "reward-service errors (scored 0)", "{:,}"),
     ("reward_timeouts", "  of which timeouts", "{:,}"),
+    ("discarded", "episodes discarded (env.on_error)", "{:,}"),
+    *((f"discarded_{c}", f"  {c}", "{:,}") for c in DISCARD_CAUSES[1:]),
     ("turns_mean", "model turns per trajectory: mean", "{:.2f}"),
     ("tool_calls", "tool calls", "{:,}"),
     ("tool_errors", "  failed", "{:,}"),
@@ -87,7 +90,8 @@ def overview(run: RunData) -> dict[str, float]:
     t, hist = run.generated, run.token_staleness
     consumed = t["consumed_step"]
     trained = t[consumed >= 0]
-    errors = t["reward_error"].astype(str)
+    discard = t["discard"].astype(str)
+    errors = t["reward_error"].astype(str).where(discard == "", "")     # an episode's: discarded
     n_tok = sum(hist.values())
     wall = float(t["t_end"].max() - _t0(t)) if len(t) else 0.0
     out_tokens = int(t["output_len"].sum())
@@ -121,6 +125,8 @@ def overview(run: RunData) -> dict[str, float]:
         "tokens_per_s": out_tokens / wall if wall > 0 else math.nan,
         "reward_errors": int((errors != "").sum()),
         "reward_timeouts": int(errors.str.startswith(TIMEOUT_PREFIX).sum()),
+        "discarded": int((discard != "").sum()),
+        **{f"discarded_{c}": int((discard == c).sum()) for c in DISCARD_CAUSES[1:]},
         # multi-turn episodes (a single-turn sample: one turn, no tool call)
         "turns_mean": float(t["turns"].mean()) if len(t) else math.nan,
         "tool_calls": int(t["tool_calls"].sum()),

@@ -109,8 +109,8 @@ def _check_steps(run: AuditedRun, groups: Groups) -> Check:
 def _guard_problems(run: AuditedRun, groups: Groups, S: int, lines: list[str]) -> list[str]:
     """What the collapse guards decided at each step, as metrics.jsonl counts it, against the
     log: `zero_var_groups` (groups without learning signal: equal rewards) and `filtered_seqs`
-    (trajectories `train.filter_zero_variance` and `train.overlong: filter` left out of the
-    loss), decided from the log's rewards, lengths and finish reasons by the trainer's own
+    (trajectories `train.filter_zero_variance`, `train.overlong: filter` and `env.on_error` left
+    out of the loss), decided from the log's rewards, lengths, finish reasons and discards by the trainer's own
     function (`train.shares.guard_decisions`, on the stored float32 rewards; with
     `overlong: shape` on the shaped ones). Each such group is consumed by its step like any
     other, so nothing is lost, and the counts must be the log's."""
@@ -125,8 +125,9 @@ def _guard_problems(run: AuditedRun, groups: Groups, S: int, lines: list[str]) -
     left_out = np.zeros(S, np.int64)
     if len(trained):
         rows = (groups.starts[trained, None] + np.arange(run.n)).ravel()
-        keep, _, zero_var = guard_decisions(run.reward[rows], run.out_len[rows], run.cut[rows],
-                                            run.cfg.train, run.n, run.cfg.rollout.max_new_tokens)
+        keep, _, zero_var, _ = guard_decisions(
+            run.reward[rows], run.out_len[rows], run.cut[rows], run.cfg.train, run.n,
+            run.cfg.rollout.max_new_tokens, run.discard[rows], run.cfg.env.on_error)
         steps = status[trained]
         zero = np.bincount(steps[zero_var], minlength=S)
         left_out = np.bincount(steps, weights=(~keep).reshape(-1, run.n).sum(axis=1),

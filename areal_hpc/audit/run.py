@@ -105,6 +105,7 @@ class AuditedRun:
     out_len: np.ndarray
     reward: np.ndarray          # float32, as stored
     cut: np.ndarray             # finish_reason "length"
+    discard: np.ndarray         # the episode is discarded (env.on_error), any cause
     vmin: np.ndarray            # oldest / newest sampled token version of the row (an
     vmax: np.ndarray            # observation token's -1 left out), -1 without one
     metrics: list[tuple[int, dict]] | None      # (line number, record); None: no file
@@ -244,7 +245,7 @@ def read_run(run_dir: Path, check_crc: bool, notes: list[str], block_tokens: int
             log_yaml = r.config_yaml
             cols = {name: r.column(name) for name in
                     ("prompt_id", "sample_idx", "consumed_step", "output_end", "reward",
-                     "finish_reason")}
+                     "finish_reason", "discard")}
             ends = cols["output_end"]
             if len(ends) and (np.diff(ends) < 0).any():
                 raise RolloutLogError(f"{log_path}: damaged rollout log (offsets go backwards)")
@@ -264,7 +265,8 @@ def read_run(run_dir: Path, check_crc: bool, notes: list[str], block_tokens: int
                consumed=cols["consumed_step"].astype(np.int64),
                out_len=np.diff(ends.astype(np.int64), prepend=0),
                reward=np.asarray(cols["reward"], dtype=np.float32),
-               cut=cols["finish_reason"] == FINISH_REASONS.index("length"), vmin=vmin, vmax=vmax,
+               cut=cols["finish_reason"] == FINISH_REASONS.index("length"),
+               discard=cols["discard"] > 0, vmin=vmin, vmax=vmax,
                metrics=_read_metrics(run_dir), unsampled=masks[0], first_unsampled=masks[1],
                masked_sampled=masks[2])
     hit = ck.find_latest(run_dir, check_crc=check_crc)

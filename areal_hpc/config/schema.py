@@ -28,6 +28,7 @@ RewardNorm = Literal["group", "none"]
 AdvNorm = Literal["batch", "none"]
 WeightMode = Literal["broadcast", "disk"]
 Resume = Literal["auto", "never"]
+OnError = Literal["drop_episode", "drop_group", "score_zero"]
 
 
 
@@ -356,6 +357,12 @@ class EnvConfig:
     output_bytes: int = 1 << 20         # what the environment's process may print, in all
     max_episodes: int = 32              # episodes running at once on a generator rank (a process
     #                                     each); more wait for a place
+    # An episode its environment failed (raised, hung, died, answered garbage) or discarded
+    # (Step.discard) is not the model's doing: drop_episode trains the group's other episodes,
+    # with its baseline (GRPO's mean and std) over them only; drop_group trains none of the
+    # group; score_zero trains it as an outcome with reward 0 (the model learns to avoid what
+    # preceded a tool's failure).
+    on_error: OnError = "drop_episode"
 
 
 @dataclass

@@ -11,7 +11,10 @@ One instance serves one episode; it is built with the keyword arguments of ``env
         def step(self, turn_text: str, turn_ids: list[int]) -> Step:
             ...   # the model's turn -> Step(observation, done, reward, tool)
 
-``step`` may also return a tuple ``(observation, done, reward)``. ``observation`` is text (the
+``step`` may also return a tuple ``(observation, done, reward)``. ``Step(discard="why")`` (or
+``discard=True``) ends the episode as not the model's doing (a tool server that failed): its
+tokens are not trained, and ``env.on_error`` says what that does to its group, as for an
+environment that raised, hung or died. ``observation`` is text (the
 job's ``env.observation_template`` wraps it, then it is tokenised once), a list of token ids
 (appended as they are, between the template's parts), or None (nothing to append). ``reward``: the
 episode's reward when ``done``; a number on an earlier turn is a per-turn reward, added to it.
@@ -26,10 +29,10 @@ import os
 import runpy
 import string
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any, Optional, get_args
 
 from ..config.rules import RANGES as CONFIG_RANGES
-from ..config.schema import EnvConfig
+from ..config.schema import EnvConfig, OnError
 from ..reward.custom import RewardFnError, resolve, split_spec
 
 BUILTINS = {"calculator": "areal_hpc.env.calculator:Calculator",
@@ -55,13 +58,17 @@ class ToolCall:
 @dataclass
 class Step:
     """What an environment answers to a turn (or, from ``reset``, the first prompt in
-    ``observation``). ``error``: set by the runner only, when the environment failed (raised,
-    hung past its bound, died, answered garbage): the episode ends there, reward 0."""
+    ``observation``). ``discard``: True or why (text): the episode ends here, discarded, not
+    trained. ``error`` and ``cause``: set by the runner only, when the environment failed
+    (raised, hung past its bound, died, answered garbage, discarded): the episode ends there,
+    discarded for that cause (storage/episode_log.py DISCARD_CAUSES)."""
     observation: Any = None             # str, list[int] or None
     done: bool = False
     reward: Optional[float] = None
     tool: Optional[ToolCall] = None
+    discard: Any = None
     error: Optional[str] = None
+    cause: Optional[str] = None
 
 
 class Environment:
@@ -104,6 +111,8 @@ def _bad(key: str, msg: str) -> EnvConfigError:
 
 def validate(cfg: EnvConfig, key: str = "env") -> None:
     """Raise EnvConfigError naming the first bad key (syntax only; `runner.check` imports fn)."""
+    if cfg.on_error not in get_args(OnError):
+        raise _bad(f"{key}.on_error", f"expected one of {', '.join(get_args(OnError))}, got {cfg.on_error!r}")
     if cfg.fn is not None:
         if not isinstance(cfg.fn, str):
             raise _bad(f"{key}.fn", f"expected a string, got {type(cfg.fn).__name__}")

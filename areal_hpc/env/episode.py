@@ -78,6 +78,7 @@ class Episode:
         self.done = False
         self.cut: Optional[str] = None      # CUT_TURNS, CUT_TOKENS, or None
         self.error: Optional[str] = None
+        self.discard = ""       # why it is not trained (storage/episode_log.py DISCARD_CAUSES)
 
     # ---- reading ----
 
@@ -127,7 +128,7 @@ class Episode:
                 "loss_mask": self.loss_mask, "logprobs": self.logprobs, "versions": self.versions,
                 "turns": [[t.kind, t.start, t.end] for t in self.turns],
                 "tool_calls": [asdict(c) for c in self.tool_calls], "rewards": self.rewards,
-                "done": self.done, "cut": self.cut, "error": self.error}
+                "done": self.done, "cut": self.cut, "error": self.error, "discard": self.discard}
 
     @classmethod
     def from_state(cls, state: dict, encode: Optional[Callable[[str], list[int]]] = None,
@@ -137,6 +138,7 @@ class Episode:
                  encode=encode, template=state["template"], vocab_size=vocab_size)
         for name in ("output", "loss_mask", "logprobs", "versions", "rewards", "done", "cut", "error"):
             setattr(ep, name, state[name])
+        ep.discard = state.get("discard", "")
         ep.turns = [Turn(*t) for t in state["turns"]]
         ep.tool_calls = [ToolCall(**c) for c in state["tool_calls"]]
         return ep
@@ -200,13 +202,14 @@ class Episode:
 
     def apply(self, step: Step) -> None:
         """Take the environment's answer to the last turn: its reward, then its observation and
-        tool call, or the end (done; a failed environment ends the episode with its error, and
-        an observation that comes with done is not appended: nothing follows it)."""
+        tool call, or the end (done; a failed or discarding environment ends the episode with
+        its error and cause, and an observation that comes with done is not appended: nothing
+        follows it)."""
         self.add_reward(step.reward)
         if step.error is not None or step.done:
             if step.tool is not None:
                 self.tool_calls.append(step.tool)
-            self.finish(error=step.error)
+            self.finish(error=step.error, cause=step.cause)
             return
         self.add_observation(step.observation, step.tool)
         self.after_turn()
@@ -224,11 +227,15 @@ class Episode:
         elif not self.done and self.budget_left <= 0:
             self.finish(CUT_TOKENS)
 
-    def finish(self, cut: Optional[str] = None, error: Optional[str] = None) -> None:
-        """End the episode: the environment said done (cut None), a bound cut it, or it failed."""
+    def finish(self, cut: Optional[str] = None, error: Optional[str] = None,
+               cause: Optional[str] = None) -> None:
+        """End the episode: the environment said done (cut None), a bound cut it, or it failed
+        (`error`: the episode is discarded for `cause`, "raised" if none is given)."""
         self.done = True
         self.cut = self.cut or cut
         self.error = self.error or error
+        if error is not None:
+            self.discard = self.discard or cause or "raised"
 
     # ---- internals ----
 

@@ -76,20 +76,20 @@ class EnvProcess:
         if self.proc is None:
             why = self._start()
             if why is not None:
-                return Step(done=True, error=why)
+                return Step(done=True, error=why, cause="died")
         return self._call("reset", row)
 
     def step(self, turn_text: str, turn_ids: list[int]) -> Step:
         """The environment's answer to one model turn, or ``error`` (the episode ends)."""
         if self.proc is None:
-            return Step(done=True, error="the environment's process is gone (no reset?)")
+            return Step(done=True, error="the environment's process is gone (no reset?)", cause="died")
         return self._call("step", turn_text, list(turn_ids))
 
     def end(self) -> Step:
         """The episode is over: the environment's ``close()`` (bounded as a call), then what
         the episode started is killed; ``error`` if close raised or the child broke (killed)."""
         if self.proc is None:
-            return Step(done=True, error="the environment's process is gone")
+            return Step(done=True, error="the environment's process is gone", cause="died")
         return self._call("close")
 
     def kill(self) -> None:
@@ -161,17 +161,21 @@ class EnvProcess:
         try:
             frame = pickle.dumps((call_id, op, args))
         except Exception as e:     # e.g. a row that does not pickle: this episode's error
-            return Step(done=True, error=f"{op}: {type(e).__name__}: {e}"[:MAX_ERROR_CHARS])
+            return Step(done=True, error=f"{op}: {type(e).__name__}: {e}"[:MAX_ERROR_CHARS],
+                        cause="refused")
         why = self._send(struct.pack(">Q", len(frame)) + frame, deadline)
         line = self._read_line(deadline) if why is None else why
         if isinstance(line, str):
             self.close()        # past its bound, dead, or flooding: killed whole
-            return Step(done=True, error=f"{op}: {line}"[:MAX_ERROR_CHARS])
+            cause = ("timeout" if line.startswith("timeout") else
+                     "refused" if line.startswith("an answer over") else "died")
+            return Step(done=True, error=f"{op}: {line}"[:MAX_ERROR_CHARS], cause=cause)
         try:
             return _step_of(line, call_id, op)
         except (ValueError, TypeError, RecursionError) as e:
             self.close()
-            return Step(done=True, error=f"{op}: answer refused: {e}"[:MAX_ERROR_CHARS])
+            return Step(done=True, error=f"{op}: answer refused: {e}"[:MAX_ERROR_CHARS],
+                        cause="refused")
 
     def _send(self, data: bytes, deadline: float) -> str | None:
         view = memoryview(data)
@@ -226,8 +230,11 @@ def _step_of(line: bytes, call_id: int, op: str) -> Step:
     if "error" in msg:
         if type(msg["error"]) is not str:
             raise ValueError("an error that is not a string")
-        return Step(done=True, error=_utf8(msg["error"][:MAX_ERROR_CHARS]))
-    obs, done, reward, tool = (msg.get(k) for k in ("observation", "done", "reward", "tool"))
+        return Step(done=True, error=_utf8(msg["error"][:MAX_ERROR_CHARS]), cause="raised")
+    obs, done, reward, tool, discard = (msg.get(k) for k in
+                                        ("observation", "done", "reward", "tool", "discard"))
+    if not (discard is None or type(discard) is str):
+        raise ValueError("discard is not a string")
     if type(obs) is list:
         if not all(type(i) is int and 0 <= i <= MAX_TOKEN_ID for i in obs):
             raise ValueError("observation: a list with something not a token id")
@@ -257,6 +264,9 @@ def _step_of(line: bytes, call_id: int, op: str) -> Step:
         tool = ToolCall(_utf8(tool["name"][:MAX_TOOL_TEXT]), _utf8(tool["args"][:MAX_TOOL_TEXT]),
                         max(0, tool["output_bytes"]), max(0.0, float(tool["seconds"])),
                         None if tool["error"] is None else _utf8(tool["error"][:MAX_ERROR_CHARS]))
+    if discard is not None:
+        why = "discarded by the environment" + (f": {_utf8(discard)}" if discard else "")
+        return Step(done=True, reward=reward, tool=tool, error=why[:MAX_ERROR_CHARS], cause="env")
     return Step(observation=obs, done=done, reward=reward, tool=tool)
 
 
@@ -430,8 +440,9 @@ def _plain(out, op: str) -> dict:
     if reward is not None and not (isinstance(reward, (int, float)) and math.isfinite(reward)):
         raise TypeError(f"step returned the reward {reward!r}")
     tool = asdict(out.tool) if out.tool is not None else None
+    discard = None if not out.discard else "" if out.discard is True else str(out.discard)
     return {"observation": obs, "done": bool(out.done),
-            "reward": None if reward is None else float(reward), "tool": tool}
+            "reward": None if reward is None else float(reward), "tool": tool, "discard": discard}
 
 
 def _send_line(fd: int, msg: dict) -> None:

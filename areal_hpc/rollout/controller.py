@@ -36,6 +36,7 @@ from ..data.prompts import prompt_ids
 from ..env.episode import CUT_TURNS
 from ..storage.rollout_log import (DROPPED_STALE, FAILED, NOT_CONSUMED, PARTIAL, RolloutReader,
                                    RolloutWriter)
+from ..storage.episode_log import DISCARD_CAUSES
 from ..storage.run_dir import RunDir
 from ..storage.run_state import ControllerState
 from ..topology import Topology
@@ -61,7 +62,8 @@ def reward_extras(trajs: list[dict]) -> dict[str, float]:
 
 def episode_stats(trajs: list[dict]) -> dict[str, float]:
     """Per-step figures of multi-turn episodes (none for single-turn samples): model turns per
-    episode, tool calls, failed ones, their seconds, and the share cut at env.max_turns."""
+    episode, tool calls, failed ones, their seconds, the share cut at env.max_turns, and the
+    episodes discarded (env.on_error), by cause."""
     if not any(t.get("turn_is_sample") is not None for t in trajs):
         return {}
     calls = [c if isinstance(c, dict) else vars(c)
@@ -72,7 +74,9 @@ def episode_stats(trajs: list[dict]) -> dict[str, float]:
             "episode/tool_errors": sum(1 for c in calls if c.get("error")),
             "episode/tool_seconds": float(sum(c.get("seconds", 0.0) for c in calls)),
             "episode/cut_max_turns": float(np.mean([t.get("finish_reason") == CUT_TURNS
-                                                    for t in trajs]))}
+                                                    for t in trajs])),
+            **{f"episode/discarded_{c}": sum(1 for t in trajs if t.get("discard") == c)
+               for c in DISCARD_CAUSES[1:]}}
 
 
 # How long `stop` waits for the service thread to end: one of its iterations is a non-blocking

@@ -185,7 +185,8 @@ class EpisodeLoop:
         if continued is None and ep.continues:
             continued = self._empty_turn(ep)
         if continued is not None:       # `limit` counts its tokens from the old engine too
-            self.engine.continue_sample(continued, limit, **sampling)
+            # (the turn's tokens in the episode end its prompt: a stop string may begin there)
+            self.engine.continue_sample(continued, limit, **sampling, stop_context=before)
         else:
             self.engine.submit(request_id(ep.kind, ep.pid, ep.idx), eps.ids, limit,
                                seed=self._turn_seed(ep), **sampling)
@@ -226,11 +227,11 @@ class EpisodeLoop:
     def _after_reset(self, ep: _Ep, step: Step) -> None:
         prompt = self.groups[(ep.kind, ep.pid)].prompt
         if step.error is None and step.observation is None:
-            step = Step(done=True, error="reset gave no prompt")
+            step = Step(done=True, error="reset gave no prompt", cause="refused")
         if step.error is not None:
             ep.episode = Episode(prompt.prompt_tokens, max_tokens=self._episode_tokens(),
                                  max_turns=self.cfg.env.max_turns)
-            ep.episode.finish(error=step.error)
+            ep.episode.finish(error=step.error, cause=step.cause)
             return
         first = step.observation
         ids = (prompt_ids(self.tokenizer, self.cfg.data, first) if isinstance(first, str)
@@ -242,7 +243,7 @@ class EpisodeLoop:
                                  vocab_size=self._vocab_size)
         except ValueError as exc:   # a prompt longer than the episode's bound, an id past the vocabulary
             ep.episode = Episode(prompt.prompt_tokens, max_tokens=1 << 30, max_turns=1)
-            ep.episode.finish(error=f"reset: {exc}")
+            ep.episode.finish(error=f"reset: {exc}", cause="refused")
             return
         self._submit_turn(ep)
 
@@ -250,7 +251,7 @@ class EpisodeLoop:
         try:
             ep.episode.apply(step)
         except ValueError as exc:   # an observation's id past the vocabulary: this episode ends
-            ep.episode.finish(error=f"step: {exc}")
+            ep.episode.finish(error=f"step: {exc}", cause="refused")
         if not ep.episode.done:
             self._submit_turn(ep)
 
@@ -260,14 +261,15 @@ class EpisodeLoop:
         eps = ep.episode
         failed = next((s for s in steps if s.error is not None), None)
         if failed is not None:
-            eps.finish(error=f"replaying the episode: {failed.error}")
+            eps.finish(error=f"replaying the episode: {failed.error}", cause=failed.cause)
             return
         for s in steps[1:]:
             eps.add_reward(s.reward)
             if s.tool is not None:
                 eps.tool_calls.append(s.tool)
             if s.done:      # a replay that ends where the episode went on: not deterministic
-                eps.finish(error="replaying the episode: the environment ended it early")
+                eps.finish(error="replaying the episode: the environment ended it early",
+                           cause="refused")
                 return
         last_sampled = bool(eps.turns) and eps.turns[-1].kind == SAMPLE
         if ep.resume == MID_TURN and last_sampled:
@@ -303,8 +305,9 @@ class EpisodeLoop:
         group.rewards[ep.idx] = ep.episode.reward
         if ep.episode.error:
             group.errors[ep.idx] = ep.episode.error
-            log.warning("episode of prompt %d sample %d: %s (reward %.3g)", ep.pid, ep.idx,
-                        ep.episode.error, ep.episode.reward)
+            group.discards[ep.idx] = ep.episode.discard
+            log.warning("episode of prompt %d sample %d discarded (%s): %s (reward %.3g)", ep.pid,
+                        ep.idx, ep.episode.discard, ep.episode.error, ep.episode.reward)
         self.tokens_generated += int(np.sum(ep.episode.loss_mask)) - self._kept.pop(key, 0)
         return group
 

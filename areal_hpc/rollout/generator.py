@@ -68,6 +68,7 @@ class _Group:
     samples: dict = field(default_factory=dict)   # sample_idx → finished sample
     rewards: dict = field(default_factory=dict)   # sample_idx → reward
     errors: dict = field(default_factory=dict)    # sample_idx → reward-service error, if any
+    discards: dict = field(default_factory=dict)  # sample_idx → why its episode is not trained
     extras: dict = field(default_factory=dict)    # sample_idx → a reward function's logged fields
     episodes: dict = field(default_factory=dict)  # sample_idx → its env.episode.Episode (env.fn)
 
@@ -397,7 +398,7 @@ class Generator(EngineRecovery, EpisodeLoop):
             "finish_reason": s.finish_reason, "generator_rank": self.topo.rank,
             "t_submit": s.t_submit, "t_first_token": s.t_first_token, "t_end": s.t_end,
             "reward_error": group.errors.get(idx, ""), "reward_extra": group.extras.get(idx, {}),
-            "seed": -1 if s.seed is None else int(s.seed),
+            "seed": -1 if s.seed is None else int(s.seed), "discard": group.discards.get(idx, ""),
             **self._episode_fields(group.episodes.get(idx)),
         } for idx, s in sorted(group.samples.items())]
 

@@ -104,6 +104,12 @@ class _Request:
     # (a multi-turn episode's turn stops, env.turn_stop)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    # the tokens it had when its current vLLM request was submitted (a cut one continues after
+    # them), and how many of the prompt's last tokens are its own text too (a model turn cut
+    # at a preemption and continued as a prompt): vLLM searches stop strings in the request's
+    # new text only, so a stop that straddles the cut is found here (`_stop_across_the_cut`)
+    cut: int = 0
+    stop_context: int = 0
 
 
 def engine_options(r) -> dict:
@@ -375,6 +381,7 @@ class VLLMEngine:
         self._live[vllm_id] = list(reqs)
         for r in reqs:
             self._requests[r.request_id] = r
+            r.cut = len(r.tokens)
 
     def continue_sample(
         self,
@@ -387,12 +394,15 @@ class VLLMEngine:
         ignore_eos: bool = False,
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
+        stop_context: int = 0,
     ) -> None:
         """Queue a sample an earlier engine started (`abort_all` at a preemption, read back from
         the rollout log). One that had finished is returned by the next `step()` as it is; an
         unfinished one (finish_reason "abort") goes on from prompt + its tokens, recomputed with
         the current weights as after a weight update: its tokens keep their logprobs and
-        versions, later ones carry this engine's version."""
+        versions, later ones carry this engine's version. `stop_context`: how many of the
+        prompt's last tokens belong to the text `stop` strings are searched in (a model turn's
+        earlier part, given as prompt): a stop string that begins there ends the sample too."""
         n = len(sample.output_tokens)
         if len(sample.behav_logprobs) != n or len(sample.versions) != n:
             raise ValueError(f"{sample.request_id}: tokens, logprobs and versions differ in length "
@@ -413,7 +423,8 @@ class VLLMEngine:
                        attempt=sample.num_interrupts,
                        # an engine without seeds continues it from its shared stream
                        seed=sample.seed if self.per_request_seeds else None,
-                       stop=tuple(stop), stop_token_ids=tuple(int(t) for t in stop_token_ids))
+                       stop=tuple(stop), stop_token_ids=tuple(int(t) for t in stop_token_ids),
+                       stop_context=max(0, min(int(stop_context), len(sample.prompt_tokens))))
         self._resubmit(req, time.time())
 
     def _resubmit(self, req: _Request, now: float) -> None:
@@ -497,22 +508,56 @@ class VLLMEngine:
                 if req is None:
                     continue
                 new_tokens = list(completion.token_ids)
+                reason = completion.finish_reason
                 if new_tokens:
                     if req.t_first_token is None:
                         req.t_first_token = now
                     logprobs = completion.logprobs
                     if logprobs is None or len(logprobs) != len(new_tokens):
                         raise RuntimeError(f"{req.request_id}: expected one logprob per token")
+                    before = len(req.tokens)
                     req.tokens += new_tokens
                     req.logprobs += [lp[tok].logprob for tok, lp in zip(new_tokens, logprobs)]
                     req.versions += [self.version] * len(new_tokens)
-                if completion.finish_reason is not None:
+                    end = self._stop_across_the_cut(req, before)
+                    if end is not None:     # it ends there, as it would have uncut
+                        del req.tokens[end:], req.logprobs[end:], req.versions[end:]
+                        if reason is None:
+                            self._engine.abort_request([out.request_id])
+                        reason = "stop"
+                if reason is not None:
                     slots[completion.index] = None
                     del self._requests[req.request_id]
-                    finished.append(self._finish(req, str(completion.finish_reason), now))
+                    finished.append(self._finish(req, str(reason), now))
             if out.finished or not any(slots):
                 del self._live[out.request_id]
         return finished
+
+    def _stop_across_the_cut(self, req: _Request, before: int) -> int | None:
+        """Where a stop string that straddles `req`'s cut ends (its token count), if the tokens
+        from `before` on complete one; None otherwise. vLLM searches a request's new text only,
+        so a stop whose start came before the cut (a weight update, a preemption) would be
+        missed and the model would write on past its turn (e.g. a made-up tool output that
+        is then trained). Only the first tokens after the cut can complete one."""
+        context = req.stop_context if req.cut == 0 else 0
+        if not req.stop or (req.cut == 0 and context == 0):
+            return None
+        longest = max(len(s) for s in req.stop)
+        window = longest + 8                    # tokens: a token is a character or more, mostly
+        if before - req.cut >= window:
+            return None
+        ids = (req.prompt_tokens[len(req.prompt_tokens) - context:] if context else []) + req.tokens
+        at = context + req.cut                  # the cut, in `ids`
+        lo = max(0, at - window)
+        decode = self._engine.get_tokenizer().decode
+        head = len(decode(ids[lo:at]))          # characters before the cut
+        for j in range(context + before + 1, min(len(ids), at + window) + 1):
+            text = decode(ids[lo:j])
+            for stop in req.stop:
+                i = text.find(stop, max(0, head - len(stop) + 1))
+                if i != -1 and i < head < i + len(stop):
+                    return j - context
+        return None
 
     @staticmethod
     def _finish(req: _Request, finish_reason: str, now: float) -> FinishedSample:

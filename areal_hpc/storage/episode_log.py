@@ -11,6 +11,9 @@ offsets in a row column (as the token arrays have; variable-length data is not S
   /tools/error S96 (empty: it ran)
   /traj/turns_end, /traj/tools_end  i8, end offsets into /turns/* and /tools/*
 
+Per row, ``/traj/discard`` (u1, schema 5 on): why the episode's tokens are not trained, an index
+into DISCARD_CAUSES (0: they are; env.on_error says what a discarded episode does to its group).
+
 All optional: a single-turn sample stores a mask of ones and no turns nor tool calls, and reads
 back as one model turn over its output; a log written before them (no such datasets) reads so
 too, and a writer that continues it adds them (its earlier rows: ones, no turns, no tools).
@@ -31,12 +34,17 @@ GROUPS = {"turns": {"end": "i8", "is_sample": "u1"},
           "tools": {"name": "S32", "args": "S256", "output_bytes": "i8", "seconds": "f8",
                     "error": "S96"}}
 ROW_ENDS = {"turns": "turns_end", "tools": "tools_end"}     # /traj/<column> per group
+# Why an episode is discarded: not at all; its environment's call timed out, its process died
+# (or never started), it raised, its answer was refused (garbage, ids past the vocabulary), or
+# the environment discarded the episode itself (Step.discard). The model did none of these.
+DISCARD_CAUSES = ("", "timeout", "died", "raised", "refused", "env")
+DISCARD = "discard"
 
 
-def _text(value: Any, field: str) -> bytes:
-    """A tool record's text as its fixed-length column stores it: UTF-8, cut at a character
-    boundary to TOOL_TEXT_BYTES."""
-    raw = ("" if value is None else str(value)).encode("utf-8")[:TOOL_TEXT_BYTES[field]]
+def utf8_cut(value: Any, limit: int) -> bytes:
+    """Text as a fixed-length column stores it: UTF-8, cut at a character boundary to `limit`
+    bytes (None: empty)."""
+    raw = ("" if value is None else str(value)).encode("utf-8")[:limit]
     return raw.decode("utf-8", errors="ignore").encode("utf-8")
 
 
@@ -106,7 +114,7 @@ def episode_columns(trajs: Sequence[dict], name_of) -> tuple[np.ndarray, dict, d
                 raise ValueError(f"{name_of(x)}: tool_calls: seconds {secs} and output_bytes "
                                  f"{size} must be finite and >= 0")
             for field in TOOL_TEXT_BYTES:
-                cols["tools"][field].append([_text(c.get(field), field)])
+                cols["tools"][field].append([utf8_cut(c.get(field), TOOL_TEXT_BYTES[field])])
             cols["tools"]["output_bytes"].append([size])
             cols["tools"]["seconds"].append([secs])
             counts["tools"][k] += 1
@@ -116,12 +124,26 @@ def episode_columns(trajs: Sequence[dict], name_of) -> tuple[np.ndarray, dict, d
     return mask, arrays, counts
 
 
+def discard_codes(trajs: Sequence[dict], name_of) -> np.ndarray:
+    """The /traj/discard column of `trajs` (a trajectory's `discard`: a cause, "" or absent for
+    none); a ValueError naming the trajectory for an unknown cause."""
+    codes = np.zeros(len(trajs), np.uint8)
+    for k, x in enumerate(trajs):
+        cause = x.get(DISCARD) or ""
+        if cause not in DISCARD_CAUSES:
+            raise ValueError(f"{name_of(x)}: {DISCARD} {cause!r} is not one of {DISCARD_CAUSES[1:]}")
+        codes[k] = DISCARD_CAUSES.index(cause)
+    return codes
+
+
 def row_episode(f, i: int, n_out: int, o0: int, o1: int) -> dict:
     """Row i's episode fields from the open log `f` (output tokens [o0, o1), `n_out` of them):
-    loss_mask, turn_ends, turn_is_sample, tool_calls (a list of dicts, error None = it ran)."""
+    loss_mask, turn_ends, turn_is_sample, tool_calls (a list of dicts, error None = it ran),
+    discard (its cause, "" for none; the code checked by the caller)."""
     tok, t = f["tokens"], f["traj"]
     mask = tok[MASK][o0:o1] if MASK in tok else np.ones(n_out, np.uint8)
-    out = {MASK: np.asarray(mask, np.uint8)}
+    out = {MASK: np.asarray(mask, np.uint8),
+           DISCARD: DISCARD_CAUSES[int(t[DISCARD][i])] if DISCARD in t else ""}
     spans = {}
     for g, col in ROW_ENDS.items():
         if col in t and g in f:

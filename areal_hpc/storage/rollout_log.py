@@ -41,15 +41,16 @@ import numpy as np
 
 # the file's opening and its damage as errors, in h5_read.py; RolloutLogError and
 # damage_is_an_error are imported from here too
-from .episode_log import GROUPS, MASK, ROW_ENDS, add_datasets, episode_columns, row_episode
+from .episode_log import (DISCARD, DISCARD_CAUSES, GROUPS, MASK, ROW_ENDS, add_datasets, discard_codes,
+                          episode_columns, row_episode, utf8_cut)
 from .h5_read import (RolloutLogError, damage_is_an_error, first_line, open_for_reading,
                       rewrite_committed, text)
 
 log = logging.getLogger(__name__)
 
 FORMAT = "areal_hpc rollout log"        # attrs["format"] from schema 2 on
-SCHEMA_VERSION = 4
-READABLE_SCHEMAS = (1, 2, 3, 4)     # 1: before reward_error; 2: before PARTIAL; 3: before FAILED rows
+SCHEMA_VERSION = 5
+READABLE_SCHEMAS = (1, 2, 3, 4, 5)  # 1: no reward_error; 2: no PARTIAL; 3: no FAILED; 4: no discard
 # consumed_step values that are not a step: pending; dropped as too stale; appended after the
 # checkpoint a resumed job continued from (never trained; the prompt issued again); a partial
 # generation saved at a preemption (the samples as far as they got, finish_reason "abort" for the
@@ -82,21 +83,16 @@ _ROW_FIELDS = {
     "prompt_id": "i8", "sample_idx": "i4", "reward": "f4", "finish_reason": "u1",
     "generator_rank": "i4", "t_submit": "f8", "t_first_token": "f8", "t_end": "f8",
     "consumed_step": "i4", "prompt_end": "i8", "reward_error": f"S{REWARD_ERROR_BYTES}",
-    "seed": "i8", "turns_end": "i8", "tools_end": "i8",
+    "seed": "i8", "turns_end": "i8", "tools_end": "i8", DISCARD: "u1",
 }
 # absent in older files; read as (and, when such a file is continued, filled with) these values
-_OPTIONAL_FIELDS = {"reward_error": b"", "seed": NO_SEED, "turns_end": 0, "tools_end": 0, MASK: 1}
+_OPTIONAL_FIELDS = {"reward_error": b"", "seed": NO_SEED, "turns_end": 0, "tools_end": 0, MASK: 1,
+                    DISCARD: 0}
 _COMMIT = "output_end"
 _TOKEN_FIELDS = {"prompt": "i4", "output": "i4", "behav_logprobs": "f4", "versions": "i4",
                  MASK: "u1"}
 _OFFSETS = ("prompt_end", _COMMIT, *ROW_ENDS.values())
 _CHUNK_ROWS, _CHUNK_TOKENS = 1024, 65536
-
-
-def _error_bytes(error: str | None) -> bytes:
-    """A reward error as the fixed-length column stores it: UTF-8, cut at a character boundary."""
-    raw = (error or "").encode("utf-8")[:REWARD_ERROR_BYTES]
-    return raw.decode("utf-8", errors="ignore").encode("utf-8")
 
 
 def _append(ds: h5py.Dataset, values: np.ndarray) -> None:
@@ -142,10 +138,11 @@ def _columns(trajs: Sequence[dict[str, Any]], consumed: int, prompt_end: int, ou
         "finish_reason": np.asarray([FINISH_REASONS.index(x["finish_reason"]) for x in trajs], "u1"),
         "consumed_step": np.full(len(trajs), consumed, dtype=_ROW_FIELDS["consumed_step"]),
         "prompt_end": prompt_end + np.cumsum(plen),
-        "reward_error": np.asarray([_error_bytes(x.get("reward_error")) for x in trajs],
+        "reward_error": np.asarray([utf8_cut(x.get("reward_error"), REWARD_ERROR_BYTES) for x in trajs],
                                    dtype=_ROW_FIELDS["reward_error"]),
         "seed": np.asarray([NO_SEED if x.get("seed") is None else x["seed"] for x in trajs],
                            dtype=_ROW_FIELDS["seed"]),
+        DISCARD: discard_codes(trajs, name_of),
         **{col: group_ends[g] + np.cumsum(counts[g]) for g, col in ROW_ENDS.items()},
         _COMMIT: output_end + np.cumsum(olen)})
     ends = {"prompt": np.cumsum(plen)}
@@ -356,6 +353,8 @@ def _invalid(name: str, v: np.ndarray) -> tuple[np.ndarray, str]:
         return v < -1, "negative"
     if name == MASK:
         return v > 1, "not 0 or 1"
+    if name == DISCARD:
+        return v >= len(DISCARD_CAUSES), "an unknown discard cause"
     if v.dtype.kind in "iu":        # ids, ranks, token ids, policy versions
         return v < 0, "negative"
     return np.zeros(v.shape, dtype=bool), ""

@@ -87,9 +87,24 @@ def overlong_penalty(lengths: np.ndarray, max_new_tokens: int, buffer: int) -> n
     return np.clip((max_new_tokens - buffer - lengths) / buffer, -1.0, 0.0)
 
 
+def discard_decisions(discard, group_size: int, on_error: str) -> tuple[np.ndarray, np.ndarray]:
+    """(valid: `[num_seqs]` bool, the sequences that count as outcomes: in the loss and in their
+    group's baseline; zero: the ones scored 0 instead) of a batch whose `discard` (`[num_seqs]`
+    bool or None) marks the episodes their environment failed or discarded (env.on_error)."""
+    d = np.asarray(discard, dtype=bool)
+    if on_error == "score_zero":
+        return np.ones(len(d), bool), d
+    if on_error == "drop_group":
+        return ~np.repeat(d.reshape(-1, group_size).any(axis=1), group_size), np.zeros(len(d), bool)
+    if on_error != "drop_episode":
+        raise ValueError(f"env.on_error must be drop_episode, drop_group or score_zero, got {on_error!r}")
+    return ~d, np.zeros(len(d), bool)
+
+
 def guard_decisions(rewards: np.ndarray, n_out: np.ndarray, cut: np.ndarray, cfg: TrainConfig,
-                    group_size: int, max_new_tokens: int | None
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                    group_size: int, max_new_tokens: int | None, discard=None,
+                    on_error: str = "drop_episode"
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """What the collapse guards decide about a batch, from its columns as the rollout log holds
     them: the trainer (`guard`) and the audit both call this.
 
@@ -97,13 +112,19 @@ def guard_decisions(rewards: np.ndarray, n_out: np.ndarray, cut: np.ndarray, cfg
         rewards: `[num_seqs]` raw rewards, group-contiguous; rounded here to the log's dtype
             (`STORED_REWARD_DTYPE`), so that what the trainer decides the log can show.
         n_out: output tokens per sequence; cut: finish_reason "length" per sequence.
+        discard: `[num_seqs]` bool (None: none), the discarded episodes; on_error: what they
+            do (`discard_decisions`).
     Returns:
         (keep: `[num_seqs]` bool, the sequences left in the loss; the rewards advantages are
         computed from, float64, after `overlong: shape`; zero_var: `[num_groups]` bool, groups
-        whose rewards, as advantages see them, are all equal (`equal_reward_groups` on them
-        shaped, biased, scaled and clipped)).
+        whose rewards, as advantages see them, are all equal over their valid sequences
+        (`equal_reward_groups` on them shaped, biased, scaled and clipped); valid: `[num_seqs]`
+        bool, the sequences each group's statistics are over).
     """
     shaped = np.asarray(rewards, dtype=STORED_REWARD_DTYPE).astype(np.float64)
+    valid, zero = discard_decisions(np.zeros(len(shaped), bool) if discard is None else discard,
+                                    group_size, on_error)
+    shaped[zero] = 0.0
     if cfg.overlong == "shape":
         if max_new_tokens is None:
             raise ValueError("overlong: shape needs the rollout's max_new_tokens")
@@ -112,40 +133,43 @@ def guard_decisions(rewards: np.ndarray, n_out: np.ndarray, cut: np.ndarray, cfg
         raise ValueError(f"{len(shaped)} sequences do not split into groups of {group_size}")
     final = shape_rewards(torch.from_numpy(shaped), cfg.reward_bias, cfg.reward_scaling,
                           cfg.reward_clip)
-    zero_var = equal_reward_groups(final, group_size)
-    keep = np.ones(len(shaped), dtype=bool)
+    zero_var = equal_reward_groups(final, group_size, valid)
+    keep = valid.copy()
     if cfg.filter_zero_variance:
         keep &= ~np.repeat(zero_var, group_size)
     if cfg.overlong == "filter":
         keep &= ~np.asarray(cut, dtype=bool)
-    return keep, shaped, zero_var
+    return keep, shaped, zero_var, valid
 
 
-def guard(seqs: list[dict], cfg: TrainConfig, group_size: int,
-          max_new_tokens: int | None) -> tuple[list[int], np.ndarray, dict]:
+def guard(seqs: list[dict], cfg: TrainConfig, group_size: int, max_new_tokens: int | None,
+          on_error: str = "drop_episode") -> tuple[list[int], np.ndarray, np.ndarray, dict]:
     """The collapse guards of `train` on a whole batch, before its advantages
     (`guard_decisions`).
 
     Returns (indices of the sequences left in the loss, group-contiguous; every sequence's
-    reward after `overlong: shape`; the batch's statistics: `zero_var_groups` (groups whose
+    reward after `overlong: shape`; which sequences count in their group's statistics (not
+    discarded, `discard_decisions`); the batch's statistics: `zero_var_groups` (groups whose
     rewards are all equal), `filtered_seqs` (left out by `filter_zero_variance` and
     `overlong: filter`), `truncated_frac` (share cut at max_new_tokens, finish_reason
     "length"), `entropy` (mean -log π_behav of the sampled tokens: an estimate of the sampling
     policy's per-token entropy)). A filtered group keeps its rows consumed: counted, not lost."""
     n_out = np.array([len(s["output_tokens"]) for s in seqs])
     cut = np.array([s.get("finish_reason") == "length" for s in seqs], dtype=bool)
-    keep, shaped, zero_var = guard_decisions(np.array([float(s["reward"]) for s in seqs]), n_out,
-                                             cut, cfg, group_size, max_new_tokens)
+    discard = np.array([bool(s.get("discard")) for s in seqs], dtype=bool)
+    keep, shaped, zero_var, valid = guard_decisions(
+        np.array([float(s["reward"]) for s in seqs]), n_out, cut, cfg, group_size, max_new_tokens,
+        discard, on_error)
     n_tok = max(sum(trained_tokens(s) for s in seqs), 1)
     entropy = -sum(float(np.sum(_sampled(s, "behav_logprobs"), dtype=np.float64))
                    for s in seqs) / n_tok
     stats = {"zero_var_groups": int(zero_var.sum()), "filtered_seqs": int((~keep).sum()),
              "truncated_frac": float(cut.mean()) if len(seqs) else 0.0, "entropy": entropy}
-    return [int(i) for i in np.flatnonzero(keep)], shaped, stats
+    return [int(i) for i in np.flatnonzero(keep)], shaped, valid, stats
 
 
 def split_batch(seqs: list[dict], cfg: TrainConfig, group_size: int, dp: int,
-                max_new_tokens: int | None = None) -> list[BatchShare]:
+                max_new_tokens: int | None = None, on_error: str = "drop_episode") -> list[BatchShare]:
     """The `dp` shares of a whole batch (see the module docstring), after the collapse guards
     (`guard`).
 
@@ -155,6 +179,7 @@ def split_batch(seqs: list[dict], cfg: TrainConfig, group_size: int, dp: int,
             `finish_reason` (for the overlong guard; absent: not cut), and for
             `prox="loglinear"` `versions`; other fields are left behind.
         max_new_tokens: the rollout's output limit (`overlong: shape` needs it).
+        on_error: env.on_error, what a discarded episode (`discard` set) does (`guard`).
     Raises:
         ValueError: fewer sequences than minibatches, or a per-token field whose length is not
             the output's.
@@ -166,16 +191,17 @@ def split_batch(seqs: list[dict], cfg: TrainConfig, group_size: int, dp: int,
         for key in keys[2:] + ((MASK,) if s.get(MASK) is not None else ()):
             if len(s[key]) != len(s["output_tokens"]):
                 raise ValueError(f"sequence {i}: {key} and output_tokens differ in length")
-    kept, shaped, stats = guard(seqs, cfg, group_size, max_new_tokens)
+    kept, shaped, valid, stats = guard(seqs, cfg, group_size, max_new_tokens, on_error)
     reward_mean = float(np.mean([float(s["reward"]) for s in seqs]))
     # Advantages of what is left: group statistics over whole groups (a sequence cut by
     # `overlong: filter` counted in its group's), `adv_norm: batch` over the kept tokens only.
     n_out = torch.tensor([trained_tokens(s) for s in seqs])   # a token mean's weights
     args = (group_size, cfg.reward_bias, cfg.reward_scaling, cfg.reward_clip, cfg.reward_norm)
+    some = None if valid.all() else valid
     if len(kept) == len(seqs) or cfg.adv_norm == "none":
-        adv_all = compute_advantages(torch.from_numpy(shaped), n_out, *args, cfg.adv_norm)
+        adv_all = compute_advantages(torch.from_numpy(shaped), n_out, *args, cfg.adv_norm, some)
     else:
-        adv_all = compute_advantages(torch.from_numpy(shaped), n_out, *args, "none")
+        adv_all = compute_advantages(torch.from_numpy(shaped), n_out, *args, "none", some)
         if kept:
             ids = torch.tensor(kept)
             adv_all[ids] = token_normalised(adv_all[ids], n_out[ids]).float()

@@ -139,7 +139,7 @@ class Trainer:
             try:
                 parts = ([None] * layout.dp if batch is None else
                          split_batch(batch.trajectories, self.cfg.train, self.cfg.rollout.group_size, layout.dp,
-                                     self.cfg.rollout.max_new_tokens))
+                                     self.cfg.rollout.max_new_tokens, self.cfg.env.on_error))
             except ValueError as exc:       # every rank raises it, none waits for a share
                 parts = [exc] * layout.dp
         # The other ranks wait while rank 0 evaluates and the generators make the batch: as

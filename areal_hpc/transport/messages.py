@@ -47,6 +47,7 @@ class Trajectory(TypedDict):
     turn_ends: NotRequired[np.ndarray]      # int64, each turn's end in the output tokens
     turn_is_sample: NotRequired[np.ndarray]  # uint8 per turn: 1 the model's, 0 an observation
     tool_calls: NotRequired[list]           # env.base.ToolCall records (or their dicts)
+    discard: NotRequired[str]               # why an episode is not trained ("" or absent: it is)
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ EXPECTED_OVERVIEW = {
     "truncated_share": 2 / 10, "wall_s": 9.0, "tokens_per_s": 32 / 9,
     "reward_errors": 2, "reward_timeouts": 1,
     "turns_mean": 1.0, "tool_calls": 0, "tool_errors": 0, "tool_seconds": 0.0,   # single-turn
+    "discarded": 0, **{f"discarded_{c}": 0 for c in ("timeout", "died", "raised", "refused", "env")},
 }
 
 
@@ -139,7 +140,7 @@ def test_printed_tables(run):
     assert [r[1] for r in overview] == [
         "10", "5", "32", "34", "3", "6", "2", "2", "0", "0", "+0.5500", "0.5000", "20.00%",
         "0.350", "0", "1", "2", "0.667", "2", "3.2", "3", "5", "6", "6", "20.00%", "9.0",
-        "3.6", "2", "1", "1.00", "0", "0", "0.0"]
+        "3.6", "2", "1", "0", "0", "0", "0", "0", "0", "1.00", "0", "0", "0.0"]
     assert _rows(report.step_table(run, 20)) == [
         ["0", "2", "+1.000", "1.000", "3.0", "0.00", "3.0"],
         ["1", "2", "+0.500", "0.500", "4.5", "0.50", "5.0"],

@@ -4,7 +4,9 @@ episodes in flight go back as far as they got and the resumed job continues them
 (every trained token sampled, every observation token masked, every partial row continued by a
 row that starts with it, nothing lost or trained twice) holds. The environment fails every
 `reset` of the first training prompt: that group, without a sampled token, is recorded FAILED and
-never trained, and neither attempt ends for it."""
+never trained, and neither attempt ends for it. Its hint tool fails once for the second prompt:
+that episode is discarded (env.on_error: drop_episode), logged with its cause, counted, and left
+out of the loss (the audit recomputes what was trained from the log)."""
 import json
 import signal
 from pathlib import Path
@@ -28,7 +30,8 @@ STEPS, B, N = 4, 3, 2
 # preempts once an episode waits there, so the preemption always finds one in flight (without
 # it, a preemption that came while the generator waited at the staleness bound found none).
 # Its `reset` raises for the question in the file `fail_question` (the first training prompt's):
-# every episode of that group ends before the model's first turn.
+# every episode of that group ends before the model's first turn. The first episode of the
+# question in `discard_question` to reach its first turn discards itself (a failed tool).
 ENV = '''
 import os
 import time
@@ -45,11 +48,18 @@ class Hint:
         fail = os.path.join(HERE, "fail_question")
         if os.path.exists(fail) and open(fail).read() == row["question"]:
             raise ConnectionError("the tool server is down")
-        self.turn, self.answer = 0, str(row["answer"])
+        self.turn, self.answer, self.question = 0, str(row["answer"]), row["question"]
         return row["question"]
 
     def step(self, text, ids):
         self.turn += 1
+        if self.turn == 1 and open(os.path.join(HERE, "discard_question")).read() == self.question:
+            try:
+                os.close(os.open(os.path.join(HERE, "discarded"), os.O_CREAT | os.O_EXCL))
+                return Step(discard="the hint service timed out",
+                            tool=ToolCall("hint", "", 0, self.delay_s, "timeout"))
+            except FileExistsError:
+                pass
         if self.turn == 1:
             time.sleep(self.delay_s)
             if os.path.exists(os.path.join(HERE, "hold")):
@@ -67,8 +77,10 @@ def test_episodes_preempted_mid_episode_resume_with_the_audit_clean(jobs, tiny_m
     env.write_text(ENV)
     cfg = load(ROOT / "configs/tiny_cpu.yaml", [f"data.train_path={tiny_model}/train.jsonl"])
     rows = load_prompts_of(cfg, cfg.data.train_path)
-    first = rows[PromptCursor(len(rows), cfg.data.seed).next()]     # prompt id 0's row
+    cursor = PromptCursor(len(rows), cfg.data.seed)
+    first, second = rows[cursor.next()], rows[cursor.next()]        # prompt ids 0 and 1
     (tmp_path / "fail_question").write_text(first["question"])
+    (tmp_path / "discard_question").write_text(second["question"])
     args = jobs.args(tiny_model, tmp_path, "ep", f"train.total_steps={STEPS}",
                      f"train.batch_prompts={B}", f"rollout.group_size={N}",
                      "rollout.max_new_tokens=24", "data.eval_limit=4", "data.eval_samples=1",
@@ -88,6 +100,7 @@ def test_episodes_preempted_mid_episode_resume_with_the_audit_clean(jobs, tiny_m
     assert proc.returncode == 3, out[-4000:]
     assert "every sample of prompt 0 ended before a sampled token" in out, out[-4000:]
     assert "the tool server is down" in out
+    assert "discarded (env): discarded by the environment: the hint service timed out" in out
     (tmp_path / "hold").unlink()
     done = _steps_done(run_dir)
     assert ck.find_latest(run_dir)[1]["step"] == done < STEPS
@@ -106,6 +119,12 @@ def test_episodes_preempted_mid_episode_resume_with_the_audit_clean(jobs, tiny_m
     assert of_0 == [(FAILED, 0)] * N, of_0
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert sum(m["failed_groups"] for m in metrics) == 1
+    # the discarded episode: its cause in the log, counted by its step, left out of the loss
+    discarded = [x for x in trained if x["discard"]]
+    assert [(x["prompt_id"], x["discard"]) for x in discarded] == [(1, "env")], discarded
+    assert discarded[0]["tool_calls"][-1]["error"] == "timeout"
+    assert sum(m["episode/discarded_env"] for m in metrics) == 1
+    assert sum(m["filtered_seqs"] for m in metrics) >= 1
     # every trained episode: two model turns around the hint's observation (or fewer, cut or
     # ended early), observation tokens masked with version -1, the hint's tool record
     two = [x for x in trained if x["turn_is_sample"].tolist() == [1, 0, 1]]

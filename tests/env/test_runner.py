@@ -80,6 +80,13 @@ class Closes(Echo):
         with open(self.row["log"], "a") as f:
             f.write(self.row["question"] + "\\n")
 
+class Discards(Echo):
+    def step(self, text, ids):
+        if text == "quietly":
+            return Step(discard=True)
+        return Step("ignored", discard="the tool server is down",
+                    tool=ToolCall("search", text, 0, 30.0, "HTTP 503"))
+
 class Leaks(Echo):
     def step(self, text, ids):
         _daemon(text)
@@ -143,6 +150,7 @@ def test_a_hanging_step_is_the_episodes_error_and_the_next_episode_starts_fresh(
         proc.reset({"question": "q"})
         step = proc.step("t", [1])
         assert step.done and step.error == "step: timeout after 1 s" and proc.proc is None
+        assert step.cause == "timeout"
         assert proc.reset({"question": "again"}).observation == "again"
     finally:
         proc.close()
@@ -183,6 +191,7 @@ def test_a_raising_environment_and_garbage_on_the_answer_pipe_are_errors(envs):
         proc.reset({"question": "q"})
         step = proc.step("t", [1])
         assert step.error == "step: RuntimeError: a bug of the environment" and step.done
+        assert step.cause == "raised"
         assert proc.proc is not None         # the child goes on
     finally:
         proc.close()
@@ -191,6 +200,7 @@ def test_a_raising_environment_and_garbage_on_the_answer_pipe_are_errors(envs):
         proc.reset({"question": "q"})
         step = proc.step("t", [1])
         assert step.error == "step: answer refused: observation is a dict" and proc.proc is None
+        assert step.cause == "refused"
     finally:
         proc.close()
 
@@ -254,7 +264,8 @@ def test_a_child_that_dies_names_its_last_words(envs, tmp_path):
         proc.reset({"question": "q"})
         step = proc.step("t", [1])
         assert step.error == ("step: the environment's process died (exit code 3): segfault, "
-                              "as it were") and proc.proc is None
+                              "as it were") and proc.proc is None and step.cause == "died"
+        assert proc.step("t", [1]).cause == "died"
     finally:
         proc.close()
 
@@ -336,5 +347,32 @@ class FileNames(Echo):
         proc.close()
     assert step.error is None and step.observation == "wrote data-\\udcff.csv", step
     assert step.tool.args == "data-\\udcff.csv" and step.tool.output_bytes == 2**40
-    from areal_hpc.storage.episode_log import _text
-    assert _text(step.tool.error, "error") == b"no data-\\udcff.csv"
+    from areal_hpc.storage.episode_log import TOOL_TEXT_BYTES, utf8_cut
+    assert utf8_cut(step.tool.error, TOOL_TEXT_BYTES["error"]) == b"no data-\\udcff.csv"
+
+
+def test_an_environment_discards_an_episode_with_its_reason(envs):
+    """Step(discard=...) ends the episode as not the model's doing: cause "env", the reason in
+    its error, its tool record kept, its observation not appended; the child goes on."""
+    from areal_hpc.env.episode import Episode
+    proc = EnvProcess(_cfg(envs, "Discards"))
+    try:
+        proc.reset({"question": "q"})
+        step = proc.step("find x", [1])
+        assert step.done and step.cause == "env" and step.observation is None
+        assert step.error == "discarded by the environment: the tool server is down"
+        assert step.tool.error == "HTTP 503" and proc.proc is not None
+        ep = Episode([1, 2], max_tokens=16, max_turns=4)
+        ep.add_sample([3], [-0.5], [0])
+        ep.apply(step)
+        assert ep.done and ep.discard == "env" and ep.tool_calls == [step.tool]
+        assert Episode.from_state(ep.state()).discard == "env"
+        proc.reset({"question": "q"})
+        quiet = proc.step("quietly", [1])
+        assert quiet.cause == "env" and quiet.error == "discarded by the environment"
+    finally:
+        proc.close()
+    from areal_hpc.env.runner import _step_of
+    with pytest.raises(ValueError, match="discard is not a string"):
+        _step_of(json.dumps({"id": 1, "observation": None, "done": True, "reward": None,
+                             "tool": None, "discard": 1}).encode(), 1, "step")

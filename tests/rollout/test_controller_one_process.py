@@ -367,8 +367,9 @@ def test_a_steps_episode_figures():
     from areal_hpc.rollout.controller import episode_stats
     from tests.storage.test_rollout_episodes import episode_traj, single_traj
     assert episode_stats([single_traj(0, 0), single_traj(0, 1)]) == {}
-    cut = dict(episode_traj(1, 0), finish_reason="max_turns")
+    cut = dict(episode_traj(1, 0), finish_reason="max_turns", discard="timeout")
     got = episode_stats([episode_traj(0, 0), cut, single_traj(2, 0)])
     assert got == {"episode/turns_mean": (2 + 2 + 1) / 3, "episode/tool_calls": 4,
                    "episode/tool_errors": 2, "episode/tool_seconds": 3.5,
-                   "episode/cut_max_turns": 1 / 3}
+                   "episode/cut_max_turns": 1 / 3, "episode/discarded_timeout": 1,
+                   **{f"episode/discarded_{c}": 0 for c in ("died", "raised", "refused", "env")}}

@@ -388,6 +388,44 @@ def test_update_from_file_and_prefix_cache_reset(engine, model_dir, tmp_path):
     assert diff < ATOL
 
 
+def test_a_stop_string_across_a_weight_update_ends_the_sample(engine, model_dir):
+    """A stop string whose first character was sampled before a weight update and whose second
+    after it ends the sample there, as it ends one never cut (vLLM searches only the new
+    request's text; the model would write on past its turn, e.g. a made-up tool output that is
+    then trained). Likewise for a model turn continued as a prompt (`stop_context`: its tokens
+    end the prompt), as a preempted episode's turn is. Greedy decoding under one set of weights,
+    so that the uncut and the cut sample agree."""
+    weights = os.path.join(model_dir, "model.safetensors")
+    engine.update_weights_from_file(3, weights)
+    prompt = list(range(60, 70))
+    engine.submit("probe", prompt, 24, temperature=0.0, ignore_eos=True)
+    greedy = run_to_completion(engine)["probe"].output_tokens.tolist()
+    decode = engine._engine.get_tokenizer().decode
+    text = [decode([t]) for t in greedy]
+    # a cut after k tokens, with the pair (k-1, k) seen nowhere before it
+    k = next(k for k in range(4, 20) if text[k - 1] + text[k] not in "".join(text[:k]))
+    stop = text[k - 1] + text[k]
+    engine.submit("uncut", prompt, 24, temperature=0.0, ignore_eos=True, stop=[stop])
+    assert run_to_completion(engine)["uncut"].output_tokens.tolist() == greedy[:k + 1]
+    engine.submit("cut", prompt, 24, temperature=0.0, ignore_eos=True, stop=[stop])
+    while len(engine._requests["cut"].tokens) < k:
+        assert not engine.step()
+    assert engine._requests["cut"].tokens == greedy[:k], "one token per step expected here"
+    engine.update_weights_from_file(4, weights)         # the same weights: the same next token
+    as_prompt = vllm_engine.FinishedSample(
+        "as_prompt", np.asarray(prompt + greedy[:k], np.int32), np.zeros(0, np.int32),
+        np.zeros(0, np.float32), np.zeros(0, np.int32), "abort", 0.0, 0.0, 0.0)
+    engine.continue_sample(as_prompt, 24 - k, temperature=0.0, ignore_eos=True, stop=[stop],
+                           stop_context=k)
+    done = run_to_completion(engine)
+    cut = done["cut"]
+    assert cut.finish_reason == "stop" and cut.num_interrupts == 1, (cut.output_tokens, stop)
+    assert cut.output_tokens.tolist() == greedy[:k + 1] and cut.versions.tolist() == [3] * k + [4]
+    assert len(cut.behav_logprobs) == k + 1
+    assert done["as_prompt"].finish_reason == "stop"
+    assert done["as_prompt"].output_tokens.tolist() == [greedy[k]]
+
+
 # ------------------------------------------------------------ trainer layouts → engine
 
 WORKER = os.path.join(os.path.dirname(__file__), "weights_worker.py")

@@ -10,7 +10,7 @@ import pytest
 
 from areal_hpc.env.base import ToolCall
 from areal_hpc.env.episode import NO_VERSION, Episode
-from areal_hpc.storage.rollout_log import RolloutReader, RolloutWriter
+from areal_hpc.storage.rollout_log import RolloutLogError, RolloutReader, RolloutWriter
 
 
 def episode_traj(pid: int, idx: int, args: str = "2*21") -> dict:
@@ -108,6 +108,35 @@ def test_a_mask_that_disagrees_is_refused_before_any_of_the_batch_is_written(tmp
         assert r.tokens("loss_mask").tolist() == [1, 1, 1, 0, 0, 1, 1] * 2
         assert r.column("turns_end").tolist() == [3, 6] and r.column("tools_end").tolist() == [2, 4]
         _check_episode(r[1], episode_traj(2, 0))
+
+
+def test_a_discarded_episode_keeps_its_cause_and_an_older_log_has_none(tmp_path):
+    """/traj/discard: the cause of each row's discard ("" none), refused when unknown; a log
+    from before it (schema 4) reads as none discarded, and a writer that continues it adds
+    the column."""
+    path = tmp_path / "r.h5"
+    w = RolloutWriter(path)
+    w.append([dict(episode_traj(0, 0), discard="timeout"), single_traj(0, 1)])
+    with pytest.raises(ValueError, match="^trajectory 1/0: discard 'tired' is not one of"):
+        w.append([dict(episode_traj(1, 0), discard="tired")])
+    w.close()
+    with RolloutReader(path) as r:
+        assert [r[0]["discard"], r[1]["discard"]] == ["timeout", ""]
+        assert r.column("discard").tolist() == [1, 0]
+    with h5py.File(path, "a") as f:
+        del f["traj/discard"]
+        f.attrs["schema_version"] = 4
+    with RolloutReader(path) as r:
+        assert r[0]["discard"] == "" and r.column("discard").tolist() == [0, 0]
+    w = RolloutWriter.reopen(path, keep_rows=2)
+    w.append([dict(episode_traj(2, 0), discard="env")])
+    w.close()
+    with RolloutReader(path) as r:
+        assert r.column("discard").tolist() == [0, 0, 5] and r[2]["discard"] == "env"
+    with h5py.File(path, "a") as f:
+        f["traj/discard"][1] = 9
+    with RolloutReader(path) as r, pytest.raises(RolloutLogError, match="unknown discard cause"):
+        r.column("discard")
 
 
 def _strip_episode_datasets(path) -> None:

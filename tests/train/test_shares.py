@@ -175,7 +175,7 @@ def test_zero_variance_is_decided_on_the_rewards_as_the_log_stores_them():
     assert shares[0].stats["zero_var_groups"] == 1 and shares[0].stats["filtered_seqs"] == 4
     stored = np.array([s["reward"] for s in seqs], dtype=np.float32)
     n_out = np.array([len(s["output_tokens"]) for s in seqs])
-    keep, _, zero_var = guard_decisions(stored, n_out, np.zeros(8, bool), cfg, GROUP_SIZE, None)
+    keep, _, zero_var, _ = guard_decisions(stored, n_out, np.zeros(8, bool), cfg, GROUP_SIZE, None)
     assert zero_var.tolist() == [True, False] and keep.tolist() == [False] * 4 + [True] * 4
 
 
