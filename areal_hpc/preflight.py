@@ -407,12 +407,29 @@ def check_model_dir(cfg: RunConfig, sample: dict | None = None,
     if cfg.data.chat and not (cfg.data.chat_template or getattr(tokenizer, "chat_template", None)):
         raise ConfigError(f"config key 'data.chat': the tokenizer in {model} has no chat template; "
                           f"give one in data.chat_template (a Jinja template or its file)")
+    if cfg.env.tool_parser:
+        check_tool_calling(cfg, tokenizer)
     with bounded_rendering() as ids:
         try:
             _check_prompts(cfg, tokenizer, ids, sample, datasets or {})
         except RenderTimeout as exc:
             raise ConfigError(f"config key '{template_key(cfg)}': {exc} (the chat template's loops must "
                               "end within seconds)") from None
+
+
+def check_tool_calling(cfg: RunConfig, tokenizer) -> None:
+    """Native tool calling (env.tool_parser): vLLM's parsers of those names, and a chat template
+    that declares the tools and renders an assistant turn's text as it is, tool results after
+    it (imports vLLM's parsers: seconds, only for such a run)."""
+    from .env.tool_calls import ToolCalling
+    try:
+        calling = ToolCalling(tokenizer, cfg.env, read_chat_template(cfg.data.chat_template))
+        calling.observation(["a result"], None)
+    except env_base.EnvConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    except Exception as exc:    # noqa: BLE001 - a template that fails, one line
+        raise ConfigError(f"config key '{template_key(cfg)}': native tool calling: "
+                          f"{type(exc).__name__}: {_one_line(exc)}") from None
 
 
 def template_key(cfg: RunConfig) -> str:

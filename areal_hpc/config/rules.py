@@ -284,6 +284,9 @@ def validate(cfg: RunConfig) -> None:
     require(cfg.env.fn is None or (cfg.env.max_episode_tokens or 0) <= r.max_model_len,
             "env.max_episode_tokens", f"{cfg.env.max_episode_tokens} is past rollout.max_model_len "
             f"= {r.max_model_len}, the longest sequence the engine takes")
+    require(cfg.env.tool_parser is None or cfg.data.chat, "env.tool_parser",
+            "native tool calling renders the tools and their results with the chat template: "
+            "set data.chat=true")
     name = PurePosixPath(cfg.name)
     require(bool(cfg.name) and not name.is_absolute() and ".." not in name.parts
            and "\0" not in cfg.name, "name",

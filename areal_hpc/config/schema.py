@@ -363,6 +363,14 @@ class EnvConfig:
     # group; score_zero trains it as an outcome with reward 0 (the model learns to avoid what
     # preceded a tool's failure).
     on_error: OnError = "drop_episode"
+    # Native tool calling (docs/environments.md): the tools as JSON schemas (OpenAI's function
+    # format; a built-in environment declares its own), rendered into the first prompt by the
+    # tokenizer's chat template (data.chat); each model turn parsed by the vLLM tool parser
+    # named here (hermes for Qwen2.5), the calls answered by the environment's `call` and their
+    # results appended as the template's tool messages. None: turns go to `step` as text.
+    tool_parser: Optional[str] = None
+    tools: list[Any] = field(default_factory=list)
+    reasoning_parser: Optional[str] = None  # vLLM's: calls inside the reasoning are not calls
 
 
 @dataclass

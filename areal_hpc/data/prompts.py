@@ -77,20 +77,22 @@ def read_chat_template(value: str | None) -> str | None:
         raise ValueError(f"{value}: not UTF-8 text ({exc.reason})") from None
 
 
-def prompt_ids(tokenizer, d, question: str) -> list[int]:
+def prompt_ids(tokenizer, d, question: str, tools: list[dict] | None = None) -> list[int]:
     """The prompt tokens of `question` under data settings `d` (`DataConfig`, or anything with
     its prompt fields): `d.prompt_template` filled in; with `d.chat`, that text is the user
     message of the tokenizer's chat template (or `d.chat_template`), after `d.system_prompt`
     when set, with the generation prompt, then `d.assistant_prefix` (e.g. a reasoning model's
     "<think>\\n"). Tokens as the tokenizer renders them: no special tokens added beyond the
-    template's own."""
+    template's own. `tools` (native tool calling: JSON schemas) go to the chat template, which
+    declares them (Qwen's: in the system turn)."""
     text = d.prompt_template.format(question=question)     # config/rules.py TEMPLATE_FIELDS
     if not d.chat:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     messages = ([{"role": "system", "content": d.system_prompt}] if d.system_prompt else []) + [
         {"role": "user", "content": text}]
     rendered = tokenizer.apply_chat_template(messages, chat_template=read_chat_template(d.chat_template),
-                                             add_generation_prompt=True, tokenize=False)
+                                             add_generation_prompt=True, tokenize=False,
+                                             **({"tools": tools} if tools else {}))
     return tokenizer(rendered + (d.assistant_prefix or ""), add_special_tokens=False)["input_ids"]
 
 

@@ -38,6 +38,19 @@ from ..reward.custom import RewardFnError, resolve, split_spec
 BUILTINS = {"calculator": "areal_hpc.env.calculator:Calculator",
             "python": "areal_hpc.env.python_tool:PythonTool"}
 MAX_TOKEN_ID = (1 << 31) - 1
+# The tools the built-ins declare for native tool calling (env.tool_parser), as JSON schemas.
+BUILTIN_TOOLS = {
+    "calculator": [{"type": "function", "function": {
+        "name": "calculator", "description": "Evaluate an arithmetic expression: numbers, "
+        "+ - * / // % ** and parentheses.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                       "required": ["expression"]}}}],
+    "python": [{"type": "function", "function": {
+        "name": "python", "description": "Run Python code in a sandbox (no network, no files); "
+        "the result is what it prints. Names defined earlier in the episode stay defined.",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string"}},
+                       "required": ["code"]}}}],
+}
 
 
 class EnvConfigError(ValueError):
@@ -134,6 +147,7 @@ def validate(cfg: EnvConfig, key: str = "env") -> None:
         problem = CONFIG_RANGES[f"env.{name}"].problem(v)
         if problem:
             raise _bad(f"{key}.{name}", problem)
+    check_tools(cfg, key)
     if not isinstance(cfg.turn_stop, (list, tuple)):
         raise _bad(f"{key}.turn_stop", f"expected a list of strings or token ids, got {cfg.turn_stop!r}")
     for i, s in enumerate(cfg.turn_stop):
@@ -149,6 +163,52 @@ def validate(cfg: EnvConfig, key: str = "env") -> None:
     if names != ["observation"]:
         raise _bad(f"{key}.observation_template", "expected text with {observation} once and no "
                    f"other field (double other braces), got {tpl!r}")
+
+
+def declared_tools(cfg: EnvConfig) -> list[dict]:
+    """The tools of native tool calling: `env.tools`, else the built-in environment's own."""
+    if cfg.tools:
+        return [dict(t) for t in cfg.tools]
+    return [dict(t) for t in BUILTIN_TOOLS.get(cfg.fn or "", ())]
+
+
+def tool_names(tools: list[dict]) -> list[str]:
+    return [t["function"]["name"] for t in tools]
+
+
+def check_tools(cfg: EnvConfig, key: str = "env") -> None:
+    """The native tool-calling keys: every tool a function schema with a unique name, and
+    with a parser: an environment, tools, and the plain observation template (the chat
+    template renders the results)."""
+    if not isinstance(cfg.tools, (list, tuple)):
+        raise _bad(f"{key}.tools", f"expected a list of tool schemas, got {cfg.tools!r}")
+    for i, t in enumerate(cfg.tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(fn, dict)
+                and isinstance(fn.get("name"), str) and fn["name"].isidentifier()
+                and isinstance(fn.get("parameters", {}), dict)):
+            raise _bad(f"{key}.tools[{i}]", 'expected {"type": "function", "function": {"name": '
+                       '<identifier>, "description": ..., "parameters": <JSON schema>}}')
+    names = tool_names(list(cfg.tools))
+    if len(set(names)) != len(names):
+        raise _bad(f"{key}.tools", f"tool names must be unique, got {names}")
+    for name in ("tool_parser", "reasoning_parser"):
+        v = getattr(cfg, name)
+        if v is not None and not (isinstance(v, str) and v):
+            raise _bad(f"{key}.{name}", f"expected the name of one of vLLM's parsers, got {v!r}")
+    if cfg.tool_parser is None:
+        if cfg.tools:
+            raise _bad(f"{key}.tools", "tools need env.tool_parser (the model's call format, "
+                       "e.g. hermes)")
+        return
+    if cfg.fn is None:
+        raise _bad(f"{key}.tool_parser", "native tool calling needs an environment (env.fn)")
+    if not declared_tools(cfg):
+        raise _bad(f"{key}.tools", f"env.tool_parser is set but no tool is declared ({cfg.fn} "
+                   "declares none)")
+    if cfg.observation_template != "{observation}":
+        raise _bad(f"{key}.observation_template", "with env.tool_parser the chat template "
+                   "renders the tool results: leave it {observation}")
 
 
 def turn_stops(cfg: EnvConfig) -> tuple[list[str], list[int]]:

@@ -7,7 +7,9 @@ The expression is read with ``ast`` (never ``eval``): numbers, ``+ - * / // % **
 and parentheses, nothing else (no names, calls, attributes). Bounded: the expression's length,
 its nodes, each intermediate value's size, and ``**`` exponents, so ``9**9**9`` is an error, not a
 stalled process. An expression that does not parse or breaks a bound answers ``error: <why>`` as
-the observation, and the tool record carries the error.
+the observation, and the tool record carries the error. With native tool calling
+(``env.tool_parser``), the same evaluation is the ``calculator`` tool (``call``, its schema in
+env/base.py BUILTIN_TOOLS: ``{"expression": ...}``), and a turn without a call is the answer.
 
 Keyword arguments (``env.args``): ``open_tag``, ``close_tag``; ``question_key`` and
 ``answer_key`` of the row; ``prompt_template`` (the row's question as ``{question}``);
@@ -110,3 +112,11 @@ class Calculator(Environment):
             out, error = f"error: {e}", str(e)
         tool = ToolCall("calculator", expression, len(out.encode()), time.perf_counter() - start, error)
         return Step(observation=out, tool=tool)
+
+    def call(self, name: str, arguments: dict) -> str:
+        """Native tool calling (env.tool_parser): the `calculator` tool's result for
+        {"expression": ...}; a bad expression raises, answered to the model as the error."""
+        expression = arguments.get("expression")
+        if not isinstance(expression, str):
+            raise ValueError('expected {"expression": <text>}')
+        return show(evaluate(expression))

@@ -6,7 +6,9 @@ started as pid 1 of a PID namespace of its own (reward/contain.py ``wrap``; wher
 made, the subreaper fallback that contain.py names). It imports the environment's class once,
 says ``{"ready": true}`` (or why it cannot), then serves one episode after another: ``reset``
 builds a fresh instance, kills what the previous episode left, and returns the first prompt;
-``step`` hands a turn over; ``close``, at the episode's end (after its error too), calls the
+``step`` hands a turn over; ``call`` makes one tool call of a turn (native tool calling: the
+instance's ``call(name, arguments)``, its text the call's result; an exception is answered to
+the model as the call's error, the episode goes on); ``close``, at the episode's end (after its error too), calls the
 instance's ``close()`` and kills what the episode started. Calls go down as pickles (the parent
 is the trusted side); answers come back as one line of JSON each, which the parent checks as
 plain data of bounded size (``_step_of``): the environment's code can write anything on that
@@ -84,6 +86,13 @@ class EnvProcess:
         if self.proc is None:
             return Step(done=True, error="the environment's process is gone (no reset?)", cause="died")
         return self._call("step", turn_text, list(turn_ids))
+
+    def call(self, name: str, arguments: str) -> Step:
+        """One tool call of a model turn (native tool calling): its result in ``observation``
+        (text) and its record in ``tool``, or ``error`` (the episode ends)."""
+        if self.proc is None:
+            return Step(done=True, error="the environment's process is gone (no reset?)", cause="died")
+        return self._call("call", name, arguments)
 
     def end(self) -> Step:
         """The episode is over: the environment's ``close()`` (bounded as a call), then what
@@ -244,6 +253,8 @@ def _step_of(line: bytes, call_id: int, op: str) -> Step:
         raise ValueError(f"observation is a {type(obs).__name__}")
     if op == "reset" and (obs is None or not obs):
         raise ValueError("reset returned no prompt")
+    if op == "call" and discard is None and not done and type(obs) is not str:
+        raise ValueError("a tool call's result is not text")
     if type(done) is not bool:
         raise ValueError("done is not a bool")
     if reward is not None:
@@ -331,6 +342,13 @@ class EnvRunner:
             proc = self._running[key]
         return self._pool.submit(proc.step, turn_text, turn_ids)
 
+    def call(self, key: Hashable, calls: list[tuple[str, str]]) -> Future:
+        """A model turn's tool calls (name, arguments as JSON text), one after another: a
+        future of their Steps (`call_all`), never failing."""
+        with self._lock:
+            proc = self._running[key]
+        return self._pool.submit(call_all, proc, calls)
+
     def restore(self, key: Hashable, row: dict, turns: list[tuple[str, list[int]]]) -> Future:
         """A resumed episode (its process went with a preemption): a future of the Steps of
         `replay_steps` (reset, then one per model turn in `turns`), never failing."""
@@ -381,14 +399,29 @@ class EnvRunner:
         self.close()
 
 
-def replay_steps(proc: EnvProcess, row: dict, turns: list[tuple[str, list[int]]]) -> list[Step]:
+def call_all(proc: EnvProcess, calls: list[tuple[str, str]]) -> list[Step]:
+    """`proc`'s answers to a turn's tool calls, in order, up to and with the first that ends the
+    episode (an error, a discard)."""
+    steps: list[Step] = []
+    for name, arguments in calls:
+        steps.append(proc.call(name, arguments))
+        if steps[-1].error is not None or steps[-1].done:
+            break
+    return steps
+
+
+def replay_steps(proc: EnvProcess, row: dict, turns: list[tuple]) -> list[Step]:
     """Step `proc` from a reset with `row` through every model turn of `turns` (their text, their
-    ids): the Steps it answered, the reset's first, up to and with the first error."""
+    ids, and with native tool calling their calls: a list, then those are made instead of a
+    step): the Steps it answered, the reset's first, up to and with the first error."""
     steps = [proc.reset(row)]
-    for text, ids in turns:
+    for text, ids, *calls in turns:
         if steps[-1].error is not None:
             break
-        steps.append(proc.step(text, ids))
+        if calls and calls[0] is not None:
+            steps += call_all(proc, calls[0])
+        else:
+            steps.append(proc.step(text, ids))
     return steps
 
 
@@ -445,6 +478,33 @@ def _plain(out, op: str) -> dict:
             "reward": None if reward is None else float(reward), "tool": tool, "discard": discard}
 
 
+def _tool_call(env, name: str, arguments: str) -> dict:
+    """The answer to one tool call: the instance's ``call(name, arguments)`` (its text, or a
+    Step for full control: a discard, a reward); an exception in it is the call's error,
+    answered to the model (a bad argument is the model's doing), the episode goes on."""
+    fn = getattr(env, "call", None)
+    if env is None or not callable(fn):
+        raise TypeError("the environment has no call(name, arguments) method for its tools")
+    t0 = time.monotonic()
+    record = {"name": name, "args": arguments[:MAX_TOOL_TEXT], "output_bytes": 0, "seconds": 0.0,
+              "error": None}
+    try:
+        out = fn(name, json.loads(arguments))
+    except Exception as e:      # noqa: BLE001 - the tool's failure, the model's to read
+        text = f"error: {type(e).__name__}: {e}"[:MAX_ERROR_CHARS]
+        return {"observation": text, "done": False, "reward": None,
+                "tool": {**record, "seconds": time.monotonic() - t0, "error": text}}
+    if isinstance(out, Step):
+        plain = _plain(out, "step")
+        plain["tool"] = plain["tool"] or {**record, "seconds": time.monotonic() - t0}
+        return plain
+    if not isinstance(out, str):
+        raise TypeError(f"call returned a {type(out).__name__}, not text or a Step")
+    return {"observation": out, "done": False, "reward": None,
+            "tool": {**record, "output_bytes": len(out.encode("utf-8", "replace")),
+                     "seconds": time.monotonic() - t0}}
+
+
 def _send_line(fd: int, msg: dict) -> None:
     data = (json.dumps(msg) + "\n").encode()
     while data:
@@ -483,6 +543,8 @@ def main(argv: list[str]) -> int:
                 _kill_what_is_left()
                 env = cls(**setup["args"])
                 out = _plain(env.reset(*args), op)
+            elif op == "call":
+                out = _tool_call(env, *args)
             else:
                 out = _plain(env.step(*args), op)
             msg = {"id": call_id, **out}

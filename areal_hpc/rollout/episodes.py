@@ -17,6 +17,11 @@ saying where it stood: "abort" (in the middle of a model turn, which the resumed
 brings a fresh environment to that point by stepping it through the saved model turns (their
 answers not appended again: the saved tokens are the ones trained; their rewards and tool
 records taken again), then goes on. An episode that had no token yet starts afresh.
+
+Native tool calling (env.tool_parser, env/tool_calls.py): the first prompt declares the tools
+through the chat template; each model turn is parsed by vLLM's tool parser, its calls go to the
+environment's `call` one after another (phase "calls"), and the results are appended as the
+chat template's tool messages; a turn without a call is the answer, stepped as any turn.
 """
 from __future__ import annotations
 
@@ -31,8 +36,9 @@ from typing import Optional
 import numpy as np
 
 from ..data.prompts import prompt_ids
-from ..env.base import Step, turn_stops
-from ..env.episode import OBSERVATION, SAMPLE, Episode
+from ..env.base import Step, ToolCall, turn_stops
+from ..env.episode import MAX_CHARS_PER_TOKEN, OBSERVATION, SAMPLE, Episode
+from ..env.tool_calls import ParsedTurn
 from ..transport import messages as msgs
 from .recovery import request_id
 from .seeds import continuation_seed
@@ -63,6 +69,7 @@ class _Ep:
     resume: str = ""            # a restored episode: its saved finish_reason
     t_first: Optional[float] = None
     interrupts: int = 0
+    parsed: Optional[ParsedTurn] = None     # native tool calling: the turn whose calls run
 
 
 def env_row(prompt: msgs.Prompt) -> dict:
@@ -109,7 +116,7 @@ class EpisodeLoop:
                 continue
             turns = ep.episode.sampled_turns()[:self._replayed_turns(ep)]
             ep.future, ep.phase = self.envs.restore(key, ep.row, [
-                (self._text(ids), ids) for ids in turns]), "restore"
+                (self._text(ids), ids, self._replayed_calls(ids)) for ids in turns]), "restore"
 
     def _restored(self, c: msgs.Continuation) -> Episode:
         """The episode a PARTIAL row saved, token for token (its rewards and tool records come
@@ -201,8 +208,64 @@ class EpisodeLoop:
         ep.episode.add_sample(smp.output_tokens, smp.behav_logprobs, smp.versions,
                               continues=ep.continues)
         ep.continues = False
-        turn = ep.episode.sampled_turns()[-1]
-        ep.future, ep.phase = self.envs.step((kind, pid, idx), self._text(turn), turn), "step"
+        self._ask(ep, ep.episode.sampled_turns()[-1])
+
+    def _ask(self, ep: _Ep, turn: list[int]) -> None:
+        """The environment's answer to the model's last turn, as a future: its step, or, with
+        native tool calling, the turn's tool calls (a turn without one is the answer: a step)."""
+        key = (ep.kind, ep.pid, ep.idx)
+        parsed = self._parse(turn)
+        if parsed is None or parsed.is_answer:
+            ep.future, ep.phase = self.envs.step(key, self._text(turn), turn), "step"
+        else:
+            ep.parsed = parsed
+            ep.future, ep.phase = self.envs.call(key, parsed.calls), "calls"
+
+    def _parse(self, turn: list[int]) -> ParsedTurn | None:
+        if self.tool_calling is None:
+            return None
+        # special tokens kept: some models' call tags are special tokens (vLLM's server too)
+        return self.tool_calling.parse(self.tokenizer.decode(list(turn), skip_special_tokens=False))
+
+    def _replayed_calls(self, turn: list[int]) -> list | None:
+        """What a resumed episode's environment is asked for a saved model turn: its tool calls
+        (native tool calling), else None (its step)."""
+        parsed = self._parse(turn)
+        return None if parsed is None or parsed.is_answer else parsed.calls
+
+    def _after_calls(self, ep: _Ep, steps: list[Step]) -> None:
+        """A turn's tool calls answered: their results (and the calls that could not be made,
+        answered with their error, in the turn's order) appended as the chat template's tool
+        messages, then the next turn; a call that ends the episode (the environment failed,
+        or discarded it) ends it there."""
+        eps, parsed, ep.parsed = ep.episode, ep.parsed, None
+        if steps and (steps[-1].error is not None or steps[-1].done):
+            eps.tool_calls += [s.tool for s in steps[:-1] if s.tool is not None]
+            eps.apply(steps[-1])
+            return
+        made = iter(steps)
+        results, records = [], []
+        for item in parsed.order:
+            if isinstance(item, ToolCall):          # could not be made: its error answers it
+                results.append(f"error: {item.error}")
+                records.append(item)
+                continue
+            s = next(made)
+            eps.add_reward(s.reward)
+            results.append(s.observation)
+            records.append(s.tool)
+        room = max(0, eps.budget_left) * MAX_CHARS_PER_TOKEN     # bounded before tokenising
+        ids = self.tool_calling.observation([r[:room] for r in results],
+                                            last_token=eps.sampled_turns()[-1][-1])
+        eps.tool_calls += [r for r in records[:-1] if r is not None]
+        try:
+            eps.add_observation(ids, records[-1] if records else None)
+        except ValueError as exc:   # an id past the vocabulary: this episode ends
+            eps.finish(error=f"calls: {exc}", cause="refused")
+            return
+        eps.after_turn()
+        if not eps.done:
+            self._submit_turn(ep)
 
     def _poll_episodes(self) -> list[tuple[str, object]]:
         """Take the environments' answers that came; returns the groups now complete."""
@@ -234,7 +297,8 @@ class EpisodeLoop:
             ep.episode.finish(error=step.error, cause=step.cause)
             return
         first = step.observation
-        ids = (prompt_ids(self.tokenizer, self.cfg.data, first) if isinstance(first, str)
+        tools = self.tool_calling.tools if self.tool_calling is not None else None
+        ids = (prompt_ids(self.tokenizer, self.cfg.data, first, tools) if isinstance(first, str)
                else [int(t) for t in first])
         e = self.cfg.env
         try:
@@ -276,9 +340,7 @@ class EpisodeLoop:
             ep.continues = True         # the model goes on with the turn it was writing
             self._submit_turn(ep)
         elif last_sampled:              # its answer was in flight: asked again
-            turn = eps.sampled_turns()[-1]
-            key = (ep.kind, ep.pid, ep.idx)
-            ep.future, ep.phase = self.envs.step(key, self._text(turn), turn), "step"
+            self._ask(ep, eps.sampled_turns()[-1])
         else:
             eps.after_turn()
             if not eps.done:

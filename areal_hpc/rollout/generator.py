@@ -45,7 +45,9 @@ import numpy as np
 from .. import preemption
 from ..config import RunConfig
 from ..determinism import seeded
+from ..data.prompts import read_chat_template
 from ..env.runner import EnvRunner
+from ..env.tool_calls import ToolCalling
 from ..reward import custom
 from ..reward.pool import RewardPool
 from ..topology import CONTROLLER_RANK, Topology
@@ -92,7 +94,8 @@ class Generator(EngineRecovery, EpisodeLoop):
     `start` makes the children on a rank; a test passes its own."""
 
     def __init__(self, cfg: RunConfig, topo: Topology, *, engine=None, rewards=None, chan=None,
-                 tokenizer=None, clock: GenClock | None = None, engine_factory=None, envs=None):
+                 tokenizer=None, clock: GenClock | None = None, engine_factory=None, envs=None,
+                 tool_calling=None):
         self.cfg, self.topo = cfg, topo
         # `engine_factory(version=...)` starts an engine like the first: a faulted one is
         # replaced by it (None: a fault ends the rank, as for a test's own engine)
@@ -109,6 +112,7 @@ class Generator(EngineRecovery, EpisodeLoop):
         # env.fn: the episodes' environments (env.runner.EnvRunner), the episodes in flight
         # (episodes.py) and those waiting for one of env.max_episodes places
         self.envs, self.episodes, self._queued = envs, {}, []
+        self.tool_calling = tool_calling    # env.tool_parser: env/tool_calls.py ToolCalling
         # rollout.mode sync: training groups are sent in the order their prompts came
         # (`_send`): the prompt ids still to send, and the scored groups waiting for earlier ones
         self._in_order = cfg.rollout.mode == "sync"
@@ -134,6 +138,8 @@ class Generator(EngineRecovery, EpisodeLoop):
 
         chan = Channel(topo.world)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        tool_calling = (ToolCalling(tokenizer, cfg.env, read_chat_template(cfg.data.chat_template))
+                        if cfg.env.tool_parser else None)
         with preemption.shield_children():     # engine processes must outlive a USR1
             r = cfg.rollout
             factory = functools.partial(
@@ -150,7 +156,7 @@ class Generator(EngineRecovery, EpisodeLoop):
                                  functions=custom.specs_of(cfg), fn_timeout_s=rw.fn_timeout_s)
             envs = EnvRunner(cfg.env, cfg.env.max_episodes) if cfg.env.fn else None
         return cls(cfg, topo, engine=engine, rewards=rewards, chan=chan, tokenizer=tokenizer,
-                   engine_factory=factory, envs=envs)
+                   engine_factory=factory, envs=envs, tool_calling=tool_calling)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> None:

@@ -87,6 +87,19 @@ class Discards(Echo):
         return Step("ignored", discard="the tool server is down",
                     tool=ToolCall("search", text, 0, 30.0, "HTTP 503"))
 
+class Tools(Echo):
+    """Native tool calling: `call` answers the tools; "boom" raises (the model reads it), "down"
+    discards the episode, "slow" hangs past the bound."""
+    def call(self, name, arguments):
+        x = arguments.get("x")
+        if x == "boom":
+            raise ValueError("x must be a number")
+        if x == "down":
+            return Step(discard="the search backend is down")
+        if x == "slow":
+            time.sleep(600)
+        return f"{name}({x})"
+
 class Leaks(Echo):
     def step(self, text, ids):
         _daemon(text)
@@ -376,3 +389,36 @@ def test_an_environment_discards_an_episode_with_its_reason(envs):
     with pytest.raises(ValueError, match="discard is not a string"):
         _step_of(json.dumps({"id": 1, "observation": None, "done": True, "reward": None,
                              "tool": None, "discard": 1}).encode(), 1, "step")
+
+
+def test_tool_calls_are_answered_by_call_one_after_another(envs):
+    """Native tool calling's calls: `call(name, arguments)`'s text is the result with a tool
+    record; an exception is the call's error, answered to the model (the episode goes on); a
+    discard or a hang ends the episode; a resumed episode's saved calls are made again."""
+    from areal_hpc.env.runner import replay_steps
+    with EnvRunner(_cfg(envs, "Tools", call_timeout_s=5), max_episodes=1) as runner:
+        assert runner.reset("a", {"question": "q"}).result().error is None
+        steps = runner.call("a", [("f", '{"x": 1}'), ("g", '{"x": "boom"}'), ("f", '{"x": 2}')]).result()
+        assert [s.observation for s in steps] == ["f(1)", "error: ValueError: x must be a number", "f(2)"]
+        assert [s.tool.error for s in steps] == [None, "error: ValueError: x must be a number", None]
+        assert steps[0].tool.name == "f" and steps[0].tool.args == '{"x": 1}'
+        assert steps[0].tool.output_bytes == 4 and not any(s.done for s in steps)
+        down = runner.call("a", [("f", '{"x": "down"}'), ("f", '{"x": 3}')]).result()
+        assert len(down) == 1 and down[0].cause == "env" and "backend is down" in down[0].error
+        runner.finish("a").result()
+        assert runner.reset("b", {"question": "q"}).result().error is None
+        slow = runner.call("b", [("f", '{"x": "slow"}')]).result()
+        assert slow[0].cause == "timeout" and slow[0].done
+        runner.finish("b")
+    proc = EnvProcess(_cfg(envs, "Tools"))
+    try:
+        steps = replay_steps(proc, {"question": "q"}, [("t", [1], [("f", '{"x": 5}')]), ("t", [2], None)])
+        assert [s.observation for s in steps] == ["q", "f(5)", ">t"]
+    finally:
+        proc.close()
+    plain = EnvProcess(_cfg(envs, "Echo"))
+    try:
+        plain.reset({"question": "q"})
+        assert "no call(name, arguments) method" in plain.call("f", "{}").error
+    finally:
+        plain.close()

@@ -76,15 +76,20 @@ class _NoScores:
         return []
 
 
-@pytest.fixture(scope="module")
-def engine(model_dir, tmp_path_factory):
+def module_engine(model, tmp_path_factory, max_model_len: int, max_num_seqs: int):
+    """A seeded fp32 engine on `model` for a module's tests (a fixture's body)."""
     with pytest.MonkeyPatch.context() as mp_env:
         mp_env.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
         mp_env.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm_cache")))
-        eng = vllm_engine.VLLMEngine(model_dir, dtype="float32", max_model_len=512, seed=0,
-                                     max_num_seqs=16, per_request_seeds=True)
+        eng = vllm_engine.VLLMEngine(model, dtype="float32", max_model_len=max_model_len, seed=0,
+                                     max_num_seqs=max_num_seqs, per_request_seeds=True)
         yield eng
         eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, tmp_path_factory):
+    yield from module_engine(model_dir, tmp_path_factory, 512, 16)
 
 
 def _cfg(tmp_path, **args) -> RunConfig:
