@@ -14,9 +14,10 @@ from .answers import final_answer
 from .files import field, iter_rows
 
 def load_jsonl(path: str | os.PathLike, question_key: str = "question",
-               answer_key: str = "answer") -> list[dict]:
+               answer_key: str = "answer", keep_row: bool = False) -> list[dict]:
     """Rows of ``path`` (any format of data/files.py; keys may be dotted) as
-    ``[{"question": str, "answer": str}, ...]``, in file order.
+    ``[{"question": str, "answer": str}, ...]``, in file order; ``keep_row``: each also with
+    ``"row"``, the whole row as read (what an environment's reset gets).
 
     Raises FileNotFoundError if ``path`` does not exist, and ValueError naming the file and the
     row (jsonl: its 1-based line) for a row that is not a JSON object, lacks a key, or holds a
@@ -28,5 +29,6 @@ def load_jsonl(path: str | os.PathLike, question_key: str = "question",
         for key, value in values.items():
             if not isinstance(value, str):
                 raise ValueError(f"{where}: {key!r} must be a string, got {type(value).__name__}")
-        rows.append({"question": values[question_key], "answer": final_answer(values[answer_key])})
+        rows.append({"question": values[question_key], "answer": final_answer(values[answer_key]),
+                     **({"row": obj} if keep_row else {})})
     return rows

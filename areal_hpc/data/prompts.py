@@ -20,7 +20,7 @@ KINDS = ("math", "code")
 
 
 def load_prompts(path: str, kind: str = "math", question_key: str = "question",
-                 answer_key: str = "answer", custom: bool = False) -> list[dict]:
+                 answer_key: str = "answer", custom: bool = False, keep_row: bool = False) -> list[dict]:
     """Read a dataset (jsonl, parquet, arrow or an HF `datasets` directory: data/files.py; keys
     may be dotted, e.g. ``reward_model.ground_truth``); for code, `question_key`/`answer_key`
     name the prompt and tests fields (e.g. "prompt" and "tests", or APPS's "question" and
@@ -29,7 +29,8 @@ def load_prompts(path: str, kind: str = "math", question_key: str = "question",
     custom: the run scores with reward functions of its own (reward.fn): every row is
     ``{"question", "reward_kind": "custom", "reference", "row"}``, ``row`` the whole row as
     read; only the question field is required (the reference is the answer field when present,
-    a GSM8K answer cut to its final answer, else None)."""
+    a GSM8K answer cut to its final answer, else None). keep_row (a run with an environment):
+    a math row keeps its whole row as ``row`` too."""
     if custom:
         rows = []
         for where, obj in iter_rows(path, (question_key,)):
@@ -42,8 +43,9 @@ def load_prompts(path: str, kind: str = "math", question_key: str = "question",
                          "reference": final_answer(ref) if isinstance(ref, str) else ref, "row": obj})
         return rows
     if kind == "math":
-        return [{"question": r["question"], "reward_kind": "math", "reference": r["answer"]}
-                for r in load_jsonl(path, question_key, answer_key)]
+        return [{"question": r["question"], "reward_kind": "math", "reference": r["answer"],
+                 **({"row": r["row"]} if keep_row else {})}
+                for r in load_jsonl(path, question_key, answer_key, keep_row)]
     if kind == "code":
         return [{"question": r["prompt"], "reward_kind": "code", "reference": r["tests"]}
                 for r in load_code_jsonl(path, prompt_key=question_key, tests_key=answer_key)]
@@ -51,9 +53,11 @@ def load_prompts(path: str, kind: str = "math", question_key: str = "question",
 
 
 def load_prompts_of(cfg, path: str) -> list[dict]:
-    """`load_prompts` with the run's data keys (and reward.fn's custom mode)."""
+    """`load_prompts` with the run's data keys (and reward.fn's custom mode; with an
+    environment, math rows keep their whole row for its reset)."""
     d, r = cfg.data, cfg.reward
-    return load_prompts(path, d.kind, d.question_key, d.answer_key, custom=bool(r.fn or r.functions))
+    return load_prompts(path, d.kind, d.question_key, d.answer_key, custom=bool(r.fn or r.functions),
+                        keep_row=bool(getattr(cfg, "env", None) and cfg.env.fn))
 
 
 MAX_TEMPLATE_BYTES = 1 << 20     # a chat template file (the shipped ones are a few KiB)

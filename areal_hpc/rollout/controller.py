@@ -209,11 +209,11 @@ class Controller:
     def encode(self, prompt_id: int, row: dict, n: int,
                continued: tuple[msgs.Continuation, ...] = ()) -> msgs.Prompt:
         ids = prompt_ids(self.tokenizer, self.cfg.data, row["question"])
-        # reward functions of the user's own see the whole row; so does an environment (a
-        # dataset read without one: its question and answer)
+        # reward functions of the user's own see the whole row as read; so does an environment,
+        # with "question" and "answer" as the run reads them (data.question_key, answer_key)
         whole = row.get("row")
-        if whole is None and self.cfg.env.fn:
-            whole = {"question": row["question"], "answer": row["reference"]}
+        if self.cfg.env.fn and row["reward_kind"] != "custom":
+            whole = {**(whole or {}), "question": row["question"], "answer": row["reference"]}
         return msgs.Prompt(prompt_id, ids, n, row["reward_kind"], row["reference"],
                            row=whole, continued=continued)
 

@@ -73,8 +73,9 @@ class _Ep:
 
 
 def env_row(prompt: msgs.Prompt) -> dict:
-    """The data row an environment's reset gets: the dataset's own (reward.fn runs, or a row the
-    controller kept), else the prompt's answer as "answer"."""
+    """The data row an environment's reset gets: the dataset's own, whole, as the controller
+    sent it (with "question" and "answer" as the run reads them), else the prompt's answer as
+    "answer"."""
     return dict(prompt.row) if prompt.row else {"answer": prompt.reference}
 
 

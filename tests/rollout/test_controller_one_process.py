@@ -6,6 +6,7 @@ test_controller.py."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 from pathlib import Path
 
@@ -373,3 +374,22 @@ def test_a_steps_episode_figures():
                    "episode/tool_errors": 2, "episode/tool_seconds": 3.5,
                    "episode/cut_max_turns": 1 / 3, "episode/discarded_timeout": 1,
                    **{f"episode/discarded_{c}": 0 for c in ("died", "raised", "refused", "env")}}
+
+
+def test_an_environment_gets_the_whole_dataset_row(setup, tmp_path):
+    """With env.fn, a math row's own fields reach the environment's reset, with "question" and
+    "answer" as the run reads them (here from other keys, the answer cut to its final answer);
+    without one, nothing extra is sent."""
+    from areal_hpc.data.prompts import load_prompts_of
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"problem": "6*7?", "solution": "so #### 42", "tools": ["calc"],
+                                "meta": {"level": 3}}) + "\n")
+    setup.cfg.data.question_key, setup.cfg.data.answer_key = "problem", "solution"
+    setup.cfg.env.fn = "calculator"
+    setup.rows = load_prompts_of(setup.cfg, str(data))
+    ctrl, _ = setup.controller()
+    row = ctrl.encode(0, setup.rows[0], 2).row
+    assert row == {"problem": "6*7?", "solution": "so #### 42", "tools": ["calc"],
+                   "meta": {"level": 3}, "question": "6*7?", "answer": "42"}
+    setup.cfg.env.fn = None
+    assert "row" not in load_prompts_of(setup.cfg, str(data))[0]
