@@ -38,7 +38,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict
 from typing import Hashable
 
@@ -65,6 +65,7 @@ class EnvProcess:
     def __init__(self, cfg: EnvConfig):
         self.cfg = cfg
         self._life = threading.RLock()
+        self._serial = threading.RLock()    # one call at a time on the pipes (`end_if_idle`)
         self.proc = None
         self.pidfd = None
         self.calls = self.results = self.output = None
@@ -163,7 +164,20 @@ class EnvProcess:
             return msg["error"][:MAX_ERROR_CHARS]
         return "the environment did not start: no ready line"
 
+    def end_if_idle(self) -> Step | None:
+        """`end` unless a call is in flight (None then: the caller kills it instead)."""
+        if not self._serial.acquire(blocking=False):
+            return None
+        try:
+            return self.end()
+        finally:
+            self._serial.release()
+
     def _call(self, op: str, *args) -> Step:
+        with self._serial:
+            return self._call_serial(op, *args)
+
+    def _call_serial(self, op: str, *args) -> Step:
         self._calls += 1
         call_id = self._calls
         deadline = time.monotonic() + self.cfg.call_timeout_s
@@ -379,13 +393,21 @@ class EnvRunner:
             proc.close()
         return step
 
-    def close(self) -> None:
-        """Kill every child (and what it started); unfinished calls end with an error."""
+    def close(self, ending_s: float = 0.0) -> None:
+        """Kill every child (and what it started); unfinished calls end with an error. First,
+        within `ending_s` in all (a preemption's or the run's end), each running episode whose
+        environment is not answering a call gets its ``close()`` (`EnvProcess.end_if_idle`)."""
         with self._lock:
             self._closed = True
-            procs = list(self._running.values()) + self._idle
+            running = list(self._running.values())
+            procs = running + self._idle
             self._running.clear()
             self._idle.clear()
+        if ending_s > 0 and running:
+            with ThreadPoolExecutor(max_workers=len(running), thread_name_prefix="env-end") as pool:
+                wait([pool.submit(p.end_if_idle) for p in running], timeout=ending_s)
+                for proc in running:    # an end past the bound: killed (its call answers)
+                    proc.kill()
         for proc in procs:      # first: a call in flight then answers (the process died)
             proc.kill()
         self._pool.shutdown(wait=True)

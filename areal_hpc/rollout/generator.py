@@ -62,6 +62,9 @@ from .seeds import group_seed
 from .vllm_engine import FinishedSample, VLLMEngine, engine_options
 
 log = logging.getLogger(__name__)
+# At the end (STOP: a preemption's, or the run's), how long the environments of the episodes still
+# running have for their close(), in all (a preemption's signal window holds it)
+ENV_ENDING_S = 10.0
 
 
 @dataclass
@@ -261,8 +264,8 @@ class Generator(EngineRecovery, EpisodeLoop):
             CONTROLLER_RANK)
         self.chan.flush(timeout=60)
         self.rewards.close()
-        if self.envs is not None:
-            self.envs.close()
+        if self.envs is not None:   # the episodes still running get their close(), briefly
+            self.envs.close(ending_s=min(self.cfg.env.call_timeout_s, ENV_ENDING_S))
         if self.guard is not None:
             self.guard.close()
         try:

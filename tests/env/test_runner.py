@@ -75,6 +75,10 @@ class Closes(Echo):
     def step(self, text, ids):
         if text == "raise":
             raise RuntimeError("the tool broke")
+        if text.startswith("wait:"):        # a tool that is still working (and says so)
+            open(text[5:] + ".started", "w").close()
+            while not os.path.exists(text[5:]):
+                time.sleep(0.01)
         return super().step(text, ids)
     def close(self):
         with open(self.row["log"], "a") as f:
@@ -422,3 +426,20 @@ def test_tool_calls_are_answered_by_call_one_after_another(envs):
         assert "no call(name, arguments) method" in plain.call("f", "{}").error
     finally:
         plain.close()
+
+
+def test_at_the_end_running_episodes_get_their_close_unless_a_call_is_in_flight(envs, tmp_path):
+    """`close(ending_s)` (a preemption's or the run's end): an episode whose environment is idle
+    gets its close(); one answering a call is killed (its call answers that it died)."""
+    log = tmp_path / "closed"
+    runner = EnvRunner(_cfg(envs, "Closes", call_timeout_s=600), max_episodes=2)
+    assert runner.reset("a", {"question": "q1", "log": str(log)}).result().error is None
+    assert runner.reset("b", {"question": "q2", "log": str(log)}).result().error is None
+    busy = runner.step("b", f"wait:{tmp_path / 'never'}", [1])
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "never.started").exists():
+        assert time.monotonic() < deadline, "the step never started"
+        time.sleep(0.01)
+    runner.close(ending_s=60)
+    assert log.read_text() == "q1\n"
+    assert "died" in busy.result(timeout=60).error
