@@ -43,7 +43,7 @@ from .config import MAX_CONFIG_BYTES, ConfigError, RunConfig, load, read_utf8
 from .config.rules import require
 from .cpus import bind_rank, check_cpus
 from .data.files import irregular
-from .data.prompts import (RenderTimeout, load_prompts_of, prompt_ids, read_chat_template, too_long,
+from .data.prompts import (RenderTimeout, first_env_row, load_prompts_of, prompt_ids, read_chat_template, too_long,
                            too_many_chars)
 from .env import base as env_base
 from .env import runner as env_runner
@@ -152,7 +152,8 @@ def generator_node(cfg: RunConfig) -> None:
     """On a generator's node, before its children start (areal_hpc.main, before the generator):
     code rewards need the sandbox (or the unsafe opt-out), and so does the Python tool
     (env.fn=python, which has no opt-out: without it every episode's reset would fail, a
-    whole run of failed groups instead of one line at the start)."""
+    whole run of failed groups instead of one line at the start); an environment is built and
+    reset on the first training row in its child."""
     try:
         check_available(cfg)
     except SandboxUnavailable as exc:
@@ -162,6 +163,13 @@ def generator_node(cfg: RunConfig) -> None:
         if not ok:
             raise ConfigError(f"config key 'env.fn': the Python tool runs model-written code in the "
                               f"code sandbox, which cannot be set up on this node: {why}")
+    if cfg.env.fn and cfg.data.train_path:   # built and reset on a real row, in its own child
+        try:
+            env_runner.check_reset(cfg.env, first_env_row(cfg))
+        except env_base.EnvConfigError as exc:
+            raise ConfigError(str(exc)) from None
+        except (ValueError, OSError, StopIteration) as exc:
+            raise ConfigError(f"config key 'data.train_path': {_one_line(exc)}") from None
 
 
 def check_inputs(cfg: RunConfig) -> None:

@@ -240,3 +240,27 @@ def test_an_environment_that_starts_is_taken_and_its_episodes_must_fit_the_engin
         load("configs/tiny_cpu.yaml", ["env.fn=calculator", "env.max_episode_tokens=100000"])
     assert str(err.value).startswith("config key 'env.max_episode_tokens': 100000 is past "
                                      "rollout.max_model_len"), err.value
+
+
+def test_a_generator_node_builds_and_resets_the_environment_on_the_first_row(tmp_path):
+    """generator_node: the environment built and reset on the first training row (as the
+    controller sends it: the whole row) in its own child; a reset that fails is one line naming
+    env.fn, before the generator starts (else every group of the run would fail)."""
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"problem": "6*7?", "solution": "42", "tool": "calc"}) + "\n")
+    env = tmp_path / "picky.py"
+    env.write_text("class Picky:\n"
+                   "    def reset(self, row):\n"
+                   "        if row.get('tool') != 'calc' or row['question'] != '6*7?':\n"
+                   "            raise KeyError('the row has no tool')\n"
+                   "        return row['question']\n"
+                   "    def step(self, text, ids):\n"
+                   "        return None, True, 0.0\n")
+    base = ["model.path=m", f"data.train_path={data}", "data.question_key=problem",
+            "data.answer_key=solution", f"env.fn={env}:Picky"]
+    preflight.generator_node(load(None, base))
+    data.write_text(json.dumps({"problem": "6*7?", "solution": "42"}) + "\n")
+    with pytest.raises(ConfigError) as err:
+        preflight.generator_node(load(None, base))
+    assert str(err.value) == ("config key 'env.fn': its reset on the first training row fails: "
+                              "reset: KeyError: 'the row has no tool'"), err.value

@@ -60,6 +60,18 @@ def load_prompts_of(cfg, path: str) -> list[dict]:
                         keep_row=bool(getattr(cfg, "env", None) and cfg.env.fn))
 
 
+def first_env_row(cfg) -> dict:
+    """The row an environment's reset gets for the first training row (as the controller sends
+    it: rollout/controller.py `encode`), read alone (the start-up check of a generator node)."""
+    d = cfg.data
+    _, obj = next(iter_rows(d.train_path, (d.question_key,)))
+    if cfg.reward.fn or cfg.reward.functions:
+        return obj
+    answer = field(obj, d.answer_key, None)
+    return {**obj, "question": field(obj, d.question_key),
+            "answer": final_answer(answer) if isinstance(answer, str) else answer}
+
+
 MAX_TEMPLATE_BYTES = 1 << 20     # a chat template file (the shipped ones are a few KiB)
 
 

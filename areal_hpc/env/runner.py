@@ -469,6 +469,22 @@ def check(cfg: EnvConfig, key: str = "env") -> None:
         raise EnvConfigError(f"config key '{key}.fn': {why}")
 
 
+def check_reset(cfg: EnvConfig, row: dict, key: str = "env") -> None:
+    """Build the environment and reset it on `row` in a child, bounded, then end it (a generator
+    node's start-up check): EnvConfigError naming `env.fn` with the reason when it fails. A
+    broken environment would otherwise fail every group of the run, one at a time."""
+    proc = EnvProcess(cfg)
+    try:
+        step = proc.reset(row)
+        if step.error is None:
+            step = proc.end()
+    finally:
+        proc.close()
+    if step.error is not None:
+        raise EnvConfigError(f"config key '{key}.fn': its reset on the first training row fails: "
+                             f"{step.error}")
+
+
 # ---- the child ----
 
 def _limit_memory(memory_mb: int) -> None:

@@ -1,11 +1,15 @@
 """The launcher check (sandbox.check_available, preflight.generator_node) and the sandbox's own
 API."""
+import os
+
 import pytest
 
 import areal_hpc.reward.sandbox as sb
 from areal_hpc.config import ConfigError, RunConfig, load
 from areal_hpc.preflight import generator_node
 from areal_hpc.reward.sandbox import Sandbox, SandboxUnavailable, check_available
+
+PATH = os.environ["PATH"]
 
 
 def cfg(kind: str, unsafe: bool = False) -> RunConfig:
@@ -40,7 +44,7 @@ def test_a_math_job_does_not_need_the_sandbox(no_bwrap):
     generator_node(cfg("math"))
 
 
-def test_the_python_tool_needs_the_sandbox_at_start_too(no_bwrap):
+def test_the_python_tool_needs_the_sandbox_at_start_too(no_bwrap, tmp_path, monkeypatch):
     """A math job whose episodes use the Python tool (env.fn=python) is refused on the generator's
     node in one line, as a code job is (else every episode's reset would fail in its child);
     the unsafe opt-out is the code reward's, not the tool's; another environment needs nothing."""
@@ -52,7 +56,10 @@ def test_the_python_tool_needs_the_sandbox_at_start_too(no_bwrap):
         assert str(line.value) == ("config key 'env.fn': the Python tool runs model-written code in "
                                    "the code sandbox, which cannot be set up on this node: bwrap "
                                    "not found: apt-get install bubblewrap"), str(line.value)
-    generator_node(load(None, ["model.path=m", "data.train_path=t", "env.fn=calculator"]))
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"question": "1+1=", "answer": "2"}\n')
+    monkeypatch.setenv("PATH", PATH)    # (still no sandbox: the environment's child needs none)
+    generator_node(load(None, ["model.path=m", f"data.train_path={data}", "env.fn=calculator"]))
 
 
 def test_unsafe_no_sandbox_starts_and_warns_loudly(no_bwrap, capsys, caplog):
