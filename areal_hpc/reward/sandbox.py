@@ -219,7 +219,7 @@ def _unavailable_reason() -> str | None:
     return None
 
 
-def _tail(data: bytes) -> str:
+def last_line(data: bytes) -> str:
     lines = [ln.strip() for ln in data[-4096:].decode("utf-8", "replace").splitlines()]
     lines = [ln for ln in lines if ln]
     return lines[-1][:MAX_ERROR_CHARS] if lines else ""
@@ -289,6 +289,39 @@ class Sandbox:
             str(MAX_OUTPUT_BYTES), "STATUS_FD", str(MAX_OPEN_FILES), SOURCE,
         ]
 
+    def spawn(self, program: bytes, stdin, stdout, stderr, timeout_s: float, memory_mb: int,
+              group: contain.MemoryGroup) -> tuple[subprocess.Popen, int]:
+        """bwrap started on ``program`` in ``group``, its limits from ``timeout_s`` (CPU) and
+        ``memory_mb``, with these stdin, stdout and stderr (files or fds): (the process, the
+        status pipe's read end, which says ``ok`` once the program is set up: `wait_started`).
+        `run` and the long-running sandbox (reward/sandbox_live.py) share it: one containment."""
+        status_r, status_w = os.pipe()
+        try:
+            with tempfile.TemporaryFile(dir=self.tmp_dir) as src, \
+                    tempfile.TemporaryFile(dir=self.tmp_dir) as filt:
+                src.write(program)
+                src.seek(0)
+                filt.write(seccomp.program() if seccomp.supported() else b"")
+                filt.seek(0)
+                os.set_blocking(status_r, False)
+                cmd = self.command(timeout_s, memory_mb)
+                cmd[cmd.index("SOURCE_FD")] = str(src.fileno())
+                cmd[cmd.index("STATUS_FD")] = str(status_w)
+                if "SECCOMP_FD" in cmd:
+                    cmd[cmd.index("SECCOMP_FD")] = str(filt.fileno())
+                # No preexec_fn: safe from threaded callers. The limits are set inside; the
+                # cgroup is joined by a shell that then becomes bwrap (group.prefix).
+                proc = subprocess.Popen(
+                    group.prefix + cmd, stdin=stdin, stdout=stdout, stderr=stderr,
+                    close_fds=True, pass_fds=(src.fileno(), status_w, filt.fileno()),
+                    start_new_session=True, env={"PATH": CHILD_PATH, "LANG": "C.UTF-8"})
+        except BaseException:
+            os.close(status_r)
+            raise
+        finally:
+            os.close(status_w)
+        return proc, status_r
+
     def run(self, program: str | bytes, stdin: str | bytes = b"", timeout_s: float = 5.0,
             memory_mb: int = 512) -> SandboxResult:
         """Run ``program`` (Python source) with ``stdin``; never raises (a failure to set up is
@@ -301,57 +334,38 @@ class Sandbox:
         reason = _unavailable_reason()
         if reason is not None:
             return SandboxResult(sandbox_error=f"sandbox unavailable: {reason}")
-        status_r = status_w = ns_fd = None
+        status_r = ns_fd = None
         files = []
         group = contain.MemoryGroup(memory_mb << 20)   # the test's whole memory, where we can
         try:
-            src, fin, fout, ferr, filt = files = [tempfile.TemporaryFile(dir=self.tmp_dir)
-                                                  for _ in range(5)]
-            src.write(program)
-            src.seek(0)
-            filt.write(seccomp.program() if seccomp.supported() else b"")
-            filt.seek(0)
+            fin, fout, ferr = files = [tempfile.TemporaryFile(dir=self.tmp_dir) for _ in range(3)]
             fin.write(stdin)
             fin.seek(0)
-            status_r, status_w = os.pipe()
-            os.set_blocking(status_r, False)
-            cmd = self.command(timeout_s, memory_mb)
-            cmd[cmd.index("SOURCE_FD")] = str(src.fileno())
-            cmd[cmd.index("STATUS_FD")] = str(status_w)
-            if "SECCOMP_FD" in cmd:
-                cmd[cmd.index("SECCOMP_FD")] = str(filt.fileno())
-            # No preexec_fn: safe from threaded callers. The limits are set inside; the
-            # cgroup is joined by a shell that then becomes bwrap (group.prefix).
-            proc = subprocess.Popen(
-                group.prefix + cmd, stdin=fin, stdout=fout, stderr=ferr, close_fds=True,
-                pass_fds=(src.fileno(), status_w, filt.fileno()), start_new_session=True,
-                env={"PATH": CHILD_PATH, "LANG": "C.UTF-8"})
-            os.close(status_w)
-            status_w = None
+            proc, status_r = self.spawn(program, fin, fout, ferr, timeout_s, memory_mb, group)
             # The wall clock starts once the program does (the bootstrap's "ok"): setting up
             # the sandbox on a loaded node does not count against the test.
-            state = _wait_started(proc, status_r, START_TIMEOUT_S)
+            state = wait_started(proc, status_r, START_TIMEOUT_S)
             started = state == "ok"
-            if started:   # bwrap's only child, the sandbox's pid 1, as a pidfd (see _end)
-                ns_fd = next(map(contain.pidfd, _children(proc.pid)), None)
+            if started:   # bwrap's only child, the sandbox's pid 1, as a pidfd (see end_namespace)
+                ns_fd = next(map(contain.pidfd, child_pids(proc.pid)), None)
             timed_out = slow_setup = over_memory = False
             if started:     # the wall clock, and the memory of all its processes together
                 ended = _wait_bounded(proc, timeout_s, memory_mb << 20, group.oom_killed)
                 timed_out, over_memory = ended == "timeout", ended == "memory"
                 if ended != "exited":
-                    _kill_sandbox(proc)
+                    kill_sandbox(proc)
             else:
                 try:
                     proc.wait(timeout={"ended": KILL_GRACE_S, "slow": 0}[state])
                 except subprocess.TimeoutExpired:
                     slow_setup = True
-                    _kill_sandbox(proc)
+                    kill_sandbox(proc)
             code = proc.wait()
-            _end(ns_fd)
+            end_namespace(ns_fd)
             over_memory = over_memory or group.oom_killed()
             stderr = _read_back(ferr, 1 << 20)
             if not started:
-                tail = _tail(stderr)
+                tail = last_line(stderr)
                 if slow_setup:
                     why = f"not set up within {START_TIMEOUT_S:g} s"
                 else:
@@ -366,7 +380,7 @@ class Sandbox:
             elif code > 128:  # bwrap reports a program killed by signal N as 128 + N
                 code = -(code - 128)
             return SandboxResult(stdout=_read_back(fout, MAX_OUTPUT_BYTES),
-                                 stderr_tail=_tail(stderr), returncode=code,
+                                 stderr_tail=last_line(stderr), returncode=code,
                                  timed_out=timed_out, over_memory=over_memory,
                                  seconds=time.monotonic() - start)
         except Exception as e:  # no scratch directory, no fds, no processes left...
@@ -376,14 +390,14 @@ class Sandbox:
         finally:
             for f in files:
                 f.close()
-            _end(ns_fd)
-            for fd in (status_r, status_w, ns_fd):
+            end_namespace(ns_fd)
+            for fd in (status_r, ns_fd):
                 if fd is not None:
                     os.close(fd)
             group.remove()
 
 
-def _end(ns_fd: int | None) -> None:
+def end_namespace(ns_fd: int | None) -> None:
     """Make sure the sandbox's PID namespace is empty. bwrap exits as soon as the program does,
     while its pid 1 still waits for what the program left (a setsid daemon, a fork flood) and
     dies only by --die-with-parent, a moment later: that moment is a race on a loaded node.
@@ -426,7 +440,7 @@ def _wait_bounded(proc: subprocess.Popen, timeout_s: float, limit_bytes: int,
             tree = psutil.Process(proc.pid).children(recursive=True)
         except psutil.Error:
             continue
-        if _total(tree, "rss") > limit_bytes and _total(tree, "pss") > limit_bytes:
+        if total_memory(tree, "rss") > limit_bytes and total_memory(tree, "pss") > limit_bytes:
             # (RSS first, cheap; it counts the pages a fork shares with its parent in every
             # process, so the verdict is PSS's, each shared page split among its sharers)
             for p in tree:
@@ -438,7 +452,7 @@ def _wait_bounded(proc: subprocess.Popen, timeout_s: float, limit_bytes: int,
             return "memory"
 
 
-def _total(procs, field: str) -> int:
+def total_memory(procs, field: str) -> int:
     """Sum of a memory field over `procs` (rss: /proc/PID/statm; pss: smaps_rollup, costlier)."""
     import psutil
 
@@ -452,7 +466,7 @@ def _total(procs, field: str) -> int:
     return total
 
 
-def _wait_started(proc: subprocess.Popen, fd: int, timeout_s: float) -> str:
+def wait_started(proc: subprocess.Popen, fd: int, timeout_s: float) -> str:
     """``"ok"`` once the bootstrap says so; ``"ended"`` if the status pipe closes or bwrap exits
     without it; ``"slow"`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -473,7 +487,7 @@ def _read_status(fd: int) -> bool:
         return False
 
 
-def _children(pid: int) -> list[int]:
+def child_pids(pid: int) -> list[int]:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
             return [int(c) for c in f.read().split()]
@@ -486,10 +500,10 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def _kill_sandbox(proc: subprocess.Popen) -> None:
+def kill_sandbox(proc: subprocess.Popen) -> None:
     """Kill the sandbox's pid 1 (the kernel then kills its whole PID namespace, and bwrap exits
     once the namespace is empty), then, should that not do, bwrap's process group."""
-    for child in _children(proc.pid):  # bwrap's only child: the sandbox's pid 1
+    for child in child_pids(proc.pid):  # bwrap's only child: the sandbox's pid 1
         try:
             os.kill(child, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
