@@ -387,12 +387,42 @@ class EpisodeLoop:
                               ep.t_first or now, now, ep.interrupts, ep.seed)
 
     # -- a preemption, an engine restart ---------------------------------------------------------
-    def _partial_episodes(self, aborted: dict) -> None:
-        """At a preemption: every training episode in flight into its group as far as it got
-        (`aborted`: the engine's turns, by request id), with where it stood (module doc)."""
+    def _abort_stale_episodes(self, version: int) -> None:
+        """StaleBefore: stop every training group whose episodes hold a sampled token older than
+        `version` (the controller drops it on arrival) and send it as far as it got, as
+        `Generator._abort_stale` does single-turn groups: its turns in the engine aborted, its
+        environments ended (one answering a call, once it has answered), the episodes not ended
+        yet with reward 0 and where they stood."""
+        for (kind, pid), group in list(self.groups.items()):
+            keys = [k for k in self.episodes if k[:2] == (kind, pid)]
+            if kind != "train" or not keys:
+                continue
+            oldest = [v for k in keys for v in (
+                self.episodes[k].episode and self.episodes[k].episode.oldest_version,
+                self.engine.oldest_version(request_id(*k))) if v is not None]
+            oldest += [int(np.min(s.versions[s.versions >= 0])) for s in group.samples.values()
+                       if (np.asarray(s.versions) >= 0).any()]
+            if not oldest or min(oldest) >= version:
+                continue
+            self._queued = [q for q in self._queued if q not in keys]
+            turns = {s.request_id: s for s in self.engine.abort(
+                [request_id(*k) for k in keys if self.episodes[k].phase == "turn"])}
+            self._partial_episodes(turns, set(keys))
+            for k in keys:
+                self._end_episode(k)
+                group.rewards.setdefault(k[2], 0.0)
+                self.tokens_generated += int(np.sum(group.samples[k[2]].versions >= 0)) \
+                    - self._kept.pop(k, 0)
+            self.stale_aborted += 1
+            self._send(self.groups.pop((kind, pid)))
+
+    def _partial_episodes(self, aborted: dict, keys: set | None = None) -> None:
+        """At a preemption: every training episode in flight (of `keys`: those) into its group
+        as far as it got (`aborted`: the engine's turns, by request id), with where it stood
+        (module doc)."""
         for key, ep in list(self.episodes.items()):
             group = self.groups.get((ep.kind, ep.pid))
-            if ep.kind != "train" or group is None:
+            if ep.kind != "train" or group is None or (keys is not None and key not in keys):
                 continue
             eps, reason = ep.episode, AT_ENV
             if ep.phase in ("restore", "queued") and eps is not None:

@@ -442,9 +442,12 @@ class Generator(EngineRecovery, EpisodeLoop):
         controller would drop it on arrival) and send it as far as it got: its unfinished
         samples end with finish_reason "abort" and reward 0, unscored; its finished ones keep
         their scores (a group still being scored is sent when they arrive)."""
+        if self.envs is not None:
+            self._abort_stale_episodes(version)
+            return
         for (kind, pid), group in list(self.groups.items()):
-            if kind != "train" or group.generated or self.envs is not None:
-                continue        # (an episode's group is dropped on arrival instead)
+            if kind != "train" or group.generated:
+                continue
             running = [request_id(kind, pid, i) for i in range(group.prompt.n)
                        if i not in group.samples]
             firsts = [v for v in (self.engine.oldest_version(r) for r in running) if v is not None]

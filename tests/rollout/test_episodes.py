@@ -218,6 +218,42 @@ def test_a_slow_tool_does_not_stall_the_engine(engine, model_dir, tmp_path):
         gen.envs.close()
 
 
+def test_a_stale_group_of_episodes_is_stopped_and_sent(engine, model_dir, tmp_path):
+    """StaleBefore: a group whose episodes hold a token older than the version is stopped at
+    once, its episodes as far as they got (here: waiting on a slow tool, "abort_env", reward 0)
+    and sent (the controller drops it); its environments end; a group sampled later by newer
+    weights runs on to its end."""
+    release = tmp_path / "release"
+    gen = _generator(_cfg(tmp_path, turns=3, slow="slow", slow_turn=1, release=str(release)),
+                     engine, model_dir)
+    v0 = engine.version
+    try:
+        gen._handle(msgs.Prompts([_prompt(0, "slow", n=2)]))
+        held = [gen.episodes[("train", 0, i)] for i in range(2)]
+        _turn(gen, until=lambda: all(ep.phase == "step" for ep in held))
+        engine.version = v0 + 1         # as after a weight update: later tokens carry it
+        gen._handle(msgs.Prompts([_prompt(1, "fast", n=2)]))
+        _turn(gen, until=lambda: any(ep.episode is not None and ep.episode.output
+                                     for k, ep in gen.episodes.items() if k[1] == 1))
+        gen._handle(msgs.StaleBefore(v0))               # nothing is older than v0
+        assert gen.stale_aborted == 0 and not _sent(gen)
+        gen._handle(msgs.StaleBefore(v0 + 1))
+        stale = _sent(gen)
+        assert sorted(stale) == [(0, 0), (0, 1)] and gen.stale_aborted == 1
+        for t in stale.values():
+            assert t["finish_reason"] == "abort_env" and t["reward"] == 0.0
+            assert t["turn_is_sample"].tolist() == [1] and (t["versions"] == v0).all()
+        assert not any(k[1] == 0 for k in gen.episodes) and ("train", 0) not in gen.groups
+        release.touch()
+        _turn(gen)
+        assert sorted(_sent(gen)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert gen.episodes == {} and gen.groups == {}
+        assert gen.tokens_generated == sum(int(t["loss_mask"].sum()) for t in _sent(gen).values())
+    finally:
+        engine.version = v0
+        gen.envs.close()
+
+
 def test_a_weight_update_inside_an_episode(engine, model_dir, tmp_path):
     """New weights while episodes run: a turn in flight is cut and resumed from its prefix, and
     every later turn's tokens carry the new version; the oldest sampled token is what η counts."""
