@@ -118,3 +118,24 @@ def test_the_parser_and_the_template_are_checked_before_any_rank_starts(tmp_path
         with pytest.raises(ConfigError) as err:
             preflight.check_inputs(load(None, [*base, *extra]))
         assert str(err.value).startswith(key) and "\n" not in str(err.value), err.value
+
+
+def test_the_examples_tool_environment_answers_its_calls():
+    """examples/native_tools: its config's tools pass the checks, and its environment answers a
+    call in its own process (a bad unit: the error, answered to the model), and scores an answer."""
+    from areal_hpc.config import load
+    from areal_hpc.env.base import validate
+    from areal_hpc.env.runner import EnvProcess
+    cfg = load("examples/native_tools/config.yaml")
+    validate(cfg.env)
+    assert [t["function"]["name"] for t in cfg.env.tools] == ["convert", "multiply"]
+    proc = EnvProcess(cfg.env)
+    try:
+        assert proc.reset({"question": "How many metres are 3 miles?", "answer": "4828.03"}).error is None
+        ok = proc.call("convert", '{"value": 3, "from": "mile", "to": "m"}')
+        assert ok.observation == "4828.03" and ok.tool.name == "convert" and ok.tool.error is None
+        bad = proc.call("convert", '{"value": 3, "from": "league", "to": "m"}')
+        assert bad.observation.startswith("error: ValueError: unknown unit") and not bad.done
+        assert proc.step("So it is 4828.03 m.", [1]).reward == 1.0
+    finally:
+        proc.close()
