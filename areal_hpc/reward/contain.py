@@ -76,9 +76,35 @@ def namespace_prefix() -> tuple[list[str], str]:
     return [], f"no PID namespace ({why[:120]})"
 
 
+# As root, what a wrapped child may not hold: with CAP_SYS_ADMIN it can unmount its own /proc and
+# see the host's beneath, and CAP_SYS_PTRACE would then let it write its parent's memory
+# (/proc/PID/mem, process_vm_writev) whatever Yama says; raw I/O and module loading are the same
+# door. The code sandbox's bwrap (reward/sandbox.py), run from such a child, needs none of these.
+ROOT_DROPPED_CAPS = ("sys_ptrace", "sys_rawio", "sys_module")
+
+
 def wrap(cmd: list[str]) -> list[str]:
-    """`cmd` as pid 1 of a PID namespace of its own where one can be made, else as it is."""
-    return [*namespace_prefix()[0], *cmd]
+    """`cmd` as pid 1 of a PID namespace of its own where one can be made, else as it is; as
+    root, without ROOT_DROPPED_CAPS (its bounding set: nothing it starts gets them back)."""
+    prefix = namespace_prefix()[0]
+    if prefix and os.geteuid() == 0:
+        drop = ",".join(f"-{c}" for c in ROOT_DROPPED_CAPS)
+        cmd = ["setpriv", "--bounding-set", drop, "--inh-caps", drop, *cmd]
+    return [*prefix, *cmd]
+
+
+def protect_from_children() -> None:
+    """As root, make this process not dumpable: then only a process with CAP_SYS_PTRACE can read
+    or write its memory, which no `wrap`ped child holds (ROOT_DROPPED_CAPS). Without it, a child
+    that has unmounted its own /proc could still write this process's memory as root where Yama
+    allows it (ptrace_scope 0). The generator calls it before starting any child. (As another
+    user the children run in a user namespace of their own and need none of this.)"""
+    if os.geteuid() != 0:
+        return
+    import ctypes
+    PR_SET_DUMPABLE = 4
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
 
 
 def init_pid(proc: subprocess.Popen, timeout_s: float = 5.0) -> int:

@@ -1,6 +1,7 @@
 """User environments run in a contained child process (areal_hpc/env/runner.py): a hang, an
 output flood, a daemon, garbage on the answer pipe cost the episode, never the caller."""
 import json
+import os
 import time
 from pathlib import Path
 
@@ -103,6 +104,23 @@ class Tools(Echo):
         if x == "slow":
             time.sleep(600)
         return f"{name}({x})"
+
+class Escapes(Echo):
+    """As root: unmount its own /proc (the host's is beneath), then write into the memory of the
+    process the turn names (its host pid and an address)."""
+    def step(self, text, ids):
+        import ctypes, json
+        target = json.loads(text)
+        libc = ctypes.CDLL(None, use_errno=True)
+        out = [f"umount {libc.umount2(b'/proc', 2)}"]
+        try:
+            with open(f"/proc/{target['pid']}/mem", "r+b", buffering=0) as f:
+                f.seek(target["addr"])
+                f.write(b"X" * target["n"])
+            out.append("wrote")
+        except OSError as e:
+            out.append(f"denied {e.strerror}")
+        return Step(" ".join(out))
 
 class Leaks(Echo):
     def step(self, text, ids):
@@ -443,3 +461,25 @@ def test_at_the_end_running_episodes_get_their_close_unless_a_call_is_in_flight(
     runner.close(ending_s=60)
     assert log.read_text() == "q1\n"
     assert "died" in busy.result(timeout=60).error
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the attack is root's: as another user the child "
+                    "is in a user namespace of its own and cannot reach its parent (CI runs as root)")
+def test_as_root_an_environment_cannot_write_into_its_parents_memory(envs):
+    """Run as root: the environment's child unmounts its own /proc, sees the host's beneath, and
+    tries to write into the memory of the process that runs its episodes (the generator).
+    Refused: the child has no CAP_SYS_PTRACE (contain.wrap's bounding set) and the parent is
+    not dumpable (contain.protect_from_children), so the kernel's ptrace check fails whatever
+    Yama says; the parent's bytes are unchanged."""
+    import ctypes
+    from areal_hpc.reward.contain import protect_from_children
+    protect_from_children()
+    buf = ctypes.create_string_buffer(b"A" * 16)
+    proc = EnvProcess(_cfg(envs, "Escapes"))
+    try:
+        assert proc.reset({"question": "q"}).error is None
+        step = proc.step(json.dumps({"pid": os.getpid(), "addr": ctypes.addressof(buf), "n": 16}), [1])
+    finally:
+        proc.close()
+    assert step.error is None and "denied" in step.observation, step
+    assert buf.raw == b"A" * 16 + b"\0"
