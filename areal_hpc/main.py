@@ -17,6 +17,7 @@ from . import preemption, preflight, reaper
 from .config import ConfigError, to_yaml
 from .cpus import format_cpus
 from .preemption import EXIT_PREEMPTED  # 3: stopped for a requeue after a preemption signal
+from .reward.contain import protect_from_children
 from .storage.run_dir import RunDir
 from .topology import CONTROLLER_RANK, TRAINER, Topology
 from .transport import mpi as coll
@@ -32,6 +33,7 @@ def _parse(argv):
 
 def main(argv=None) -> int:
     args = _parse(argv)
+    protect_from_children()     # as root: no environment or reward child reaches a rank's memory
     world = None
     try:
         cfg = preflight.rank(args.config, args.overrides)     # on this rank's node

@@ -97,7 +97,7 @@ def protect_from_children() -> None:
     """As root, make this process not dumpable: then only a process with CAP_SYS_PTRACE can read
     or write its memory, which no `wrap`ped child holds (ROOT_DROPPED_CAPS). Without it, a child
     that has unmounted its own /proc could still write this process's memory as root where Yama
-    allows it (ptrace_scope 0). The generator calls it before starting any child. (As another
+    allows it (ptrace_scope 0). Every rank calls it first (areal_hpc.main), before starting any child. (As another
     user the children run in a user namespace of their own and need none of this.)"""
     if os.geteuid() != 0:
         return

@@ -49,7 +49,6 @@ from ..data.prompts import read_chat_template
 from ..env.runner import EnvRunner
 from ..env.tool_calls import ToolCalling
 from ..reward import custom
-from ..reward.contain import protect_from_children
 from ..reward.pool import RewardPool
 from ..topology import CONTROLLER_RANK, Topology
 from ..transport import messages as msgs
@@ -140,7 +139,6 @@ class Generator(EngineRecovery, EpisodeLoop):
         group) and the reward pool, kept out of a USR1's reach."""
         from transformers import AutoTokenizer
 
-        protect_from_children()     # as root: no environment or reward child reaches this memory
         chan = Channel(topo.world)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         tool_calling = (ToolCalling(tokenizer, cfg.env, read_chat_template(cfg.data.chat_template))
