@@ -43,7 +43,7 @@ from .config import MAX_CONFIG_BYTES, ConfigError, RunConfig, load, read_utf8
 from .config.rules import require
 from .cpus import bind_rank, check_cpus
 from .data.files import irregular
-from .data.prompts import (RenderTimeout, first_env_row, load_prompts_of, prompt_ids, read_chat_template, too_long,
+from .data.prompts import (RenderTimeout, load_prompts_of, prompt_ids, read_chat_template, reset_row, too_long,
                            too_many_chars)
 from .env import base as env_base
 from .env import runner as env_runner
@@ -165,10 +165,11 @@ def generator_node(cfg: RunConfig) -> None:
                               f"code sandbox, which cannot be set up on this node: {why}")
     if cfg.env.fn and cfg.data.train_path:   # built and reset on a real row, in its own child
         try:
-            env_runner.check_reset(cfg.env, first_env_row(cfg))
+            first = load_prompts_of(cfg, cfg.data.train_path, limit=1)
+            env_runner.check_reset(cfg.env, reset_row(first[0]))
         except env_base.EnvConfigError as exc:
             raise ConfigError(str(exc)) from None
-        except (ValueError, OSError, StopIteration) as exc:
+        except (ValueError, OSError, IndexError) as exc:
             raise ConfigError(f"config key 'data.train_path': {_one_line(exc)}") from None
 
 

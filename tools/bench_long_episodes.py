@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
+sys.path.insert(0, str(ROOT / "tools"))
+
+from bench_tool_task import launch  # noqa: E402
 
 ENV = '''
 import hashlib
@@ -79,16 +80,9 @@ SETTINGS = {
 
 def run(env_file: Path, model: str, overrides: list[str], out: Path, name: str, steps: int,
         timeout: float) -> tuple[int, float]:
-    cmd = [sys.executable, "-m", "areal_hpc.launch.local", "configs/tiny_cpu.yaml", f"name={name}",
-           f"output_dir={out}", f"model.path={model}", f"data.train_path={model}/train.jsonl",
-           f"env.fn={env_file}:SlowTool",
-           f"train.total_steps={steps}", *BASE, *overrides]
-    t0 = time.monotonic()
-    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                       capture_output=True, text=True, timeout=timeout)
-    if r.returncode != 0:
-        sys.stderr.write(r.stdout[-3000:] + r.stderr[-3000:])
-    return r.returncode, time.monotonic() - t0
+    return launch(["configs/tiny_cpu.yaml", f"model.path={model}",
+                   f"data.train_path={model}/train.jsonl", f"env.fn={env_file}:SlowTool",
+                   f"train.total_steps={steps}", *BASE, *overrides], out, name, timeout)
 
 
 def measure(run_dir: Path, mode: str) -> dict:

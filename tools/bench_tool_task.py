@@ -42,8 +42,14 @@ WINDOW = 10
 
 
 def run(overrides: list[str], out: Path, name: str, timeout: float) -> tuple[int, float]:
-    cmd = [sys.executable, "-m", "areal_hpc.launch.local", CONFIG, f"name={name}",
-           f"output_dir={out}", *overrides]
+    return launch([CONFIG, *overrides], out, name, timeout)
+
+
+def launch(args: list[str], out: Path, name: str, timeout: float) -> tuple[int, float]:
+    """`python -m areal_hpc.launch.local CONFIG overrides...` as run `name` in `out`, one
+    OpenMP thread per rank: (exit code, seconds); a failure's output's end on stderr."""
+    cmd = [sys.executable, "-m", "areal_hpc.launch.local", args[0], f"name={name}",
+           f"output_dir={out}", *args[1:]]
     t0 = time.monotonic()
     r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                        capture_output=True, text=True, timeout=timeout)

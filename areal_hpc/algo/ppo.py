@@ -85,8 +85,7 @@ def grpo_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6, valid=N
         mean = torch.where(v, r, 0.0).sum(dim=1, keepdim=True) / n
         centred = torch.where(v, r - mean, 0.0)
         adv = centred / ((centred.square().sum(dim=1, keepdim=True) / n).sqrt() + eps)
-        equal = torch.from_numpy(equal_reward_groups(rewards, group_size, valid)
-                                 | ~np.asarray(valid, bool).reshape(-1, group_size).any(1))
+        equal = torch.from_numpy(equal_reward_groups(rewards, group_size, valid))
     # Equal rewards: centred is 0 up to rounding; make it exact.
     adv = torch.where(equal.to(adv.device).view(-1, 1), torch.zeros_like(adv), adv)
     return adv.view(-1)

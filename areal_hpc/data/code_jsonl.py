@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from itertools import islice
 
 from .files import field, iter_rows
 
@@ -61,15 +62,16 @@ def parse_tests(value, where: str, key: str) -> list[dict]:
 
 
 def load_code_jsonl(path: str | os.PathLike, prompt_key: str = "prompt",
-                    tests_key: str = "tests") -> list[dict]:
-    """Rows of ``path`` as ``[{"prompt": str, "tests": [{"input", "output"}, ...]}, ...]``.
+                    tests_key: str = "tests", limit: int | None = None) -> list[dict]:
+    """Rows of ``path`` (the first `limit` only, when given) as ``[{"prompt": str, "tests":
+    [{"input", "output"}, ...]}, ...]``.
 
     Raises FileNotFoundError if ``path`` does not exist, and ValueError naming the file and the
     1-based line number for a row that is not a JSON object, lacks a key, has a non-string
     prompt, or has no or malformed tests (see the module docstring for the accepted forms).
     """
     rows = []
-    for where, obj in iter_rows(path, (prompt_key, tests_key)):
+    for where, obj in islice(iter_rows(path, (prompt_key, tests_key)), limit):
         prompt = field(obj, prompt_key)
         if not isinstance(prompt, str):
             raise ValueError(f"{where}: {prompt_key!r} must be a string, got {type(prompt).__name__}")

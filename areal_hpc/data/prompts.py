@@ -10,6 +10,7 @@ reference with each prompt, so the generator's reward pool scores without knowin
 from __future__ import annotations
 
 import functools
+from itertools import islice
 
 from .code_jsonl import load_code_jsonl
 from .files import field, iter_rows, open_regular
@@ -20,7 +21,8 @@ KINDS = ("math", "code")
 
 
 def load_prompts(path: str, kind: str = "math", question_key: str = "question",
-                 answer_key: str = "answer", custom: bool = False, keep_row: bool = False) -> list[dict]:
+                 answer_key: str = "answer", custom: bool = False, keep_row: bool = False,
+                 limit: int | None = None) -> list[dict]:
     """Read a dataset (jsonl, parquet, arrow or an HF `datasets` directory: data/files.py; keys
     may be dotted, e.g. ``reward_model.ground_truth``); for code, `question_key`/`answer_key`
     name the prompt and tests fields (e.g. "prompt" and "tests", or APPS's "question" and
@@ -30,10 +32,10 @@ def load_prompts(path: str, kind: str = "math", question_key: str = "question",
     ``{"question", "reward_kind": "custom", "reference", "row"}``, ``row`` the whole row as
     read; only the question field is required (the reference is the answer field when present,
     a GSM8K answer cut to its final answer, else None). keep_row (a run with an environment):
-    a math row keeps its whole row as ``row`` too."""
+    a math row keeps its whole row as ``row`` too. limit: the first rows only."""
     if custom:
         rows = []
-        for where, obj in iter_rows(path, (question_key,)):
+        for where, obj in islice(iter_rows(path, (question_key,)), limit):
             question = field(obj, question_key)
             if not isinstance(question, str):
                 raise ValueError(f"{where}: {question_key!r} must be a string, got "
@@ -45,31 +47,29 @@ def load_prompts(path: str, kind: str = "math", question_key: str = "question",
     if kind == "math":
         return [{"question": r["question"], "reward_kind": "math", "reference": r["answer"],
                  **({"row": r["row"]} if keep_row else {})}
-                for r in load_jsonl(path, question_key, answer_key, keep_row)]
+                for r in load_jsonl(path, question_key, answer_key, keep_row, limit)]
     if kind == "code":
         return [{"question": r["prompt"], "reward_kind": "code", "reference": r["tests"]}
-                for r in load_code_jsonl(path, prompt_key=question_key, tests_key=answer_key)]
+                for r in load_code_jsonl(path, question_key, answer_key, limit)]
     raise ValueError(f"unknown dataset kind {kind!r} (one of {', '.join(KINDS)})")
 
 
-def load_prompts_of(cfg, path: str) -> list[dict]:
+def load_prompts_of(cfg, path: str, limit: int | None = None) -> list[dict]:
     """`load_prompts` with the run's data keys (and reward.fn's custom mode; with an
     environment, math rows keep their whole row for its reset)."""
     d, r = cfg.data, cfg.reward
     return load_prompts(path, d.kind, d.question_key, d.answer_key, custom=bool(r.fn or r.functions),
-                        keep_row=bool(getattr(cfg, "env", None) and cfg.env.fn))
+                        keep_row=bool(getattr(cfg, "env", None) and cfg.env.fn), limit=limit)
 
 
-def first_env_row(cfg) -> dict:
-    """The row an environment's reset gets for the first training row (as the controller sends
-    it: rollout/controller.py `encode`), read alone (the start-up check of a generator node)."""
-    d = cfg.data
-    _, obj = next(iter_rows(d.train_path, (d.question_key,)))
-    if cfg.reward.fn or cfg.reward.functions:
-        return obj
-    answer = field(obj, d.answer_key, None)
-    return {**obj, "question": field(obj, d.question_key),
-            "answer": final_answer(answer) if isinstance(answer, str) else answer}
+def reset_row(row: dict) -> dict:
+    """The row an environment's reset gets for a prompt row of `load_prompts_of`: the dataset's
+    own, whole, with "question" and "answer" as the run reads them (a reward.fn run's row as
+    read: its functions see it so too)."""
+    whole = row.get("row") or {}
+    if row["reward_kind"] == "custom":
+        return whole
+    return {**whole, "question": row["question"], "answer": row["reference"]}
 
 
 MAX_TEMPLATE_BYTES = 1 << 20     # a chat template file (the shipped ones are a few KiB)

@@ -30,6 +30,7 @@ the ranks, the real step time, memory at size) is listed in the README's "Dress 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import subprocess
@@ -183,13 +184,21 @@ def step_sockets(job: str, env=None) -> list[Path]:
     folders (`<node>_<job>.<step>`, made at a step's start, removed at its end), for both
     components of a hetjob (job, job + 1). By name only: another cluster on this host numbers
     its jobs from 1 too, so its `slurmstepd: [1.0]` says nothing about this one's job 1."""
+    pattern = _spool_pattern((os.environ if env is None else env).get("SLURM_CONF", ""))
+    return [s for c in (0, 1) for s in Path("/").glob(f"{pattern}/*_{int(job) + c}.*")
+            if s.is_socket()]
+
+
+@functools.lru_cache(maxsize=8)
+def _spool_pattern(slurm_conf: str) -> str:
+    """The glob (relative to /) of every slurmd spool folder of the cluster `slurm_conf` names
+    (its SlurmdSpoolDir, %n and %h any node), asked once per cluster: the waits poll it."""
+    env = {**os.environ, "SLURM_CONF": slurm_conf} if slurm_conf else None
     conf = _sh("scontrol", "show", "config", env=env).stdout
     spool = re.search(r"^SlurmdSpoolDir\s*=\s*(\S+)", conf, re.M)
     if spool is None:
         raise RuntimeError(f"no SlurmdSpoolDir in `scontrol show config`:\n{conf[-2000:]}")
-    pattern = spool[1].replace("%n", "*").replace("%h", "*")
-    return [s for c in (0, 1) for s in Path("/").glob(f"{pattern.lstrip('/')}/*_{int(job) + c}.*")
-            if s.is_socket()]
+    return spool[1].replace("%n", "*").replace("%h", "*").lstrip("/")
 
 
 def release(job: str, env=None, timeout: float = 180) -> None:

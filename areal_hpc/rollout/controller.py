@@ -32,7 +32,7 @@ import numpy as np
 
 from ..config import RunConfig, to_yaml
 from ..config.rules import LOADING_MARGIN_S
-from ..data.prompts import prompt_ids
+from ..data.prompts import prompt_ids, reset_row
 from ..env.episode import CUT_TURNS
 from ..storage.rollout_log import (DROPPED_STALE, FAILED, NOT_CONSUMED, PARTIAL, RolloutReader,
                                    RolloutWriter)
@@ -209,11 +209,9 @@ class Controller:
     def encode(self, prompt_id: int, row: dict, n: int,
                continued: tuple[msgs.Continuation, ...] = ()) -> msgs.Prompt:
         ids = prompt_ids(self.tokenizer, self.cfg.data, row["question"])
-        # reward functions of the user's own see the whole row as read; so does an environment,
-        # with "question" and "answer" as the run reads them (data.question_key, answer_key)
-        whole = row.get("row")
-        if self.cfg.env.fn and row["reward_kind"] != "custom":
-            whole = {**(whole or {}), "question": row["question"], "answer": row["reference"]}
+        # reward functions of the user's own see the whole row as read; an environment its
+        # reset's row (`reset_row`)
+        whole = reset_row(row) if self.cfg.env.fn else row.get("row")
         return msgs.Prompt(prompt_id, ids, n, row["reward_kind"], row["reference"],
                            row=whole, continued=continued)
 

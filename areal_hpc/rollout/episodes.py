@@ -42,6 +42,7 @@ from ..env.tool_calls import ParsedTurn
 from ..transport import messages as msgs
 from .recovery import request_id
 from .seeds import continuation_seed
+from .staleness import oldest_sampled
 from .vllm_engine import FinishedSample
 
 log = logging.getLogger(__name__)
@@ -258,9 +259,9 @@ class EpisodeLoop:
         room = max(0, eps.budget_left) * MAX_CHARS_PER_TOKEN     # bounded before tokenising
         ids = self.tool_calling.observation([r[:room] for r in results],
                                             last_token=eps.sampled_turns()[-1][-1])
-        eps.tool_calls += [r for r in records[:-1] if r is not None]
+        eps.tool_calls += [r for r in records if r is not None]
         try:
-            eps.add_observation(ids, records[-1] if records else None)
+            eps.add_observation(ids)
         except ValueError as exc:   # an id past the vocabulary: this episode ends
             eps.finish(error=f"calls: {exc}", cause="refused")
             return
@@ -397,11 +398,11 @@ class EpisodeLoop:
             keys = [k for k in self.episodes if k[:2] == (kind, pid)]
             if kind != "train" or not keys:
                 continue
-            oldest = [v for k in keys for v in (
-                self.episodes[k].episode and self.episodes[k].episode.oldest_version,
-                self.engine.oldest_version(request_id(*k))) if v is not None]
-            oldest += [int(np.min(s.versions[s.versions >= 0])) for s in group.samples.values()
-                       if (np.asarray(s.versions) >= 0).any()]
+            oldest = [self.engine.oldest_version(request_id(*k)) for k in keys]
+            oldest += [self.episodes[k].episode.oldest_version for k in keys
+                       if self.episodes[k].episode is not None]
+            oldest += [oldest_sampled(s.versions) for s in group.samples.values()]
+            oldest = [v for v in oldest if v is not None]
             if not oldest or min(oldest) >= version:
                 continue
             self._queued = [q for q in self._queued if q not in keys]
