@@ -52,6 +52,12 @@ else dir=${AREAL_SLURM_DIR:-$root/.cache/slurm}; fi
 mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
 port=${AREAL_SLURM_PORT:-$((10000 + $(cksum <<<"$dir" | cut -d' ' -f1) % 1000 * 20))}
+# Job ids, like the ports, from the state folder: two clusters on one host (the default and the
+# namespaced one, or two checkouts') must not both run a job 11. MPICH names a node's
+# shared-memory segment after the PMI job name (<job>.<step>) and the node's index; a second
+# cluster's job of the same id meets the first's segment in the one /dev/shm, and MPI_Init fails
+# ("MPIDI_POSIX_comm_bootstrap: Out of memory"). A range of 60,000 ids each, under MaxJobId.
+first_job=$(($(cksum <<<"$dir" | cut -d' ' -f1) % 1000 * 60000 + 1))
 with_dbd=${AREAL_SLURM_DBD:-1}
 gpus=${AREAL_SLURM_GPUS:-8}
 fake_cpus=${AREAL_SLURM_CPUS:-128}
@@ -205,6 +211,7 @@ write_conf() {   # write_conf N -> $conf.new (and $etc/gres.conf.new)
     echo "SlurmdParameters=config_overrides"
     echo "ReturnToService=2"
     echo "JobRequeue=1"
+    echo "FirstJobId=$first_job"
     echo "KillWait=5"
     echo "MpiDefault=none"
     echo "InactiveLimit=0"
