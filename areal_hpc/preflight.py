@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from . import determinism
+from . import checked, determinism
 from .config import MAX_CONFIG_BYTES, ConfigError, RunConfig, load, read_utf8
 from .config.rules import require
 from .cpus import bind_rank, check_cpus
@@ -378,7 +378,8 @@ def check_model_dir(cfg: RunConfig, sample: dict | None = None,
     """The model directory, cheaply (no weights read): its files' types and sizes, config.json,
     weight files, tokenizer (which must turn `sample`, a dataset row in `data.prompt_template`,
     into at least one token, and every row of `datasets`, {config key: rows}, into a prompt that
-    fits rollout.max_model_len, each rendered within TEMPLATE_TIMEOUT_S)."""
+    fits rollout.max_model_len, each rendered within TEMPLATE_TIMEOUT_S). The tokenizer's part
+    is skipped where the same inputs passed it before (checked.py)."""
     model = Path(cfg.model.path)
     check_model_files(model)
     path = model / "config.json"
@@ -404,6 +405,9 @@ def check_model_dir(cfg: RunConfig, sample: dict | None = None,
             read_chat_template(cfg.data.chat_template)
         except (ValueError, OSError) as exc:
             raise ConfigError(f"config key 'data.chat_template': {_one_line(exc)}") from None
+    digest = checked.key(cfg)
+    if checked.passed(digest):      # these inputs passed the rest before (checked.py)
+        return
     try:
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
@@ -424,6 +428,7 @@ def check_model_dir(cfg: RunConfig, sample: dict | None = None,
         except RenderTimeout as exc:
             raise ConfigError(f"config key '{template_key(cfg)}': {exc} (the chat template's loops must "
                               "end within seconds)") from None
+    checked.remember(digest)
 
 
 def check_tool_calling(cfg: RunConfig, tokenizer) -> None:

@@ -12,6 +12,7 @@ cd "$root"
 tools/install.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$root/.cache/vllm}
+export AREAL_HPC_CACHE=${AREAL_HPC_CACHE:-$root/.cache/areal_hpc}    # the start-up checks' passes (checked.py)
 workers=${TEST_WORKERS:-2}
 xdist=()
 [ "$workers" -gt 0 ] && xdist=(-n "$workers" --dist loadscope --no-loadscope-reorder)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import re
 import time
 from dataclasses import dataclass
@@ -184,6 +185,7 @@ class Checkpointer:
         self._pending: _Pending | None = None
         self._sealed: tuple[int, Path] | None = None     # (step, folder) completed last
         self._warned = False
+        _results_queue(async_save)
 
     @property
     def pending(self) -> int | None:
@@ -457,3 +459,24 @@ def load_model(ckpt: Path, model) -> None:
         loaded = dist_checkpointing.load({"model": _module(model).sharded_state_dict()},
                                          str(ckpt / SHARDS))
         _module(model).load_state_dict(loaded["model"])
+
+
+_ASYNC_SAVER = False     # an asynchronous Checkpointer was made in this process
+
+
+def _results_queue(async_save: bool) -> None:
+    """Megatron's torch_dist writer hands every save's results back through one module-wide
+    queue, which it makes at the first save with a multiprocessing Manager: a server process
+    spawned from the trainer rank, a fresh interpreter (~3 s of CPU, and of the first save's
+    time, on every rank at every attempt). When every save is synchronous, that queue is written
+    and read by the saving process alone (its writer processes answer through a queue of their
+    own), so an in-process queue serves. An asynchronous save's writer is a forked process: in a
+    process with an asynchronous saver, Megatron's Manager queue is kept."""
+    global _ASYNC_SAVER
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    _ASYNC_SAVER = _ASYNC_SAVER or async_save
+    if _ASYNC_SAVER:
+        if isinstance(filesystem_async._results_queue, queue.Queue):
+            filesystem_async._results_queue = None
+    elif filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()

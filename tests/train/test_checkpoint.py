@@ -1,6 +1,7 @@
 """Checkpoints on the real Megatron model + optimizer (gloo, one rank): exact resume, the run state,
 the manifest's corruption checks, fallback to the previous checkpoint, pruning."""
 import json
+import multiprocessing
 
 import numpy as np
 import pytest
@@ -53,8 +54,11 @@ def test_resume_is_exact_and_state_round_trips(actor_factory, tmp_path):
     a = actor_factory()
     a.train_step(_batch(0))
     torch.manual_seed(123)
+    children = set(multiprocessing.active_children())
     train_ck.save(tmp_path, 1, model=a.model, optimizer=a.optimizer, scheduler=a.lr_scheduler,
                   controller_state=CONTROLLER, config_yaml="name: t\n")
+    # a synchronous save starts no process that outlives it (Megatron's results Manager: not)
+    assert set(multiprocessing.active_children()) == children
     expected_rand = torch.rand(3)
     stats = a.train_step(_batch(1))
     after = _weights(a)
