@@ -48,7 +48,7 @@ from functools import partial
 import numpy as np
 import torch
 import torch.distributed as dist
-from areal_hpc.train import mcore  # noqa: F401 - first: Megatron imported with compiles deferred
+from areal_hpc.train import mcore as _mcore  # noqa: F401 - first: Megatron imported with compiles deferred
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed import finalize_model_grads

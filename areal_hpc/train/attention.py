@@ -38,7 +38,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from areal_hpc.train import mcore  # noqa: F401 - first: Megatron imported with compiles deferred
+from areal_hpc.train import mcore as _mcore  # noqa: F401 - first: Megatron imported with compiles deferred
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule

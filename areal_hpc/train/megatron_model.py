@@ -21,7 +21,7 @@ from glob import glob
 
 import torch
 import torch.distributed as dist
-from areal_hpc.train import mcore  # noqa: F401 - first: Megatron imported with compiles deferred
+from areal_hpc.train import mcore as _mcore  # noqa: F401 - first: Megatron imported with compiles deferred
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
