@@ -163,12 +163,14 @@ def test_netns_gloo_on_loopback_across_hosts_is_refused(netns_cluster, tmp_path)
 
 REQUEUED_MPI = """#!/usr/bin/env bash
 #SBATCH --nodes=1 --ntasks=2 --requeue --open-mode=append
-# attempt 0: two ranks start MPI (their node's MPICH segment), say its name, and are killed;
+# attempt 0: two ranks start MPI (their node's MPICH segment), say the segments they map (not
+# another job's beside them), and are killed;
 # attempt 1 (same job and step ids, so the same segment names) starts MPI again.
 py={py}
 if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then
   srun --mpi=pmi2 "$py" -c 'from mpi4py import MPI; import glob, os
-MPI.COMM_WORLD.Barrier(); print("segments", *sorted(glob.glob("/dev/shm/mpich_*")), flush=True)
+from areal_hpc.reaper import shm_mapped
+MPI.COMM_WORLD.Barrier(); print("segments", *sorted(shm_mapped(os.getpid())), flush=True)
 MPI.COMM_WORLD.Barrier(); os.kill(os.getpid(), 9)'
   scontrol requeue "$SLURM_JOB_ID"; exit 0
 fi
