@@ -168,7 +168,7 @@ REQUEUED_MPI = """#!/usr/bin/env bash
 # attempt 1 (same job and step ids, so the same segment names) starts MPI again.
 py={py}
 if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then
-  srun --mpi=pmi2 "$py" -c 'from mpi4py import MPI; import glob, os
+  srun --mpi=pmi2 "$py" -c 'from mpi4py import MPI; import os
 from areal_hpc.reaper import shm_mapped
 MPI.COMM_WORLD.Barrier(); print("segments", *sorted(shm_mapped(os.getpid())), flush=True)
 MPI.COMM_WORLD.Barrier(); os.kill(os.getpid(), 9)'
