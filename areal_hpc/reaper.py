@@ -12,7 +12,8 @@ notes the rank's descendants every `interval` seconds until end-of-file on a pip
 end the rank holds (the kernel closes it when the rank exits for any reason) or until the rank's
 process is gone (checked at the same interval; a forked child may hold the pipe open). Then it
 kills every noted process that is still the same process (pid and start time), with its
-descendants, and exits. It ignores the usual termination signals so that a signal sent to the
+descendants, and what was forked after the last note (`inheritors`: the processes with the
+rank's own initial environment, which a fork keeps), and exits. It ignores the usual termination signals so that a signal sent to the
 whole job does not remove it before the engine; SIGKILL still does.
 """
 from __future__ import annotations
@@ -118,6 +119,37 @@ def _snapshot(parent, me: int) -> dict:
     return found
 
 
+def _identity(p) -> tuple | None:
+    """(initial environment, start time) of process `p`: what its forks inherit."""
+    import psutil
+    try:
+        return p.environ(), p.create_time()
+    except psutil.Error:
+        return None
+
+
+def inheritors(identity: tuple, before: float, exclude: tuple[int, ...] = ()) -> list:
+    """The live processes started, between the process of `identity` (`_identity`) and `before`,
+    with its exact initial environment: its forks that did not exec (Megatron's checkpoint
+    writers fork from the trainer rank as a save begins), their forks, and children it started
+    with its environment as it was. A rank's environment is its own (the MPI process manager's
+    rank and job variables), so nothing of another rank or job matches, nor a later attempt's
+    rank (started after `before`). This finds the children forked after the watcher's last
+    snapshot, which are no longer the rank's descendants once it is gone. Not the processes
+    in `exclude` (the rank itself, which may still be on its way out), nor this one."""
+    import psutil
+    environ, created = identity
+    exclude = {os.getpid(), *exclude}
+    found = []
+    for p in psutil.process_iter(["create_time"]):
+        try:
+            if p.pid not in exclude and created <= p.info["create_time"] <= before and p.environ() == environ:
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
 def _kill(procs) -> list[int]:
     """SIGKILL each process still alive as the same process, and its descendants."""
     import psutil
@@ -164,11 +196,12 @@ def watch(parent_pid: int, interval: float, stream=None, grace_s: float = 5.0,
             said.extend(chunk)
         closed.set()
 
-    threading.Thread(target=wait_eof, daemon=True).start()
     try:
         parent = psutil.Process(parent_pid)
     except psutil.NoSuchProcess:
         return [], False
+    identity = _identity(parent)
+    threading.Thread(target=wait_eof, daemon=True).start()
     seen: dict = {}
     segments: set[str] = set()
     # End-of-file is the prompt signal; polling the parent covers a forked child that inherited
@@ -181,6 +214,8 @@ def watch(parent_pid: int, interval: float, stream=None, grace_s: float = 5.0,
             noted(set(seen), segments)
     closed.wait(1.0)        # a clean exit's announcement may trail the parent's end slightly
     clean = CLEAN in said
+    if identity is not None:        # forked since the last snapshot: no longer its descendants
+        seen.update((p.pid, p) for p in inheritors(identity, time.time() + 1.0, (parent_pid,)))
     if clean:               # children on their way out (resource tracker, engine) may finish
         psutil.wait_procs([p for p in seen.values() if _alive(p)], timeout=grace_s)
     killed = _kill(seen.values())

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -122,6 +123,66 @@ def test_children_die_with_a_killed_rank(mode, tmp_path):
         assert f"killed {len(children)} leftover" in report, report
     finally:
         _cleanup(proc, watcher, children)
+
+
+# A stand-in for a rank that forks once told to (a line on stdin), as the trainer forks Megatron's
+# checkpoint writers when a save begins; the fork starts a child of its own.
+FORKS = textwrap.dedent("""
+    import os, subprocess, sys, time
+    sys.stdin.readline()
+    if os.fork() == 0:
+        child = subprocess.Popen(["sleep", "300"])
+        print(os.getpid(), child.pid, flush=True)
+        time.sleep(300)
+        os._exit(0)
+    time.sleep(300)
+""")
+
+
+class _Reading:
+    """A stream whose first read says that the watcher has begun (its rank's identity taken)."""
+
+    def __init__(self, fd):
+        self.fd, self.begun = fd, threading.Event()
+
+    def read(self, n):
+        self.begun.set()
+        return os.read(self.fd, n)
+
+
+def test_a_child_forked_after_the_last_snapshot_dies_with_the_rank():
+    """A rank killed just after it forked (no snapshot since, here none at all: the interval is an
+    hour) takes the fork and the fork's child with it: they carry the rank's own environment.
+    Another rank's fork (its environment differs in its PMI rank) is left alone."""
+    ranks = [subprocess.Popen([sys.executable, "-c", FORKS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PMI_RANK": str(k)}) for k in (7, 8)]
+    r, w = os.pipe()
+    stream, result = _Reading(r), {}
+    watcher = threading.Thread(target=lambda: result.update(out=reaper.watch(ranks[0].pid, 3600, stream)))
+    watcher.start()
+    forks = []
+    try:
+        assert stream.begun.wait(60)
+        for rank in ranks:
+            rank.stdin.write("fork\n")
+            rank.stdin.flush()
+            forks.append([psutil.Process(int(pid)) for pid in rank.stdout.readline().split()])
+        ranks[0].kill()
+        ranks[0].wait()
+        os.close(w)
+        watcher.join(60)
+        killed, clean = result["out"]
+        assert not clean and set(killed) == {p.pid for p in forks[0]}, (killed, forks)
+        assert not _alive(forks[0]) and len(_alive([psutil.Process(ranks[1].pid), *forks[1]])) == 3
+    finally:
+        for p in [*forks[0], *(forks[1] if len(forks) > 1 else [])]:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
 
 
 def test_watcher_ends_with_a_clean_exit_and_ignores_termination_signals(tmp_path):
