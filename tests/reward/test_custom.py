@@ -173,7 +173,10 @@ def test_the_answer_n_example_loads_and_scores(monkeypatch):
 DAEMON = '''
 import fcntl, os, sys, time
 def _daemon(pidfile):
-    if os.fork():
+    if os.fork():   # back once the daemon runs (it holds its lock), so whatever ends the call
+        deadline = time.monotonic() + 60        # next ends a daemon that was there
+        while not os.path.exists(pidfile) and time.monotonic() < deadline:
+            time.sleep(0.01)
         return
     os.setsid()
     if os.fork():
