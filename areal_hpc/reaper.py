@@ -13,8 +13,9 @@ end the rank holds (the kernel closes it when the rank exits for any reason) or 
 process is gone (checked at the same interval; a forked child may hold the pipe open). Then it
 kills every noted process that is still the same process (pid and start time), with its
 descendants, and what was forked after the last note (`inheritors`: the processes with the
-rank's own initial environment, which a fork keeps), and exits. It ignores the usual termination signals so that a signal sent to the
-whole job does not remove it before the engine; SIGKILL still does.
+rank's own initial environment, which a fork keeps), and exits. It ignores the usual
+termination signals so that a signal sent to the whole job does not remove it before the
+engine; SIGKILL still does.
 """
 from __future__ import annotations
 

@@ -175,7 +175,7 @@ def test_a_child_forked_after_the_last_snapshot_dies_with_the_rank():
         assert not clean and set(killed) == {p.pid for p in forks[0]}, (killed, forks)
         assert not _alive(forks[0]) and len(_alive([psutil.Process(ranks[1].pid), *forks[1]])) == 3
     finally:
-        for p in [*forks[0], *(forks[1] if len(forks) > 1 else [])]:
+        for p in (p for group in forks for p in group):
             try:
                 p.kill()
             except psutil.Error:
