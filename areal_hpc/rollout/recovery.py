@@ -231,6 +231,7 @@ class EngineRecovery:
             self.engine = self.engine_factory(version=version)
         if broadcast:
             self.awaiting = version     # not stepped until the group sends it (`run`)
+            self.engine.hold()          # and its samples not generated before (no weights yet)
         elif version > 0:
             self.engine.update_weights_from_file(version, path)
             self._weights_path = path

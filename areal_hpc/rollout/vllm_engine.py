@@ -259,6 +259,11 @@ class VLLMEngine:
         # first submission ("<first request_id>*<n>"), or one resubmitted sample ("<id>@<attempt>").
         self._live: dict[str, list[_Request | None]] = {}
         self._pending: list[FinishedSample] = []  # finished outside step(), returned by step()
+        # While the model holds no weights to generate with (a load failed part-way, or a new
+        # engine waits for its version over the weight group: `hold`), requests are kept here,
+        # vLLM id → samples, and go to vLLM with the next load that succeeds (`_update`).
+        self._held: dict[str, list[_Request]] = {}
+        self._holding = False
         children_before = {p.pid for p in _descendants()}
         t0 = time.perf_counter()
         with _child_process_environment(), _cpu_worker_binding(tensor_parallel_size):
@@ -351,7 +356,15 @@ class VLLMEngine:
 
     def _add(self, vllm_id: str, reqs: list[_Request]) -> None:
         """One vLLM request for `reqs`: samples of one context (prompt + the tokens so far)
-        and one sampling setting, `len(reqs)` of them."""
+        and one sampling setting, `len(reqs)` of them; held back while the model has no
+        weights (`hold`): vLLM's engine core steps every request it has on its own, and a
+        model left half loaded by a failed load fails its first step (its layers still hold
+        the reload's placeholder tensors), which kills the engine."""
+        if self._holding:
+            self._held[vllm_id] = list(reqs)
+            for r in reqs:
+                self._requests[r.request_id] = r
+            return
         from vllm import SamplingParams
         from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind
@@ -443,6 +456,7 @@ class VLLMEngine:
         process's own bookkeeping, so an engine that is already gone (its processes killed at a
         preemption) costs only the abort call, which is then skipped."""
         samples, self._pending = self._pending, []
+        self._held = {}
         now = time.time()
         if self._live:
             try:
@@ -465,7 +479,7 @@ class VLLMEngine:
         out = [s for s in self._pending if s.request_id in ids]
         self._pending = [s for s in self._pending if s.request_id not in ids]
         stop = []
-        for vid, slots in self._live.items():
+        for vid, slots in [*self._live.items(), *self._held.items()]:
             mine = [r for r in slots if r is not None and r.request_id in ids]
             if not mine:
                 continue
@@ -473,10 +487,11 @@ class VLLMEngine:
                 raise ValueError(f"vLLM request {vid} holds samples not being aborted "
                                  f"({sorted(r.request_id for r in slots if r is not None)})")
             stop.append(vid)
-        if stop:
-            self._engine.abort_request(stop)
+        if any(vid in self._live for vid in stop):
+            self._engine.abort_request([vid for vid in stop if vid in self._live])
         for vid in stop:
-            del self._live[vid]
+            self._live.pop(vid, None)
+            self._held.pop(vid, None)
         out += [self._finish(self._requests.pop(rid), "abort", now)
                 for rid in sorted(ids) if rid in self._requests]
         return out
@@ -494,7 +509,7 @@ class VLLMEngine:
         returns [] at once otherwise (calling vLLM's step() with nothing running would block).
         """
         finished, self._pending = self._pending, []
-        if not self._requests:
+        if not self._live:      # nothing in vLLM (held requests wait for a load)
             return finished
         outputs = self._engine.step()
         now = time.time()
@@ -635,30 +650,39 @@ class VLLMEngine:
         """As `update_weights`, from a safetensors file or a directory of shards."""
         return self._update(version, "load_weights_from_file", str(path))
 
+    def hold(self) -> None:
+        """Send no request to vLLM until a weight load succeeds: this engine's model has no
+        weights the samples may be generated with (a new engine that waits for its version
+        over the weight group). Submitted samples wait, and go on after the load."""
+        self._holding = True
+
     def _update(self, version: int, method: str, arg) -> float:
         t0 = time.perf_counter()
-        interrupted = list(self._requests.values())
+        held, self._held = self._held, {}
+        waiting = {r.request_id for reqs in held.values() for r in reqs}
+        interrupted = [r for r in self._requests.values() if r.request_id not in waiting]
         if self._live:
             # A group's id aborts all its samples (vLLM aborts a parent's children with it).
             self._engine.abort_request(list(self._live))
             self._live.clear()
-            self._requests.clear()
+        self._requests.clear()
         t1 = time.perf_counter()
         # A failed load raises here, before `version` moves: the engine's model may be half
-        # loaded, and the generator must not generate with it until a load succeeds. The
-        # interrupted samples are queued again first (with the tokens they have), so that the
-        # next load resumes them; an engine that died with the load takes them to its
-        # replacement (`abort_all`).
+        # loaded, and nothing may be generated with it until a load succeeds (`hold`). The
+        # samples are kept (the interrupted ones with the tokens they have), so that the next
+        # load resumes them; an engine that died with the load takes them to its replacement
+        # (`abort_all`).
+        self._holding = True
         try:
             self._rpc(method, arg)
         except BaseException:
             now = time.time()
             for req in interrupted:
-                try:
-                    self._resubmit(req, now)
-                except Exception:       # noqa: BLE001 - a dead engine: `abort_all` returns it
-                    self._requests[req.request_id] = req
+                self._resubmit(req, now)
+            for vid, reqs in held.items():
+                self._add(vid, reqs)
             raise
+        self._holding = False
         load_s = time.perf_counter() - t1
         # Without this the next prefill silently reuses KV blocks computed with the old weights.
         if not self._engine.reset_prefix_cache():
@@ -667,6 +691,8 @@ class VLLMEngine:
         now = time.time()
         for req in interrupted:
             self._resubmit(req, now)
+        for vid, reqs in held.items():
+            self._add(vid, reqs)
         paused_s = time.perf_counter() - t0
         logger.info(
             "weights v%d loaded in %.3f s; paused %.3f s; %d requests resumed",

@@ -108,15 +108,54 @@ def _tied_layers(worker) -> list[torch.nn.Module]:
 
 def _reload(worker, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
     """`worker.reload_weights(weights_iterator=tensors)`, then the tied layers' processing
-    again, from the weights just loaded into the storage they share (module doc)."""
+    again, from the weights just loaded into the storage they share (module doc). A reload
+    that raises part-way (a broadcast that timed out, a shard that would not open) is undone
+    where it can be (`abandon_reload`) before the error goes on."""
     tied = _tied_layers(worker)
-    worker.reload_weights(weights_iterator=tensors)
+    try:
+        worker.reload_weights(weights_iterator=tensors)
+    except BaseException:
+        runner = getattr(worker, "model_runner", None)
+        if runner is not None:
+            logging.getLogger(__name__).warning(
+                "weight reload failed part-way: %d layer(s) that had not received all their "
+                "weights put back; the model is not used until a load succeeds",
+                abandon_reload(runner.get_model()))
+        raise
     if tied:
         from vllm.config import set_current_vllm_config
 
         with set_current_vllm_config(worker.vllm_config):
             for layer in tied:
                 layer.quant_method.process_weights_after_loading(layer)
+
+
+def abandon_reload(model: torch.nn.Module) -> int:
+    """Undo what a layerwise reload that raised part-way left behind, so that the next reload
+    starts clean. vLLM's reload first swaps every layer's tensors for placeholders on the meta
+    device and wraps its weight loaders; a layer is put back only once all its weights came.
+    The layers still waiting keep the placeholders (a forward pass through one fails: on CPU
+    "_C::onednn_mm ... Meta tensors", and vLLM's engine dies), their wrapped loaders and the
+    weights they buffered, which the next reload would count again (a layer then processed
+    before its last weight came). Each such layer gets its own tensors back (the placeholders
+    and their wrapped loaders dropped) and its state cleared. The model then holds the new
+    version in the layers that were completed and the old one elsewhere: nothing may be
+    generated with it until a load succeeds (`VLLMEngine` holds its requests). Returns the
+    layers put back. Reads vLLM 0.32's reload state (its `reload.layerwise` module)."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    restored = 0
+    for layer in model.modules():
+        info = layerwise.LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load() or info.kernel_tensors is None:
+            continue
+        layerwise._place_kernel_tensors(layer, info)   # the placeholders, wrapped, dropped
+        info.reset()
+        restored += 1
+    layerwise.LOADING_LAYERS.clear()
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
+    return restored
 
 
 def reported(worker, method: str, *args):

@@ -22,6 +22,8 @@ the first update: shapes never change during a run. The wire formats are in
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from dataclasses import replace
 from typing import Protocol
@@ -32,6 +34,25 @@ from ..transport import mpi as coll
 from ..transport import weights as wsync
 
 log = logging.getLogger(__name__)
+
+# Test hook: a weight sender stops itself (SIGSTOP) halfway through the tensors of this weights
+# version, so that a trainer stall lands inside a broadcast at a moment chosen, not hoped for
+# (tests/e2e/test_trainer_death.py).
+STOP_IN_BROADCAST_ENV = "AREAL_TEST_STOP_IN_BROADCAST"
+
+
+def _test_stop(tensors, plan: wsync.Plan, version: int):
+    """`tensors`, with the hook's stop halfway through them at its version."""
+    if os.environ.get(STOP_IN_BROADCAST_ENV) != str(version):
+        yield from tensors
+        return
+    half = sum(len(bucket) for _, bucket in plan) // 2
+    for i, item in enumerate(tensors):
+        if i == half:
+            log.warning("test hook %s: stopping this rank halfway through sending weights v%d",
+                        STOP_IN_BROADCAST_ENV, version)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        yield item
 
 # Sends of one version at most: the first, and again over a re-formed weight group after a
 # generator's engine failed in it (each such failure also counts against that generator's
@@ -196,7 +217,8 @@ class WeightPublisher:
                 self.group = wsync.init_weight_group(replace(self.address, generation=generation),
                                                      stage)
             if a.is_weight_sender:
-                wsync.broadcast_stage(self.group, plan, stage, a.iter_hf_weights(), a.device)
+                wsync.broadcast_stage(self.group, plan, stage,
+                                      _test_stop(a.iter_hf_weights(), plan, version), a.device)
             elif stage is not None:
                 self._join_gather()
             return

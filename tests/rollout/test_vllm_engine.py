@@ -388,6 +388,54 @@ def test_update_from_file_and_prefix_cache_reset(engine, model_dir, tmp_path):
     assert diff < ATOL
 
 
+def test_a_load_that_fails_part_way_holds_the_samples_and_the_next_load_is_whole(
+        engine, model_dir, tmp_path):
+    """A load that breaks off part-way (here a shard that will not open after the first loaded;
+    under broadcast, a receive that timed out) leaves vLLM's model half loaded: layers still on
+    the reload's placeholder tensors. Nothing is generated with it: the samples it interrupted
+    and those submitted meanwhile wait, and the engine lives (a step on that model killed it:
+    "_C::onednn_mm ... Meta tensors"). The next load is whole: a layer the failed one had part
+    loaded (layer 0's attention: q came, k and v did not) computes with the new weights alone."""
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(7)
+    weights = {k: (v + 0.2 * torch.randn(v.shape, generator=g)).contiguous()
+               for k, v in load_file(os.path.join(model_dir, "model.safetensors")).items()}
+    first = sorted(k for k in weights if ".layers.0." in k and "k_proj" not in k
+                   and "v_proj" not in k)
+    assert any("q_proj" in k for k in first)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    save_file({k: weights[k] for k in first}, str(broken / "model-0.safetensors"))
+    (broken / "model-1.safetensors").write_bytes(b"\x10" * 64)   # not a safetensors file
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    save_file(weights, str(whole / "model.safetensors"))
+
+    before = engine.version
+    engine.submit("cut", [3, 4, 5, 6], 12, temperature=1.0, ignore_eos=True)
+    while not engine._requests["cut"].tokens:
+        assert engine.step() == []
+    with pytest.raises(RuntimeError, match="load_weights_from_file failed"):
+        engine.update_weights_from_file(before + 1, str(broken))
+    assert engine.version == before
+    tokens = list(engine._requests["cut"].tokens)
+    engine.submit("late", [7, 8, 9], 6, temperature=1.0, ignore_eos=True)
+    assert engine.num_running() == 2 and engine.step() == []     # held, not sent to vLLM
+    assert engine._requests["cut"].tokens == tokens and not engine._requests["late"].tokens
+    assert all(p.is_running() for p in engine.processes())
+    engine.update_weights_from_file(before + 2, str(whole))
+    done = run_to_completion(engine)
+    cut, late = done["cut"], done["late"]
+    k = cut.versions.tolist().count(before)
+    assert 1 <= k < 12 and cut.versions.tolist() == [before] * k + [before + 2] * (12 - k)
+    assert cut.num_interrupts == 1 and late.num_interrupts == 0
+    assert late.versions.tolist() == [before + 2] * 6
+    reference = hf_model(model_dir, str(whole / "model.safetensors"))
+    assert np.abs(hf_logprobs(reference, late, 1.0) - late.behav_logprobs).max() < ATOL
+    assert np.abs(hf_logprobs(reference, cut, 1.0)[k:] - cut.behav_logprobs[k:]).max() < ATOL
+
+
 def test_a_stop_string_across_a_weight_update_ends_the_sample(engine, model_dir):
     """A stop string whose first character was sampled before a weight update and whose second
     after it ends the sample there, as it ends one never cut (vLLM searches only the new
