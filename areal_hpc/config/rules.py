@@ -119,6 +119,7 @@ RANGES: dict[str, Range] = {
     "rollout.engine_restarts": Range(0, 1000, why=" (engine restarts per generator in the window)"),
     "rollout.engine_restart_window_s": _TIMEOUT,
     "rollout.engine_stall_s": _TIMEOUT,
+    "rollout.engine_memory_wait_s": _TIMEOUT,
     "rollout.engine_tp": _RANKS,
     "rollout.max_num_seqs": _COUNT,
     "rollout.max_num_batched_tokens": _COUNT,

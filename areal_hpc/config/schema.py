@@ -167,6 +167,13 @@ class RolloutConfig:
     engine_restarts: int = 3
     engine_restart_window_s: float = 3600.0
     engine_stall_s: float = 300.0
+    # Before a restarted engine starts, its rank waits (at most this long) until each of its
+    # GPUs has gpu_memory_utilization of its memory free again: the driver frees a killed
+    # engine's memory as it tears its processes down, and vLLM refuses to start below its
+    # budget. Past it the job ends naming the device and the processes holding its memory.
+    # A restart's memory wait and engine start must fit in weights.join_timeout_s (rank 0's
+    # allowance for a generator whose engine is down; `plan time` checks it).
+    engine_memory_wait_s: float = 300.0
     # vLLM tensor parallelism inside one generator rank: workers per engine (GPUs on a GPU node;
     # on CPU, this rank's allowed CPUs split among them). Each worker joins the weight group, so
     # it has pp + n_generators * engine_tp members.

@@ -29,6 +29,8 @@ from .memory import read_arch
 ENGINE_READ_BYTES_S = 2e9
 ENGINE_INIT_S = 60.0
 ENGINE_GRAPHS_S = 120.0
+# ASSUMPTION: the driver frees a killed engine's GPU memory within this long.
+ENGINE_MEMORY_FREE_S = 30.0
 
 
 def fmt_s(s: float) -> str:
@@ -107,6 +109,11 @@ def waits(est) -> list[Wait]:
         Wait("all", "joining the weight group: vLLM start, trainer resume",
              max(engine_start_seconds(cfg, params), load_s), "weights.join_timeout_s",
              w.join_timeout_s),
+        Wait("rank 0", "a generator restarting its engine: the memory wait's bound + vLLM start",
+             r.engine_memory_wait_s + engine_start_seconds(cfg, params), "weights.join_timeout_s",
+             w.join_timeout_s),
+        Wait("generator", "its restarted engine's GPUs: the killed engine's memory freed",
+             ENGINE_MEMORY_FREE_S, "rollout.engine_memory_wait_s", r.engine_memory_wait_s),
         Wait("rank 0, generators", "a live rank's silence: an engine step + 2 heartbeats",
              engine_step_seconds(est, params) + 2 * r.heartbeat_s,
              "rollout.generator_timeout_s", r.generator_timeout_s),

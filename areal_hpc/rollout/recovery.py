@@ -35,6 +35,7 @@ from ..topology import CONTROLLER_RANK
 from ..transport import messages as msgs
 from .engine_guard import (EngineRestartsError, EngineWatch, engine_procs, is_engine_dead,
                            kill_engine)
+from .gpu_memory import EngineMemoryError, read_devices, wait_for_memory
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class EngineRecovery:
     engine, engine_factory, guard, restarts, groups, chan, watch, clock, me)."""
 
     awaiting: int | None = None     # the weights version this rank's engine waits for (broadcast)
+    read_gpu_memory = staticmethod(read_devices)    # the engine's GPUs' memory (gpu_memory.py)
 
     def _update_weights(self, msg: msgs.WeightsNotice) -> None:
         """Load the announced version and acknowledge it: "started" first, so that a load that
@@ -227,6 +229,13 @@ class EngineRecovery:
         samples.update((s.request_id, s) for s in old.abort_all())
         kill_engine(old, self.guard.segments if self.guard is not None else ())
         self._heartbeat(force=True, down=True)
+        r = self.cfg.rollout
+        try:
+            wait_for_memory(lambda: self.read_gpu_memory(r.engine_tp), r.gpu_memory_utilization,
+                            r.engine_memory_wait_s, self.me)
+        except EngineMemoryError as exc:
+            log.error("%s", exc)
+            raise
         with preemption.shield_children():
             self.engine = self.engine_factory(version=version)
         if broadcast:

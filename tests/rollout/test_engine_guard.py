@@ -15,6 +15,7 @@ import pytest
 
 from areal_hpc.config import RunConfig
 from areal_hpc.rollout.engine_guard import EngineRestartsError, EngineWatch, RestartBudget, kill_engine
+from areal_hpc.rollout.gpu_memory import DeviceMemory, EngineMemoryError
 from areal_hpc.rollout.generator import Generator
 from areal_hpc.rollout.vllm_engine import FinishedSample
 from areal_hpc.transport import messages as msgs
@@ -294,6 +295,35 @@ def test_a_dead_engine_is_replaced_and_its_samples_go_on_from_their_tokens():
     beats = [m for m in gen.chan.sent if isinstance(m, msgs.Heartbeat)]
     assert [b.engine_down for b in beats] == [True, False]
     assert beats[-1].engine_restarts == 1 and "vLLM" in beats[-1].engine_fault
+
+
+def test_the_new_engine_starts_once_the_old_ones_gpu_memory_is_back():
+    gen, engines = _generator()
+    events, readings = [], iter([[_gpu(2)], [_gpu(79)]])
+
+    def read(n):
+        events.append(("read", n, len(engines)))
+        return next(readings)
+    gen.read_gpu_memory = read
+    gen.cfg.rollout.gpu_memory_utilization = 0.9
+    engines[0].fail = True
+    gen._step()
+    assert events == [("read", 1, 1), ("read", 1, 1)] and len(engines) == 2   # then started
+
+
+def test_memory_that_does_not_come_back_ends_the_rank_with_no_engine_started():
+    gen, engines = _generator()
+    gen.read_gpu_memory = lambda n: [_gpu(2, holders=[(77, 60 << 30, "VLLM::Worker")])]
+    gen.cfg.rollout.engine_memory_wait_s = 0.001
+    engines[0].fail = True
+    with pytest.raises(EngineMemoryError, match=r"generator rank 1 \(host h1\): the new vLLM "
+                                                r"engine cannot start.*pid 77 \(VLLM::Worker\)"):
+        gen._step()
+    assert len(engines) == 1
+
+
+def _gpu(free_gib, holders=()):
+    return DeviceMemory(0, "0", free_gib << 30, 80 << 30, tuple(holders))
 
 
 def test_more_faults_than_the_bound_end_the_rank():
