@@ -21,7 +21,7 @@ from .reward.contain import protect_from_children
 from .storage.run_dir import RunDir
 from .topology import CONTROLLER_RANK, TRAINER, Topology
 from .transport import mpi as coll
-from .transport.beacon import Beacon
+from .transport.beacon import Beacon, thread_level_problem
 
 
 def _parse(argv):
@@ -45,6 +45,9 @@ def main(argv=None) -> int:
         world = _mpi_world(cfg)
         topo = Topology.build(cfg.topology, world, engine_tp=cfg.rollout.engine_tp)
         cpus = preflight.placed(cfg, topo, world)
+        problem = thread_level_problem(world, CONTROLLER_RANK, topo.hosts)
+        if problem:
+            raise preflight.Refused(problem, every_rank=False)
     except (ConfigError, FileNotFoundError) as exc:
         return _refused(exc, world)
     # Trainer rank 0's sign of life: the waits for its work (the first batch after the initial

@@ -20,12 +20,13 @@ export AREAL_SRUN_MPI=${AREAL_SRUN_MPI:-pmi2}
 # wheel) the default is MPIR_CVAR_CH4_NETMOD=ofi: short addresses, one small put, and what the
 # tests start at 8 ranks per node (areal_hpc/launch/mpi_env.py; Cray MPICH, Intel MPI, Open MPI
 # get nothing), with OFI's provider FI_PROVIDER=tcp (libfabric's own pick, `sockets`, hung MPI's
-# start-up in the 32B rehearsal). Set your own to replace them: a PMI-2 client that starts under
-# this srun, or UCX under pmix; on EFA or Slingshot, where NCCL's OFI plugin reads FI_PROVIDER too,
-# name that fabric's provider:
+# start-up in the 32B rehearsal) on MPI's interface FI_TCP_IFACE, NCCL_SOCKET_IFNAME's first
+# match; on a node with EFA or Slingshot, whose NCCL OFI plugin shares the process's libfabric
+# and its FI_PROVIDER filter, that fabric's provider (efa, cxi) instead. Set your own to replace
+# them: a PMI-2 client that starts under this srun, or UCX under pmix, or another provider:
 # export MPIR_CVAR_PMI_VERSION=2
 # export FI_PROVIDER=efa     # or cxi, verbs
-eval "$("$AREAL_PYTHON" -m areal_hpc.launch.mpi_env)"
+# (applied below, once the fabric's interfaces are set)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 # Variables for the trainer ranks alone (slurm/job.sh sets them on het component 0's command, not
 # on the vLLM engines): Megatron orders TP/SP communication behind compute kernels with a single
@@ -46,6 +47,8 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # export NCCL_IB_HCA=mlx5
 # export NCCL_SOCKET_IFNAME=ib0
 # export GLOO_SOCKET_IFNAME=ib0
+# MPI's defaults (above), after NCCL_SOCKET_IFNAME: MPI's tcp interface follows it.
+eval "$("$AREAL_PYTHON" -m areal_hpc.launch.mpi_env)"
 # torch.distributed rendezvous address of trainer rank 0 (default: its host name's address). A
 # job on several hosts whose rank 0 resolves to a loopback address (Debian's 127.0.1.1 entry in
 # /etc/hosts) is refused at start; then set it, e.g.

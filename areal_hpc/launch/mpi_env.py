@@ -11,10 +11,19 @@ pmi2 and neither a netmod nor PMI-2 was chosen, the default is MPIR_CVAR_CH4_NET
 FI_PROVIDER=tcp unless one is set: left to itself the wheel's libfabric picks its legacy `sockets`
 provider, under which the 32B rehearsal's 10 ranks on 4 hosts hung in MPI_Init (15 min; with tcp
 they start in seconds: areal_hpc/launch/rehearse.py). MPI carries control messages and
-trajectories here, not weights, so tcp costs nothing that matters. On clusters whose NCCL uses
-libfabric too (EFA: FI_PROVIDER=efa; Slingshot: cxi), which reads the same variable, set
-FI_PROVIDER in the site file. Cray MPICH, Intel MPI, MVAPICH and Open MPI name themselves otherwise and get nothing: they
-choose their own fabric.
+trajectories here, not weights, so tcp costs nothing that matters.
+
+Not tcp where the node has a fabric NCCL reaches through libfabric too (EFA, Slingshot's cxi:
+`node_fabric`): FI_PROVIDER is libfabric's process-wide filter, read once, and NCCL's OFI
+plugin loads the libfabric already in the process (same soname, the wheel's, loaded by MPI
+first), so a tcp default there would leave NCCL no EFA or cxi provider in the trainers. The
+default there is that fabric's provider, for MPI and NCCL alike (MPI's addresses on it are short
+too). With tcp, the interface MPI uses is the one NCCL is told to use: FI_TCP_IFACE from
+NCCL_SOCKET_IFNAME (its first match here; read only by libfabric's tcp provider), so that on a
+multi-homed node MPI does not take the management network; each rank checks that it names an
+interface of its node (launch/placement.py). A site's own FI_PROVIDER or FI_TCP_IFACE wins. Cray
+MPICH, Intel MPI, MVAPICH and Open MPI name themselves otherwise and get nothing: they choose
+their own fabric.
 
     eval "$(python -m areal_hpc.launch.mpi_env)"     # export lines; none where nothing applies
 
@@ -26,6 +35,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from pathlib import Path
 
 
 def mpich_netmods(library_version: str) -> list[str] | None:
@@ -40,15 +50,41 @@ def mpich_netmods(library_version: str) -> list[str] | None:
     return []
 
 
-def defaults(library_version: str, env=None) -> dict[str, str]:
-    """The MPI variables to export for this library and environment (see the module docstring)."""
+def node_fabric(root: str = "/") -> str | None:
+    """The libfabric provider of a fabric this node has that NCCL would use through its OFI
+    plugin: "efa" (an RDMA device driven by efa), "cxi" (a Slingshot NIC); None otherwise.
+    `root`: where /sys and /dev are (a test's stand-in tree)."""
+    base = Path(root)
+    for dev in sorted((base / "sys/class/infiniband").glob("*")):
+        driver = dev / "device" / "driver"
+        if driver.exists() and driver.resolve().name == "efa":
+            return "efa"
+    if any((base / "sys/class/cxi").glob("cxi*")) or any((base / "dev").glob("cxi[0-9]*")):
+        return "cxi"
+    return None
+
+
+def defaults(library_version: str, env=None, fabric: str | None = None,
+             interfaces: list[str] = ()) -> dict[str, str]:
+    """The MPI variables to export for this library and environment (see the module
+    docstring): `fabric` is `node_fabric()`, `interfaces` this node's interface names."""
     env = os.environ if env is None else env
     netmods = mpich_netmods(library_version)
     if (not netmods or netmods[0] == "ofi" or "ofi" not in netmods
             or env.get("AREAL_SRUN_MPI", "pmi2") != "pmi2"
             or env.get("MPIR_CVAR_CH4_NETMOD") or env.get("MPIR_CVAR_PMI_VERSION") == "2"):
         return {}
-    return {"MPIR_CVAR_CH4_NETMOD": "ofi", **({} if env.get("FI_PROVIDER") else {"FI_PROVIDER": "tcp"})}
+    out = {"MPIR_CVAR_CH4_NETMOD": "ofi"}
+    if not env.get("FI_PROVIDER"):
+        out["FI_PROVIDER"] = fabric or "tcp"
+    nccl = env.get("NCCL_SOCKET_IFNAME", "")
+    if (env.get("FI_PROVIDER") or out.get("FI_PROVIDER")) == "tcp" and nccl \
+            and not env.get("FI_TCP_IFACE"):
+        from .placement import interface_matches
+        match = interface_matches(nccl, list(interfaces))
+        if match:
+            out["FI_TCP_IFACE"] = match[0]
+    return out
 
 
 def library_version() -> str:
@@ -64,7 +100,9 @@ def library_version() -> str:
 
 
 def main() -> int:
-    for k, v in defaults(library_version()).items():
+    import psutil
+    for k, v in defaults(library_version(), fabric=node_fabric(),
+                         interfaces=list(psutil.net_if_addrs())).items():
         print(f"export {k}={shlex.quote(v)}")
     return 0
 

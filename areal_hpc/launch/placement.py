@@ -211,6 +211,10 @@ def place_rank(topology, engine_tp: int, rank: int, role: str, nodes: list[str],
     else:
         p.ifname = gloo_spec or "auto"
         p.interfaces = gloo_interfaces(gloo_spec)
+    tcp_iface = env.get("FI_TCP_IFACE", "")
+    if env.get("FI_PROVIDER") == "tcp" and tcp_iface and not have.get(tcp_iface):
+        p.problems.append(f"FI_TCP_IFACE={tcp_iface} (MPI's interface under FI_PROVIDER=tcp) is not "
+                          f"an interface with an address here (have {','.join(names)})")
     # gloo: Megatron's data-parallel groups on every trainer rank; the weight group on CPU.
     if role == TRAINER or topology.weight_backend == "gloo":
         bound = gloo_interfaces(gloo_spec)

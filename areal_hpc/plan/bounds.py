@@ -101,7 +101,10 @@ def waits(est) -> list[Wait]:
         Wait("all but rank 0", "end of job: final eval, checkpoint, export",
              ev + est.ckpt_s + export_s),
         Wait("generators", "first message: trainer start-up + resume", load_s),
-        Wait("trainer", "a live peer: checkpoint save/load + CRC; weights.timeout_s",
+        Wait("trainer 1..N", "an update's outcome: rank 0's broadcast and acknowledgements "
+             "(a generator restarting: its engine start too)", est.update_s),
+        Wait("trainer", "a live peer (MPI, torch and Megatron groups): checkpoint save/load + "
+             "CRC; weights.timeout_s",
              max(est.ckpt_s, load_s, w.timeout_s), "rollout.collective_timeout_s",
              r.collective_timeout_s),
         Wait("all", "a weight update: broadcast + engine load", est.update_s,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from ..topology import TRAINER, Topology
+from ..transport import mpi as coll
 from ..transport.rendezvous import rendezvous_store
 
 
@@ -100,7 +101,9 @@ def trainer_layout(topo: Topology, seed: int) -> ParallelLayout:
 
 def init_trainer_process_group(topo: Topology) -> None:
     """torch.distributed's default group over the trainer ranks only (Megatron builds on it), at
-    the rendezvous trainer rank 0 broadcast (`Topology.build`)."""
+    the rendezvous trainer rank 0 broadcast (`Topology.build`). Its collectives are bounded by
+    rollout.collective_timeout_s, as every collective among the trainer ranks (torch's own
+    default is 10 min on NCCL: shorter than a 32B checkpoint's write-time skew can be)."""
     import torch
     import torch.distributed as dist
     assert topo.role == TRAINER
@@ -111,4 +114,4 @@ def init_trainer_process_group(topo: Topology) -> None:
     store = rendezvous_store(topo.controller_addr, topo.trainer_port, n, topo.role_rank == 0,
                              timedelta(minutes=30))
     dist.init_process_group(backend=topo.cfg.trainer_backend, store=store, rank=topo.role_rank,
-                            world_size=n)
+                            world_size=n, timeout=timedelta(seconds=coll.DEFAULT_TIMEOUT_S))

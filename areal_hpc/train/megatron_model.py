@@ -14,6 +14,7 @@ Names handed to and from `hf_convert` are always global and unsharded.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -29,6 +30,7 @@ from megatron.core.transformer import TransformerConfig
 from safetensors import safe_open
 
 from areal_hpc.train import cpu_compat
+from areal_hpc.transport import mpi as coll
 from areal_hpc.train.attention import gpt_block_spec
 from areal_hpc.train.hf_convert import (
     conversion_rules,
@@ -55,8 +57,9 @@ def init_megatron_parallel(tp: int, pp: int, seed: int, backend: str | None = No
     if backend is not None and dist.get_backend() != backend:
         raise RuntimeError(f"default process group uses {dist.get_backend()}, expected {backend}")
     cpu_compat.apply()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    parallel_state.initialize_model_parallel(       # its groups bounded as the default group
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        distributed_timeout_minutes=max(1, math.ceil(coll.DEFAULT_TIMEOUT_S / 60)),
     )
     torch.manual_seed(seed)  # CPU initialisation (use_cpu_initialization) draws from here
     model_parallel_cuda_manual_seed(seed)

@@ -102,16 +102,19 @@ class WeightPublisher:
         actor: this rank's `Actor` (its stage, its place in the TP group, its HF weights).
         comm: the trainer ranks' communicator (every collective of the update runs over it).
         pp: pipeline stages (one sender each).
-        collective_timeout_s: bounds the non-root ranks' wait for the outcome.
+        collective_timeout_s: bounds the collectives of an update among live peers.
         weight_dir: where disk mode writes its versions.
+        alive: trainer rank 0's liveness (`beacon.RankWatch`; None: `collective_timeout_s`):
+            bounds the other ranks' wait for the outcome, which comes after rank 0's waits.
         group: the weight group, on stage senders in broadcast mode (else None).
         notifier: announces the update and collects the acknowledgements (`WeightNotifier`:
             trainer rank 0's `Controller`; `SILENT` elsewhere).
     """
 
     def __init__(self, cfg, actor, comm, *, pp: int, collective_timeout_s: float,
-                 weight_dir: str, group=None, notifier: WeightNotifier = SILENT, address=None):
-        self.cfg, self.actor, self.comm = cfg, actor, comm
+                 weight_dir: str, group=None, notifier: WeightNotifier = SILENT, address=None,
+                 alive=None):
+        self.cfg, self.actor, self.comm, self.alive = cfg, actor, comm, alive
         self.pp, self.collective_timeout_s = pp, collective_timeout_s
         self.weight_dir, self.group, self.notifier = weight_dir, group, notifier
         self.address = address      # the weight group's, for its later generations (senders)
@@ -128,7 +131,8 @@ class WeightPublisher:
         return cls(w, actor, topo.role_comm, pp=t.pp,
                    collective_timeout_s=cfg.rollout.collective_timeout_s,
                    weight_dir=w.disk_dir or str(RunDir(cfg.run_dir).weights), group=group,
-                   notifier=notifier, address=address)
+                   notifier=notifier, address=address,
+                   alive=topo.controller_alive)
 
     # -- the plan -------------------------------------------------------------------------------
     def plan(self) -> wsync.Plan:
@@ -178,11 +182,13 @@ class WeightPublisher:
                 error = exc
             failure, stopping, again = self._acknowledged(version, error)
             # Rank 0 arrives after the broadcast and the acknowledgements (each bounded by
-            # weights.timeout_s); rollout.collective_timeout_s bounds the whole wait of the others.
+            # weights.timeout_s; while a generator restarts its engine, by weights.join_timeout_s
+            # too): the others wait for it as long as it is alive (its beacon), not a number of
+            # seconds, which could end a healthy job first.
             message, stopping, again = coll.bcast(
                 self.comm, (None if failure is None else str(failure), stopping, again), root=0,
                 timeout_s=self.collective_timeout_s,
-                what=f"weight update to version {version}: its outcome")
+                what=f"weight update to version {version}: its outcome", alive=self.alive)
             if not (again and attempt < SENDS and not stopping):
                 break
             log.warning("weight update to version %d: a generator's engine failed in it; sending "

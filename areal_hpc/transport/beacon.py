@@ -17,8 +17,10 @@ lost) falls silent.
 The beats travel on a communicator of their own (a `Dup` of the world), so they never match
 another message. The watch drains what has arrived each time it is checked; between waits the
 beats queue at the receiver (a few bytes each: a 24 h job at one every 5 s is 17,280 of them per
-rank, and every wait drains them). The thread makes MPI calls beside the main thread's, which
-mpi4py's default thread level (MPI_THREAD_MULTIPLE) allows.
+rank, and every wait drains them). The thread makes MPI calls beside the main thread's (and
+the controller's service thread's), which needs MPI_THREAD_MULTIPLE on the source: mpi4py's
+default request, which an MPI may still answer lower. `thread_level_problem` checks each rank's
+level against its own threads' needs before the beacon starts.
 """
 from __future__ import annotations
 
@@ -73,6 +75,32 @@ class RankWatch:
                 f"{what}: rank {self.source} (host {self.host}), whose work this rank waits for, "
                 f"sent no sign of life for {silent:.0f} s ({self.key} = {self.silent_s:g}; "
                 f"{now - since:.0f} s waited): it is gone (killed, stopped, its node lost)")
+
+
+LEVELS = ("SINGLE", "FUNNELED", "SERIALIZED", "MULTIPLE")     # MPI_THREAD_*, in order
+
+
+def thread_level_problem(world, source: int, hosts: list[str], provided: int | None = None,
+                         ) -> str | None:
+    """One line if this rank's MPI thread level (`provided`, default MPI_Query_thread) is below
+    what its threads need, else None. The source of the beacon (trainer rank 0) calls MPI from
+    its main thread, the controller's service thread and the beacon at once: MULTIPLE. Every
+    other rank calls MPI from its main thread alone, beside threads that do not (the engine
+    watch, the reward pool's readers): FUNNELED."""
+    from mpi4py import MPI
+    provided = MPI.Query_thread() if provided is None else provided
+    me = world.Get_rank()
+    if me == source and world.Get_size() > 1:
+        need, why = MPI.THREAD_MULTIPLE, ("its main thread, the controller's service thread and "
+                                          "the beacon call MPI at once")
+    else:
+        need, why = MPI.THREAD_FUNNELED, "it calls MPI from its main thread beside other threads"
+    if provided >= need:
+        return None
+    return (f"rank {me} (host {hosts[me]}): MPI provides thread level MPI_THREAD_"
+            f"{LEVELS[provided]}, this rank needs MPI_THREAD_{LEVELS[need]} ({why}): request it "
+            f"(mpi4py.rc.thread_level, MPI4PY_RC_THREAD_LEVEL=multiple) from an MPI built with "
+            f"thread support")
 
 
 class Beacon:

@@ -344,15 +344,19 @@ def barrier(comm, timeout_s: float | None = None, what: str = "barrier", alive=N
     _complete(comm.Ibarrier(), comm, "barrier", what, timeout_s, alive=alive)
 
 
-def bcast(comm, obj: Any, root: int = 0, timeout_s: float | None = None, what: str = "bcast") -> Any:
+def bcast(comm, obj: Any, root: int = 0, timeout_s: float | None = None, what: str = "bcast",
+          alive=None) -> Any:
     """`comm.bcast(obj, root)` (pickled objects) bounded by `timeout_s` in all: the header (size,
-    piece size), then the bytes in pieces of at most MAX_MESSAGE_BYTES, each an Ibcast."""
+    piece size), then the bytes in pieces of at most MAX_MESSAGE_BYTES, each an Ibcast. With
+    `alive`, the wait for the header is bounded by the liveness of the rank it watches instead
+    (a wait for that rank's work: `_complete`)."""
     if comm.Get_size() == 1:
         return obj
     if not hasattr(comm, "Ibcast"):
         return comm.bcast(obj, root=root)
     me = comm.Get_rank()
-    buf = _bcast_bytes(comm, _dumps(obj) if me == root else None, root, timeout_s, what)
+    buf = _bcast_bytes(comm, _dumps(obj) if me == root else None, root, timeout_s, what,
+                       alive=alive)
     return obj if me == root else _loads(buf)
 
 

@@ -124,6 +124,44 @@ def test_attempts_without_a_new_checkpoint_are_not_requeued_forever(tmp_path):
 WHEEL = "MPICH Version:      5.0.2\nMPICH Release date: ...\nMPICH Device:       ch4:ucx ofi\nMPICH configure: ..."
 
 
+def test_the_ofi_provider_default_leaves_nccls_fabric_alone_and_follows_its_interface():
+    """On an EFA or Slingshot node the default provider is that fabric's (FI_PROVIDER is
+    libfabric's process-wide filter, which NCCL's OFI plugin shares in the trainers); with tcp,
+    MPI's interface is NCCL's (FI_TCP_IFACE, its first match here). The site's own win."""
+    from areal_hpc.launch.mpi_env import defaults
+    netmod = {"MPIR_CVAR_CH4_NETMOD": "ofi"}
+    assert defaults(WHEEL, {}, fabric="efa") == {**netmod, "FI_PROVIDER": "efa"}
+    assert defaults(WHEEL, {}, fabric="cxi") == {**netmod, "FI_PROVIDER": "cxi"}
+    assert defaults(WHEEL, {"FI_PROVIDER": "verbs"}, fabric="efa") == netmod
+    names = ["lo", "eno1", "ib0", "ib1"]
+    for spec, iface in (("ib", "ib0"), ("=ib1", "ib1"), ("^lo,eno", "ib0"), ("eth", None)):
+        env = {"NCCL_SOCKET_IFNAME": spec}
+        want = {**netmod, "FI_PROVIDER": "tcp"} | ({"FI_TCP_IFACE": iface} if iface else {})
+        assert defaults(WHEEL, env, interfaces=names) == want, spec
+    assert defaults(WHEEL, {"NCCL_SOCKET_IFNAME": "ib", "FI_TCP_IFACE": "eno1"},
+                    interfaces=names) == {**netmod, "FI_PROVIDER": "tcp"}
+    assert defaults(WHEEL, {"NCCL_SOCKET_IFNAME": "ib"}, fabric="efa", interfaces=names) == \
+        {**netmod, "FI_PROVIDER": "efa"}
+
+
+def test_a_nodes_fabric_is_read_from_sysfs_and_dev(tmp_path):
+    from areal_hpc.launch.mpi_env import node_fabric
+
+    def device(name, driver):
+        d = tmp_path / name / "sys/bus/pci/drivers" / driver
+        d.mkdir(parents=True)
+        link = tmp_path / name / "sys/class/infiniband" / f"{driver}_0" / "device"
+        link.mkdir(parents=True)
+        (link / "driver").symlink_to(d)
+        return str(tmp_path / name)
+    assert node_fabric(device("efa_node", "efa")) == "efa"
+    assert node_fabric(device("ib_node", "mlx5_core")) is None     # NCCL's own IB transport
+    (tmp_path / "cxi_node/dev").mkdir(parents=True)
+    (tmp_path / "cxi_node/dev/cxi0").touch()
+    assert node_fabric(str(tmp_path / "cxi_node")) == "cxi"
+    assert node_fabric(str(tmp_path / "empty")) is None
+
+
 def test_mpich_netmod_default_only_where_it_helps():
     """OFI by default for an MPICH whose default netmod is UCX but which has OFI (the wheel),
     under pmi2, when nothing was chosen; never for another MPI or an MPICH without OFI."""

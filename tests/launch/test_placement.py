@@ -90,6 +90,18 @@ def test_place_rank_refuses_an_interface_that_is_not_there():
     assert p.interfaces == ["lo"] and not p.problems
 
 
+def test_place_rank_refuses_an_mpi_tcp_interface_that_is_not_there():
+    topo = _cuda_topology()
+    env = {"CUDA_VISIBLE_DEVICES": "0", "NCCL_SOCKET_IFNAME": "lo", "FI_PROVIDER": "tcp"}
+    p = place_rank(topo, 1, 0, TRAINER, ["n"], "10.0.0.1", env={**env, "FI_TCP_IFACE": "nosuchif9"})
+    assert p.problems == [f"FI_TCP_IFACE=nosuchif9 (MPI's interface under FI_PROVIDER=tcp) is not an "
+                          f"interface with an address here (have {p.problems[0].rsplit('have ', 1)[1]}"]
+    assert not place_rank(topo, 1, 0, TRAINER, ["n"], "10.0.0.1",
+                          env={**env, "FI_TCP_IFACE": "lo"}).problems
+    assert not place_rank(topo, 1, 0, TRAINER, ["n"], "10.0.0.1",      # not read by efa
+                          env={**env, "FI_PROVIDER": "efa", "FI_TCP_IFACE": "nosuchif9"}).problems
+
+
 def _p(rank, node, gpus=(), cpus=(), bound=False, host="h", address="10.0.0.1"):
     return RankPlacement(rank=rank, role=TRAINER, node=node, host=host, local_rank=0, local_size=1,
                          gpus=list(gpus), cpus=list(cpus), bound=bound, address=address)

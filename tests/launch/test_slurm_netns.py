@@ -164,13 +164,15 @@ def test_netns_gloo_on_loopback_across_hosts_is_refused(netns_cluster, tmp_path)
 REQUEUED_MPI = """#!/usr/bin/env bash
 #SBATCH --nodes=1 --ntasks=2 --requeue --open-mode=append
 # attempt 0: two ranks start MPI (their node's MPICH segment), say the segments they map (not
-# another job's beside them), and are killed;
+# another job's beside them), wait until the test has taken note ($GO exists) and are killed;
 # attempt 1 (same job and step ids, so the same segment names) starts MPI again.
 py={py}
 if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then
-  srun --mpi=pmi2 "$py" -c 'from mpi4py import MPI; import os
+  srun --mpi=pmi2 "$py" -c 'from mpi4py import MPI; import os, time
 from areal_hpc.reaper import shm_mapped
 MPI.COMM_WORLD.Barrier(); print("segments", *sorted(shm_mapped(os.getpid())), flush=True)
+deadline = time.monotonic() + 300
+while not os.path.exists(os.environ["GO"]) and time.monotonic() < deadline: time.sleep(0.1)
 MPI.COMM_WORLD.Barrier(); os.kill(os.getpid(), 9)'
   scontrol requeue "$SLURM_JOB_ID"; exit 0
 fi
@@ -190,29 +192,32 @@ def test_a_requeued_jobs_mpi_start_is_not_broken_by_its_killed_attempts_segments
     before MPI starts (reaper.remove_stale_segments) removes it, and the start succeeds."""
     from areal_hpc.launch.rehearse import job_info, release, until
     env = {k: v for k, v in netns_cluster["env"].items() if not re.match(r"(MPIR_CVAR|FI|UCX)_", k)}
-    env = {**env, "CLEAN": str(clean), "PYTHONPATH": str(ROOT)}
+    go = tmp_path / "go"
+    env = {**env, "CLEAN": str(clean), "PYTHONPATH": str(ROOT), "GO": str(go)}
     script, out = tmp_path / "requeued.sh", tmp_path / "requeued.out"
     script.write_text(REQUEUED_MPI.format(py=sys.executable))
     before = {str(p) for p in Path("/dev/shm").glob("mpich_*")}
     job = _sh("sbatch", "--parsable", f"--output={out}", str(script), env=env).stdout.strip()
     holder = None
     try:
-        until(lambda: job_info(job, env).get("Restarts") == "1", 300, "the requeue")
+        until(lambda: out.exists() and out.read_text().count("segments ") == 2, 300,
+              "the first attempt's MPI start")
         if not clean:
             # Another test's job beside this one (tools/test.sh runs two workers) removes stale
             # unmapped segments before its MPI starts, the killed attempt's among them: a
-            # process here maps them until the second start, as a rank of the killed attempt
-            # still alive would, so that only this job's own start meets them.
-            left = sorted(str(p) for p in Path("/dev/shm").glob("mpich_shm_*") if str(p) not in before)
+            # process here maps them, while the first attempt's ranks still do, until the second
+            # start, as a rank of the killed attempt still alive would, so that only this job's
+            # own start meets them.
+            mine = sorted({p for line in re.findall(r"^segments (.*)$", out.read_text(), re.M)
+                           for p in line.split()} - before)
             holder = subprocess.Popen([sys.executable, "-c", (
                 "import mmap, os, sys, time\n"
-                "maps = []\n"
-                "for p in sys.argv[1:]:\n"
-                "    try: maps.append(mmap.mmap(os.open(p, os.O_RDWR), 0))\n"
-                "    except OSError: pass    # another job's, gone meanwhile\n"
-                "print('mapped', flush=True); time.sleep(600)"), *left],
+                "maps = [mmap.mmap(os.open(p, os.O_RDWR), 0) for p in sys.argv[1:]]\n"
+                "print('mapped', len(maps), flush=True); time.sleep(600)"), *mine],
                 stdout=subprocess.PIPE, text=True)
-            assert holder.stdout.readline().strip() == "mapped", left
+            assert holder.stdout.readline().strip() == f"mapped {len(mine)}" and mine, mine
+        go.touch()
+        until(lambda: job_info(job, env).get("Restarts") == "1", 300, "the requeue")
         release(job, env)
         until(lambda: job_info(job, env).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"),
               300, "the second attempt")

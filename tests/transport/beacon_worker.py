@@ -1,10 +1,12 @@
 """Run under `mpiexec -n 3 python -m mpi4py tests/transport/beacon_worker.py SCENARIO`.
 
 Rank 0 does long work (longer than the collectives' bound) before it hands out a batch with
-`GroupScatter` (rank 1 its group's leader, rank 2 that leader's peer) and before a barrier;
+`GroupScatter` (rank 1 its group's leader, rank 2 that leader's peer), before a barrier and
+before a broadcast (as of a weight update's outcome);
 the others wait for it bounded by its beacon. Scenarios: `work` (rank 0 alive: every wait
 completes), `gone` (rank 0's beacon stops, as when it is killed or stopped: the waits fail
-naming it). Prints `rank R OK`, or `rank R TIMEOUT <seconds> <message>`."""
+naming it). Prints `rank R OK`, or `rank R TIMEOUT <seconds> <message>`. `levels`: each rank
+prints its MPI thread level and `thread_level_problem`'s verdict."""
 import os
 import sys
 import time
@@ -12,7 +14,7 @@ import time
 from mpi4py import MPI
 
 from areal_hpc.transport import mpi as coll
-from areal_hpc.transport.beacon import Beacon
+from areal_hpc.transport.beacon import Beacon, thread_level_problem
 
 BOUND = 1.5         # the collectives' fixed bound (rollout.collective_timeout_s)
 SILENT = 2.0        # rank 0's silence that counts as gone (rollout.generator_timeout_s)
@@ -22,6 +24,10 @@ WORK = 3 * BOUND    # rank 0's work before it sends
 def main(scenario: str) -> None:
     world = MPI.COMM_WORLD
     me = world.Get_rank()
+    if scenario == "levels":        # this rank's thread level against its threads' needs
+        problem = thread_level_problem(world, 0, ["host-a", "host-b"])
+        print(f"rank {me} LEVEL {MPI.Query_thread()} {problem or 'ok'}", flush=True)
+        return
     coll.set_default_timeout(BOUND)
     beacon = Beacon(world, 0, ["host-a", "host-b", "host-c"], interval_s=0.2, silent_s=SILENT)
     comm = world.Dup()
@@ -36,10 +42,15 @@ def main(scenario: str) -> None:
         if me == 0:
             time.sleep(WORK)
         coll.barrier(comm, BOUND, what="the end", alive=beacon.watch)
+        if me == 0:
+            time.sleep(WORK)
+        outcome = coll.bcast(comm, "done" if me == 0 else None, root=0, timeout_s=BOUND,
+                             what="the outcome", alive=beacon.watch)
+        assert outcome == "done", outcome
         beacon.stop()
         if me > 0:
             assert beacon.watch.beats >= WORK / 0.2 / 2, beacon.watch.beats
-        print(f"rank {me} OK waited for {2 * WORK:.1f} s of work with a bound of {BOUND:g} s",
+        print(f"rank {me} OK waited for {3 * WORK:.1f} s of work with a bound of {BOUND:g} s",
               flush=True)
         shares.free()
         comm.Free()

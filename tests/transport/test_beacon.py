@@ -1,5 +1,6 @@
 """Waits for trainer rank 0's work are bounded by its liveness (areal_hpc/transport/beacon.py),
 not by the collectives' fixed bound: on a real 3-rank mpiexec job (no vLLM, no torch)."""
+import os
 import re
 from pathlib import Path
 
@@ -23,3 +24,23 @@ def test_a_silent_rank_0_fails_the_waits_naming_it(run_distributed):
         assert 2.0 <= float(seconds) < 6.0, (seconds, message)     # SILENT = 2 s, beats 0.2 s
         assert "the batch" in message and "rank 0 (host host-a)" in message, message
         assert "rollout.generator_timeout_s = 2" in message, message
+
+
+@pytest.mark.parametrize("level", ["multiple", "serialized"])
+def test_a_thread_level_below_what_a_ranks_threads_need_is_named(run_distributed, level):
+    """mpi4py asks MPICH for the level MPI4PY_RC_THREAD_LEVEL names: under MULTIPLE every rank
+    passes; under SERIALIZED trainer rank 0 (the beacon's source, three threads calling MPI)
+    is refused with one line, and rank 1 (MPI from its main thread alone) passes."""
+    out = run_distributed(WORKER, 2, "levels", timeout=120,
+                          env={**os.environ, "MPI4PY_RC_THREAD_LEVEL": level})
+    got = dict(re.findall(r"rank (\d) LEVEL (\d (?:ok|.*))", out))
+    assert got["1"] == ("3 ok" if level == "multiple" else "2 ok"), out[-3000:]
+    if level == "multiple":
+        assert got["0"] == "3 ok", out[-3000:]
+    else:
+        assert got["0"] == ("2 rank 0 (host host-a): MPI provides thread level "
+                            "MPI_THREAD_SERIALIZED, this rank needs MPI_THREAD_MULTIPLE (its main "
+                            "thread, the controller's service thread and the beacon call MPI at "
+                            "once): request it (mpi4py.rc.thread_level, "
+                            "MPI4PY_RC_THREAD_LEVEL=multiple) from an MPI built with thread "
+                            "support"), out[-3000:]
