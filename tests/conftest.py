@@ -146,7 +146,16 @@ def _world_env(env: dict | None) -> dict:
 
 
 def _mpi_world(worker: Path, n: int, args) -> list[str]:
+    """The mpiexec command line of a test's world, after what areal_hpc.main does before MPI
+    starts: this node's MPICH segments that no process maps and that are over 10 s old are
+    removed. Many test worlds end without MPI_Finalize (a rank that times out, one killed) and
+    leave theirs (12 runs of test_collectives' bcast world left 12); a world's segment is named
+    after its PMI job name (hydra's carries mpiexec's pid, which can repeat within a run where
+    pid_max is 32768), and a world that meets a leftover of its name fails or hangs in MPI_Init
+    (reaper.SHM_PREFIX): the likely cause of one such world that printed nothing for 120 s."""
+    from areal_hpc import reaper
     from areal_hpc.launch.local import mpiexec
+    reaper.remove_stale_segments()
     return [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", str(worker), *map(str, args)]
 
 
