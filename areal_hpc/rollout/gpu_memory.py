@@ -101,9 +101,10 @@ def wait_for_memory(read: Callable[[], list[DeviceMemory] | None], fraction: flo
     if devices is None:
         return 0.0
     short = _short(devices, fraction)
-    if short:
-        log.warning("%s: waiting up to %g s (rollout.engine_memory_wait_s) for the killed engine's "
-                    "GPU memory: %s", who, bound_s, "; ".join(_describe(d, fraction) for d in short))
+    if not short:
+        return clock() - t0
+    log.warning("%s: waiting up to %g s (rollout.engine_memory_wait_s) for the killed engine's "
+                "GPU memory: %s", who, bound_s, "; ".join(_describe(d, fraction) for d in short))
     while short:
         if clock() - t0 >= bound_s:
             raise EngineMemoryError(
@@ -113,6 +114,5 @@ def wait_for_memory(read: Callable[[], list[DeviceMemory] | None], fraction: flo
         sleep(poll_s)
         short = _short(read() or [], fraction)
     waited = clock() - t0
-    if short != _short(devices, fraction):
-        log.info("%s: the GPUs have their memory back after %.1f s", who, waited)
+    log.info("%s: the GPUs have their memory back after %.1f s", who, waited)
     return waited

@@ -487,8 +487,9 @@ class VLLMEngine:
                 raise ValueError(f"vLLM request {vid} holds samples not being aborted "
                                  f"({sorted(r.request_id for r in slots if r is not None)})")
             stop.append(vid)
-        if any(vid in self._live for vid in stop):
-            self._engine.abort_request([vid for vid in stop if vid in self._live])
+        in_vllm = [vid for vid in stop if vid in self._live]
+        if in_vllm:
+            self._engine.abort_request(in_vllm)
         for vid in stop:
             self._live.pop(vid, None)
             self._held.pop(vid, None)

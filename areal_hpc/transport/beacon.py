@@ -80,15 +80,14 @@ class RankWatch:
 LEVELS = ("SINGLE", "FUNNELED", "SERIALIZED", "MULTIPLE")     # MPI_THREAD_*, in order
 
 
-def thread_level_problem(world, source: int, hosts: list[str], provided: int | None = None,
-                         ) -> str | None:
-    """One line if this rank's MPI thread level (`provided`, default MPI_Query_thread) is below
-    what its threads need, else None. The source of the beacon (trainer rank 0) calls MPI from
-    its main thread, the controller's service thread and the beacon at once: MULTIPLE. Every
-    other rank calls MPI from its main thread alone, beside threads that do not (the engine
-    watch, the reward pool's readers): FUNNELED."""
+def thread_level_problem(world, source: int, hosts: list[str]) -> str | None:
+    """One line if this rank's MPI thread level (MPI_Query_thread) is below what its threads
+    need, else None. The source of the beacon (trainer rank 0) calls MPI from its main thread,
+    the controller's service thread and the beacon at once: MULTIPLE. Every other rank calls
+    MPI from its main thread alone, beside threads that do not (the engine watch, the reward
+    pool's readers): FUNNELED."""
     from mpi4py import MPI
-    provided = MPI.Query_thread() if provided is None else provided
+    provided = MPI.Query_thread()
     me = world.Get_rank()
     if me == source and world.Get_size() > 1:
         need, why = MPI.THREAD_MULTIPLE, ("its main thread, the controller's service thread and "
