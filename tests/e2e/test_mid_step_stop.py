@@ -28,12 +28,16 @@ def _metrics(run_dir) -> list[dict]:
 
 
 def test_step_stopped_midway_is_kept_and_retrained(jobs, tiny_model, tmp_path):
-    # Rewards that differ within a group: the barely pre-trained model answers nothing right, and
-    # a batch without learning signal skips its step whole (no decision point to stop at).
-    fn = tmp_path / "by_length.py"
-    fn.write_text("def by_length(completion, reference, row):\n"
-                  "    return (len(completion) % 7) / 8\n")
-    args = jobs.args(tiny_model, tmp_path, "mid", *ARGS, f"reward.fn={fn}:by_length")
+    # Rewards that differ within every group: the barely pre-trained model answers nothing right,
+    # and a batch without learning signal skips its step whole (no decision point to stop at).
+    # Not a function of the text: a group's two samples cut at max_new_tokens often have equal
+    # lengths (CI at fc9d054: step AT's batch scored all-equal within each group and the hook
+    # never fired).
+    fn = tmp_path / "spread.py"
+    fn.write_text("import random\n"
+                  "def spread(completion, reference, row):\n"
+                  "    return random.random()\n")
+    args = jobs.args(tiny_model, tmp_path, "mid", *ARGS, f"reward.fn={fn}:spread")
     run_dir = tmp_path / "mid"
     env = jobs.env()
     env[TEST_HOOK_ENV] = f"{AT}:1"
