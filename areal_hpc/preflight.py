@@ -60,7 +60,8 @@ TINY_MODEL = Path("models/tiny")
 # The models the project builds itself when a config names them and they are not there yet:
 # path -> areal_hpc/tiny_model.py arguments.
 BUILT_MODELS = {TINY_MODEL: [], Path("models/tiny_answer"): ["--format", "answer"],
-                Path("models/tiny_tool"): ["--format", "tool"]}
+                Path("models/tiny_tool"): ["--format", "tool"],
+                Path("models/tiny_native"): ["--format", "native"]}
 
 
 def ensure_tiny_model(cfg: RunConfig) -> None:

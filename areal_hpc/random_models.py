@@ -46,55 +46,72 @@ def save_random_qwen2(path, seed: int = 0, **options) -> str:
 # A chat template in Qwen2.5's tool-calling format (written here, not Qwen's text): the tools as
 # JSON lines in <tools></tools> in the system turn, a call as <tool_call>{"name": ...,
 # "arguments": {...}}</tool_call> in the assistant's turn, the results of consecutive tool
-# messages in one user turn, each in <tool_response></tool_response>.
+# messages in one user turn, each in <tool_response></tool_response>. `head` and `tail`: the
+# system turn's text (template source) before <tools> and after </tools>: the tiny native model's
+# have no prose (every character costs its pre-training).
 # (One line: no whitespace of its own; a newline right after a tag is written as an
 # expression: transformers renders templates with trim_blocks.)
-QWEN_TOOLS_TEMPLATE = (
-    "{% set sys = messages[0].content if messages and messages[0].role == 'system' else '' %}"
-    "{% if tools %}"
-    "<|im_start|>system\n{{ sys if sys else 'You are a helpful assistant.' }}\n\n# Tools\n\n"
-    "Call a tool with <tool_call></tool_call> holding a JSON object with its name and arguments."
-    " The tools:\n<tools>"
-    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n"
-    '<tool_call>\n{"name": <tool name>, "arguments": <arguments as a JSON object>}\n'
-    "</tool_call><|im_end|>\n"
-    "{% elif sys %}<|im_start|>system\n{{ sys }}<|im_end|>\n{% endif %}"
-    "{% for m in messages %}"
-    "{% if m.role == 'tool' %}"
-    "{% if loop.first or loop.previtem.role != 'tool' %}<|im_start|>user{% endif %}"
-    "{{ '\\n' }}<tool_response>\n{{ m.content }}\n</tool_response>"
-    "{% if loop.last or loop.nextitem.role != 'tool' %}<|im_end|>\n{% endif %}"
-    "{% elif m.role != 'system' or not loop.first %}"
-    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+def qwen_tools_template(head: str, tail: str) -> str:
+    return (
+        "{% set sys = messages[0].content if messages and messages[0].role == 'system' else '' %}"
+        "{% if tools %}"
+        "<|im_start|>system\n" + head + "<tools>"
+        "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>"
+        + tail + "<|im_end|>\n"
+        "{% elif sys %}<|im_start|>system\n{{ sys }}<|im_end|>\n{% endif %}"
+        "{% for m in messages %}"
+        "{% if m.role == 'tool' %}"
+        "{% if loop.first or loop.previtem.role != 'tool' %}<|im_start|>user{% endif %}"
+        "{{ '\\n' }}<tool_response>\n{{ m.content }}\n</tool_response>"
+        "{% if loop.last or loop.nextitem.role != 'tool' %}<|im_end|>\n{% endif %}"
+        "{% elif m.role != 'system' or not loop.first %}"
+        "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+QWEN_TOOLS_TEMPLATE = qwen_tools_template(
+    "{{ sys if sys else 'You are a helpful assistant.' }}\n\n# Tools\n\nCall a tool with "
+    "<tool_call></tool_call> holding a JSON object with its name and arguments. The tools:\n",
+    '\n<tool_call>\n{"name": <tool name>, "arguments": <arguments as a JSON object>}\n</tool_call>')
+# The tiny native model's (areal_hpc/tiny_native.py): the same format, no prose.
+TERSE_TOOLS_TEMPLATE = qwen_tools_template("{{ sys ~ '\\n' if sys }}", "")
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
                "</think>")
 
 
-def qwen_byte_tokenizer(path, eos: int, max_len: int, tools: bool = False):
-    """A byte-level Qwen2Tokenizer without merges saved at `path`: the 256 byte symbols at ids
-    0..255, reserved fillers up to `eos`, then <|endoftext|> (= eos and pad), <|im_start|> and
+def qwen_byte_tokenizer(path, eos: int, max_len: int, tools: bool = False,
+                        template: str = QWEN_TOOLS_TEMPLATE, chat_eos: bool = False,
+                        merges: list[tuple[str, str]] = ()):
+    """A byte-level Qwen2Tokenizer saved at `path`: the 256 byte symbols at ids 0..255, then
+    the tokens of `merges` (byte-level BPE merges, in rank order; none by default: one token per
+    byte), reserved fillers up to `eos`, then <|endoftext|> (= eos and pad), <|im_start|> and
     <|im_end|>, as Qwen's own ids lie (transformers loads any model_type "qwen2" checkpoint's
     tokenizer as Qwen2Tokenizer, so it is built as one). `tools`: then also TOOL_TOKENS (added,
-    not special, as Qwen's) and QWEN_TOOLS_TEMPLATE as its chat template. Returns the
+    not special, as Qwen's) and `template` as its chat template. `chat_eos`: <|im_end|> is its
+    EOS (an instruct model's: a turn ends there), <|endoftext|> then only its pad. Returns the
     tokenizer."""
     from transformers import AddedToken, Qwen2Tokenizer
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    if len(vocab) > eos:
+        raise ValueError(f"{len(vocab)} byte and merged tokens do not fit below eos id {eos}")
     vocab |= {f"<|reserved_{i}|>": i for i in range(len(vocab), eos)}
     vocab |= {"<|endoftext|>": eos, "<|im_start|>": eos + 1, "<|im_end|>": eos + 2}
     if tools:
         vocab |= {t: eos + 3 + i for i, t in enumerate(TOOL_TOKENS)}
-    tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, eos_token="<|endoftext|>",
+    tok = Qwen2Tokenizer(vocab=vocab, merges=list(merges), unk_token=None,
+                         eos_token="<|im_end|>" if chat_eos else "<|endoftext|>",
                          pad_token="<|endoftext|>", model_max_length=max_len)
     if tools:
         tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
-        tok.chat_template = QWEN_TOOLS_TEMPLATE
+        tok.chat_template = template
     Path(path).mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(path)
     return tok

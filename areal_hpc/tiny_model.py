@@ -40,6 +40,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig, Qwen2ForCausalLM, Qwen2Tokenizer
 
 from .data.tiny_task import FORMATS, alphabet, make_problems
+from . import tiny_native
 from .random_models import random_qwen2
 from .reward.math import math_reward
 
@@ -75,7 +76,7 @@ def build_model(tokenizer: Qwen2Tokenizer, args) -> Qwen2ForCausalLM:
         num_attention_heads=4,
         num_key_value_heads=2,
         intermediate_size=4 * args.hidden,
-        max_position_embeddings=512,
+        max_position_embeddings=tokenizer.model_max_length,
         tie_word_embeddings=False,
         rope_theta=10000.0,
         bos_token_id=None,
@@ -89,18 +90,21 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def make_batches(problems: list[dict], tokenizer, batch_size: int, seed: int):
-    """Padded ``(input_ids, labels)`` batches, each ``[batch_size, max_len]``, in a fixed order.
-
-    Examples are ``question + solution + <eos>``, loss on ``solution + <eos>`` only. Batches group
-    similar lengths (sort within chunks of 16 batches, then shuffle the batches) so the rare long
-    problems don't pad every batch to their length.
-    """
+def task_examples(problems: list[dict], tokenizer) -> list[tuple[list[int], list[int]]]:
+    """``(ids, labels)`` of ``question + solution + <eos>``, loss on ``solution + <eos>`` only."""
     examples = []
     for p in problems:
         q, s = encode(tokenizer, p["question"]), encode(tokenizer, p["solution"])
         ids = q + s + [tokenizer.eos_token_id]
         examples.append((ids, [-100] * len(q) + ids[len(q):]))
+    return examples
+
+
+def make_batches(examples: list[tuple[list[int], list[int]]], tokenizer, batch_size: int, seed: int):
+    """Padded ``(input_ids, labels)`` batches of `examples`, each ``[batch_size, max_len]``, in a
+    fixed order. Batches group similar lengths (sort within chunks of 16 batches, then shuffle the
+    batches) so the rare long problems don't pad every batch to their length.
+    """
     batches = []
     chunk = 16 * batch_size
     for start in range(0, len(examples) - batch_size + 1, chunk):
@@ -203,46 +207,71 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="make_tiny_model.py", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=700, help="pre-training steps")
-    ap.add_argument("--minutes", type=float, default=3.0, help="cap on pre-training wall time")
-    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--steps", type=int, help="pre-training steps (700; native: 1500)")
+    ap.add_argument("--minutes", type=float, help="cap on pre-training wall time (3; native: 8)")
+    ap.add_argument("--batch-size", type=int, help="64; native: 16 (its examples are longer)")
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--label-smoothing", type=float, default=0.1)
+    ap.add_argument("--label-smoothing", type=float,
+                    help="0.1; native: 0 (with it the JSON of most sampled calls came out broken)")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     # One thread: on a shared 2-core machine two OpenMP threads ran 10x slower than one whenever
     # another job held a core (1.46 vs 0.14 s/step); on an idle machine two are only 1.7x faster.
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--eval-samples", type=int, default=4, help="T=1 samples per held-out problem")
-    ap.add_argument("--format", choices=FORMATS, default="boxed",
+    ap.add_argument("--format", choices=(*FORMATS, "native"), default="boxed",
                     help='how solutions end: "\\boxed{17}" or "Answer: 17"; "tool": boxed, with a '
-                         'calculator call ("[3+5]8,") in 40%% of them')
+                         'calculator call ("[3+5]8,") in 40%% of them; "native": chat turns, a '
+                         'calculator call in Qwen2.5\'s format in 60%% of them (tiny_native.py)')
+    ap.add_argument("--eval-limit", type=int, default=N_HELDOUT,
+                    help="held-out problems the report evaluates")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
 
-    fmt = {"answer_format": args.format}
+    native = args.format == "native"
+    for key, plain, with_tools in (("steps", 700, 1500), ("batch_size", 64, 16),
+                                   ("label_smoothing", 0.1, 0.0), ("minutes", 3.0, 8.0)):
+        if getattr(args, key) is None:
+            setattr(args, key, with_tools if native else plain)
+    fmt = {"answer_format": "boxed" if native else args.format}
     heldout = make_problems(N_HELDOUT, HELDOUT_SEED + args.seed, **fmt)
     rl_prompts = make_problems(N_RL_PROMPTS, RL_SEED + args.seed, **fmt)
     pretrain_data = make_problems(args.steps * args.batch_size, PRETRAIN_SEED + args.seed, **fmt)
     extractor = "answer" if args.format == "answer" else "boxed"
 
-    tokenizer = build_tokenizer(args.format)
+    tokenizer = (tiny_native.build_tokenizer(args.out, pretrain_data, PRETRAIN_SEED + args.seed)
+                 if native else build_tokenizer(args.format))
     model = build_model(tokenizer, args)
-    batches = make_batches(pretrain_data, tokenizer, args.batch_size, args.seed)
+    examples = (tiny_native.examples(tokenizer, pretrain_data, PRETRAIN_SEED + args.seed) if native
+                else task_examples(pretrain_data, tokenizer))
+    batches = make_batches(examples, tokenizer, args.batch_size, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M params, vocab {len(tokenizer)} "
           f"(embedding rows {model.config.vocab_size})")
 
-    used_ids = torch.tensor(sorted(set(range(len(tokenizer))) - {tokenizer.pad_token_id}))
+    # smoothing spreads over what the model writes (native: its turns' ids, not every byte)
+    used = ({i for _, labels in examples for i in labels if i >= 0} if native
+            else set(range(len(tokenizer))) - {tokenizer.pad_token_id})
+    used_ids = torch.tensor(sorted(used))
     train_stats = pretrain(model, batches, args.steps, args.lr, 60 * args.minutes,
                            args.label_smoothing, used_ids)
-    greedy = evaluate(model, tokenizer, heldout, samples=0, seed=args.seed, extractor=extractor)
-    sampled = evaluate(model, tokenizer, heldout, samples=args.eval_samples, seed=args.seed,
-                       extractor=extractor)
+    shown = heldout[:args.eval_limit]
+    if native:
+        greedy = tiny_native.evaluate(model, tokenizer, shown, samples=0, seed=args.seed)
+        sampled = tiny_native.evaluate(model, tokenizer, shown, samples=args.eval_samples,
+                                       seed=args.seed)
+    else:
+        greedy = evaluate(model, tokenizer, shown, samples=0, seed=args.seed, extractor=extractor)
+        sampled = evaluate(model, tokenizer, shown, samples=args.eval_samples, seed=args.seed,
+                           extractor=extractor)
     print(f"held-out accuracy: greedy {greedy['accuracy']:.3f}, "
           f"T=1 {sampled['accuracy']:.3f} ({args.eval_samples} samples per problem)")
-    print(f"  T=1 by number of terms: {sampled['by_terms']}")
+    if native:
+        print(f"  first turns calling the calculator: greedy {greedy['call_rate']:.3f}, T=1 "
+              f"{sampled['call_rate']:.3f}; well-formed at T=1: {sampled['calls_well_formed']}")
+    else:
+        print(f"  T=1 by number of terms: {sampled['by_terms']}")
 
     model.save_pretrained(args.out, safe_serialization=True)
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,

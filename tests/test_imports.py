@@ -90,7 +90,7 @@ FLOORS = {
     1: ["data", "algo", "transport", "topology"],
     2: ["storage", "reward", "env"],
     3: ["rollout", "train", "plan"],
-    4: ["launch", "analysis", "audit", "replay", "main", "preflight", "tiny_model"],
+    4: ["launch", "analysis", "audit", "replay", "main", "preflight", "tiny_model", "tiny_native"],
 }
 UP = {
     ("areal_hpc.config.rules", "areal_hpc.data.answers"):

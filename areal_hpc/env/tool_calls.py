@@ -53,6 +53,10 @@ class ParsedTurn:
         return not self.order
 
 
+def _drop(record: logging.LogRecord) -> bool:
+    return False
+
+
 class ToolCalling:
     """The generator's side of native tool calling for one tokenizer and env section."""
 
@@ -71,8 +75,13 @@ class ToolCalling:
         self.request = ChatCompletionRequest(model="areal", messages=[{"role": "user", "content": ""}],
                                              tools=self.tools)
         self.parser = parser_cls(tokenizer, self.request.tools)
-        # the parser logs a traceback for every call that does not parse: we count them instead
-        logging.getLogger(parser_cls.__module__).setLevel(logging.CRITICAL)
+        # the parser logs a traceback for every call that does not parse: we count them instead.
+        # A filter, not a level: vLLM's logging.config.dictConfig, run again when an engine
+        # starts in this process, resets its child loggers' levels (seen: the job's log held
+        # the hermes parser's tracebacks)
+        quiet = logging.getLogger(parser_cls.__module__)
+        if _drop not in quiet.filters:
+            quiet.addFilter(_drop)
         self.opener = getattr(self.parser, "tool_call_start_token", None)
         self.reasoning = None
         if cfg.reasoning_parser:
