@@ -17,6 +17,7 @@ from . import preemption, preflight, reaper
 from .config import ConfigError, to_yaml
 from .cpus import format_cpus
 from .preemption import EXIT_PREEMPTED  # 3: stopped for a requeue after a preemption signal
+from . import stuck
 from .reward.contain import protect_from_children
 from .storage.run_dir import RunDir
 from .topology import CONTROLLER_RANK, TRAINER, Topology
@@ -55,9 +56,14 @@ def main(argv=None) -> int:
     beacon = Beacon(world, CONTROLLER_RANK, topo.hosts, cfg.rollout.heartbeat_s,
                     cfg.rollout.generator_timeout_s)
     topo.controller_alive = beacon.watch
+    # A rank alive but stuck is named (areal_hpc/stuck.py): armed when the trainer's or the
+    # generator's loop starts, after the start-up (whose waits have bounds of their own).
+    stuck.configure(cfg.rollout.progress_timeout_s, world.Get_rank(), topo.role,
+                    topo.hosts[world.Get_rank()], stuck.flag_path(cfg.run_dir))
     try:
         code, agreed = _run(cfg, topo, world, cpus, export_only=todo == preflight.EXPORT)
     finally:
+        stuck.stop()
         beacon.stop()       # its thread makes MPI calls: stopped before MPI is finalized
     if code and agreed:
         _finalize()

@@ -144,6 +144,9 @@ fi
 logs=$AREAL_RUN_DIR/logs/job-$SLURM_JOB_ID/attempt-$attempt
 mkdir -p "$logs"
 say "ranks' output: $logs/ranks.log (srun ${opts0[*]} : ${opts1[*]})"
+# A rank that makes no progress for rollout.progress_timeout_s writes this file naming itself,
+# every rank's stacks go to ranks.log, and the attempt ends (areal_hpc/stuck.py): requeued below.
+export AREAL_STUCK_FLAG=$logs/stuck
 rank=(-m mpi4py -m areal_hpc.main "$config" "$@")
 srun "${opts0[@]}" "${run0[@]}" "${rank[@]}" : "${opts1[@]}" "$py" "${rank[@]}" >"$logs/ranks.log" 2>&1 &
 srun_pid=$!
@@ -159,6 +162,10 @@ say "ranks ended with exit code $rc"
 # stop: the next attempt resumes from the newest valid checkpoint either way.
 if [ "$rc" = "$EXIT_PREEMPTED" ] || { [ -n "$signal" ] && [ "$rc" != 0 ]; }; then
   requeue "preempted (exit code $rc${signal:+ after SIG$signal})"
+fi
+if [ "$rc" != 0 ] && [ -s "$logs/stuck" ]; then
+  say "$(head -n 1 "$logs/stuck") (every rank's stacks: $logs/ranks.log)"
+  requeue "a rank was stuck (exit code $rc)"
 fi
 if [ "$rc" != 0 ]; then
   say "last lines of $logs/ranks.log:"

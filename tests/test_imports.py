@@ -85,7 +85,7 @@ def test_config_reads_no_file_but_the_yaml():
 # The package's floors, bottom to top (docs/architecture.md "Floors"): a module imports from its
 # own floor or below. An import that runs back up is listed in UP with its reason.
 FLOORS = {
-    0: ["config", "cpus", "random_models", "versions", "determinism", "preemption", "reaper", "progress", "checked",
+    0: ["config", "cpus", "random_models", "versions", "determinism", "preemption", "reaper", "progress", "checked", "stuck",
         "slurm_job"],
     1: ["data", "algo", "transport", "topology"],
     2: ["storage", "reward", "env"],

@@ -22,6 +22,6 @@ if [ $# -gt 0 ] && [ ${#fast[@]} -eq 0 ]; then exec .venv/bin/python -m pytest "
 .venv/bin/ruff check areal_hpc tools tests examples     # pyflakes: unused / undefined names (pyproject.toml)
 if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest "${xdist[@]}" "${fast[@]}" "$@"; fi
 exec .venv/bin/python -m pytest -q --durations=60 "${xdist[@]}" "${fast[@]}" \
-  tests/config tests/test_imports.py tests/test_cpus.py tests/test_random_models.py tests/test_tiny_native.py tests/test_versions.py tests/test_determinism.py tests/test_slurm_job.py tests/test_progress.py tests/plan tests/data tests/reward tests/algo tests/storage tests/test_audit.py tests/test_audit_episodes.py tests/test_preflight.py tests/test_checked.py tests/test_main.py tests/env \
+  tests/config tests/test_imports.py tests/test_cpus.py tests/test_random_models.py tests/test_tiny_native.py tests/test_stuck.py tests/test_versions.py tests/test_determinism.py tests/test_slurm_job.py tests/test_progress.py tests/plan tests/data tests/reward tests/algo tests/storage tests/test_audit.py tests/test_audit_episodes.py tests/test_preflight.py tests/test_checked.py tests/test_main.py tests/env \
   tests/analysis tests/transport \
   tests/rollout tests/train tests/launch tests/e2e

@@ -120,6 +120,7 @@ RANGES: dict[str, Range] = {
     "rollout.engine_restart_window_s": _TIMEOUT,
     "rollout.engine_stall_s": _TIMEOUT,
     "rollout.engine_memory_wait_s": _TIMEOUT,
+    "rollout.progress_timeout_s": Range(0, MAX_TIMEOUT_S, why=" (seconds; 0 = off)"),
     "rollout.engine_tp": _RANKS,
     "rollout.max_num_seqs": _COUNT,
     "rollout.max_num_batched_tokens": _COUNT,

@@ -174,6 +174,12 @@ class RolloutConfig:
     # A restart's memory wait and engine start must fit in weights.join_timeout_s (rank 0's
     # allowance for a generator whose engine is down; `plan time` checks it).
     engine_memory_wait_s: float = 300.0
+    # A rank alive but stuck (areal_hpc/stuck.py): its main thread without progress for this long
+    # (a micro-batch, an engine step, a polling wait on a peer are progress; a call with a bound
+    # of its own, a join, a weight update, a checkpoint, an engine restart, gets that bound on top)
+    # writes its threads' stacks and every other rank's into the attempt's log, naming it, and
+    # ends the attempt (exit 4; the batch script requeues it). 0 = off. `plan time` lists it.
+    progress_timeout_s: float = 900.0
     # vLLM tensor parallelism inside one generator rank: workers per engine (GPUs on a GPU node;
     # on CPU, this rank's allowed CPUs split among them). Each worker joins the weight group, so
     # it has pp + n_generators * engine_tp members.

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .. import stuck
 from ..config import ConfigError
 from ..cpus import check_cpus, describe
 from ..preflight import launcher
@@ -39,7 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     env = merged_env(cfg)
     print(f"[launch] {' '.join(cmd)}", flush=True)
     print(f"[launch] {describe(cfg.topology, env)}", flush=True)
-    return subprocess.run(cmd, env=env).returncode
+    rc = subprocess.run(cmd, env=env).returncode
+    flag = stuck.flag_path(cfg.run_dir)
+    if rc and flag.exists():        # mpiexec reports the killed ranks' code, not the stuck one's
+        line = (flag.read_text(errors="replace").splitlines() or ["a rank"])[0]
+        print(f"[launch] {line}: the ranks' stacks are above; rerun the same command to resume "
+              f"from the newest checkpoint (exit {stuck.EXIT_STUCK})", file=sys.stderr, flush=True)
+        return stuck.EXIT_STUCK
+    return rc
 
 
 if __name__ == "__main__":

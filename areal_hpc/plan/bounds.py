@@ -83,6 +83,14 @@ def engine_step_seconds(est, params: float) -> float:
     return 2.0 * params * tokens / (r.engine_tp * est.gpu.bf16_flops * est.mfu)
 
 
+def micro_batch_seconds(est) -> float:
+    """One micro-batch's forward and backward on a data-parallel rank (taken as every trainer
+    rank: the longest) at the estimated training speed."""
+    cfg = est.cfg
+    share = cfg.train.max_tokens_per_mb * cfg.topology.n_trainers / max(est.flops.tokens, 1.0)
+    return est.train_s * min(1.0, share)
+
+
 def waits(est) -> list[Wait]:
     """Every wait of `est.cfg`'s job with its estimated work."""
     cfg = est.cfg
@@ -123,7 +131,11 @@ def waits(est) -> list[Wait]:
         Wait("generator", "its engine's step or weight load (the engine watch: a stall)",
              max(engine_step_seconds(est, params), est.update_s), "rollout.engine_stall_s",
              r.engine_stall_s),
-    ] + ([Wait("batch script", "the signal's lead: a step + its checkpoint",
+    ] + ([Wait("every rank", "its main thread between signs of progress: a micro-batch's "
+               "forward and backward, an engine step",
+               max(micro_batch_seconds(est), engine_step_seconds(est, params)),
+               "rollout.progress_timeout_s", r.progress_timeout_s)]
+         if r.progress_timeout_s else []) + ([Wait("batch script", "the signal's lead: a step + its checkpoint",
                est.step_s + est.ckpt_s, "checkpoint.signal_lead_s", ck.signal_lead_s)]
          if ck.signal_lead_s else [])
 

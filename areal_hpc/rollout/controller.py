@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 
+from .. import stuck
 from ..config import RunConfig, to_yaml
 from ..config.rules import LOADING_MARGIN_S
 from ..data.prompts import prompt_ids, reset_row
@@ -185,6 +186,7 @@ class Controller:
         `GeneratorLostError` (`GeneratorWatch.check`)."""
         pause = self._await_service if self.service.running else self._receive_here
         while not ready():
+            stuck.progress()            # waiting on the generators: not this rank's hang
             self.service.check()
             if watch:
                 self.watch.check(self.in_flight, self.chan.incomplete())

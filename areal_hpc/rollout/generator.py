@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import preemption
+from .. import preemption, stuck
 from ..config import RunConfig
 from ..determinism import seeded
 from ..data.prompts import read_chat_template
@@ -167,8 +167,10 @@ class Generator(EngineRecovery, EpisodeLoop):
                                      self.topo.hosts, beacon=self.topo.controller_alive)
         if self.engine_factory is not None:
             self.guard = EngineWatch(self.engine, self.cfg.rollout.engine_stall_s)
+        stuck.arm()                     # a rank alive but stuck is named (areal_hpc/stuck.py)
         running = True
         while running:
+            stuck.progress()
             self._recover_idle_fault()
             self._tick()
             self._heartbeat()

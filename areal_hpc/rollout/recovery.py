@@ -29,7 +29,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import replace
 
-from .. import preemption
+from .. import preemption, stuck
 from ..config.rules import receive_bound_s
 from ..topology import CONTROLLER_RANK
 from ..transport import messages as msgs
@@ -57,6 +57,12 @@ def _test_kill(engine, version: int, restarts: int) -> None:
     for p in procs[:1] if how == "stop" else procs:
         with contextlib.suppress(Exception):
             p.send_signal(signal.SIGSTOP) if how == "stop" else p.kill()
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
 
 
 def request_id(kind: str, prompt_id: int, sample_idx: int) -> str:
@@ -164,7 +170,9 @@ class EngineRecovery:
     def _busy(self, stall_s: float | None = None):
         """Around a call that waits on the engine: the watch's stall bound (or `stall_s`) runs
         meanwhile."""
-        return self.guard.busy(stall_s) if self.guard is not None else nullcontext()
+        busy = self.guard.busy(stall_s) if self.guard is not None else nullcontext()
+        bound = self.cfg.rollout.engine_stall_s if stall_s is None else stall_s
+        return _both(stuck.expect(bound, "a call into the vLLM engine"), busy)
 
     def _guarded(self, fn, *args):
         """`fn(*args)`; an engine fault in it (not a preemption's) is recovered (`_recover`):
@@ -230,14 +238,16 @@ class EngineRecovery:
         kill_engine(old, self.guard.segments if self.guard is not None else ())
         self._heartbeat(force=True, down=True)
         r = self.cfg.rollout
-        try:
-            wait_for_memory(lambda: self.read_gpu_memory(r.engine_tp), r.gpu_memory_utilization,
-                            r.engine_memory_wait_s, self.me)
-        except EngineMemoryError as exc:
-            log.error("%s", exc)
-            raise
-        with preemption.shield_children():
-            self.engine = self.engine_factory(version=version)
+        with stuck.expect(r.engine_memory_wait_s + self.cfg.weights.join_timeout_s,
+                          "restarting the vLLM engine"):
+            try:
+                wait_for_memory(lambda: self.read_gpu_memory(r.engine_tp),
+                                r.gpu_memory_utilization, r.engine_memory_wait_s, self.me)
+            except EngineMemoryError as exc:
+                log.error("%s", exc)
+                raise
+            with preemption.shield_children():
+                self.engine = self.engine_factory(version=version)
         if broadcast:
             self.awaiting = version     # not stepped until the group sends it (`run`)
             self.engine.hold()          # and its samples not generated before (no weights yet)

@@ -57,7 +57,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from safetensors.torch import save_file
 
-from areal_hpc import determinism
+from areal_hpc import determinism, stuck
 from areal_hpc.algo.ppo import OffPolicy, decoupled_ppo_loss, loglinear_prox_logprobs
 from areal_hpc.config import TrainConfig
 from areal_hpc.train import megatron_model
@@ -253,6 +253,7 @@ class Actor:
                                       vocab_start, group)
 
     def _forward_step(self, loss_fn, data_iterator, model):
+        stuck.progress()                # each micro-batch is progress (areal_hpc/stuck.py)
         mb = next(data_iterator)
         # first stage: token ids in; later stages: the schedule has set the previous stage's
         # activations as input. The mask / sequence lengths are needed on every stage.

@@ -22,7 +22,7 @@ import logging
 import time
 from pathlib import Path
 
-from .. import preemption
+from .. import preemption, stuck
 from ..config import RunConfig, to_yaml
 from ..rollout.staleness import Batch
 from ..storage.run_dir import RunDir, is_complete
@@ -102,11 +102,16 @@ class Trainer:
         the next steps train, and the checkpoint is complete at the first `_poll_checkpoint`
         after; the final and preemption checkpoints are complete on return (a save first
         completes the one in flight)."""
-        a, ck = self.actor, self.cfg.checkpoint
         # Rank 0 may come from hours of controller work (the final evaluation, the generators'
         # last rows): the others wait for it as long as it is alive, then save together.
         coll.barrier(self.topo.role_comm, what=f"the checkpoint of step {self.version} (trainer "
                      f"rank 0 finishing its controller work)", alive=self.topo.controller_alive)
+        with stuck.expect(self.cfg.rollout.collective_timeout_s,
+                          f"the checkpoint of step {self.version}"):
+            self._save(wait)
+
+    def _save(self, wait: bool) -> None:
+        a, ck = self.actor, self.cfg.checkpoint
         if self._saver is None:
             self._saver = checkpoint.Checkpointer(
                 self.cfg.run_dir, keep=ck.keep, comm=self.topo.role_comm, async_save=ck.async_save,
@@ -151,7 +156,7 @@ class Trainer:
         if isinstance(share, Exception):
             raise share
         if isinstance(share, str) and share == msgs.RESEND_WEIGHTS:
-            self.publisher.publish(self.version)    # every rank; then the batch is waited on again
+            self._publish()                 # every rank; then the batch is waited on again
             return self._batch()
         return share, batch
 
@@ -163,10 +168,13 @@ class Trainer:
         started from, or starts afresh if there is none)."""
         cfg, ck, total = self.cfg, self.cfg.checkpoint, self.cfg.train.total_steps
         start = self.version
+        stuck.arm()                     # a rank alive but stuck is named (areal_hpc/stuck.py)
         if self.resumed:
-            self.publisher.publish(self.version)    # generators start from the checkpoint's weights
+            self._publish()                 # generators start from the checkpoint's weights
         self.lead.begin(self.version, resumed=bool(self.resumed))
         for step in range(start, total):
+            stuck.progress(f"step {step}: waiting for its batch")
+            _test_hang(self.topo, step)
             share, batch = self._batch()                    # B groups, none older than η
             if share is None:                               # preempted: stop, checkpoint, requeue
                 return self._preempted(start)
@@ -177,7 +185,7 @@ class Trainer:
                 return self._abandoned(start, stop)
             self.judge.last_step_s = train_stats["seconds"]
             self.version = step + 1
-            weight_sync_s = self.publisher.publish(self.version)  # generators go on with it
+            weight_sync_s = self._publish()                 # generators go on with it
             self.judge.last_publish_s = weight_sync_s
             self.lead.trained(step, self.version, batch, train_stats, weight_sync_s)
             if ck.every_steps and self.version % ck.every_steps == 0 and self.version < total:
@@ -199,9 +207,15 @@ class Trainer:
         self.lead.close(self.version)
         # The export comes after the final checkpoint: a failed one is redone from it, without
         # training (main.py: a complete run whose policy/ is missing exports only).
-        export_policy(self.actor, cfg, self.topo.role_comm, self.version,
-                      force=not complete_before)
+        with stuck.expect(cfg.rollout.collective_timeout_s, "the export of the policy"):
+            export_policy(self.actor, cfg, self.topo.role_comm, self.version,
+                          force=not complete_before)
         return 0
+
+    def _publish(self) -> float:
+        w = self.cfg.weights        # a re-formed group's join, then the update and its acks
+        with stuck.expect(w.join_timeout_s + w.timeout_s, f"publishing weights v{self.version}"):
+            return self.publisher.publish(self.version)
 
     # -- stopping mid-step ------------------------------------------------------------------------
     def _should_stop(self, done: int, total: int, minibatch_s: float) -> bool:
@@ -268,6 +282,20 @@ def make_actor(cfg: RunConfig, layout: ParallelLayout | None, device: str | None
     return Actor(cfg.train, cfg.model.path, group_size=cfg.rollout.group_size,
                  temperature=cfg.rollout.temperature, device=device or cfg.topology.device,
                  dtype=cfg.model.dtype, layout=layout, deterministic=cfg.deterministic)
+
+
+HANG_ENV = "AREAL_TEST_HANG"       # test hook: "STEP:ROLE_RANK": that trainer rank hangs there
+
+
+def _test_hang(topo: Topology, step: int) -> None:
+    """The test hook of the stuck-rank watch: this trainer rank stops making progress at the
+    start of step STEP (a Python loop: the rank's other threads, its beacon, run on)."""
+    import os
+    spec = os.environ.get(HANG_ENV, "")
+    if spec and spec == f"{step}:{topo.role_rank}":
+        log.warning("test hook %s: trainer rank %d hangs at step %d", HANG_ENV, topo.role_rank, step)
+        while True:
+            time.sleep(1)
 
 
 def run_trainer(cfg: RunConfig, topo: Topology) -> int:

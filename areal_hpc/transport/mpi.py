@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Iterator
 
+from .. import stuck
+
 
 class Tag(IntEnum):
     """One per message class of `areal_hpc.transport.messages` (the payloads are there)."""
@@ -231,6 +233,7 @@ def _complete(req, comm, op: str, what: str, timeout_s: float | None, t0: float 
     else:
         done = req.Test
     while not done():
+        stuck.progress()                    # waiting on peers: not this rank's hang
         if alive is not None:
             alive.check(f"{what} (MPI {op} on the {_describe(comm)})", since=t0)
         elif time.monotonic() > deadline:

@@ -13,6 +13,10 @@ tests/e2e/test_preempt_resume.py).
   rollout.engine_restarts = 0 the job ended on that instead, in a CI run where the stall fell
   in a broadcast by chance), hears nothing from the controller for rollout.generator_timeout_s,
   ends itself naming the controller, and its reaper kills its vLLM engine and reward workers.
+- hang: the trainer rank stops making progress at the start of step 2 (a test hook: a Python
+  loop; its beacon and controller threads run on, so no liveness check notices). Its progress
+  watch (areal_hpc/stuck.py, rollout.progress_timeout_s) names it, its stacks and the
+  generator's reach the output, the job ends, and the launcher exits 4 naming it.
 """
 import os
 import re
@@ -21,6 +25,8 @@ import time
 import psutil
 import pytest
 
+from areal_hpc.stuck import EXIT_STUCK
+from areal_hpc.train.trainer import HANG_ENV
 from areal_hpc.train.weight_publisher import STOP_IN_BROADCAST_ENV
 from tests.e2e.test_generator_failure import _no_leftovers, _run_until, _steps_done
 
@@ -50,19 +56,21 @@ def _stopped(jobs, proc, victim, timeout=600):
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("how", ["kill", "stall"])
+@pytest.mark.parametrize("how", ["kill", "stall", "hang"])
 def test_trainer_loss_ends_the_job(jobs, tiny_model, tmp_path, how):
     run_dir = tmp_path / how
-    hook = {**os.environ, STOP_IN_BROADCAST_ENV: "3"} if how == "stall" else None
-    proc = jobs.start(jobs.args(tiny_model, tmp_path, how, *ARGS), env=hook)
+    hook = {"stall": {**os.environ, STOP_IN_BROADCAST_ENV: "3"},
+            "hang": {**os.environ, HANG_ENV: "2:0"}}.get(how)
+    extra = [f"rollout.progress_timeout_s={BOUND_S}"] if how == "hang" else []
+    proc = jobs.start(jobs.args(tiny_model, tmp_path, how, *ARGS, *extra), env=hook)
     victim = None
     try:
         _run_until(jobs, proc, run_dir, 1 if hook else 2)
         victim = _trainer_rank(jobs)
         jobs.processes()                     # notes the whole tree (engines) before the loss
-        if hook:
+        if how == "stall":
             _stopped(jobs, proc, victim)
-        at = _steps_done(run_dir)            # the steps done as the fault comes
+        at = 2 if how == "hang" else _steps_done(run_dir)   # the steps done as the fault comes
         if not hook:
             victim.kill()
         t0 = time.monotonic()
@@ -84,7 +92,24 @@ def test_trainer_loss_ends_the_job(jobs, tiny_model, tmp_path, how):
     # the lost trainer trained nothing more: its last metrics line is the one before the loss
     # (a step it had finished and not yet written may still appear)
     assert at <= steps <= at + 1, (at, steps)
-    if how == "stall":
+    if how == "hang":
+        assert proc.returncode == EXIT_STUCK and steps == at, (proc.returncode, steps, out[-4000:])
+        named = re.search(r"\[rank 0\] areal_hpc.stuck: (rank 0 \(trainer, host \S+, pid \d+\)) "
+                          r"made no progress for (\d+) s \(rollout.progress_timeout_s = 20; last: "
+                          r"step 2: waiting for its batch\): it is stuck", out)
+        assert named, out[-4000:]
+        print(f"named: {named.group(0)}")
+        assert BOUND_S <= int(named.group(2)) < BOUND_S + 10
+        stacks = out[named.end():]
+        assert "in _test_hang" in stacks, stacks[:4000]              # where it hangs
+        assert re.search(r"\[rank 1\] areal_hpc.stuck: rank 0 \(trainer.*it is stuck; the stacks "
+                         r"of rank 1 \(generator, host \S+, pid \d+\)'s threads follow", stacks), \
+            stacks[:4000]
+        assert "in run_generator" in stacks, stacks[:4000]          # the generator's own stack
+        assert f"[launch] {named.group(1)} made no progress" in out
+        assert (run_dir / "logs" / "stuck").read_text().startswith(named.group(1))
+        assert ended_s < 60, ended_s
+    elif how == "stall":
         # The receive times out first, and the rank waits for the version to come again...
         assert re.search(r"generator rank 1 \(host \S+\): the broadcast of weights v3 failed "
                          r"\(.*\); not generating until the weight group is re-formed", out), \
