@@ -26,7 +26,10 @@ def main(scenario: str) -> None:
     me = world.Get_rank()
     if scenario == "levels":        # this rank's thread level against its threads' needs
         problem = thread_level_problem(world, 0, ["host-a", "host-b"])
-        print(f"rank {me} LEVEL {MPI.Query_thread()} {problem or 'ok'}", flush=True)
+        for turn in range(world.Get_size()):      # one after another: no line inside another's
+            if turn == me:
+                print(f"rank {me} LEVEL {MPI.Query_thread()} {problem or 'ok'}", flush=True)
+            world.Barrier()
         return
     coll.set_default_timeout(BOUND)
     beacon = Beacon(world, 0, ["host-a", "host-b", "host-c"], interval_s=0.2, silent_s=SILENT)
