@@ -54,8 +54,8 @@ def build_tokenizer(path, problems: list[dict], seed: int):
 
     plain = qwen_byte_tokenizer(path, eos=256, max_len=MAX_LEN, tools=True,
                                 template=TERSE_TOOLS_TEMPLATE, chat_eos=True)
-    texts = [piece for ids, _ in examples(plain, problems, seed)
-             for piece in _SPECIAL.split(plain.decode(ids)) if piece]
+    texts = [piece for parts in _conversations(plain, problems, seed)
+             for piece in _SPECIAL.split("".join(text for text, _ in parts)) if piece]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = plain.backend_tokenizer.pre_tokenizer      # Qwen2's split, byte-level
     bpe.train_from_iterator(texts, trainers.BpeTrainer(
@@ -89,15 +89,22 @@ def observation(tok, question: str, turn: str, result: str) -> str:
     return full[len(head):]
 
 
-def example(tok, problem: dict, call: bool) -> tuple[list[int], list[int]]:
-    """(input ids, labels: -100 outside the model's turns) of one pre-training conversation."""
+def _parts(tok, problem: dict, call: bool) -> list[tuple[str, bool]]:
+    """One pre-training conversation as (text, trained) pieces: the model's turns trained."""
     q, answer = problem["question"], problem["answer"]
-    if call:
-        turn = CALL.format(q.rstrip("=")) + "<|im_end|>"
-        parts = [(prompt_text(tok, q), False), (turn, True),
-                 (observation(tok, q, turn, answer), False), (f"\\boxed{{{answer}}}<|im_end|>", True)]
-    else:
-        parts = [(prompt_text(tok, q), False), (problem["solution"] + "<|im_end|>", True)]
+    if not call:
+        return [(prompt_text(tok, q), False), (problem["solution"] + "<|im_end|>", True)]
+    turn = CALL.format(q.rstrip("=")) + "<|im_end|>"
+    return [(prompt_text(tok, q), False), (turn, True),
+            (observation(tok, q, turn, answer), False), (f"\\boxed{{{answer}}}<|im_end|>", True)]
+
+
+def _conversations(tok, problems: list[dict], seed: int):
+    rng = random.Random(seed)           # which problems call the tool: the same for a seed
+    return (_parts(tok, p, rng.random() < TOOL_SHARE) for p in problems)
+
+
+def _tokens(tok, parts: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
     ids, labels = [], []
     for text, trained in parts:
         part = tok(text, add_special_tokens=False)["input_ids"]
@@ -106,9 +113,13 @@ def example(tok, problem: dict, call: bool) -> tuple[list[int], list[int]]:
     return ids, labels
 
 
+def example(tok, problem: dict, call: bool) -> tuple[list[int], list[int]]:
+    """(input ids, labels: -100 outside the model's turns) of one pre-training conversation."""
+    return _tokens(tok, _parts(tok, problem, call))
+
+
 def examples(tok, problems: list[dict], seed: int) -> list[tuple[list[int], list[int]]]:
-    rng = random.Random(seed)
-    return [example(tok, p, rng.random() < TOOL_SHARE) for p in problems]
+    return [_tokens(tok, parts) for parts in _conversations(tok, problems, seed)]
 
 
 def answer_call(text: str) -> str | None:

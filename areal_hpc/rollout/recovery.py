@@ -59,12 +59,6 @@ def _test_kill(engine, version: int, restarts: int) -> None:
             p.send_signal(signal.SIGSTOP) if how == "stop" else p.kill()
 
 
-@contextlib.contextmanager
-def _both(first, second):
-    with first, second:
-        yield
-
-
 def request_id(kind: str, prompt_id: int, sample_idx: int) -> str:
     return f"{kind}:{prompt_id}:{sample_idx}"
 
@@ -167,12 +161,14 @@ class EngineRecovery:
                     "sent again", self.me, why, version)
         msgs.post(self.chan, msgs.WeightsAck(version, "awaiting"), CONTROLLER_RANK)
 
+    @contextlib.contextmanager
     def _busy(self, stall_s: float | None = None):
         """Around a call that waits on the engine: the watch's stall bound (or `stall_s`) runs
-        meanwhile."""
-        busy = self.guard.busy(stall_s) if self.guard is not None else nullcontext()
+        meanwhile, and the rank's progress watch gives the call that long."""
         bound = self.cfg.rollout.engine_stall_s if stall_s is None else stall_s
-        return _both(stuck.expect(bound, "a call into the vLLM engine"), busy)
+        with stuck.expect(bound, "a call into the vLLM engine"), \
+                (self.guard.busy(stall_s) if self.guard is not None else nullcontext()):
+            yield
 
     def _guarded(self, fn, *args):
         """`fn(*args)`; an engine fault in it (not a preemption's) is recovered (`_recover`):

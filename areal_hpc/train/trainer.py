@@ -19,6 +19,7 @@ the other ranks; the weight update behind `self.publisher` (train/weight_publish
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -106,19 +107,16 @@ class Trainer:
         # last rows): the others wait for it as long as it is alive, then save together.
         coll.barrier(self.topo.role_comm, what=f"the checkpoint of step {self.version} (trainer "
                      f"rank 0 finishing its controller work)", alive=self.topo.controller_alive)
-        with stuck.expect(self.cfg.rollout.collective_timeout_s,
-                          f"the checkpoint of step {self.version}"):
-            self._save(wait)
-
-    def _save(self, wait: bool) -> None:
         a, ck = self.actor, self.cfg.checkpoint
         if self._saver is None:
             self._saver = checkpoint.Checkpointer(
                 self.cfg.run_dir, keep=ck.keep, comm=self.topo.role_comm, async_save=ck.async_save,
                 max_host_bytes=int(ck.async_max_host_gb * 2**30))
-        self._saver.save(self.version, model=a.model, optimizer=a.optimizer,
-                         scheduler=a.lr_scheduler, controller_state=self.lead.state(),
-                         config_yaml=to_yaml(self.cfg), wait=wait)
+        with stuck.expect(self.cfg.rollout.collective_timeout_s,
+                          f"the checkpoint of step {self.version}"):
+            self._saver.save(self.version, model=a.model, optimizer=a.optimizer,
+                             scheduler=a.lr_scheduler, controller_state=self.lead.state(),
+                             config_yaml=to_yaml(self.cfg), wait=wait)
         # the last complete one's time, as a synchronous save takes it (a preemption's may)
         self.judge.checkpoint_s = self._saver.seconds or self.judge.checkpoint_s
 
@@ -290,7 +288,6 @@ HANG_ENV = "AREAL_TEST_HANG"       # test hook: "STEP:ROLE_RANK": that trainer r
 def _test_hang(topo: Topology, step: int) -> None:
     """The test hook of the stuck-rank watch: this trainer rank stops making progress at the
     start of step STEP (a Python loop: the rank's other threads, its beacon, run on)."""
-    import os
     spec = os.environ.get(HANG_ENV, "")
     if spec and spec == f"{step}:{topo.role_rank}":
         log.warning("test hook %s: trainer rank %d hangs at step %d", HANG_ENV, topo.role_rank, step)
