@@ -380,13 +380,19 @@ class Controller:
     def regroup(self, force: bool = False) -> int | None:
         """The weight group's next generation, to be formed before the update that follows,
         when a generator waits for weights (its engine was replaced, or a broadcast failed on
-        it) or `force` (the last broadcast failed); None: the group stands."""
+        it), when one reports its engine down (its workers are gone from the group: a broadcast
+        over it would wait on them until weights.timeout_s; the new engine joins the next
+        generation once it is up, within weights.join_timeout_s), or `force` (the last
+        broadcast failed); None: the group stands."""
         with self._cond:
-            if not (force or self.weight_acks.awaiting):
+            down = sorted(g for g in self.topo.generator_ranks
+                          if getattr(self.watch.last_report.get(g), "engine_down", False))
+            if not (force or self.weight_acks.awaiting or down):
                 return None
             self.weight_generation += 1
-            log.warning("weight group: forming generation %d (generators waiting for weights: %s)",
-                        self.weight_generation, sorted(self.weight_acks.awaiting) or "none")
+            log.warning("weight group: forming generation %d (generators waiting for weights: %s; "
+                        "engines down: %s)", self.weight_generation,
+                        sorted(self.weight_acks.awaiting) or "none", down or "none")
             return self.weight_generation
 
     def send_weights_notice(self, version: int, *, plan=None, path: str | None = None,

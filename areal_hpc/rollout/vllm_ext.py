@@ -39,6 +39,7 @@ from areal_hpc.transport.weights import (
     bucket_numel,
     close_weight_group,
     dtype_from_str,
+    finish,
     init_weight_group,
     spec_numel,
 )
@@ -197,6 +198,7 @@ class WeightSyncExtension:
         close_weight_group(getattr(self, "_weight_group", None))
         self._weight_group = None
         self._weight_group = init_weight_group(address, my_rank)
+        self._weight_timeout_s = address.timeout_s     # each bucket's bound on the host (`finish`)
         return my_rank
 
     @property
@@ -240,10 +242,15 @@ class WeightSyncExtension:
                 raise
             next_post += 1
 
+        timeout_s = getattr(self, "_weight_timeout_s", None)
+
         def wait() -> torch.Tensor:
+            # On the host, within the group's bound: on NCCL a bucket not yet complete would
+            # otherwise go to vLLM's loader, and a dead peer hold the device (`finish`).
+            k = next_post - len(posted)
             flat, work = posted.popleft()
             try:
-                work.wait()
+                finish(work, timeout_s, group, f"weight bucket {k} of {len(plan)}")
             except BaseException as exc:
                 wire_error.append(exc)
                 raise
@@ -291,7 +298,8 @@ class WeightSyncExtension:
         """Receive one raw broadcast of `numel` elements and drop it: the baseline that
         tools/bench_weights.py sets the weight update against (same bytes, one buffer, no load)."""
         flat = torch.empty(numel, dtype=dtype_from_str(dtype_str), device=self.device)
-        self._weight_group.broadcast(flat, root=root).wait()
+        finish(self._weight_group.broadcast(flat, root=root), getattr(self, "_weight_timeout_s", None),
+               self._weight_group, "a raw broadcast")
         return numel
 
     def load_weights_from_file(self, path: str) -> int:

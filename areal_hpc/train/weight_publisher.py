@@ -224,7 +224,8 @@ class WeightPublisher:
                                                      stage)
             if a.is_weight_sender:
                 wsync.broadcast_stage(self.group, plan, stage,
-                                      _test_stop(a.iter_hf_weights(), plan, version), a.device)
+                                      _test_stop(a.iter_hf_weights(), plan, version), a.device,
+                                      w.timeout_s)
             elif stage is not None:
                 self._join_gather()
             return

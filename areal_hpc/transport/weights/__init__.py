@@ -18,8 +18,12 @@ k+1 while bucket k is on the wire; receivers load bucket k while bucket k+1 arri
 process ever holds the model twice, and no stage funnels through another.
 
 Bounded time: the group is created with a timeout that applies to its joining and to every
-collective; generators acknowledge each update over MPI (`AckTracker`), and a missing or wrong
-acknowledgement becomes a `WeightSyncError` naming the generator rank and host.
+collective, and every member waits for each bucket on the host against it (`finish`: on NCCL a
+work's `wait()` does not block the host, so a dead peer would otherwise hold the device until
+the watchdog ends the process); past it the member aborts the group and raises `WireTimeout`,
+and the update goes out again over the group's next generation. Generators acknowledge each
+update over MPI (`AckTracker`), and a missing or wrong acknowledgement becomes a
+`WeightSyncError` naming the generator rank and host.
 
 The concerns live in their own modules, and everything is importable from here:
 
@@ -33,8 +37,9 @@ The trainer side of one update (who sends, who only gathers, who waits for ackno
 """
 
 from .acks import AckTracker, WeightSyncError
-from .broadcast import (BroadcastStats, WeightGroupAddress, broadcast_stage, broadcast_weights,
-                        close_weight_group, init_sender_group, init_weight_group)
+from .broadcast import (BroadcastStats, WeightGroupAddress, WireTimeout, broadcast_stage,
+                        broadcast_weights, close_weight_group, finish, init_sender_group,
+                        init_weight_group)
 from .disk import prune_versions, version_dir, write_stage
 from .plan import (Bucket, Plan, TensorSpec, bucket_dtype, bucket_numel, dtype_from_str,
                    dtype_to_str, plan_buckets, plan_bytes, plan_stages, spec_numel)
@@ -42,7 +47,7 @@ from .plan import (Bucket, Plan, TensorSpec, bucket_dtype, bucket_numel, dtype_f
 __all__ = [
     "AckTracker", "WeightSyncError",
     "BroadcastStats", "broadcast_stage", "broadcast_weights", "close_weight_group",
-    "init_sender_group",
+    "finish", "init_sender_group", "WireTimeout",
     "init_weight_group", "WeightGroupAddress",
     "prune_versions", "version_dir", "write_stage",
     "Bucket", "Plan", "TensorSpec", "bucket_dtype", "bucket_numel", "dtype_from_str",

@@ -8,9 +8,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
@@ -48,8 +50,6 @@ def init_weight_group(address: WeightGroupAddress, rank: int) -> torch.distribut
     every member then makes the group's communicator here, with one broadcast of one element,
     under `unpinned_nccl_env` (batch invariance's NCCL pins left out, see there).
     """
-    from datetime import timedelta
-
     from torch.distributed import PrefixStore
     from vllm.distributed.utils import init_gloo_process_group
 
@@ -67,8 +67,11 @@ def init_weight_group(address: WeightGroupAddress, rank: int) -> torch.distribut
     prefix = PrefixStore(name, store)
     if backend == "gloo":
         return init_gloo_process_group(prefix, rank, world_size, timeout)
-    with unpinned_nccl_env():
-        return _join_nccl(prefix, rank, world_size, timeout)
+    # NCCL's watchdog gets WATCHDOG_GRACE_S beyond the host's deadline (`finish`), which acts
+    # first: it aborts the group and raises, and the update is sent again over a re-formed one.
+    with unpinned_nccl_env(), nccl_errors_raised():
+        return _join_nccl(prefix, rank, world_size, timeout + timedelta(seconds=WATCHDOG_GRACE_S),
+                          join.total_seconds())
 
 
 # The weight group's store on rank 0, kept for the groups of later generations (rank 0 serves it
@@ -116,18 +119,82 @@ def close_weight_group(group) -> None:
             return
 
 
-def _join_nccl(prefix, rank: int, world_size: int, timeout) -> torch.distributed.ProcessGroup:
+def _join_nccl(prefix, rank: int, world_size: int, timeout,
+               join_s: float) -> torch.distributed.ProcessGroup:
     """The NCCL weight group, its communicator made now: torch makes a group's communicator at
     its first collective, and NCCL reads its environment then, so the first update would
-    otherwise make it outside `unpinned_nccl_env`. One element broadcast from rank 0 does it."""
+    otherwise make it outside `unpinned_nccl_env`. One element broadcast from rank 0 does it,
+    waited for on the host within the join's bound."""
     from vllm.platforms import current_platform
 
     group = current_platform.stateless_init_device_torch_dist_pg(
         backend="nccl", prefix_store=prefix, group_rank=rank, group_size=world_size, timeout=timeout
     )
-    group.broadcast(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())),
-                    root=0).wait()
+    work = group.broadcast(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())),
+                           root=0)
+    finish(work, join_s, group, "joining the NCCL weight group (its first broadcast)",
+           "weights.join_timeout_s")
     return group
+
+
+# What NCCL's watchdog gives a weight-group collective beyond weights.timeout_s, the host's own
+# deadline (`finish`): the host gives up first, aborts the communicator and raises, which the
+# update's sender and receivers handle; the watchdog is the backstop for a host that cannot.
+WATCHDOG_GRACE_S = 60.0
+# The longest pause between two looks at a collective in flight (`finish`): small beside a
+# bucket's time on the wire (a 1 GiB bucket takes ~20 ms over NVLink, ~40 ms at 25 GB/s).
+POLL_S = 0.002
+
+
+class WireTimeout(TimeoutError):
+    """A weight-group collective not complete on the host within its bound: a member is gone
+    or stuck. The group has been aborted when this is raised; it is not used again."""
+
+
+def finish(work, timeout_s: float | None, group, what: str, key: str = "weights.timeout_s") -> None:
+    """Wait on the host until `work` (a collective of `group`) completes, at most `timeout_s`
+    (None: the backend's own wait), then raise what it failed with, if it did.
+
+    On NCCL `Work.wait()` neither blocks the host nor raises: it orders the current stream
+    after the collective, and a broadcast that waits on a dead peer then holds the device until
+    the watchdog ends the process. So completion is polled (`is_completed`, an event query)
+    against a deadline; when it passes, the group is aborted (its kernels waiting on the dead
+    peer return) and `WireTimeout` is raised. On gloo the same loop runs: gloo's work completes
+    with its error on its own thread, and `wait()` raises it."""
+    if timeout_s is None:
+        work.wait()
+        return
+    deadline = time.monotonic() + timeout_s
+    pause = 1e-4
+    while not work.is_completed():
+        if time.monotonic() >= deadline:
+            close_weight_group(group)
+            raise WireTimeout(f"{what}: not complete after {timeout_s:g} s ({key}): "
+                              f"a member of the weight group is gone or stuck; the group is "
+                              f"aborted")
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_S)
+    work.wait()
+
+
+@contextlib.contextmanager
+def nccl_errors_raised():
+    """Where the NCCL weight group is made: torch reads TORCH_NCCL_ASYNC_ERROR_HANDLING when a
+    ProcessGroupNCCL is constructed. Its default (3, skip clean-up) has the watchdog end the
+    whole process when a collective times out; 2 (clean-up only) aborts the communicator and
+    fails the collective's work instead, which `finish` raises, so a timed-out update is an
+    error the sender handles even if the watchdog sees it first. Only this group is made so:
+    the trainer's Megatron groups keep the process-wide setting."""
+    key = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    before = os.environ.get(key)
+    os.environ[key] = "2"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
 
 
 def unpinned_nccl_env() -> contextlib.AbstractContextManager:
@@ -190,6 +257,7 @@ def broadcast_stage(
     stage: int,
     tensors: Iterable[tuple[str, torch.Tensor]],
     device: torch.device | str,
+    timeout_s: float | None = None,
 ) -> BroadcastStats:
     """Take part in every bucket of `plan` as stage `stage`'s sender (weight-group rank `stage`).
 
@@ -202,8 +270,10 @@ def broadcast_stage(
     are reused for the whole plan, so the sender holds at most its two largest buckets' bytes
     beyond the tensors of the bucket being packed. A bucket of one contiguous tensor is sent
     from that tensor, without a copy: `tensors` must not change a tensor it has produced until
-    this returns. Raises what the backend raises when the group's timeout passes (from the wait
-    on the oldest bucket in flight); `ValueError` when `tensors` does not match the plan.
+    this returns. Each bucket is waited for on the host (`finish`): at most `timeout_s` once
+    its turn comes (None: the backend's own wait, which on NCCL does not block), else the group
+    is aborted and `WireTimeout` raised; what the backend raises otherwise; `ValueError` when
+    `tensors` does not match the plan.
     """
     t0 = time.perf_counter()
     device = torch.device(device)
@@ -227,8 +297,8 @@ def broadcast_stage(
     in_flight: collections.deque = collections.deque()  # the broadcasts' Work, oldest first
     sent = num_bytes = 0
     for k, (root, bucket) in enumerate(plan):
-        if len(in_flight) == 2:
-            in_flight.popleft().wait()  # bucket k-2 is off the wire: its buffer is free
+        if len(in_flight) == 2:     # bucket k-2 off the wire: its buffer is free
+            finish(in_flight.popleft(), timeout_s, group, f"weight bucket {k - 2} of {len(plan)}")
         dtype = dtype_from_str(bucket_dtype(bucket))
         nbytes = bucket_numel(bucket) * dtype.itemsize
         flat = None
@@ -253,7 +323,8 @@ def broadcast_stage(
             num_bytes += nbytes
         in_flight.append(group.broadcast(flat, root=root))
     while in_flight:
-        in_flight.popleft().wait()
+        k = len(plan) - len(in_flight)
+        finish(in_flight.popleft(), timeout_s, group, f"weight bucket {k} of {len(plan)}")
     for _ in source:  # TP peers gather in lock step: run the iterator to its end
         pass
     if held:
@@ -267,10 +338,12 @@ def broadcast_weights(
     group: torch.distributed.ProcessGroup,
     named_tensors: Mapping[str, torch.Tensor],
     buckets: Sequence[Bucket],
+    timeout_s: float | None = None,
 ) -> BroadcastStats:
     """`broadcast_stage` for a single sender (rank 0) holding every tensor already."""
     device = next(iter(named_tensors.values())).device if named_tensors else "cpu"
-    return broadcast_stage(group, [(0, list(b)) for b in buckets], 0, named_tensors.items(), device)
+    return broadcast_stage(group, [(0, list(b)) for b in buckets], 0, named_tensors.items(), device,
+                           timeout_s)
 
 
 # ------------------------------------------------------------------ disk fallback
