@@ -41,6 +41,8 @@ CONSTANTS = {
     "END_TIMEOUT_S": "a killed PID namespace's emptying, inside a reward worker's or an "
                      "environment's end",
     "TEMPLATE_TIMEOUT_S": "one prompt's rendering at the preflight, before any rank",
+    "WATCHDOG_GRACE_S": "weights.timeout_s: NCCL's watchdog backs up the host's deadline on a "
+                        "weight-group collective this much later; the host acts first",
 }
 _CONSTANT = re.compile(r"^([A-Z][A-Z0-9_]*_(?:TIMEOUT|WAIT|GRACE|STALL)_S)\s*=", re.M)
 
