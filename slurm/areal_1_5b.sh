@@ -9,6 +9,10 @@
 # both together. Each attempt runs up to --time; SIGUSR1 900 s before the limit makes the ranks
 # checkpoint, and slurm/job.sh requeues the job, which resumes in the same run dir.
 # `sbatch slurm/areal_1_5b.sh --dry-run` places every rank and prints which GPUs and cores each holds.
+# --mem (per node of each component): the host memory `python -m areal_hpc.plan memory
+#   configs/qwen2_5_1_5b_math.yaml` plans a node (areal_hpc/plan/host_memory.py; a trainer node's
+#   step snapshot and checkpoint staging are ~25 GiB of pinned memory), in whole GiB; rerun it
+#   after changing the config (tests/plan/test_host_memory.py fails if a value here is below it).
 #SBATCH --job-name=areal-1_5b
 #SBATCH --output=slurm-%x-%j.out
 #SBATCH --open-mode=append
@@ -16,8 +20,10 @@
 #SBATCH --signal=B:USR1@900
 #SBATCH --time=24:00:00
 #SBATCH --nodes=4 --ntasks-per-node=8 --gpus-per-node=8 --cpus-per-task=12 --exclusive
+#SBATCH --mem=96G
 #SBATCH hetjob
 #SBATCH --time=24:00:00
 #SBATCH --nodes=12 --ntasks-per-node=8 --gpus-per-node=8 --cpus-per-task=12 --exclusive
+#SBATCH --mem=59G
 source slurm/site_gpu.sh || exit 2
 exec bash slurm/job.sh configs/qwen2_5_1_5b_math.yaml "$@"

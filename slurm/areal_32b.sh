@@ -12,6 +12,10 @@
 # `python -m areal_hpc.plan time`, and the launcher refuses a lead shorter than that), and
 # slurm/job.sh requeues the job, which resumes in the same run dir.
 # `sbatch slurm/areal_32b.sh --dry-run` places every rank and prints which GPUs and cores each holds.
+# --mem (per node of each component): the host memory `python -m areal_hpc.plan memory
+#   configs/qwen2_5_32b_math.yaml` plans a node (areal_hpc/plan/host_memory.py; a trainer node's
+#   step snapshot and checkpoint staging are ~240 GiB of pinned memory), in whole GiB; rerun it
+#   after changing the config (tests/plan/test_host_memory.py fails if a value here is below it).
 #SBATCH --job-name=areal-32b
 #SBATCH --output=slurm-%x-%j.out
 #SBATCH --open-mode=append
@@ -19,8 +23,10 @@
 #SBATCH --signal=B:USR1@9000
 #SBATCH --time=24:00:00
 #SBATCH --nodes=4 --ntasks-per-node=8 --gpus-per-node=8 --cpus-per-task=12 --exclusive
+#SBATCH --mem=417G
 #SBATCH hetjob
 #SBATCH --time=24:00:00
 #SBATCH --nodes=12 --ntasks-per-node=1 --gpus-per-node=8 --cpus-per-task=96 --exclusive
+#SBATCH --mem=46G
 source slurm/site_gpu.sh || exit 2
 exec bash slurm/job.sh configs/qwen2_5_32b_math.yaml "$@"

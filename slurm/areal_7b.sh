@@ -11,6 +11,10 @@
 # `python -m areal_hpc.plan time`, and the launcher refuses a lead shorter than that), and
 # slurm/job.sh requeues the job, which resumes in the same run dir.
 # `sbatch slurm/areal_7b.sh --dry-run` places every rank and prints which GPUs and cores each holds.
+# --mem (per node of each component): the host memory `python -m areal_hpc.plan memory
+#   configs/qwen2_5_7b_math.yaml` plans a node (areal_hpc/plan/host_memory.py; a trainer node's
+#   step snapshot and checkpoint staging are ~85 GiB of pinned memory), in whole GiB; rerun it
+#   after changing the config (tests/plan/test_host_memory.py fails if a value here is below it).
 #SBATCH --job-name=areal-7b
 #SBATCH --output=slurm-%x-%j.out
 #SBATCH --open-mode=append
@@ -18,8 +22,10 @@
 #SBATCH --signal=B:USR1@1200
 #SBATCH --time=24:00:00
 #SBATCH --nodes=4 --ntasks-per-node=8 --gpus-per-node=8 --cpus-per-task=12 --exclusive
+#SBATCH --mem=167G
 #SBATCH hetjob
 #SBATCH --time=24:00:00
 #SBATCH --nodes=12 --ntasks-per-node=8 --gpus-per-node=8 --cpus-per-task=12 --exclusive
+#SBATCH --mem=59G
 source slurm/site_gpu.sh || exit 2
 exec bash slurm/job.sh configs/qwen2_5_7b_math.yaml "$@"

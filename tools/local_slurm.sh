@@ -15,7 +15,8 @@
 # A simulated GPU cluster: each fake node advertises AREAL_SLURM_GPUS GPUs (default 8) as GRES
 # `gpu`, backed by placeholder character devices (mknod, major 195 as NVIDIA's) that gres.conf
 # names, and AREAL_SLURM_CPUS cores (default 128, as a 2 x 64-core GPU node; more than this host
-# has, which `SlurmdParameters=config_overrides` allows). Slurm then does what a real GPU cluster
+# has, which `SlurmdParameters=config_overrides` allows) and 2 TiB of memory (the recipes' --mem).
+# Slurm then does what a real GPU cluster
 # does: sets CUDA_VISIBLE_DEVICES / SLURM_STEP_GPUS per task from --gpus-per-task or --gpu-bind,
 # the whole node's list otherwise, and refuses a step that asks for more CPUs or GPUs than its
 # allocation holds. Cores are not bound (TaskPlugin=task/none: a fake count cannot be bound to 2
@@ -173,6 +174,10 @@ write_conf() {   # write_conf N -> $conf.new (and $etc/gres.conf.new)
   cpus=$fake_cpus
   mem=$(awk '/MemTotal/ {print int($2 / 1024)}' /proc/meminfo)
   if [ "$gpus" -gt 0 ]; then
+    # A GPU node's memory (2 TiB), as its cores are a GPU node's: the recipes ask for their
+    # planned --mem (areal_hpc/plan/host_memory.py), which Slurm refuses on a node configured
+    # with less. Not consumed (CR_Core), so nothing is reserved on this host.
+    mem=2097152
     gres=" Gres=gpu:$gpus"
     {
       echo "# Written by tools/local_slurm.sh: placeholder GPU devices, not real ones."

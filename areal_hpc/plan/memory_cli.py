@@ -1,10 +1,12 @@
-"""`python -m areal_hpc.plan memory`: the per-GPU estimate as a table (plan/memory.py)."""
+"""`python -m areal_hpc.plan memory`: the per-GPU estimate as a table (plan/memory.py), then the
+host memory per node (plan/host_memory.py)."""
 from __future__ import annotations
 
 import re
 import sys
 
 from ..config import ConfigError, load
+from .host_memory import host_estimate, render_host
 from .memory import GiB, Plan, estimate, fmt_num
 
 
@@ -79,11 +81,13 @@ def memory_command(args, console) -> int:
         cfg = load(args.config, args.overrides)
         gpu = parse_mem(args.gpu_mem) if args.gpu_mem is not None else None
         plan = estimate(cfg, gpu)
+        host = host_estimate(cfg)       # plan/host_memory.py: RAM per node, #SBATCH --mem
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     render(plan, console)
-    err = plan.error()
+    render_host(host, console)
+    err = plan.error() or host.error()
     if err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -91,4 +95,6 @@ def memory_command(args, console) -> int:
         console.print(f"[green]fits[/] in {fmt_num(plan.gpu_mem_gib)} GiB per GPU")
     else:
         console.print("no GPU memory to compare with (device cpu; pass --gpu-mem)")
+    if host.host_mem_gib:
+        console.print(f"[green]fits[/] in {fmt_num(host.host_mem_gib)} GiB of host memory per node")
     return 0
