@@ -19,6 +19,7 @@ from .cpus import format_cpus
 from .preemption import EXIT_PREEMPTED  # 3: stopped for a requeue after a preemption signal
 from . import stuck
 from .reward.contain import protect_from_children
+from .storage import disk
 from .storage.run_dir import RunDir
 from .topology import CONTROLLER_RANK, TRAINER, Topology
 from .transport import mpi as coll
@@ -38,6 +39,9 @@ def main(argv=None) -> int:
     world = None
     try:
         cfg = preflight.rank(args.config, args.overrides)     # on this rank's node
+        hdf5 = disk.locking_warning(cfg.run_dir)      # a start that no launcher prepared
+        if hdf5 and _rank() == 0:
+            print(f"warning: {hdf5}", file=sys.stderr, flush=True)
         todo, said = preflight.what_to_run(cfg)
         if said and _rank() == 0:
             print(said, flush=True)

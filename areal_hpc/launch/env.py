@@ -21,13 +21,17 @@ from pathlib import Path
 from .. import determinism
 from ..config import ConfigError, RunConfig
 from ..preflight import launcher
+from ..storage import disk
 from .placement import GENERATOR, TRAINER, gpus_needed
 
 def rank_env(cfg: RunConfig) -> dict[str, str]:
     """Defaults for every rank's environment: one compute thread each on a small CPU box, vLLM's
-    caches inside the project, the KV-cache size from the config, quiet logs, and the
-    `deterministic` key's settings. The caller's own environment takes precedence over these,
-    except over the key's settings (`forced_env`; see `merged_env`)."""
+    caches inside the project (slurm/job.sh sets VLLM_CACHE_ROOT to node-local disk first), the
+    KV-cache size from the config, HDF5's file locking off where the run directory's file system
+    needs it (NFS, Lustre without flock: storage/disk.py; HDF5 reads it as it starts, so here and
+    not in the rank), quiet logs, and the `deterministic` key's settings. The caller's own
+    environment takes precedence over these, except over the key's settings (`forced_env`; see
+    `merged_env`)."""
     env = {
         "OMP_NUM_THREADS": "1",
         "VLLM_CACHE_ROOT": str(Path(".cache/vllm").resolve()),
@@ -42,6 +46,7 @@ def rank_env(cfg: RunConfig) -> dict[str, str]:
     }
     if cfg.rollout.kv_cache_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gib)
+    env.update(disk.hdf5_env(cfg.run_dir))
     env.update(forced_env(cfg))
     return env
 

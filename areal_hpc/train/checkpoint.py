@@ -172,11 +172,15 @@ class Checkpointer:
         async_save: `save(wait=False)` writes asynchronously (checkpoint.async_save).
         max_host_bytes: the most bytes any rank may stage for an asynchronous save; a save
             above it on any rank is synchronous (0: no bound).
+        space: storage/disk.py `SaveSpace`: each save first checks that the run directory has
+            room for it (raising `disk.NoSpace` on every rank before any byte of it is written);
+            None: no check.
     """
 
     def __init__(self, run_dir: str | os.PathLike, *, keep: int = 2, comm=None,
-                 async_save: bool = False, max_host_bytes: int = 0):
+                 async_save: bool = False, max_host_bytes: int = 0, space=None):
         self.run_dir, self.keep, self.comm = Path(run_dir), keep, comm
+        self.space = space
         self.async_save, self.max_host_bytes = async_save, max_host_bytes
         self.rank = comm.Get_rank() if comm is not None else 0
         self.seconds = 0.0      # the last complete save's time, as a synchronous one takes it
@@ -202,6 +206,9 @@ class Checkpointer:
 
         from .cpu_compat import CudaToCpuMode     # torch: not at this module's import
         self.wait()
+        if self.space is not None:      # the one in flight sealed and pruned; nothing of this one yet
+            self.space.check(step, relink=self._sealed is not None and self._sealed[0] == step,
+                             comm=self.comm)
         t0 = time.monotonic()
         comm = self.comm
         # Before the optimizer's first step it has no state: only the model is written (Megatron

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
 from .. import preemption, stuck
 from ..config import RunConfig, to_yaml
+from ..plan.memory import read_arch
 from ..rollout.staleness import Batch
+from ..storage import disk
 from ..storage.run_dir import RunDir, is_complete
 from ..topology import Topology
 from ..transport import messages as msgs
@@ -111,7 +114,8 @@ class Trainer:
         if self._saver is None:
             self._saver = checkpoint.Checkpointer(
                 self.cfg.run_dir, keep=ck.keep, comm=self.topo.role_comm, async_save=ck.async_save,
-                max_host_bytes=int(ck.async_max_host_gb * 2**30))
+                max_host_bytes=int(ck.async_max_host_gb * 2**30),
+                space=disk.SaveSpace(self.cfg, lambda: read_arch(self.cfg).total_params))
         with stuck.expect(self.cfg.rollout.collective_timeout_s,
                           f"the checkpoint of step {self.version}"):
             self._saver.save(self.version, model=a.model, optimizer=a.optimizer,
@@ -199,7 +203,7 @@ class Trainer:
             log.info("run %s was already complete (%d steps)", cfg.name, start)
         else:
             self.lead.evaluate("final", self.version)
-        self.lead.stop()                # what is still in flight lands in the buffer first
+        self._stop()                    # what is still in flight lands in the buffer first
         if not complete_before:
             self._checkpoint()
         self.lead.close(self.version)
@@ -239,6 +243,25 @@ class Trainer:
         return bool(coll.bcast(comm, stop, root=0, timeout_s=t,
                                what=f"step {self.version}: the mid-step decision"))
 
+    _stopped = False        # the generators were told to stop
+
+    def _stop(self, preempted: bool = False) -> None:
+        self.lead.stop(preempted=preempted)
+        self._stopped = True
+
+    def out_of_space(self, exc: disk.NoSpace) -> int:
+        """A checkpoint save refused for want of room (`disk.NoSpace`, raised on every trainer
+        rank before any byte of it was written: the newest checkpoint is as it was): the line
+        said once, the generators stopped (unless they were), the rollout log closed; returns
+        disk.EXIT_NO_SPACE, which slurm/job.sh does not requeue (storage/disk.py says why)."""
+        if self.topo.is_controller:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        if not self._stopped:
+            self.lead.steps_done()
+            self._stop()
+        self.lead.close()
+        return disk.EXIT_NO_SPACE
+
     def _abandoned(self, start: int, stop: StepAbandoned) -> int:
         """The step was stopped midway (`train_share` restored its start state on every rank):
         its batch goes back to the controller's buffer, then as at a preemption."""
@@ -255,7 +278,7 @@ class Trainer:
         generators send back what is in flight (PARTIAL rows), a checkpoint is written at this
         step, the job exits for a requeue."""
         self.lead.steps_done()
-        self.lead.stop(preempted=True)      # in-flight groups land in the buffer
+        self._stop(preempted=True)          # in-flight groups land in the buffer
         # Before this attempt's first step there is nothing new to save: the rerun starts from
         # the checkpoint this attempt resumed from (its rollout-log rows after it rolled back),
         # or, with none, afresh (`_resume` sets this attempt's files aside).
@@ -296,7 +319,11 @@ def _test_hang(topo: Topology, step: int) -> None:
 
 
 def run_trainer(cfg: RunConfig, topo: Topology) -> int:
-    return Trainer(cfg, topo).run()
+    trainer = Trainer(cfg, topo)
+    try:
+        return trainer.run()
+    except disk.NoSpace as exc:         # a save refused before its first byte (storage/disk.py)
+        return trainer.out_of_space(exc)
 
 
 def export_policy(actor: Actor, cfg: RunConfig, comm, step: int, force: bool = True) -> None:
