@@ -22,6 +22,9 @@ it:
   log), waits two polls so that every other rank, seeing the flag, dumps its own stacks under a
   line naming the stuck rank, and exits with EXIT_STUCK. The batch script requeues an attempt
   that left the flag (slurm/job.sh), as after a preemption.
+- **a thread the rank needs, dead**: `thread_failed(main, line, code)` from that thread (the
+  beacon's, transport/beacon.py): the main thread ends the rank at its next `progress()`
+  (`end_rank`: the line logged, the output flushed, exit `code`; no flag, no requeue).
 - **a stuck interpreter**: a thread that holds the GIL (a C call that never releases it) stops
   the watch thread too; `faulthandler.dump_traceback_later` (a C thread) then dumps the stacks
   and exits at the bound plus a minute.
@@ -46,6 +49,7 @@ KEY = "rollout.progress_timeout_s"
 
 _watch: ProgressWatch | None = None
 _config: tuple | None = None
+_failed: tuple[int, str, int] | None = None     # a dead thread's (main thread ident, line, code)
 
 
 def flag_path(run_dir) -> Path:
@@ -53,7 +57,11 @@ def flag_path(run_dir) -> Path:
 
 
 def progress(what: str | None = None) -> None:
-    """The main thread made progress (`what`: a short label of what it did, optional)."""
+    """The main thread made progress (`what`: a short label of what it did, optional). Where a
+    thread the rank needs has failed (`thread_failed`), the main thread ends the rank here."""
+    f = _failed
+    if f is not None and threading.get_ident() == f[0]:
+        end_rank(f[1], f[2])
     w = _watch
     if w is not None and threading.get_ident() == w.main:
         w.last = time.monotonic()
@@ -79,6 +87,23 @@ def expect(seconds: float, what: str):
     finally:
         w.grace = before
         progress(f"{what}: done")
+
+
+def thread_failed(main: int, line: str, code: int) -> None:
+    """A thread this rank needs has failed (`line` names the rank and the cause): the thread
+    `main` (an ident: the rank's main thread) ends the rank at its next `progress()`, exit
+    `code`. The first failure is kept."""
+    global _failed
+    if _failed is None:
+        _failed = (main, line, code)
+
+
+def end_rank(line: str, code: int) -> None:
+    """End this rank now, from any thread: `line` logged, the output flushed, `os._exit(code)`
+    (no MPI_Finalize: the launcher ends the other ranks and reports the job failed)."""
+    log.error(line)
+    _flush()
+    os._exit(code)
 
 
 def configure(bound_s: float, rank: int, role: str, host: str, flag: Path) -> None:
@@ -110,9 +135,9 @@ def start(bound_s: float, rank: int, role: str, host: str, flag: Path,
 
 
 def stop() -> None:
-    """The watch stopped (if any) and the configuration forgotten."""
-    global _watch, _config
-    w, _watch, _config = _watch, None, None
+    """The watch stopped (if any) and the configuration (and a `thread_failed`) forgotten."""
+    global _watch, _config, _failed
+    w, _watch, _config, _failed = _watch, None, None, None
     if w is not None:
         w.close()
 
@@ -206,11 +231,15 @@ class ProgressWatch:
         os._exit(EXIT_STUCK)
 
 
-def _dump() -> None:
+def _flush() -> None:
     for h in logging.getLogger().handlers:
         with contextlib.suppress(Exception):
             h.flush()
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def _dump() -> None:
+    _flush()
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     sys.stderr.flush()

@@ -21,18 +21,35 @@ rank, and every wait drains them). The thread makes MPI calls beside the main th
 the controller's service thread's), which needs MPI_THREAD_MULTIPLE on the source: mpi4py's
 default request, which an MPI may still answer lower. `thread_level_problem` checks each rank's
 level against its own threads' needs before the beacon starts.
+
+If the beacon thread itself fails (an exception in it: an MPI error on its sends), the rank
+would fall silent while its main thread runs on, and the others would take it for gone with no
+cause, or wait on it while it goes on. So the thread keeps the failure, and the rank ends with
+one line naming it (rank, role, host, pid, the exception) and exit EXIT_BEACON_FAILED: by its
+main thread at its next `stuck.progress()` (the main loops and every polling wait call it), or,
+where the main thread reaches none within half the silence the others allow (`silent_s`: a long
+call under `stuck.expect`, a checkpoint), by the beacon thread itself, so that the named line
+comes before the others' "rank 0 is gone". It ends the way `stuck.py` ends a stuck rank (the line
+logged, the output flushed, `os._exit`, the launcher ending the other ranks), but without the
+stuck flag and its exit 4: those make the launchers requeue the attempt as a hang and say "a
+rank was stuck", and this is an error of the rank (its MPI, or a bug), not a hang a fresh
+attempt cures; exit 1, as a rank that raises (`python -m mpi4py`'s MPI_Abort code).
 """
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
+from .. import stuck
 from .mpi import CollectiveTimeout
 
 log = logging.getLogger(__name__)
 
 BEAT_TAG = 1
+EXIT_BEACON_FAILED = 1      # the rank's exit code once its beacon thread has failed
+FAIL_ENV = "AREAL_TEST_BEACON_FAIL"     # test hook: "N": the source's beacon raises at its Nth beat
 
 
 class RankWatch:
@@ -104,14 +121,21 @@ def thread_level_problem(world, source: int, hosts: list[str]) -> str | None:
 
 class Beacon:
     """Collective over `world`: the source rank beats, every other rank holds a `RankWatch`
-    (`watch`; None on the source). `stop()` on every rank before MPI is finalized."""
+    (`watch`; None on the source). `stop()` on every rank before MPI is finalized. Made by the
+    rank's main thread, which ends the rank at its next `stuck.progress()` once the source's
+    thread has failed (`failure`: the line that names it). `role`: the source's role, named in
+    that line (trainer rank 0 in areal_hpc.main)."""
 
-    def __init__(self, world, source: int, hosts: list[str], interval_s: float, silent_s: float):
+    def __init__(self, world, source: int, hosts: list[str], interval_s: float, silent_s: float,
+                 role: str = "trainer"):
         self.comm = world.Dup()
         self.comm.Set_name("beacon communicator")
-        self.source, self.interval_s = source, interval_s
+        self.source, self.interval_s, self.silent_s = source, interval_s, silent_s
+        self.role, self.host = role, hosts[source]
         self.is_source = self.comm.Get_rank() == source
         self.watch = None if self.is_source else RankWatch(self.comm, source, hosts[source], silent_s)
+        self.failure: str | None = None
+        self._main = threading.get_ident()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pending: list = []
@@ -124,14 +148,38 @@ class Beacon:
         from mpi4py import MPI
         one = np.ones(1, dtype=np.uint8)        # never written after this: shared by every send
         others = [r for r in range(self.comm.Get_size()) if r != self.source]
+        fail_at = int(os.environ.get(FAIL_ENV) or 0)
+        beats = 0
         try:
             while not self._stop.is_set():
+                beats += 1
+                if beats == fail_at:
+                    raise MPI.Exception(MPI.ERR_OTHER)      # as an MPI error in a send would
                 self._pending = [r for r in self._pending if not r.Test()]
                 for r in others:
                     self._pending.append(self.comm.Isend([one, MPI.BYTE], dest=r, tag=BEAT_TAG))
                 self._stop.wait(self.interval_s)
-        except Exception:       # noqa: BLE001 - the waiters then see silence and name this rank
-            log.exception("the beacon thread failed: the other ranks will report this rank silent")
+        except Exception as exc:        # noqa: BLE001 - any: the rank would fall silent unnamed
+            self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        """Keep the failure for the main thread (`stuck.progress`); end the rank from here if
+        the main thread reaches no progress point within half the others' allowance."""
+        who = f"rank {self.source} ({self.role}, host {self.host}, pid {os.getpid()})"
+        cause = " ".join(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}".split())
+
+        def line(how: str = "") -> str:
+            return (f"{who}: its beacon thread failed ({cause}){how}: the other ranks would "
+                    f"hear nothing from it and take it for gone; ending the rank "
+                    f"(exit {EXIT_BEACON_FAILED})")
+
+        log.error("the beacon thread of %s failed; its traceback:", who, exc_info=exc)
+        stuck.thread_failed(self._main, line(), EXIT_BEACON_FAILED)
+        self.failure = line()
+        wait_s = self.silent_s / 2
+        if not self._stop.wait(wait_s):
+            stuck.end_rank(line(f" and its main thread reached no progress point in {wait_s:g} s"),
+                           EXIT_BEACON_FAILED)
 
     def stop(self, join_s: float = 5.0) -> None:
         """End the beats (the source's thread joined, its sends completed or cancelled) and

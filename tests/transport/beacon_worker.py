@@ -6,13 +6,18 @@ before a broadcast (as of a weight update's outcome);
 the others wait for it bounded by its beacon. Scenarios: `work` (rank 0 alive: every wait
 completes), `gone` (rank 0's beacon stops, as when it is killed or stopped: the waits fail
 naming it). Prints `rank R OK`, or `rank R TIMEOUT <seconds> <message>`. `levels`: each rank
-prints its MPI thread level and `thread_level_problem`'s verdict."""
+prints its MPI thread level and `thread_level_problem`'s verdict. `fails` (2 ranks, run with
+beacon.FAIL_ENV set): rank 0's beacon thread raises; with `main`, rank 0's main thread calls
+`stuck.progress()` as its loops do (it ends the rank there); with `idle`, it reaches no progress
+point (the beacon thread ends the rank itself). Rank 0 prints `rank 0 NOT ENDED` if it lives on."""
+import logging
 import os
 import sys
 import time
 
 from mpi4py import MPI
 
+from areal_hpc import stuck
 from areal_hpc.transport import mpi as coll
 from areal_hpc.transport.beacon import Beacon, thread_level_problem
 
@@ -30,6 +35,9 @@ def main(scenario: str) -> None:
             if turn == me:
                 print(f"rank {me} LEVEL {MPI.Query_thread()} {problem or 'ok'}", flush=True)
             world.Barrier()
+        return
+    if scenario == "fails":
+        fails(world, me, sys.argv[2])
         return
     coll.set_default_timeout(BOUND)
     beacon = Beacon(world, 0, ["host-a", "host-b", "host-c"], interval_s=0.2, silent_s=SILENT)
@@ -73,6 +81,24 @@ def main(scenario: str) -> None:
     # mpiexec ends the job once one rank exits without MPI_Finalize: stay until all reported
     time.sleep(max(0.0, t0 + SILENT + 5 - time.monotonic()))
     os._exit(0)
+
+
+def fails(world, me: int, how: str) -> None:
+    """Rank 0's beacon thread raises (beacon.FAIL_ENV). `main`: the others allow 60 s of silence
+    (the beacon thread would end the rank itself after 30), and rank 0's main thread reaches a
+    progress point every 10 ms. `idle`: 2 s (1 s), and the main thread reaches none."""
+    logging.basicConfig(level=logging.WARNING, format=f"[rank {me}] %(name)s: %(message)s")
+    beacon = Beacon(world, 0, ["host-a", "host-b"], interval_s=0.2,
+                    silent_s=60.0 if how == "main" else 2.0)
+    if me == 0:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 20:         # the rank ends well before (a few beats)
+            if how == "main":
+                stuck.progress()
+            time.sleep(0.01)
+        print(f"rank 0 NOT ENDED ({beacon.failure})", flush=True)
+        os._exit(0)
+    world.Barrier()             # waits for rank 0, which never comes: ended with it
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 """Waits for trainer rank 0's work are bounded by its liveness (areal_hpc/transport/beacon.py),
-not by the collectives' fixed bound: on a real 3-rank mpiexec job (no vLLM, no torch)."""
+not by the collectives' fixed bound: on a real 3-rank mpiexec job (no vLLM, no torch); a beacon
+thread that fails ends its rank with one line naming it (2-rank jobs)."""
 import os
 import re
 from pathlib import Path
 
 import pytest
+
+from areal_hpc.transport.beacon import EXIT_BEACON_FAILED, FAIL_ENV
 
 pytestmark = pytest.mark.slow     # starts MPI worlds (tests/conftest.py)
 
@@ -46,3 +49,27 @@ def test_a_thread_level_below_what_a_ranks_threads_need_is_named(run_distributed
                             "once): request it (mpi4py.rc.thread_level, "
                             "MPI4PY_RC_THREAD_LEVEL=multiple) from an MPI built with thread "
                             "support"), out[-3000:]
+
+
+@pytest.mark.parametrize("how", ["main", "idle"])
+def test_a_failed_beacon_thread_ends_its_rank_naming_it(run_distributed, how):
+    """Rank 0's beacon thread raises an MPI error at its third beat (beacon.FAIL_ENV). `main`:
+    its main thread, at its next `stuck.progress()`, ends the rank with one line naming it and
+    the exception (the others allow 60 s of silence: the beacon thread's own fallback would
+    wait 30). `idle`: its main thread reaches no progress point, and the beacon thread ends the
+    rank after half the others' 2 s. Either way the job fails, and rank 0 lives no further."""
+    proc = run_distributed.start(WORKER, 2, "fails", how, env={FAIL_ENV: "3"})
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        run_distributed.stop(proc)
+    assert proc.returncode != 0, out[-3000:]
+    assert "NOT ENDED" not in out, out[-3000:]
+    line = (r"^\[rank 0\] areal_hpc\.stuck: rank 0 \(trainer, host host-a, pid \d+\): its beacon "
+            r"thread failed \(mpi4py\.MPI\.Exception: Other MPI error\)"
+            + ("" if how == "main" else
+               r" and its main thread reached no progress point in 1 s")
+            + r": the other ranks would hear nothing from it and take it for gone; ending the "
+              rf"rank \(exit {EXIT_BEACON_FAILED}\)$")
+    assert len(re.findall(line, out, re.M)) == 1, out[-3000:]
+    assert "raise MPI.Exception(MPI.ERR_OTHER)" in out, out[-3000:]     # its traceback, logged
