@@ -156,6 +156,7 @@ class RankPlacement:
     local_rank: int             # among the ranks on its node
     local_size: int
     gpus: list[str] = field(default_factory=list)      # CUDA_VISIBLE_DEVICES after narrowing
+    offered: list[str] = field(default_factory=list)   # what the task was given, before it
     cpus: list[int] = field(default_factory=list)      # affinity
     bound: bool = False         # affinity narrower than the host: a task plugin placed it
     cpus_asked: int | None = None       # the het component's --cpus-per-task
@@ -175,9 +176,10 @@ def place_rank(topology, engine_tp: int, rank: int, role: str, nodes: list[str],
     local_rank, local_size = local_index(nodes, rank)
     p = RankPlacement(rank=rank, role=role, node=nodes[rank], host=socket.gethostname(),
                       local_rank=local_rank, local_size=local_size, address=address)
+    visible = visible_gpus(env)
+    p.offered = list(visible or []) if gpus_needed(topology, role, engine_tp) else []
     try:
-        p.gpus = choose_gpus(visible_gpus(env), gpus_needed(topology, role, engine_tp),
-                             local_rank, local_size)
+        p.gpus = choose_gpus(visible, gpus_needed(topology, role, engine_tp), local_rank, local_size)
     except PlacementError as exc:
         p.problems.append(str(exc))
     if apply and p.gpus:
@@ -269,6 +271,28 @@ def check(placements: list[RankPlacement]) -> list[str]:
     return out
 
 
+def p2p_hidden(placements: list[RankPlacement]) -> list[str]:
+    """Nodes whose trainer ranks were each given only their own GPUs (`srun --gpus-per-task`),
+    one line each. Where the site sets ConstrainDevices=yes, a task's device cgroup then holds
+    only those: its TP/DP peers' GPUs cannot be opened, and NCCL falls back from P2P/NVLink to
+    shared host memory between ranks of one node (at 32B, SP collectives on every layer: about
+    an hour more per step). Trainer ranks given the node's whole list (slurm/job.sh) narrow it
+    to their own GPU themselves and keep P2P. A warning, not a refusal: the job runs either way."""
+    out = []
+    for node in dict.fromkeys(p.node for p in placements if p.role == TRAINER):
+        ranks = [p for p in placements if p.node == node and p.role == TRAINER and p.gpus]
+        used = {g for p in ranks for g in p.gpus}
+        short = [p for p in ranks if not used <= set(p.offered)]
+        if len(ranks) > 1 and short:
+            p = short[0]
+            out.append(f"{node}: trainer rank {p.rank} was given GPU {','.join(p.offered)} only, while its "
+                       f"{len(ranks) - 1} node-mate(s) use {','.join(sorted(used - set(p.gpus), key=str))} "
+                       f"({len(short)} trainer rank(s) alike): under ConstrainDevices=yes NCCL cannot reach "
+                       f"them over P2P/NVLink; start the trainers' step without per-task GPU binding "
+                       f"(as slurm/job.sh does), each rank then takes its own GPU by local rank")
+    return out
+
+
 def table(placements: list[RankPlacement]) -> str:
     """Per node, which rank holds which GPUs and cores, and its interface."""
     lines = []
@@ -279,7 +303,7 @@ def table(placements: list[RankPlacement]) -> str:
                     else "cores planned") + (
                 f", {p.cpus_allocated} allocated" if p.cpus_allocated is not None else "") + (
                 f" (asked {p.cpus_asked})" if p.cpus_asked else "")
-            gpus = f"GPU {','.join(p.gpus)}" if p.gpus else "no GPU"
+            gpus = (f"GPU {','.join(p.gpus)} of {len(p.offered)}" if p.gpus else "no GPU")
             net = p.ifname if p.ifname == "auto" else f"{p.ifname} -> {','.join(p.interfaces) or 'none'}"
             lines.append(f"  rank {p.rank:>4} {p.role:<9} local {p.local_rank}/{p.local_size}  {gpus:<18} "
                          f"{cpus}  iface {net}" + (f"  gloo {p.gloo}" if p.gloo else ""))
@@ -328,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         print(table(placements), flush=True)
         for line in problems:
             print(f"error: placement: {line}", file=sys.stderr, flush=True)
+        for line in p2p_hidden(placements):
+            print(f"warning: placement: {line}", file=sys.stderr, flush=True)
         if not problems:
             print(f"placement: {len(placements)} rank(s) on {len({p.node for p in placements})} "
                   f"node(s), GPUs disjoint on every node", flush=True)

@@ -7,7 +7,7 @@ import pytest
 
 from areal_hpc.config import load
 from areal_hpc.launch.placement import (GENERATOR, TRAINER, PlacementError, RankPlacement, check, choose_gpus,
-                                        interface_matches, local_index, place_rank)
+                                        interface_matches, local_index, p2p_hidden, place_rank)
 
 EIGHT = [str(i) for i in range(8)]
 
@@ -27,6 +27,29 @@ def test_the_nodes_whole_list_is_sliced_by_local_rank():
     assert [choose_gpus(EIGHT, 1, r, 8) for r in range(8)] == [[g] for g in EIGHT]
     assert [choose_gpus(EIGHT, 2, r, 4) for r in range(4)] == [["0", "1"], ["2", "3"], ["4", "5"], ["6", "7"]]
     assert choose_gpus(EIGHT, 8, 0, 1) == EIGHT
+
+
+def _given(rank, node, offered, role=TRAINER, local=None, size=8, need=1):
+    lr = rank % size if local is None else local
+    return RankPlacement(rank=rank, role=role, node=node, host="h", local_rank=lr, local_size=size,
+                         gpus=choose_gpus(offered, need, lr, size), offered=list(offered))
+
+
+def test_trainer_ranks_each_given_their_own_gpu_only_are_flagged_for_p2p():
+    """Bound per task (srun --gpus-per-task=1), a trainer's device cgroup under ConstrainDevices
+    holds its GPU alone: its node-mates' GPUs, which NCCL's P2P needs, are hidden. Given the
+    node's list, each takes its own and sees the others'. Generators (an engine's TP workers in
+    one task) and a node with one trainer rank are not flagged."""
+    bound = [_given(r, "n1", [str(r)]) for r in range(8)] + [_given(8, "n2", ["0"], size=1)]
+    lines = p2p_hidden(bound)
+    assert len(lines) == 1 and lines[0].startswith(
+        "n1: trainer rank 0 was given GPU 0 only, while its 7 node-mate(s) use 1,2,3,4,5,6,7 "
+        "(8 trainer rank(s) alike): under ConstrainDevices=yes NCCL cannot reach them over P2P/NVLink")
+    shared = [_given(r, "n1", EIGHT) for r in range(8)]
+    assert [p.gpus for p in shared] == [[g] for g in EIGHT] and p2p_hidden(shared) == []
+    assert check(shared) == []
+    engines = [_given(r, "n1", EIGHT[4 * r:4 * r + 4], role=GENERATOR, size=2, need=4) for r in range(2)]
+    assert p2p_hidden(engines) == []
 
 
 def test_too_few_gpus_is_one_line():

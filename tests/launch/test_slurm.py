@@ -328,7 +328,7 @@ def test_preempted_submitit_job_resumes_after_requeue(slurm_env, jobs, tiny_mode
 # 128 CPUs per fake node, as GRES; Slurm binds them as on a real cluster) -----------------------
 
 GPU_RECIPES = [p for p in RECIPES if p.name != "areal_tiny.sh"]
-PLACED = re.compile(r"^(?:\d+:)?\s+rank\s+(\d+) (trainer|generator)\s+local (\d+)/(\d+)\s+(?:GPU (\S+)|no GPU)\s+"
+PLACED = re.compile(r"^(?:\d+:)?\s+rank\s+(\d+) (trainer|generator)\s+local (\d+)/(\d+)\s+(?:GPU (\S+) of (\d+)|no GPU)\s+"
                     r"cores unbound, (\d+) allocated \(asked (\d+)\)\s+iface (\S+)", re.M)
 
 
@@ -361,8 +361,9 @@ def _scaled_recipe(script: Path, tmp_path, tiny_model, edit=lambda text: text):
     args = [f"model.path={model}", f"data.train_path={tiny_model}/train.jsonl", "data.eval_path=null",
             f"output_dir={tmp_path}", f"topology.n_trainers={n_t}", f"topology.n_generators={n_g}",
             f"topology.pp={pp}",
-            # the memory plan and the step-time budget are for the full size, not this slice of it
-            "topology.gpu_mem_gib=0", "topology.gpu=''"]
+            # the memory plan, the step-time budget and the disk plan (1.3 TB of 32B checkpoints)
+            # are for the full size, not this slice of it on this box
+            "topology.gpu_mem_gib=0", "topology.gpu=''", "checkpoint.disk_margin_gb=null"]
     return scaled, args
 
 
@@ -381,10 +382,15 @@ def _gpu_env(jobs, slurm_env):
 @pytest.mark.parametrize("script", GPU_RECIPES, ids=lambda p: p.name)
 def test_gpu_recipe_places_every_rank_on_its_own_gpus_and_cores(slurm_env, jobs, tiny_model, tmp_path, script):
     """Each GPU recipe's #SBATCH layout (one node per component) through sbatch and the real
-    slurm/job.sh --dry-run: every rank reports the GPUs Slurm bound to it, disjoint on every node
-    (1 per trainer rank, rollout.engine_tp per generator rank), and the CPUs its component asked
-    for; the 32B recipe's allocation also runs the placement under a plain `srun --het-group=0,1`
-    (what submitit starts: every task sees the node's 8 GPUs) and each rank takes its own slice.
+    slurm/job.sh --dry-run: every rank reports the GPUs it took, disjoint on every node (1 per
+    trainer rank, rollout.engine_tp per generator rank), and the CPUs its component asked for.
+    Trainer tasks are given their node's every GPU (no per-task binding: under ConstrainDevices
+    a task's device cgroup is what it was given, and NCCL needs its TP/DP peers' GPUs for P2P)
+    and each takes its own by local rank; generator tasks are bound to their engine's GPUs. The
+    32B recipe's allocation also runs the placement under a plain `srun --het-group=0,1` (what
+    submitit starts: every task sees the node's 8 GPUs) and under the per-task binding job.sh
+    used before (`--gpus-per-task=1 --gpu-bind=per_task:1` for the trainers), which the dry
+    run flags: each trainer rank was given its own GPU only, its node-mates' hidden.
     The MPI world starts under slurm/site_gpu.sh's MPI default as shipped (the MPICH wheel over
     OFI, srun --mpi=pmi2): 8 ranks per node in the 1.5B and 7B layouts, where MPICH's default UCX
     can fail under pmi2, the likelier the busier the box (areal_hpc/launch/mpi_env.py).
@@ -392,8 +398,14 @@ def test_gpu_recipe_places_every_rank_on_its_own_gpus_and_cores(slurm_env, jobs,
     config, comps = _sbatch_components(script)
     cpt = [int(re.findall(r"--cpus-per-task=(\d+)", script.read_text())[k]) for k in (0, 1)]
     plain = script.name == "areal_32b.sh"
-    edit = (lambda t: t.replace("exec bash slurm/job.sh", 'srun --het-group=0,1 --mpi=pmi2 --kill-on-bad-exit=1 "$AREAL_PYTHON" '
-                                '-m mpi4py -m areal_hpc.launch.placement ' + config + ' "${@:2}"\n'
+    placement = '"$AREAL_PYTHON" -m mpi4py -m areal_hpc.launch.placement ' + config + ' "${@:2}"'
+    edit = (lambda t: t.replace("exec bash slurm/job.sh",
+                                'srun --het-group=0,1 --mpi=pmi2 --kill-on-bad-exit=1 ' + placement + '\n'
+                                'echo "per-task binding: the placement"\n'
+                                'srun --het-group=0 --mpi=pmi2 --kill-on-bad-exit=1 --gpus-per-task=1 '
+                                '--gpu-bind=per_task:1 ' + placement + ' : --het-group=1 --gpus-per-task=8 '
+                                '--gpu-bind=per_task:8 ' + placement + ' 2>&1\n'
+                                'echo "per-task binding: done"\n'
                                 'exec bash slurm/job.sh')) if plain else (lambda t: t)
     scaled, args = _scaled_recipe(script, tmp_path, tiny_model, edit)
     engine_tp = load(ROOT / config, ["model.path=x", "data.train_path=x"]).rollout.engine_tp
@@ -408,15 +420,31 @@ def test_gpu_recipe_places_every_rank_on_its_own_gpus_and_cores(slurm_env, jobs,
         _sh("scancel", "-n", name, env=slurm_env, check=False)
     log = out.read_text(errors="replace") if out.exists() else ""
     assert r.returncode == 0, (r.stderr[-2000:], log[-4000:])
+    assert "each trainer task sees its node's GPUs and takes its own by local rank" in log
+    if plain:       # the per-task binding: each trainer given its GPU alone, flagged
+        before, _, rest = log.partition("per-task binding: the placement")
+        bound, _, after = rest.partition("per-task binding: done")
+        offered = [(m[1], int(m[5])) for m in PLACED.findall(bound)]
+        assert [n for role, n in offered if role == "trainer"] == [1] * 8, bound[-3000:]
+        assert re.search(r"warning: placement: \S+: trainer rank 0 was given GPU 0 only, while "
+                         r"its 7 node-mate\(s\) use 1,2,3,4,5,6,7 \(8 trainer rank\(s\) alike\): "
+                         r"under ConstrainDevices=yes NCCL cannot reach them", bound), bound[-3000:]
+        assert "warning: placement" not in before + after
+        log = before + after
     runs = log.split("dry run: the placement")
     assert len(runs) == 2, log[-3000:]
     assert "MPI: srun --mpi=pmi2; FI_PROVIDER=tcp MPIR_CVAR_CH4_NETMOD=ofi\n" in log, log[-3000:]   # the site file's alone
     srun_line = runs[1].splitlines()[0]
-    assert f"--cpus-per-task={cpt[0]} " in srun_line.split(" : ")[0], srun_line
+    trainers_opts = srun_line.split(" : ")[0] + " "
+    assert f"--cpus-per-task={cpt[0]} " in trainers_opts and "--gpu" not in trainers_opts, srun_line
     assert f"--cpus-per-task={cpt[1]} " in srun_line.split(" : ")[1], srun_line
     for i, part in enumerate(runs if plain else runs[1:]):
         placed = [(int(rk), role, int(lr), int(ls), g.split(",") if g else [], int(alloc), int(asked), iface)
-                  for rk, role, lr, ls, g, alloc, asked, iface in PLACED.findall(part)]
+                  for rk, role, lr, ls, g, of, alloc, asked, iface in PLACED.findall(part)]
+        given = {int(rk): int(of) for rk, role, lr, ls, g, of, *_ in PLACED.findall(part) if of}
+        n_t = comps[0].ntasks_per_node
+        assert all(given[rk] == 8 for rk in range(n_t)), given     # a trainer sees its node's GPUs
+        assert all(given[rk] == engine_tp for rk in given if rk >= n_t), given
         n_t, n_g = comps[0].ntasks_per_node, comps[1].ntasks_per_node
         assert [p[0] for p in placed] == list(range(n_t + n_g)), part[-3000:]
         assert "GPUs disjoint on every node" in part and "rendezvous: " in part
