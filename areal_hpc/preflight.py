@@ -3,10 +3,12 @@ file or row, before any rank spends node time:
 
 - `launcher(config, overrides)`: what every launcher (mpiexec, the slurm/ batch scripts through
   `launch/env.py`, submitit) runs on the submitting host: the config (schema, ranges and
-  cross-field rules: config/rules.py), every rank's memory estimate against its GPU (plan/memory.py),
+  cross-field rules: config/rules.py), every rank's memory estimate against its GPU (plan/memory.py)
+  and each node's host memory against topology.host_mem_gib (plan/host_memory.py),
   a step and its checkpoint against the preemption signal's lead (plan/budget.py), the installed
   torch / vLLM / Megatron releases, the tiny model built if the config names it, the inputs
-  (`check_inputs`), and the sandbox for code rewards.
+  (`check_inputs`), the run directory's file system and free space (storage/disk.py), and the
+  sandbox for code rewards.
 - `rank(config, overrides)`: what each rank runs on its own node (the files may live on a
   filesystem the login node does not see): the config, the inputs, the releases.
 - `generator_node(cfg)`: what a generator checks on its node before its engine and reward
@@ -28,7 +30,9 @@ output_dir/name itself, not a symlink to elsewhere (storage/run_dir.py `place`).
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -47,11 +51,13 @@ from .data.prompts import (RenderTimeout, load_prompts_of, prompt_ids, read_chat
                            too_many_chars)
 from .env import base as env_base
 from .env import runner as env_runner
-from .launch.placement import gather_and_check
-from .plan import Arch, check_fits
+from .launch.placement import gather_and_check, p2p_hidden
+from .plan import Arch, check_fits, read_arch
 from .plan.budget import check_time
+from .plan.host_memory import check_host_fits
 from .reward import custom
 from .reward.sandbox import Sandbox, SandboxUnavailable, check_available
+from .storage import disk
 from .storage.checkpoint import find_latest
 from .storage.run_dir import RunDir, is_complete, place
 from .versions import check_versions
@@ -62,6 +68,9 @@ TINY_MODEL = Path("models/tiny")
 BUILT_MODELS = {TINY_MODEL: [], Path("models/tiny_answer"): ["--format", "answer"],
                 Path("models/tiny_tool"): ["--format", "tool"],
                 Path("models/tiny_native"): ["--format", "native"]}
+
+log = logging.getLogger(__name__)
+DRY_RUN_ENV = "AREAL_DRY_RUN"     # slurm/job.sh --dry-run: placement only (the disk check warns)
 
 
 def ensure_tiny_model(cfg: RunConfig) -> None:
@@ -82,10 +91,13 @@ def launcher(config: str, overrides: list[str]) -> RunConfig:
     the key."""
     cfg = load(config, overrides)
     check_fits(cfg)
+    check_host_fits(cfg)  # each node's host memory against topology.host_mem_gib (plan/host_memory.py)
     check_time(cfg)  # topology.gpu set: a step + its checkpoint within the signal's lead (else a warning)
     check_versions(cfg.topology.device)  # VersionMismatch: installed torch/vLLM/Megatron differ
     ensure_tiny_model(cfg)
     check_inputs(cfg)
+    # the run dir's file system said (HDF5 locking); room for its checkpoints (storage/disk.py)
+    disk.check_start(cfg, read_arch(cfg).total_params, dry_run=os.environ.get(DRY_RUN_ENV) == "1")
     generator_node(cfg)  # data.kind=code: refuse where code cannot be sandboxed (or warn if unsafe)
     if cfg.deterministic:
         print(f"[launch] {determinism.summary(cfg.topology.device)}", file=sys.stderr, flush=True)
@@ -135,8 +147,10 @@ def placed(cfg: RunConfig, topo, world) -> list[int] | None:
     GPUs (CUDA_VISIBLE_DEVICES narrowed to its own), cores and interface, checked together on
     rank 0 (a wrong layout refuses the start on every rank), then this rank's CPUs checked and
     bound. Returns the CPUs it is bound to (None: not bound). Raises Refused."""
-    _, _, problems = gather_and_check(world, cfg.topology, cfg.rollout.engine_tp, topo.rank,
-                                      topo.role, topo.controller_addr)
+    _, placements, problems = gather_and_check(world, cfg.topology, cfg.rollout.engine_tp,
+                                               topo.rank, topo.role, topo.controller_addr)
+    for line in p2p_hidden(placements) if placements else ():     # rank 0
+        log.warning("placement: %s", line)
     if problems:
         more = (f" (and {len(problems) - 1} more; slurm/job.sh --dry-run prints the table)"
                 if len(problems) > 1 else "")

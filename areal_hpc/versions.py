@@ -2,9 +2,9 @@
 
 The weight path reaches into vLLM internals (`worker_extension_cls` mixed into the Worker,
 `Worker.reload_weights(weights_iterator=...)`, `LLMEngine.collective_rpc`/`reset_prefix_cache`,
-`vllm.inputs.engine.tokens_input`, `platform.stateless_init_device_torch_dist_pg`,
-`vllm.distributed.utils.init_gloo_process_group`, `vllm.utils.nccl.unpinned_nccl_env`) and the
-trainer into Megatron-core's (the local layer spec, DDP, optimizer, schedules), which change
+`vllm.inputs.engine.tokens_input`, `vllm.utils.nccl.unpinned_nccl_env`; the weight group itself
+is torch's stateless ProcessGroup, transport/weights/broadcast.py) and the trainer into
+Megatron-core's (the local layer spec, DDP, optimizer, schedules), which change
 between releases. `check_versions(device)` runs at start-up and stops with one line naming what
 differs, before any rank spends node time.
 

@@ -36,7 +36,7 @@ say() { echo "[job $(date +%T)] $*"; }
 config=${1:?usage: bash slurm/job.sh CONFIG [--dry-run] [key=value ...]}
 shift
 dry_run=
-if [ "${1:-}" = --dry-run ]; then dry_run=1; shift; fi
+if [ "${1:-}" = --dry-run ]; then dry_run=1; shift; export AREAL_DRY_RUN=1; fi   # preflight: disk warns
 [ -f slurm/job.sh ] || { say "error: submit from the repository root (cwd is $PWD)"; exit 2; }
 if [ -n "${AREAL_PYTHON:-}" ]; then py=$AREAL_PYTHON
 elif [ -x .venv/bin/python ]; then py=$PWD/.venv/bin/python
@@ -85,6 +85,10 @@ requeue() {
   exit 0
 }
 
+# vLLM's compile cache on each node's own disk: launch/env.py's default (the repository's
+# .cache/vllm, kept by the local launcher) is on the shared file system at a site, where every
+# generator node would compile into it at once. A VLLM_CACHE_ROOT the job or the site set wins.
+export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-${SLURM_TMPDIR:-${TMPDIR:-/tmp}}/areal_hpc-vllm-cache-$(id -u)}
 exports=$("$py" -m areal_hpc.launch.env "$config" "$@") || exit $?
 eval "$exports"
 if [ "${SLURM_HET_SIZE:-1}" != 2 ] || [ "${SLURM_NTASKS_HET_GROUP_0:-}" != "$AREAL_N_TRAINERS" ] \
@@ -125,13 +129,22 @@ for k in 0 1; do
     exit 2
   fi
 done
-# Each component's step options: its cores per task and, on GPUs, its GPUs per task.
+# Each component's step options: its cores per task and, on GPUs, its GPUs per task. The trainers'
+# step is not bound per task: on a site with ConstrainDevices=yes a task bound to one GPU can open
+# no other, and NCCL loses P2P/NVLink between the TP/DP ranks of a node. Each trainer task sees its
+# node's GPUs and takes its own by local rank (areal_hpc/launch/placement.py; the dry run shows it).
+# A generator's engine (its TP workers) lives in one task: bound to its engine_tp GPUs.
 component() {   # component K GPUS_PER_TASK
   local cpt
   cpt=$(printenv "SLURM_CPUS_PER_TASK_HET_GROUP_$1" || true)
   echo "--het-group=$1 --mpi=$mpi --kill-on-bad-exit=1 --label${cpt:+ --cpus-per-task=$cpt}"
-  if [ "$2" -gt 0 ]; then echo "--gpus-per-task=$2 --gpu-bind=per_task:$2"; fi
+  if [ "$2" -gt 0 ] && [ "$1" != 0 ]; then echo "--gpus-per-task=$2 --gpu-bind=per_task:$2"; fi
 }
+if [ "$AREAL_GPUS_PER_TRAINER" -gt 0 ]; then
+  say "GPUs: each trainer task sees its node's GPUs and takes its own by local rank (no per-task" \
+      "binding: NCCL keeps P2P/NVLink between trainer ranks under ConstrainDevices=yes); each" \
+      "generator task is bound to its engine's $AREAL_GPUS_PER_GENERATOR GPU(s)"
+fi
 # shellcheck disable=SC2046   # word splitting of the options is intended
 read -ra opts0 <<<"$(component 0 "$AREAL_GPUS_PER_TRAINER" | tr '\n' ' ')"
 read -ra opts1 <<<"$(component 1 "$AREAL_GPUS_PER_GENERATOR" | tr '\n' ' ')"

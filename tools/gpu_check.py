@@ -34,6 +34,12 @@ Checks, each timed and guarded (a failure is printed and the next check runs):
    in the launchers) and builds its Actor in Megatron's
    deterministic_mode with torch's deterministic algorithms; its step time side by side with
    check 3's of this run, and whether its two timed steps' losses repeat in a second child.
+6-9. What the job does when things go wrong on GPUs (tools/gpu_faults.py, its docstring): the
+   NCCL version against deterministic mode's floor; how long a SIGKILLed process's GPU memory
+   takes to come back (an engine restart waits for it); the weight group with a worker killed
+   between and inside updates (the host's deadline, the abort, the re-formed group); P2P between
+   ranks that narrowed CUDA_VISIBLE_DEVICES to their own GPU. Checks 8 and 9 need 2+ GPUs (3 for
+   a TP-2 engine) and say so on fewer; the dry run runs 8 on gloo.
 """
 from __future__ import annotations
 
@@ -513,7 +519,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="4k pack only, 2 timed steps, bf16 compare only")
     ap.add_argument("--packs", type=int, nargs="+", help="pack sizes for check 3 (default 4096 16384)")
     ap.add_argument("--steps", type=int, help="timed steps per case in check 3 (default 3)")
-    ap.add_argument("--only", type=int, nargs="+", choices=[1, 2, 3, 4, 5], help="run only these checks")
+    ap.add_argument("--only", type=int, nargs="+", choices=range(1, 10), help="run only these checks")
     ap.add_argument("--recompute", choices=["off", "full"], nargs="+", help="check 3's cases (default both)")
     ap.add_argument("--deterministic", action="store_true",
                     help="the Actor in `deterministic: true` (check 5 runs itself with it)")
@@ -555,7 +561,7 @@ def main(argv=None) -> int:
     else:
         packs, timed = args.packs or ([4096] if args.quick else [4096, 16384]), args.steps or (2 if args.quick else 3)
     dtypes = [env.dtype] if (args.quick or not env.cuda) else ["bfloat16", "float32"]
-    only = set(args.only or [1, 2, 3, 4, 5])
+    only = set(args.only or range(1, 10))
 
     report(f"# areal_hpc GPU check ({time.strftime('%Y-%m-%d %H:%M:%S')}, {platform.node()})")
     report()
@@ -585,13 +591,24 @@ def main(argv=None) -> int:
     if 5 in only:
         with guarded(report, "5. deterministic: true, its cost and repeat", status):
             check_deterministic(report, env, cases, packs[0], timed, out, 1 if args.quick else 2)
+    faults = {}
+    if only & {6, 7, 8, 9}:
+        sys.path.insert(0, str(ROOT / "tools"))
+        import gpu_faults
+        for k, name, fn in ((6, "6. NCCL version", gpu_faults.check_nccl_version),
+                            (7, "7. GPU memory after a SIGKILL", gpu_faults.check_memory_release),
+                            (8, "8. weight group with a dead member", gpu_faults.check_weight_group),
+                            (9, "9. P2P between ranks with narrowed devices", gpu_faults.check_p2p)):
+            if k in only:
+                with guarded(report, name, status):
+                    faults[k] = fn(report, env.cuda)
     report("## Summary")
     report()
     report.table(["check", "result"], [[k, v] for k, v in status.items()])
     report(f"total {time.perf_counter() - t_start:.1f} s; results in {out}")
     with contextlib.suppress(Exception):
-        (out.parent / "gpu_check.json").write_text(json.dumps({"status": status, "cases": cases}, indent=1,
-                                                                default=str))
+        (out.parent / "gpu_check.json").write_text(json.dumps({"status": status, "cases": cases,
+                                                               "faults": faults}, indent=1, default=str))
     shutil.rmtree(env.tmp, ignore_errors=True)
     with contextlib.suppress(Exception):
         torch.distributed.destroy_process_group()

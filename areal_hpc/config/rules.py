@@ -100,6 +100,7 @@ RANGES: dict[str, Range] = {
     "topology.tp": _RANKS,
     "topology.pp": _RANKS,
     "topology.gpu_mem_gib": Range(0, 65536, why=" (0 = no memory preflight)"),
+    "topology.host_mem_gib": Range(0, 1 << 24, why=" (GiB of a node; 0 = no host-memory preflight)"),
     "topology.mfu": Range(0, 1, lo_open=True, why=" (model-FLOPs utilisation)"),
     "rollout.group_size": Range(1, 65536),
     "rollout.max_new_tokens": _COUNT,
@@ -160,6 +161,7 @@ RANGES: dict[str, Range] = {
     "checkpoint.keep": _COUNT,
     "checkpoint.export_chunk_mb": Range(1, 65536),
     "checkpoint.async_max_host_gb": Range(0, 1 << 20, why=" (GiB; 0 = no bound)"),
+    "checkpoint.disk_margin_gb": Range(0, 1 << 20, why=" (GiB; or null: no free-space check)"),
     "checkpoint.signal_lead_s": Range(0, MAX_TIMEOUT_S, why=" (seconds; 0 = from the batch script)"),
     "checkpoint.time_limit_s": Range(0, MAX_TIMEOUT_S, why=" (seconds; 0 = from Slurm)"),
 }

@@ -79,6 +79,11 @@ class TopologyConfig:
     # Memory of one GPU, for the preflight (`python -m areal_hpc.plan memory`): every launcher
     # refuses a config whose per-GPU estimate exceeds it before any rank starts. 0 = no check.
     gpu_mem_gib: float = 80.0
+    # Memory (RAM) of one node, for the host-memory preflight (`python -m areal_hpc.plan memory`
+    # prints each node's terms and the `#SBATCH --mem` they need: areal_hpc/plan/host_memory.py):
+    # every launcher refuses a config whose trainer or generator node needs more before any rank
+    # starts. 0 = unknown, not checked.
+    host_mem_gib: float = 0.0
     gpu: str = ""                       # GPU model for the step-time preflight (h100, h200, a100, b200: areal_hpc/plan/budget.py); "" = no time check
     mfu: float = 0.35                   # model-FLOPs utilisation the step-time estimate assumes (python -m areal_hpc.plan time)
     # CPU placement on each node (areal_hpc.cpus), as taskset writes a list: "0", "0-3",
@@ -350,6 +355,12 @@ class CheckpointConfig:
     # synchronous. 0 = no bound.
     async_max_host_gb: float = 32.0
     export_chunk_mb: int = 2048         # policy/: shard size, the most a rank holds of the export
+    # Free space (storage/disk.py): at the launch and before each save the run directory's file
+    # system must hold what is about to be written (the checkpoints written before the oldest is
+    # deleted, keep + 1 at most; the rollout log's growth until the next save) plus this many GiB;
+    # else the start, or the save before its first byte, is refused with one line (exit 2, the
+    # newest checkpoint kept). null: no check.
+    disk_margin_gb: Optional[float] = 1.0
 
 
 @dataclass

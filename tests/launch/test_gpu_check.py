@@ -16,7 +16,8 @@ satisfied in X) plus a probe wheel built here that X lacks; PIP_INDEX_URL points
 Covered: interpreter / torch / CUDA / wheels / pip detection and their one-line refusals, the
 offline install into the interpreter (pip resolves the pins against what is installed, installs
 the missing probe from the folder), the version report, the imports gpu_check.py needs without
-vLLM, and `--dry-run`'s CPU run of all five checks (tiny model, quick). Not covered: the real
+vLLM, and `--dry-run`'s CPU run of all nine checks (tiny model, quick; check 8's weight group on
+gloo, its engine workers without vLLM). Not covered: the real
 wheels (cp312 manylinux, downloaded by `--fetch-wheels`; this .venv is CPython 3.11), and
 everything CUDA: the NCCL step, the FlashAttention varlen kernel, timings and peak memory.
 """
@@ -119,8 +120,19 @@ def test_dry_run_installs_offline_and_runs_cpu_checks(machine, tmp_path):
     assert "dry run: CUDA measurements left out" in out
     summary = out[out.index("## Summary"):]
     for check in ("Environment", "1. Megatron-core", "2. attention varlen", "3. Train-step", "4. Peak memory",
-                  "5. deterministic"):
+                  "5. deterministic", "6. NCCL version", "7. GPU memory", "8. weight group", "9. P2P"):
         assert f"| {check}" in summary and "FAILED" not in summary, summary
+    # check 8 on gloo without vLLM: a worker killed between updates and inside one, the group
+    # re-formed each time with a new worker, every update after a re-forming delivered
+    import re
+    events = dict(re.findall(r"^\| (gen \d[^|]*?) \| [\d.]+ \| [\d.]+ \| ([^|]*?) \|$", out, re.M))
+    for k in ("gen 0: update", "gen 1 (re-formed, a new worker): update",
+              "gen 2 (re-formed, a new worker): update"):
+        assert events[k].startswith("ok:"), events
+    assert not events["gen 0: update, a worker SIGKILLed since the last one"].startswith("ok"), events
+    # (inside an update, gloo may have handed every bucket to the sockets before the worker
+    # died: the sender's outcome there is reported, not asserted; on NCCL it cannot finish)
+    assert "gen 1: update, a worker SIGKILLed inside it" in events, events
     # check 5 (--quick: one child): the deterministic child ran with the mode
     assert "One child (--quick): no repeat check." in out, out
     assert "deterministic: true (Megatron deterministic_mode" in (tmp_path / "deterministic_1/gpu_check.txt").read_text()

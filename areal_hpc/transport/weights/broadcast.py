@@ -44,14 +44,13 @@ class WeightGroupAddress:
 def init_weight_group(address: WeightGroupAddress, rank: int) -> torch.distributed.ProcessGroup:
     """Join the weight group at `address` as `rank`; blocks until every member has joined.
 
-    A stateless group (no torch.distributed global state), so it lives beside Megatron's and
-    vLLM's groups. Trainer stage senders join here; vLLM workers through
+    A stateless group (`stateless_group`: no torch.distributed global state), so it lives beside
+    Megatron's and vLLM's groups. Trainer stage senders join here; vLLM workers through
     `WeightSyncExtension.init_weight_group`. For NCCL, set this process's CUDA device first;
     every member then makes the group's communicator here, with one broadcast of one element,
     under `unpinned_nccl_env` (batch invariance's NCCL pins left out, see there).
     """
     from torch.distributed import PrefixStore
-    from vllm.distributed.utils import init_gloo_process_group
 
     a, world_size, backend = address, address.world_size, address.backend
     default = torch.distributed.distributed_c10d._get_default_timeout(backend)
@@ -66,7 +65,7 @@ def init_weight_group(address: WeightGroupAddress, rank: int) -> torch.distribut
     store.set_timeout(timeout)
     prefix = PrefixStore(name, store)
     if backend == "gloo":
-        return init_gloo_process_group(prefix, rank, world_size, timeout)
+        return stateless_group(prefix, rank, world_size, timeout, "gloo")
     # NCCL's watchdog gets WATCHDOG_GRACE_S beyond the host's deadline (`finish`), which acts
     # first: it aborts the group and raises, and the update is sent again over a re-formed one.
     with unpinned_nccl_env(), nccl_errors_raised():
@@ -125,16 +124,36 @@ def _join_nccl(prefix, rank: int, world_size: int, timeout,
     its first collective, and NCCL reads its environment then, so the first update would
     otherwise make it outside `unpinned_nccl_env`. One element broadcast from rank 0 does it,
     waited for on the host within the join's bound."""
-    from vllm.platforms import current_platform
-
-    group = current_platform.stateless_init_device_torch_dist_pg(
-        backend="nccl", prefix_store=prefix, group_rank=rank, group_size=world_size, timeout=timeout
-    )
+    group = stateless_group(prefix, rank, world_size, timeout, "nccl")
     work = group.broadcast(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())),
                            root=0)
     finish(work, join_s, group, "joining the NCCL weight group (its first broadcast)",
            "weights.join_timeout_s")
     return group
+
+
+def stateless_group(store, rank: int, world_size: int, timeout, backend: str):
+    """A process group over `store` that touches no torch.distributed global state (no default
+    group, no group registry), so it lives beside Megatron's and vLLM's: torch's ProcessGroup
+    with one backend registered for its device, as vLLM makes its own stateless groups. torch
+    alone: a trainer rank, or a machine without vLLM (tools/gpu_faults.py), can make it."""
+    from torch.distributed import ProcessGroup
+
+    pg = ProcessGroup(store, rank, world_size)
+    if backend == "gloo":
+        from torch.distributed.distributed_c10d import ProcessGroupGloo
+        impl = ProcessGroupGloo(store, rank, world_size, timeout=timeout)
+        kind, device = ProcessGroup.BackendType.GLOO, torch.device("cpu")
+    else:
+        from torch.distributed.distributed_c10d import ProcessGroupNCCL
+        options = ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        impl = ProcessGroupNCCL(store, rank, world_size, options)
+        kind, device = ProcessGroup.BackendType.NCCL, torch.device("cuda")
+    pg._set_default_backend(kind)
+    impl._set_sequence_number_for_group()
+    pg._register_backend(device, kind, impl)
+    return pg
 
 
 # What NCCL's watchdog gives a weight-group collective beyond weights.timeout_s, the host's own
@@ -210,8 +229,10 @@ def unpinned_nccl_env() -> contextlib.AbstractContextManager:
     only with NCCL >= 2.29.7 (NCCL_NO_CACHE); with an older NCCL it says so once, and the pins
     then apply to this group too. A vLLM without the context gets a warning: the group is then
     made with the pins (tests/test_determinism.py checks the installed vLLM has it)."""
-    import vllm.envs
-
+    try:
+        import vllm.envs
+    except ImportError:     # no vLLM here (a trainer node, tools/gpu_faults.py): nothing pinned
+        return contextlib.nullcontext()
     if not vllm.envs.VLLM_BATCH_INVARIANT:
         return contextlib.nullcontext()
     try:
