@@ -9,8 +9,8 @@
 #    het group 1 = topology.n_generators tasks.
 # 3. One MPI world over both components: one `srun` in the colon form (component 0's options :
 #    component 1's), so that each component gets its own `-c` (Slurm >= 22.05 does not pass
-#    --cpus-per-task on to srun: without -c every rank would be bound to one core) and its own
-#    GPUs per task (--gpus-per-task: 1 per trainer rank, rollout.engine_tp per generator rank),
+#    --cpus-per-task on to srun: without -c every rank would be bound to one core), each task
+#    seeing its node's GPUs (no per-task binding: see component() below),
 #    in the background so that a trapped USR1/TERM is handled at once (bash runs traps only
 #    between commands); its output goes to <run dir>/logs/job-<id>/attempt-<SLURM_RESTART_COUNT>/
 #    ranks.log. Each rank then checks its placement (areal_hpc/launch/placement.py: disjoint GPUs
@@ -129,25 +129,25 @@ for k in 0 1; do
     exit 2
   fi
 done
-# Each component's step options: its cores per task and, on GPUs, its GPUs per task. The trainers'
-# step is not bound per task: on a site with ConstrainDevices=yes a task bound to one GPU can open
-# no other, and NCCL loses P2P/NVLink between the TP/DP ranks of a node. Each trainer task sees its
-# node's GPUs and takes its own by local rank (areal_hpc/launch/placement.py; the dry run shows it).
-# A generator's engine (its TP workers) lives in one task: bound to its engine_tp GPUs.
-component() {   # component K GPUS_PER_TASK
+# Each component's step options: its cores per task. No per-task GPU binding (--gpus-per-task):
+# on a site with ConstrainDevices=yes a task bound to its GPUs can open no other, so NCCL loses
+# P2P/NVLink between the TP/DP ranks of a node, and Slurm renumbers each task's GPUs from 0, so
+# the ranks of a node cannot tell theirs apart. Each task sees its node's GPUs and takes its own
+# by local rank (areal_hpc/launch/placement.py; the dry run shows it), an engine's TP workers
+# within its task's share.
+component() {   # component K
   local cpt
   cpt=$(printenv "SLURM_CPUS_PER_TASK_HET_GROUP_$1" || true)
   echo "--het-group=$1 --mpi=$mpi --kill-on-bad-exit=1 --label${cpt:+ --cpus-per-task=$cpt}"
-  if [ "$2" -gt 0 ] && [ "$1" != 0 ]; then echo "--gpus-per-task=$2 --gpu-bind=per_task:$2"; fi
 }
 if [ "$AREAL_GPUS_PER_TRAINER" -gt 0 ]; then
-  say "GPUs: each trainer task sees its node's GPUs and takes its own by local rank (no per-task" \
-      "binding: NCCL keeps P2P/NVLink between trainer ranks under ConstrainDevices=yes); each" \
-      "generator task is bound to its engine's $AREAL_GPUS_PER_GENERATOR GPU(s)"
+  say "GPUs: each task sees its node's GPUs and takes its own by local rank ($AREAL_GPUS_PER_TRAINER" \
+      "per trainer, $AREAL_GPUS_PER_GENERATOR per generator; no per-task binding: NCCL keeps P2P/NVLink" \
+      "between a node's ranks under ConstrainDevices=yes)"
 fi
 # shellcheck disable=SC2046   # word splitting of the options is intended
-read -ra opts0 <<<"$(component 0 "$AREAL_GPUS_PER_TRAINER" | tr '\n' ' ')"
-read -ra opts1 <<<"$(component 1 "$AREAL_GPUS_PER_GENERATOR" | tr '\n' ' ')"
+read -ra opts0 <<<"$(component 0)"
+read -ra opts1 <<<"$(component 1)"
 if [ -n "$dry_run" ]; then
   say "dry run: the placement of every rank (srun ${opts0[*]} : ${opts1[*]})"
   rank=(-m mpi4py -m areal_hpc.launch.placement "$config" "$@")

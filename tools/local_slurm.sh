@@ -19,8 +19,10 @@
 # Slurm then does what a real GPU cluster
 # does: sets CUDA_VISIBLE_DEVICES / SLURM_STEP_GPUS per task from --gpus-per-task or --gpu-bind,
 # the whole node's list otherwise, and refuses a step that asks for more CPUs or GPUs than its
-# allocation holds. Cores are not bound (TaskPlugin=task/none: a fake count cannot be bound to 2
-# real cores), so what a test checks is the allocation each step got, not the affinity.
+# allocation holds. Cores are not bound (a fake count cannot be bound to 2 real cores), so what
+# a test checks is the allocation each step got, not the affinity. GPU devices are: with cgroup
+# v1's devices controller on the host (and not under AREAL_SLURM_NETNS), TaskPlugin=task/cgroup
+# with ConstrainDevices=yes, so a task opens only the placeholder devices of the GPUs it was given.
 # AREAL_SLURM_GPUS=0: plain CPU nodes (also what happens without root: no mknod).
 #
 # Environment: AREAL_SLURM_DIR (state; default <repo>/.cache/slurm), AREAL_SLURM_PORT (first of 20
@@ -170,7 +172,7 @@ make_gpu_devices() {   # make_gpu_devices -> sets gpus=0 when they cannot be mad
 }
 
 write_conf() {   # write_conf N -> $conf.new (and $etc/gres.conf.new)
-  local n=$1 cpus mem i gres=
+  local n=$1 cpus mem i gres= task_plugin
   cpus=$fake_cpus
   mem=$(awk '/MemTotal/ {print int($2 / 1024)}' /proc/meminfo)
   if [ "$gpus" -gt 0 ]; then
@@ -186,6 +188,17 @@ write_conf() {   # write_conf N -> $conf.new (and $etc/gres.conf.new)
     } >"$etc/gres.conf.new"
   else
     echo "# Written by tools/local_slurm.sh: no GPUs." >"$etc/gres.conf.new"
+  fi
+  # Device cgroups, as GPU sites set them (ConstrainDevices=yes): a task may open the GPU device
+  # files of the GPUs it was given and no other (EPERM; an allowed placeholder gives ENXIO, no
+  # driver). Cores and memory are not constrained (fake counts). On the simulated GPU nodes of
+  # the plain cluster, where the host has cgroup v1's devices controller; not on the netns one.
+  task_plugin=task/none
+  if [ "$gpus" -gt 0 ] && [ "$netns" != 1 ] && [ -d /sys/fs/cgroup/devices ]; then
+    task_plugin=task/cgroup
+    printf '%s\n' "# Written by tools/local_slurm.sh." "CgroupPlugin=cgroup/v1" \
+      "CgroupMountpoint=/sys/fs/cgroup" "ConstrainDevices=yes" "ConstrainCores=no" \
+      "ConstrainRAMSpace=no" >"$etc/cgroup.conf"
   fi
   {
     echo "# Written by tools/local_slurm.sh: $n fake nodes on this host. Edits are overwritten."
@@ -205,7 +218,7 @@ write_conf() {   # write_conf N -> $conf.new (and $etc/gres.conf.new)
     echo "SlurmdLogFile=$log/slurmd-%n.log"
     echo "TmpFS=$dir/tmp/%n"                       # fake nodes must not share pmix's tmp dirs
     echo "ProctrackType=proctrack/linuxproc"
-    echo "TaskPlugin=task/none"
+    echo "TaskPlugin=$task_plugin"
     echo "JobAcctGatherType=jobacct_gather/none"
     [ "$gpus" -gt 0 ] && echo "GresTypes=gpu"
     echo "SelectType=select/cons_tres"

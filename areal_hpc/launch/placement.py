@@ -235,12 +235,19 @@ def check(placements: list[RankPlacement]) -> list[str]:
     for p in placements:
         by_node.setdefault(p.node, []).append(p)
     for node, ps in by_node.items():
-        seen: dict[str, int] = {}
+        seen: dict[str, RankPlacement] = {}
         for p in ps:
             for g in p.gpus:
                 if g in seen:
-                    out.append(f"{node}: GPU {g} is given to rank {seen[g]} and rank {p.rank}")
-                seen.setdefault(g, p.rank)
+                    q = seen[g]
+                    # Each given exactly its own GPUs (bound per task): under ConstrainDevices
+                    # Slurm numbers every task's GPUs from 0, so "the same" GPU may be two.
+                    why = (" (each was given only its own GPUs: under ConstrainDevices=yes Slurm "
+                           "numbers every task's GPUs from 0, so the ranks cannot tell theirs "
+                           "apart; start the step without per-task GPU binding, as slurm/job.sh "
+                           "does)") if p.offered == p.gpus and q.offered == q.gpus else ""
+                    out.append(f"{node}: GPU {g} is given to rank {q.rank} and rank {p.rank}{why}")
+                seen.setdefault(g, p)
         # Cores: ranks with the same mask share a pool on purpose (task/cgroup confines a step's
         # tasks to one cpuset; mpiexec under taskset); masks that differ but intersect are a
         # binding gone wrong (two tasks pinned to one core).

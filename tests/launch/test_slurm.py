@@ -328,6 +328,17 @@ def test_preempted_submitit_job_resumes_after_requeue(slurm_env, jobs, tiny_mode
 # 128 CPUs per fake node, as GRES; Slurm binds them as on a real cluster) -----------------------
 
 GPU_RECIPES = [p for p in RECIPES if p.name != "areal_tiny.sh"]
+DEVICE_PROBE = """import errno, glob, os
+can = []
+for f in sorted(glob.glob("{dev}/nvidia*"), key=lambda f: int(f.rsplit("nvidia", 1)[1])):
+    try:
+        os.close(os.open(f, os.O_RDWR))
+        can.append(f.rsplit("nvidia", 1)[1])
+    except OSError as exc:      # ENXIO: allowed, no driver behind the placeholder
+        if exc.errno != errno.EPERM:
+            can.append(f.rsplit("nvidia", 1)[1])
+print("task", os.environ["SLURM_PROCID"], "opens", ",".join(can), flush=True)
+"""
 PLACED = re.compile(r"^(?:\d+:)?\s+rank\s+(\d+) (trainer|generator)\s+local (\d+)/(\d+)\s+(?:GPU (\S+) of (\d+)|no GPU)\s+"
                     r"cores unbound, (\d+) allocated \(asked (\d+)\)\s+iface (\S+)", re.M)
 
@@ -384,13 +395,15 @@ def test_gpu_recipe_places_every_rank_on_its_own_gpus_and_cores(slurm_env, jobs,
     """Each GPU recipe's #SBATCH layout (one node per component) through sbatch and the real
     slurm/job.sh --dry-run: every rank reports the GPUs it took, disjoint on every node (1 per
     trainer rank, rollout.engine_tp per generator rank), and the CPUs its component asked for.
-    Trainer tasks are given their node's every GPU (no per-task binding: under ConstrainDevices
-    a task's device cgroup is what it was given, and NCCL needs its TP/DP peers' GPUs for P2P)
-    and each takes its own by local rank; generator tasks are bound to their engine's GPUs. The
-    32B recipe's allocation also runs the placement under a plain `srun --het-group=0,1` (what
-    submitit starts: every task sees the node's 8 GPUs) and under the per-task binding job.sh
-    used before (`--gpus-per-task=1 --gpu-bind=per_task:1` for the trainers), which the dry
-    run flags: each trainer rank was given its own GPU only, its node-mates' hidden.
+    The local cluster constrains devices as GPU sites do (task/cgroup, ConstrainDevices=yes): a
+    task may open only the GPU device files it was given. job.sh binds no task to GPUs: every
+    task is given its node's 8 and takes its own by local rank, so a trainer can open its TP/DP
+    peers' GPUs (NCCL's P2P needs them). The 32B recipe's allocation also shows, with a probe
+    that opens every device file: bound per task (`--gpus-per-task=1 --gpu-bind=per_task:1`,
+    job.sh's binding before) each trainer task opens its own GPU alone (the others: EPERM), given
+    the node's it opens all 8; and runs the placement under a plain `srun --het-group=0,1` (what
+    submitit starts) and under the per-task binding, which it refuses naming why: Slurm numbers
+    every task's one GPU 0 under the device cgroups.
     The MPI world starts under slurm/site_gpu.sh's MPI default as shipped (the MPICH wheel over
     OFI, srun --mpi=pmi2): 8 ranks per node in the 1.5B and 7B layouts, where MPICH's default UCX
     can fail under pmi2, the likelier the busier the box (areal_hpc/launch/mpi_env.py).
@@ -399,7 +412,12 @@ def test_gpu_recipe_places_every_rank_on_its_own_gpus_and_cores(slurm_env, jobs,
     cpt = [int(re.findall(r"--cpus-per-task=(\d+)", script.read_text())[k]) for k in (0, 1)]
     plain = script.name == "areal_32b.sh"
     placement = '"$AREAL_PYTHON" -m mpi4py -m areal_hpc.launch.placement ' + config + ' "${@:2}"'
-    edit = (lambda t: t.replace("exec bash slurm/job.sh",
+    probe = tmp_path / "devices.py"     # which placeholder GPU devices a task may open (EPERM: not)
+    probe.write_text(DEVICE_PROBE.format(dev=Path(slurm_env["SLURM_CONF"]).parent.parent / "dev"))
+    opens = (f'echo "devices: per-task"\nsrun --het-group=0 --gpus-per-task=1 --gpu-bind=per_task:1 '
+             f'"$AREAL_PYTHON" {probe}\necho "devices: job.sh"\nsrun --het-group=0 "$AREAL_PYTHON" {probe}\n'
+             'echo "devices: done"\n')
+    edit = (lambda t: t.replace("exec bash slurm/job.sh", opens +
                                 'srun --het-group=0,1 --mpi=pmi2 --kill-on-bad-exit=1 ' + placement + '\n'
                                 'echo "per-task binding: the placement"\n'
                                 'srun --het-group=0 --mpi=pmi2 --kill-on-bad-exit=1 --gpus-per-task=1 '
@@ -420,31 +438,39 @@ def test_gpu_recipe_places_every_rank_on_its_own_gpus_and_cores(slurm_env, jobs,
         _sh("scancel", "-n", name, env=slurm_env, check=False)
     log = out.read_text(errors="replace") if out.exists() else ""
     assert r.returncode == 0, (r.stderr[-2000:], log[-4000:])
-    assert "each trainer task sees its node's GPUs and takes its own by local rank" in log
+    assert "GPUs: each task sees its node's GPUs and takes its own by local rank" in log
+    if plain:       # the device cgroups (ConstrainDevices=yes): what each trainer task can open
+        per_task, _, rest = log.partition("devices: per-task")[2].partition("devices: job.sh")
+        shared = rest.partition("devices: done")[0]
+        opened = [dict((int(t), g) for t, g in re.findall(r"^task (\d+) opens (\S*)$", part, re.M))
+                  for part in (per_task, shared)]
+        assert opened[0] == {t: str(t) for t in range(8)}, per_task   # its own GPU: peers' EPERM
+        assert opened[1] == {t: "0,1,2,3,4,5,6,7" for t in range(8)}, shared   # every GPU of its node
     if plain:       # the per-task binding: each trainer given its GPU alone, flagged
         before, _, rest = log.partition("per-task binding: the placement")
         bound, _, after = rest.partition("per-task binding: done")
         offered = [(m[1], int(m[5])) for m in PLACED.findall(bound)]
         assert [n for role, n in offered if role == "trainer"] == [1] * 8, bound[-3000:]
-        assert re.search(r"warning: placement: \S+: trainer rank 0 was given GPU 0 only, while "
-                         r"its 7 node-mate\(s\) use 1,2,3,4,5,6,7 \(8 trainer rank\(s\) alike\): "
-                         r"under ConstrainDevices=yes NCCL cannot reach them", bound), bound[-3000:]
-        assert "warning: placement" not in before + after
+        # under the device cgroups every task's one GPU is "0": refused, the renumbering named
+        assert re.search(r"error: placement: node1: GPU 0 is given to rank 0 and rank 1 \(each was "
+                         r"given only its own GPUs: under ConstrainDevices=yes Slurm numbers every "
+                         r"task's GPUs from 0", bound), bound[-3000:]
+        assert "error: placement" not in before + after
         log = before + after
     runs = log.split("dry run: the placement")
     assert len(runs) == 2, log[-3000:]
     assert "MPI: srun --mpi=pmi2; FI_PROVIDER=tcp MPIR_CVAR_CH4_NETMOD=ofi\n" in log, log[-3000:]   # the site file's alone
     srun_line = runs[1].splitlines()[0]
     trainers_opts = srun_line.split(" : ")[0] + " "
-    assert f"--cpus-per-task={cpt[0]} " in trainers_opts and "--gpu" not in trainers_opts, srun_line
-    assert f"--cpus-per-task={cpt[1]} " in srun_line.split(" : ")[1], srun_line
+    assert f"--cpus-per-task={cpt[0]} " in trainers_opts and "--gpu" not in srun_line, srun_line
+    assert f"--cpus-per-task={cpt[1]})" in srun_line.split(" : ")[1], srun_line
     for i, part in enumerate(runs if plain else runs[1:]):
         placed = [(int(rk), role, int(lr), int(ls), g.split(",") if g else [], int(alloc), int(asked), iface)
                   for rk, role, lr, ls, g, of, alloc, asked, iface in PLACED.findall(part)]
         given = {int(rk): int(of) for rk, role, lr, ls, g, of, *_ in PLACED.findall(part) if of}
         n_t = comps[0].ntasks_per_node
         assert all(given[rk] == 8 for rk in range(n_t)), given     # a trainer sees its node's GPUs
-        assert all(given[rk] == engine_tp for rk in given if rk >= n_t), given
+        assert all(given[rk] == 8 for rk in given if rk >= n_t), given    # a generator too
         n_t, n_g = comps[0].ntasks_per_node, comps[1].ntasks_per_node
         assert [p[0] for p in placed] == list(range(n_t + n_g)), part[-3000:]
         assert "GPUs disjoint on every node" in part and "rendezvous: " in part
