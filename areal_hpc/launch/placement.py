@@ -3,11 +3,16 @@
 A trainer rank owns one GPU; a generator rank owns `rollout.engine_tp` GPUs (one vLLM engine, its
 TP workers one GPU each). Slurm tells a task its GPUs through CUDA_VISIBLE_DEVICES, in one of two
 ways, and a rank must be right under both:
-- bound per task (`srun --gpus-per-task=N`, what slurm/job.sh asks for): the list holds exactly
-  this rank's N GPUs;
-- the node's whole list (a plain `srun`, submitit, `mpiexec` inside an allocation, or no Slurm at
-  all): every rank on the node sees every GPU, and a TP = 1 engine or `torch.cuda.set_device(0)`
-  would put every rank on GPU 0. The rank then takes the slice `local_rank * N ... + N` of it.
+- the node's whole list (slurm/job.sh, a plain `srun`, submitit, `mpiexec` inside an allocation,
+  or no Slurm at all): every rank on the node sees every GPU, and a TP = 1 engine or
+  `torch.cuda.set_device(0)` would put every rank on GPU 0. The rank then takes the slice
+  `local_rank * N ... + N` of it;
+- bound per task (`srun --gpus-per-task=N`): the list holds exactly this rank's N GPUs. Under
+  ConstrainDevices=yes (common on GPU sites) the task's device cgroup then holds those alone, so
+  NCCL cannot use P2P/NVLink to its node-mates' GPUs, and Slurm numbers every task's GPUs from 0:
+  the ranks of a node cannot tell theirs apart, and `check` refuses the overlap saying so.
+  slurm/job.sh does not bind per task; `p2p_hidden` warns where a step did (without device
+  cgroups it runs).
 Either way the rank narrows CUDA_VISIBLE_DEVICES to its own GPUs before CUDA starts, so device 0
 is its first GPU for torch and vLLM alike.
 
