@@ -115,7 +115,7 @@ def check_memory_release(report, cuda: bool, gib: float = 8.0, bound_s: float = 
 
 # ---------------------------------------------------------------- 8. weight group, dead member
 
-def _state(cuda: bool, total_mib: int):
+def _state(total_mib: int):
     import torch
     n = 16
     per = max(1, total_mib * 2**20 // 4 // n)
@@ -195,7 +195,7 @@ def check_weight_group(report, cuda: bool, timeout_s: float = 20.0, total_mib: i
     world = 1 + receivers
     if not cuda:
         timeout_s, total_mib, bucket_mib = min(timeout_s, 5.0), 4, 1
-    sd = _state(cuda, total_mib)
+    sd = _state(total_mib)
     plan = _plan(sd, bucket_mib)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:

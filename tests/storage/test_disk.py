@@ -171,7 +171,7 @@ MOUNTINFO = r"""27 1 254:0 / / rw,relatime - ext4 /dev/vda rw,discard
 122 27 0:54 / /proj rw,relatime shared:62 master:3 - lustre 10.0.0.1@tcp:/proj rw,lazystatfs
 123 27 0:55 / /noflock rw,relatime - lustre mgs@tcp:/nf rw,noflock
 130 27 0:60 / /nfs3 rw,relatime shared:70 - nfs fs1:/export rw,vers=3,hard,nolock,proto=tcp,local_lock=all,addr=10.0.0.2
-131 27 0:61 / /home rw,relatime shared:71 - nfs4 fs2:/home rw,vers=4.2,hard,proto=tcp,local_lock=none,addr=10.0.0.2
+131 27 0:61 / /shared rw,relatime shared:71 - nfs4 fs2:/export rw,vers=4.2,hard,proto=tcp,local_lock=none,addr=10.0.0.2
 140 27 8:17 / /scratch rw,noatime shared:80 - xfs /dev/sdb1 rw,attr2,inode64,noquota
 150 27 0:70 / /gpfs/fs1 rw,relatime shared:90 - gpfs fs1 rw
 160 27 0:23 / /dev/shm rw,nosuid,nodev - tmpfs tmpfs rw,size=24683772k
@@ -189,7 +189,7 @@ not a mountinfo line
     ("/proj/u/runs/x", "lustre", True, True, "Lustre without flock"),
     ("/noflock", "lustre", True, True, "Lustre without flock"),
     ("/nfs3/runs", "nfs", True, False, "NFS (local_lock=all, nolock)"),
-    ("/home/u/runs", "nfs4", True, False, "reading the rollout log while the job writes it is not reliable"),
+    ("/shared/runs", "nfs4", True, False, "reading the rollout log while the job writes it is not reliable"),
     ("/scratch/r", "xfs", False, True, "a local file system"),
     ("/gpfs/fs1/u", "gpfs", False, True, "GPFS"),
     ("/dev/shm/x", "tmpfs", False, True, "a local file system"),
